@@ -1,0 +1,261 @@
+#include "checks.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+namespace paged {
+
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+                const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == rank, op, ": argument '", name, "' must be ", rank, "-D ", layout,
+                    ", got shape ", t.sizes());
+}
+
+void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
+  TORCH_CHECK_TYPE(t.scalar_type() == want, op, ": argument '", name, "' must have dtype ", want,
+                   ", got ", t.scalar_type());
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                       const at::Tensor& reference) {
+  TORCH_CHECK_VALUE(t.device() == reference.device(), op, ": argument '", name,
+                    "' must be on the same device as 'query' (", reference.device(), "), got ",
+                    t.device());
+}
+
+int32_t read_i32(const at::Tensor& t, int64_t i) { return t.data_ptr<int32_t>()[i * t.stride(0)]; }
+
+}  // namespace
+
+void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
+  check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]");
+  TORCH_CHECK_TYPE(is_supported_float(cache.scalar_type()), op, ": argument '", name,
+                   "' must be float32, float16 or bfloat16, got ", cache.scalar_type());
+  TORCH_CHECK_VALUE(cache.is_contiguous(), op, ": argument '", name,
+                    "' must be contiguous (HND layout), got strides ", cache.strides());
+}
+
+AttentionShape check_attention_args(const char* op, const at::Tensor& query,
+                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    double scale, const std::optional<at::Tensor>& query_start_loc,
+                                    const std::optional<at::Tensor>& alibi_slopes,
+                                    int64_t sliding_window, double soft_cap,
+                                    const at::Tensor* out, const at::Tensor* lse) {
+  check_rank(op, "query", query, 3, "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK_TYPE(is_supported_float(query.scalar_type()), op,
+                   ": argument 'query' must be float32, float16 or bfloat16, got ",
+                   query.scalar_type());
+  check_cache_tensor(op, "key_cache", key_cache);
+  check_cache_tensor(op, "value_cache", value_cache);
+  check_dtype(op, "key_cache", key_cache, query.scalar_type());
+  check_dtype(op, "value_cache", value_cache, query.scalar_type());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op,
+                    ": argument 'value_cache' must have the shape of 'key_cache' ",
+                    key_cache.sizes(), ", got ", value_cache.sizes());
+  check_same_device(op, "key_cache", key_cache, query);
+  check_same_device(op, "value_cache", value_cache, query);
+
+  AttentionShape s{};
+  s.num_tokens = query.size(0);
+  s.num_heads = query.size(1);
+  s.head_size = query.size(2);
+  s.num_blocks = key_cache.size(0);
+  s.num_kv_heads = key_cache.size(1);
+  s.block_size = key_cache.size(2);
+
+  TORCH_CHECK_VALUE(key_cache.size(3) == s.head_size, op, ": argument 'key_cache' has head_size ",
+                    key_cache.size(3), " but 'query' has head_size ", s.head_size);
+  TORCH_CHECK_VALUE(s.head_size > 0 && s.head_size % 8 == 0 && s.head_size <= kMaxSupportedHeadSize,
+                    op, ": argument 'query' has head_size ", s.head_size,
+                    "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
+  TORCH_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
+  TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
+                    ": num_heads of 'query' (", s.num_heads,
+                    ") must be a multiple of num_kv_heads of 'key_cache' (", s.num_kv_heads, ")");
+  TORCH_CHECK_VALUE(query.stride(2) == 1 || s.head_size == 1, op,
+                    ": argument 'query' must be contiguous in its last dimension, got strides ",
+                    query.strides());
+
+  check_rank(op, "seq_lens", seq_lens, 1, "[num_seqs]");
+  check_dtype(op, "seq_lens", seq_lens, at::kInt);
+  check_same_device(op, "seq_lens", seq_lens, query);
+  s.num_seqs = seq_lens.size(0);
+
+  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  check_dtype(op, "block_tables", block_tables, at::kInt);
+  check_same_device(op, "block_tables", block_tables, query);
+  TORCH_CHECK_VALUE(block_tables.size(0) == s.num_seqs, op, ": argument 'block_tables' has ",
+                    block_tables.size(0), " rows but 'seq_lens' has ", s.num_seqs, " sequences");
+  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, op,
+                    ": argument 'block_tables' must be contiguous in its last dimension");
+  s.max_blocks_per_seq = block_tables.size(1);
+
+  if (query_start_loc.has_value()) {
+    const at::Tensor& qsl = *query_start_loc;
+    check_rank(op, "query_start_loc", qsl, 1, "[num_seqs + 1]");
+    check_dtype(op, "query_start_loc", qsl, at::kInt);
+    check_same_device(op, "query_start_loc", qsl, query);
+    TORCH_CHECK_VALUE(qsl.size(0) == s.num_seqs + 1, op,
+                      ": argument 'query_start_loc' must have num_seqs + 1 = ", s.num_seqs + 1,
+                      " entries, got ", qsl.size(0));
+  } else {
+    TORCH_CHECK_VALUE(s.num_tokens == s.num_seqs, op,
+                      ": without 'query_start_loc' (decode) 'query' must have one row per "
+                      "sequence: got ", s.num_tokens, " rows for ", s.num_seqs, " sequences");
+  }
+
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    check_rank(op, "alibi_slopes", slopes, 1, "[num_heads]");
+    check_dtype(op, "alibi_slopes", slopes, at::kFloat);
+    check_same_device(op, "alibi_slopes", slopes, query);
+    TORCH_CHECK_VALUE(slopes.size(0) == s.num_heads, op, ": argument 'alibi_slopes' must have ",
+                      s.num_heads, " entries (num_heads), got ", slopes.size(0));
+  }
+
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": argument 'scale' must be finite, got ", scale);
+  TORCH_CHECK_VALUE(std::isfinite(soft_cap) && soft_cap >= 0.0, op,
+                    ": argument 'soft_cap' must be >= 0 (0 disables it), got ", soft_cap);
+  TORCH_CHECK_VALUE(sliding_window >= -1 && sliding_window <= INT32_MAX, op,
+                    ": argument 'sliding_window' must be -1 (disabled) or a window length, got ",
+                    sliding_window);
+
+  if (out != nullptr) {
+    TORCH_CHECK_VALUE(out->sizes() == query.sizes(), op, ": argument 'out' must have the shape of ",
+                      "'query' ", query.sizes(), ", got ", out->sizes());
+    check_dtype(op, "out", *out, query.scalar_type());
+    check_same_device(op, "out", *out, query);
+    TORCH_CHECK_VALUE(out->stride(2) == 1, op,
+                      ": argument 'out' must be contiguous in its last dimension");
+  }
+  if (lse != nullptr) {
+    check_rank(op, "lse", *lse, 2, "[num_tokens, num_heads]");
+    TORCH_CHECK_VALUE(lse->size(0) == s.num_tokens && lse->size(1) == s.num_heads, op,
+                      ": argument 'lse' must have shape [", s.num_tokens, ", ", s.num_heads,
+                      "], got ", lse->sizes());
+    check_dtype(op, "lse", *lse, at::kFloat);
+    check_same_device(op, "lse", *lse, query);
+    TORCH_CHECK_VALUE(lse->stride(1) == 1, op, ": argument 'lse' must be contiguous in its last dimension");
+  }
+  TORCH_CHECK_VALUE(s.num_tokens <= INT32_MAX && s.max_blocks_per_seq * s.block_size <= INT32_MAX,
+                    op, ": more tokens than int32 positions can address");
+  return s;
+}
+
+void check_attention_metadata(const char* op, const AttentionShape& s,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const std::optional<at::Tensor>& query_start_loc) {
+  const int64_t capacity = s.max_blocks_per_seq * s.block_size;
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+  const int64_t row_stride = block_tables.stride(0);
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int32_t len = read_i32(seq_lens, i);
+    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, op, ": seq_lens[", i, "] = ", len,
+                      " is outside [0, ", capacity, "], the tokens its block_tables row covers (",
+                      s.max_blocks_per_seq, " blocks of ", s.block_size, ")");
+    const int64_t used_blocks = (len + s.block_size - 1) / s.block_size;
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = table[i * row_stride + b];
+      TORCH_CHECK_INDEX(block >= 0 && block < s.num_blocks, op, ": block_tables[", i, ", ", b,
+                        "] = ", block, " is not a block of the cache (num_blocks = ",
+                        s.num_blocks, ")");
+    }
+  }
+  if (!query_start_loc.has_value()) return;
+  const at::Tensor& qsl = *query_start_loc;
+  TORCH_CHECK_VALUE(read_i32(qsl, 0) == 0, op, ": query_start_loc[0] must be 0, got ",
+                    read_i32(qsl, 0));
+  TORCH_CHECK_VALUE(read_i32(qsl, s.num_seqs) == s.num_tokens, op, ": query_start_loc[-1] = ",
+                    read_i32(qsl, s.num_seqs), " must equal num_tokens of 'query' (",
+                    s.num_tokens, ")");
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t q_len = int64_t(read_i32(qsl, i + 1)) - read_i32(qsl, i);
+    TORCH_CHECK_VALUE(q_len >= 0, op, ": query_start_loc must be non-decreasing; entry ", i + 1,
+                      " is below entry ", i);
+    TORCH_CHECK_VALUE(q_len <= read_i32(seq_lens, i), op, ": sequence ", i, " has ", q_len,
+                      " query tokens in query_start_loc but seq_lens[", i, "] = ",
+                      read_i32(seq_lens, i), " (queries are the last q_len tokens of the sequence)");
+  }
+}
+
+void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& slot_mapping) {
+  const char* op = "paged.write_kv";
+  check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
+  check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size]");
+  check_cache_tensor(op, "key_cache", key_cache);
+  check_cache_tensor(op, "value_cache", value_cache);
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op,
+                    ": argument 'value_cache' must have the shape of 'key_cache' ",
+                    key_cache.sizes(), ", got ", value_cache.sizes());
+  check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
+  check_dtype(op, "key", key, key_cache.scalar_type());
+  check_dtype(op, "value", value, key_cache.scalar_type());
+  const auto want = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
+  TORCH_CHECK_VALUE(key.sizes() == at::IntArrayRef(want), op,
+                    ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
+                    ", head_size=", key_cache.size(3), "], got ", key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": argument 'value' must have the shape of ",
+                    "'key' ", key.sizes(), ", got ", value.sizes());
+  TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
+                    ": arguments 'key' and 'value' must be contiguous in their last dimension");
+  check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
+  check_dtype(op, "slot_mapping", slot_mapping, at::kLong);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": argument 'slot_mapping' has ",
+                    slot_mapping.size(0), " entries but 'key' has ", key.size(0), " tokens");
+  for (const auto* t : {&value, &key_cache, &value_cache, &slot_mapping}) {
+    TORCH_CHECK_VALUE(t->device() == key.device(), op,
+                      ": all arguments must be on the device of 'key' (", key.device(), ")");
+  }
+}
+
+void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t stride = slot_mapping.stride(0);
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    const int64_t slot = slots[i * stride];
+    TORCH_CHECK_INDEX(slot < num_slots, "paged.write_kv: slot_mapping[", i, "] = ", slot,
+                      " is outside the cache (num_blocks * block_size = ", num_slots, ")");
+  }
+}
+
+void check_block_mapping(const char* op, const at::Tensor& block_mapping) {
+  TORCH_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
+                    ": argument 'block_mapping' must be [num_pairs, 2] (src, dst), got shape ",
+                    block_mapping.sizes());
+  check_dtype(op, "block_mapping", block_mapping, at::kLong);
+}
+
+void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
+                                int64_t num_src_blocks, int64_t num_dst_blocks, bool same_pool) {
+  const at::Tensor pairs = block_mapping.contiguous();
+  const int64_t* p = pairs.data_ptr<int64_t>();
+  std::vector<char> written(num_dst_blocks, 0);
+  for (int64_t i = 0; i < pairs.size(0); ++i) {
+    const int64_t src = p[2 * i], dst = p[2 * i + 1];
+    TORCH_CHECK_INDEX(src >= 0 && src < num_src_blocks, op, ": block_mapping[", i, ", 0] = ", src,
+                      " is not a source block (num_blocks = ", num_src_blocks, ")");
+    TORCH_CHECK_INDEX(dst >= 0 && dst < num_dst_blocks, op, ": block_mapping[", i, ", 1] = ", dst,
+                      " is not a destination block (num_blocks = ", num_dst_blocks, ")");
+    TORCH_CHECK_VALUE(!written[dst], op, ": block_mapping writes destination block ", dst,
+                      " more than once");
+    written[dst] = 1;
+  }
+  if (!same_pool) return;
+  for (int64_t i = 0; i < pairs.size(0); ++i) {
+    TORCH_CHECK_VALUE(!written[p[2 * i]], op, ": block_mapping reads block ", p[2 * i],
+                      " which it also writes; the result would depend on the copy order");
+  }
+}
+
+}  // namespace paged

@@ -1,0 +1,62 @@
+// Argument validation shared by every backend. Errors name the op and the
+// argument and map to Python exceptions: ValueError for shapes and values,
+// TypeError for dtypes, IndexError for ids out of range.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace paged {
+
+struct AttentionShape {
+  int64_t num_tokens;
+  int64_t num_heads;
+  int64_t head_size;
+  int64_t num_blocks;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  int64_t num_seqs;
+  int64_t max_blocks_per_seq;
+};
+
+constexpr int64_t kMaxSupportedHeadSize = 256;
+
+// Shapes, dtypes, devices and layouts of paged.attention's arguments (and of
+// the caller's `out` / `lse` buffers when given). Reads no tensor data.
+AttentionShape check_attention_args(const char* op, const at::Tensor& query,
+                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    double scale, const std::optional<at::Tensor>& query_start_loc,
+                                    const std::optional<at::Tensor>& alibi_slopes,
+                                    int64_t sliding_window, double soft_cap,
+                                    const at::Tensor* out, const at::Tensor* lse);
+
+// Data-dependent checks on host-resident int32 metadata: seq_lens within what
+// the block table covers, used block ids within the pool, query_start_loc
+// consistent with num_tokens and seq_lens.
+void check_attention_metadata(const char* op, const AttentionShape& shape,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const std::optional<at::Tensor>& query_start_loc);
+
+// key/value [num_tokens, num_kv_heads, head_size] against the caches.
+void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& slot_mapping);
+
+// Every slot is padding (< 0) or inside the pool.
+void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots);
+
+// An int64 [num_pairs, 2] mapping on the CPU (shape and dtype only).
+void check_block_mapping(const char* op, const at::Tensor& block_mapping);
+
+// Every pair in range, no destination written twice, no block both read and
+// written (the result would depend on the copy order).
+void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
+                                int64_t num_src_blocks, int64_t num_dst_blocks,
+                                bool same_pool);
+
+void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
+
+}  // namespace paged

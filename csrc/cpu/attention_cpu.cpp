@@ -1,0 +1,283 @@
+// CPU implementation of paged.attention / attention_with_lse / attention_out:
+// validates, splits the call into work items, runs the ISA kernel on them in
+// parallel, and merges split-KV partitions into the caller's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+#include "attention_params.h"
+#include "cpu_features.h"
+
+namespace paged::cpu {
+namespace {
+
+// Split a query tile's keys only into partitions at least this long.
+constexpr int64_t kMinPartitionTokens = 256;
+// Aim for this many work items per thread so dynamic scheduling balances.
+constexpr int64_t kItemsPerThread = 4;
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat32;
+  }
+}
+
+struct Plan {
+  std::vector<WorkItem> items;
+  std::vector<int32_t> parts_of_token;  // partitions that hold each query row's result
+  int32_t max_parts = 1;
+  int max_queries_per_item = 1;
+};
+
+struct QueryTile {
+  int32_t seq, row_begin, row_end, first_pos, kv_begin, kv_end;
+};
+
+Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
+               const std::optional<at::Tensor>& query_start_loc, int64_t sliding_window,
+               int num_threads) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t lens_stride = seq_lens.stride(0);
+
+  std::vector<QueryTile> tiles;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int32_t kv_len = lens[i * lens_stride];
+    int32_t q_begin = int32_t(i), q_len = 1;
+    if (query_start_loc.has_value()) {
+      const at::Tensor& qsl = *query_start_loc;
+      const int32_t* starts = qsl.data_ptr<int32_t>();
+      q_begin = starts[i * qsl.stride(0)];
+      q_len = starts[(i + 1) * qsl.stride(0)] - q_begin;
+    }
+    for (int32_t r0 = 0; r0 < q_len; r0 += int32_t(rows_per_tile)) {
+      const int32_t r1 = int32_t(std::min<int64_t>(q_len, r0 + rows_per_tile));
+      // Decode rows of padded sequences (kv_len 0) sit at position -1 and see nothing.
+      const int32_t first_pos = kv_len - q_len + r0;
+      const int32_t last_pos = kv_len - q_len + r1 - 1;
+      int32_t kv_begin = 0;
+      if (sliding_window > 0) kv_begin = std::max<int32_t>(0, first_pos - int32_t(sliding_window) + 1);
+      const int32_t kv_end = std::max<int32_t>(kv_begin, last_pos + 1);
+      tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, first_pos, kv_begin, kv_end});
+      longest = std::max<int64_t>(longest, kv_end - kv_begin);
+    }
+  }
+
+  const int64_t base_items = int64_t(tiles.size()) * s.num_kv_heads;
+  int64_t parts = 1;
+  if (base_items > 0 && base_items < kItemsPerThread * num_threads) {
+    parts = (kItemsPerThread * num_threads + base_items - 1) / base_items;
+    parts = std::min(parts, std::max<int64_t>(1, longest / kMinPartitionTokens));
+  }
+
+  Plan plan;
+  plan.parts_of_token.assign(s.num_tokens, 1);
+  plan.items.reserve(base_items * parts);
+  for (const QueryTile& t : tiles) {
+    const int64_t range = t.kv_end - t.kv_begin;
+    const int64_t n = std::max<int64_t>(1, std::min(parts, range / kMinPartitionTokens));
+    // Partition boundaries on 16-token multiples keep chunks block-aligned.
+    const int64_t step = ((range + n - 1) / n + 15) / 16 * 16;
+    int32_t used = 0;
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t b = t.kv_begin + p * step;
+      if (p > 0 && b >= t.kv_end) break;
+      const int32_t e = int32_t(std::min<int64_t>(t.kv_end, b + step));
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        plan.items.push_back({t.seq, int32_t(h), t.row_begin, t.row_end, t.first_pos, int32_t(b), e,
+                              int32_t(p)});
+      }
+      ++used;
+    }
+    for (int32_t r = t.row_begin; r < t.row_end; ++r) plan.parts_of_token[r] = used;
+    plan.max_parts = std::max(plan.max_parts, used);
+    plan.max_queries_per_item =
+        std::max<int>(plan.max_queries_per_item, int((t.row_end - t.row_begin) * group));
+  }
+  // Longest ranges first so the dynamic schedule ends evenly.
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return int64_t(a.kv_end - a.kv_begin) * (a.row_end - a.row_begin) >
+           int64_t(b.kv_end - b.kv_begin) * (b.row_end - b.row_begin);
+  });
+  return plan;
+}
+
+void run_items(const AttentionParams& params, const Plan& plan, int head_size, int num_threads) {
+  const AttentionKernelFn kernel = attention_kernel_for(params.kind);
+  const int64_t padded_head = (head_size + 15) / 16 * 16;
+  const int64_t workspace_floats = kernel_workspace_floats(int(padded_head), plan.max_queries_per_item);
+  const int64_t n = int64_t(plan.items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    // Grows once per thread; later calls reuse it (no allocation in the hot path).
+    thread_local std::vector<float> workspace;
+    if (int64_t(workspace.size()) < workspace_floats) workspace.resize(workspace_floats);
+    kernel(params, plan.items[i], workspace.data());
+  }
+}
+
+// Merge the fp32 partition results of each (token, head) into out / lse.
+template <typename scalar_t>
+void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, const Plan& plan,
+                      at::Tensor& out, float* lse, int64_t lse_token_stride) {
+  const int64_t num_tokens = out.size(0), num_heads = out.size(1), hs = out.size(2);
+  const float* po = part_out.data_ptr<float>();
+  const float* pl = part_lse.data_ptr<float>();
+  const int64_t part_stride_o = num_tokens * num_heads * hs, part_stride_l = num_tokens * num_heads;
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t ots = out.stride(0), ohs = out.stride(1);
+  at::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(plan.max_parts);
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t t = th / num_heads, h = th % num_heads;
+      const int parts = plan.parts_of_token[t];
+      float best = -std::numeric_limits<float>::infinity();
+      for (int p = 0; p < parts; ++p) best = std::max(best, pl[p * part_stride_l + th]);
+      scalar_t* dst = o + t * ots + h * ohs;
+      if (best == -std::numeric_limits<float>::infinity()) {
+        for (int64_t d = 0; d < hs; ++d) dst[d] = scalar_t(0.0f);
+        if (lse) lse[t * lse_token_stride + h] = best;
+        continue;
+      }
+      float total = 0.0f;
+      for (int p = 0; p < parts; ++p) {
+        weights[p] = std::exp(pl[p * part_stride_l + th] - best);
+        total += weights[p];
+      }
+      for (int64_t d = 0; d < hs; ++d) {
+        float v = 0.0f;
+        for (int p = 0; p < parts; ++p) {
+          if (weights[p] != 0.0f) v += weights[p] * po[p * part_stride_o + th * hs + d];
+        }
+        dst[d] = scalar_t(v / total);
+      }
+      if (lse) lse[t * lse_token_stride + h] = best + std::log(total);
+    }
+  });
+}
+
+void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
+                    const at::Tensor& query_in, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, double scale,
+                    const std::optional<at::Tensor>& query_start_loc,
+                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                    double soft_cap) {
+  const AttentionShape s = check_attention_args(op, query_in, key_cache, value_cache, block_tables,
+                                                seq_lens, scale, query_start_loc, alibi_slopes,
+                                                sliding_window, soft_cap, &out,
+                                                lse.has_value() ? &*lse : nullptr);
+  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
+  if (s.num_tokens == 0) return;
+
+  const at::Tensor query = query_in;
+  const std::optional<at::Tensor> slopes =
+      alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
+  const int num_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, num_threads);
+
+  AttentionParams p{};
+  p.kind = scalar_kind(query.scalar_type());
+  p.query = query.data_ptr();
+  p.query_token_stride = query.stride(0);
+  p.query_head_stride = query.stride(1);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
+  p.num_heads = int(s.num_heads);
+  p.num_kv_heads = int(s.num_kv_heads);
+  p.head_size = int(s.head_size);
+  p.block_size = int(s.block_size);
+  p.scale = float(scale);
+  p.soft_cap = float(soft_cap);
+  p.sliding_window = int(sliding_window);
+
+  // Results go straight into `out` when no merge or dtype conversion is needed.
+  const bool direct = plan.max_parts == 1 && out.scalar_type() == at::kFloat;
+  at::Tensor part_out, part_lse;
+  if (direct) {
+    p.out = out.data_ptr<float>();
+    p.out_token_stride = out.stride(0);
+    p.out_head_stride = out.stride(1);
+    p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+    p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
+  } else {
+    const auto f32 = query.options().dtype(at::kFloat);
+    part_out = at::empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size}, f32);
+    part_lse = at::empty({plan.max_parts, s.num_tokens, s.num_heads}, f32);
+    p.out = part_out.data_ptr<float>();
+    p.out_part_stride = s.num_tokens * s.num_heads * s.head_size;
+    p.out_token_stride = s.num_heads * s.head_size;
+    p.out_head_stride = s.head_size;
+    p.lse = part_lse.data_ptr<float>();
+    p.lse_part_stride = s.num_tokens * s.num_heads;
+    p.lse_token_stride = s.num_heads;
+  }
+  run_items(p, plan, int(s.head_size), num_threads);
+  if (direct) return;
+
+  float* lse_ptr = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  const int64_t lse_stride = lse.has_value() ? lse->stride(0) : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "paged_merge", [&] {
+    merge_partitions<scalar_t>(part_out, part_lse, plan, out, lse_ptr, lse_stride);
+  });
+}
+
+at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, double scale,
+                         const std::optional<at::Tensor>& query_start_loc,
+                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                         double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  attention_into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_lse_cpu(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+    const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window, double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  std::optional<at::Tensor> lse;
+  if (query.dim() == 3) lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
+  attention_into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return {out, *lse};
+}
+
+void attention_out_cpu(at::Tensor& out, const std::optional<at::Tensor>& lse,
+                       const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, double scale,
+                       const std::optional<at::Tensor>& query_start_loc,
+                       const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                       double soft_cap) {
+  attention_into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(paged, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_with_lse", &attention_with_lse_cpu);
+  m.impl("attention_out", &attention_out_cpu);
+}
+
+}  // namespace paged::cpu

@@ -1,0 +1,327 @@
+// The CPU paged-attention kernel for one work item, written once with GCC vector
+// extensions and compiled once per instruction set (see isa_*.cpp).
+//
+// Textually included inside an ISA namespace, after <cmath>, <cstdint>,
+// <cstring>, <immintrin.h> and attention_params.h, with these macros set:
+//   PAGED_VEC_WIDTH   fp32 lanes per vector (16, 8)
+//   PAGED_ISA_AVX512  1 when AVX-512F intrinsics may be used
+//   PAGED_ISA_F16C    1 when F16C intrinsics may be used
+//
+// Algorithm (flash-decoding style, one KV head at a time):
+//   all query vectors of the item (rows x GQA heads) are held in fp32; keys are
+//   taken kKeyChunk at a time through the block table, converted once to fp32
+//   and reused by every query head of the group; an online softmax keeps the
+//   running max / sum per query so each K and V byte is read exactly once.
+
+constexpr int VW = PAGED_VEC_WIDTH;
+typedef float vfloat __attribute__((vector_size(VW * 4)));
+typedef int32_t vint __attribute__((vector_size(VW * 4)));
+typedef uint32_t vuint __attribute__((vector_size(VW * 4)));
+typedef uint16_t vhalfword __attribute__((vector_size(VW * 2)));
+
+struct Bf16 { uint16_t bits; };
+struct Fp16 { uint16_t bits; };
+
+static inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+static inline vfloat splat(float x) { return vfloat{} + x; }
+
+static inline float hsum(vfloat v) {
+#if PAGED_VEC_WIDTH == 16
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  a += b;
+#else
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 a = v;
+#endif
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c += __builtin_shufflevector(c, c, 2, 3, 0, 1);
+  c += __builtin_shufflevector(c, c, 1, 0, 3, 2);
+  return c[0];
+}
+
+// ---- scalar conversions (tails and the generic fp16 path) -------------------
+static inline float to_float(float x) { return x; }
+static inline float to_float(Bf16 x) {
+  uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+static inline float to_float(Fp16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1f;
+  uint32_t mantissa = x.bits & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: renormalise
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400) == 0);
+    bits = sign | uint32_t(112 - e) << 23 | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- vector conversions: VW elements of the cache type -> VW floats ---------
+static inline vfloat load_as_float(const float* p) { return load(p); }
+static inline vfloat load_as_float(const Bf16* p) {
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  vuint w = __builtin_convertvector(h, vuint) << 16;
+  return (vfloat)w;
+}
+static inline vfloat load_as_float(const Fp16* p) {
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  return (vfloat)_mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vfloat v;
+  for (int i = 0; i < VW; ++i) v[i] = to_float(p[i]);
+  return v;
+#endif
+}
+
+// Converts head_size elements into dst (the padded tail of dst is untouched).
+template <typename T>
+static inline void row_to_float(const T* src, float* dst, int head_size) {
+  int d = 0;
+  for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
+  for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+}
+
+// exp(x) for a vector; exact 0 for x below the float range (so -inf -> 0).
+static inline vfloat vexp(vfloat x) {
+  const vfloat lo = splat(-87.33654f);
+  const vfloat xc = x < lo ? lo : (x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x);
+  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest
+  const vfloat n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  vfloat r = xc - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const vfloat y = p * r * r + r + splat(1.0f);
+  const vint e = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vfloat result = y * (vfloat)e;
+  return x < lo ? vfloat{} : result;
+}
+
+// Dot products of one query with 4 consecutive keys (padded rows of hsp floats).
+static inline void dot4(const float* q, const float* k, int hsp, float* out) {
+  vfloat a0{}, a1{}, a2{}, a3{};
+  for (int d = 0; d < hsp; d += VW) {
+    const vfloat qv = load(q + d);
+    a0 += qv * load(k + d);
+    a1 += qv * load(k + hsp + d);
+    a2 += qv * load(k + 2 * hsp + d);
+    a3 += qv * load(k + 3 * hsp + d);
+  }
+  out[0] = hsum(a0);
+  out[1] = hsum(a1);
+  out[2] = hsum(a2);
+  out[3] = hsum(a3);
+}
+
+static inline float dot1(const float* q, const float* k, int hsp) {
+  vfloat a{};
+  for (int d = 0; d < hsp; d += VW) a += load(q + d) * load(k + d);
+  return hsum(a);
+}
+
+// acc[0:hsp] += sum_t p[t] * v[t][0:hsp], four accumulator vectors at a time.
+static inline void accumulate_values(float* acc, const float* p, const float* v, int n, int hsp) {
+  int d = 0;
+  for (; d + 4 * VW <= hsp; d += 4 * VW) {
+    vfloat a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
+           a3 = load(acc + d + 3 * VW);
+    for (int t = 0; t < n; ++t) {
+      if (p[t] == 0.0f) continue;
+      const vfloat pt = splat(p[t]);
+      const float* vr = v + int64_t(t) * hsp + d;
+      a0 += pt * load(vr);
+      a1 += pt * load(vr + VW);
+      a2 += pt * load(vr + 2 * VW);
+      a3 += pt * load(vr + 3 * VW);
+    }
+    store(acc + d, a0);
+    store(acc + d + VW, a1);
+    store(acc + d + 2 * VW, a2);
+    store(acc + d + 3 * VW, a3);
+  }
+  for (; d < hsp; d += VW) {
+    vfloat a = load(acc + d);
+    for (int t = 0; t < n; ++t) {
+      if (p[t] == 0.0f) continue;
+      a += splat(p[t]) * load(v + int64_t(t) * hsp + d);
+    }
+    store(acc + d, a);
+  }
+}
+
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+}
+
+template <typename T>
+void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  const int hs = P.head_size;
+  const int hsp = (hs + VW - 1) / VW * VW;
+  const int group = P.num_heads / P.num_kv_heads;
+  const int num_rows = w.row_end - w.row_begin;
+  const int num_queries = num_rows * group;
+  constexpr int CH = kKeyChunk;
+
+  float* q_f = ws;
+  float* acc = q_f + int64_t(num_queries) * hsp;
+  float* scores = acc + int64_t(num_queries) * hsp;
+  float* run_max = scores + int64_t(num_queries) * CH;
+  float* run_sum = run_max + num_queries;
+  float* k_f = run_sum + num_queries;
+  float* v_f = k_f + int64_t(CH) * hsp;
+
+  // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter.
+  const T* query = static_cast<const T*>(P.query);
+  for (int r = 0; r < num_rows; ++r) {
+    for (int g = 0; g < group; ++g) {
+      const int m = r * group + g;
+      const int head = w.kv_head * group + g;
+      float* qm = q_f + int64_t(m) * hsp;
+      std::memset(qm, 0, sizeof(float) * hsp);
+      row_to_float(query + (w.row_begin + r) * P.query_token_stride + head * P.query_head_stride, qm,
+                   hs);
+      for (int d = 0; d < hs; ++d) qm[d] *= P.scale;
+    }
+  }
+  std::memset(acc, 0, sizeof(float) * num_queries * hsp);
+  for (int m = 0; m < num_queries; ++m) {
+    run_max[m] = -__builtin_inff();
+    run_sum[m] = 0.0f;
+  }
+  if (hsp != hs) {  // padded lanes of the key/value chunks must be finite zeros
+    std::memset(k_f, 0, sizeof(float) * CH * hsp);
+    std::memset(v_f, 0, sizeof(float) * CH * hsp);
+  }
+
+  const T* key_cache = static_cast<const T*>(P.key_cache);
+  const T* value_cache = static_cast<const T*>(P.value_cache);
+  const int bs = P.block_size;
+  const int64_t head_stride = int64_t(bs) * hs;
+  const int64_t block_stride = int64_t(P.num_kv_heads) * head_stride;
+  const int64_t kv_head_offset = int64_t(w.kv_head) * head_stride;
+  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
+  const int row_bytes = hs * int(sizeof(T));
+  const bool soft_cap = P.soft_cap > 0.0f;
+  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+
+  for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += CH) {
+    const int n = (w.kv_end - j0) < CH ? (w.kv_end - j0) : CH;
+    // Gather this chunk's rows through the block table; prefetch the next chunk.
+    for (int t = 0; t < n; ++t) {
+      const int j = j0 + t;
+      const int logical = j / bs;
+      const int64_t offset = int64_t(table[logical]) * block_stride + kv_head_offset +
+                             int64_t(j - logical * bs) * hs;
+      row_to_float(key_cache + offset, k_f + int64_t(t) * hsp, hs);
+      row_to_float(value_cache + offset, v_f + int64_t(t) * hsp, hs);
+      const int jn = j + CH;
+      if (jn < w.kv_end) {
+        const int ln = jn / bs;
+        const int64_t off_n = int64_t(table[ln]) * block_stride + kv_head_offset +
+                              int64_t(jn - ln * bs) * hs;
+        prefetch_row(key_cache + off_n, row_bytes);
+        prefetch_row(value_cache + off_n, row_bytes);
+      }
+    }
+
+    for (int m = 0; m < num_queries; ++m) {
+      const float* qm = q_f + int64_t(m) * hsp;
+      float* s = scores + int64_t(m) * CH;
+      int t = 0;
+      for (; t + 4 <= n; t += 4) dot4(qm, k_f + int64_t(t) * hsp, hsp, s + t);
+      for (; t < n; ++t) s[t] = dot1(qm, k_f + int64_t(t) * hsp, hsp);
+
+      // Score modifiers and masks, then the online-softmax update.
+      const int head = w.kv_head * group + m % group;
+      const int pos = w.first_pos + m / group;
+      const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
+      float chunk_max = -__builtin_inff();
+      for (t = 0; t < n; ++t) {
+        const int j = j0 + t;
+        float x = s[t];
+        if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
+        if (P.alibi_slopes) x += slope * float(j - pos);
+        const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
+        x = visible ? x : -__builtin_inff();
+        s[t] = x;
+        chunk_max = x > chunk_max ? x : chunk_max;
+      }
+      if (chunk_max == -__builtin_inff()) continue;  // nothing visible in this chunk
+      for (; t < CH; ++t) s[t] = -__builtin_inff();
+
+      const float new_max = chunk_max > run_max[m] ? chunk_max : run_max[m];
+      const vfloat shift = splat(new_max);
+      vfloat total{};
+      for (t = 0; t < CH; t += VW) {
+        const vfloat p = vexp(load(s + t) - shift);
+        store(s + t, p);
+        total += p;
+      }
+      float* am = acc + int64_t(m) * hsp;
+      if (new_max != run_max[m]) {
+        const float alpha = std::exp(run_max[m] - new_max);
+        run_sum[m] *= alpha;
+        const vfloat av = splat(alpha);
+        for (int d = 0; d < hsp; d += VW) store(am + d, load(am + d) * av);
+        run_max[m] = new_max;
+      }
+      run_sum[m] += hsum(total);
+      accumulate_values(am, s, v_f, n, hsp);
+    }
+  }
+
+  for (int m = 0; m < num_queries; ++m) {
+    const int token = w.row_begin + m / group;
+    const int head = w.kv_head * group + m % group;
+    float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
+               head * P.out_head_stride;
+    const float* am = acc + int64_t(m) * hsp;
+    const bool any = run_sum[m] > 0.0f;
+    const float inv = any ? 1.0f / run_sum[m] : 0.0f;
+    for (int d = 0; d < hs; ++d) o[d] = am[d] * inv;
+    if (P.lse) {
+      P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
+          any ? run_max[m] + std::log(run_sum[m]) : -__builtin_inff();
+    }
+  }
+}
+
+inline AttentionKernelFn kernel_for(ScalarKind kind) {
+  switch (kind) {
+    case ScalarKind::kFloat32: return &attention_work_item<float>;
+    case ScalarKind::kFloat16: return &attention_work_item<Fp16>;
+    case ScalarKind::kBFloat16: return &attention_work_item<Bf16>;
+  }
+  return nullptr;
+}

@@ -1,0 +1,75 @@
+// Plain-C++ description of one paged-attention call, shared by the torch-aware
+// dispatcher (attention_cpu.cpp) and the ISA-specific kernels (isa_*.cpp).
+// Deliberately free of torch headers: the ISA translation units are compiled
+// under `#pragma GCC target`, and no torch inline function may be emitted there.
+#pragma once
+
+#include <cstdint>
+
+namespace paged::cpu {
+
+enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct AttentionParams {
+  ScalarKind kind;
+  // query [num_tokens, num_heads, head_size], last dim contiguous.
+  const void* query;
+  int64_t query_token_stride;
+  int64_t query_head_stride;
+  // caches [num_blocks, num_kv_heads, block_size, head_size], contiguous.
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, block_table_stride]
+  int64_t block_table_stride;
+  const int32_t* seq_lens;       // [num_seqs]
+  const float* alibi_slopes;     // [num_heads] or nullptr
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  float scale;
+  float soft_cap;      // <= 0: disabled
+  int sliding_window;  // <= 0: disabled
+
+  // fp32 results, one slot per (partition, token, head):
+  //   o   at out + part*out_part_stride + token*out_token_stride + head*out_head_stride
+  //   lse at lse + part*lse_part_stride + token*lse_token_stride + head
+  float* out;
+  int64_t out_part_stride;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  float* lse;
+  int64_t lse_part_stride;
+  int64_t lse_token_stride;
+};
+
+// One unit of parallel work: the query rows [row_begin, row_end) of one
+// sequence times all query heads of one KV head, against the keys
+// [kv_begin, kv_end). The row `row_begin` sits at sequence position `first_pos`.
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row_begin;
+  int32_t row_end;
+  int32_t first_pos;
+  int32_t kv_begin;
+  int32_t kv_end;
+  int32_t partition;
+};
+
+// Keys processed per online-softmax step (gathered across block boundaries).
+constexpr int kKeyChunk = 32;
+// Upper bound on query vectors (rows x heads of one GQA group) per work item.
+constexpr int kMaxQueriesPerItem = 64;
+constexpr int kMaxHeadSize = 256;
+
+// Floats of per-thread scratch a kernel needs.
+inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
+  return int64_t(num_queries) * head_size_padded * 2   // scaled queries, accumulators
+         + int64_t(num_queries) * (kKeyChunk + 2)      // scores, running max, running sum
+         + int64_t(kKeyChunk) * head_size_padded * 2;  // fp32 keys and values of a chunk
+}
+
+using AttentionKernelFn = void (*)(const AttentionParams&, const WorkItem&, float* workspace);
+
+}  // namespace paged::cpu

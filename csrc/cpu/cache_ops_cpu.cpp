@@ -1,0 +1,126 @@
+// CPU implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
+// All validation happens before the first byte is written, so a rejected call
+// leaves the caches untouched.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "../checks.h"
+
+namespace paged::cpu {
+namespace {
+
+void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2),
+                head_size = key_cache.size(3);
+  check_slots_in_range(slot_mapping, key_cache.size(0) * block_size);
+
+  const int64_t elem = key.element_size();
+  const int64_t row_bytes = head_size * elem;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  char* k_dst = static_cast<char*>(key_cache.data_ptr());
+  char* v_dst = static_cast<char*>(value_cache.data_ptr());
+  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        // HND: [block, head, offset, :]; int64 offsets throughout.
+        const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row_bytes;
+        std::memcpy(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
+        std::memcpy(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * elem,
+                    row_bytes);
+      }
+    }
+  });
+}
+
+void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
+                     const at::Tensor& block_mapping) {
+  const char* op = "paged.copy_blocks";
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
+                    ": arguments 'key_caches' and 'value_caches' must list the same number of "
+                    "layers, got ", key_caches.size(), " and ", value_caches.size());
+  check_block_mapping(op, block_mapping);
+  TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
+                    ": argument 'block_mapping' must be a CPU tensor for CPU caches");
+  for (size_t l = 0; l < key_caches.size(); ++l) {
+    check_cache_tensor(op, "key_caches", key_caches[l]);
+    check_cache_tensor(op, "value_caches", value_caches[l]);
+    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
+                          key_caches[l].scalar_type() == value_caches[l].scalar_type(),
+                      op, ": key_caches[", l, "] and value_caches[", l,
+                      "] must have the same shape and dtype");
+    TORCH_CHECK_VALUE(key_caches[l].device().is_cpu() && value_caches[l].device().is_cpu(), op,
+                      ": layer ", l, " caches must be CPU tensors");
+    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
+                      ": every layer must have the same num_blocks");
+  }
+  if (key_caches.empty() || block_mapping.size(0) == 0) return;
+  check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
+                             /*same_pool=*/true);
+
+  const at::Tensor pairs = block_mapping.contiguous();
+  const int64_t* p = pairs.data_ptr<int64_t>();
+  const int64_t num_pairs = pairs.size(0);
+  const int64_t num_layers = int64_t(key_caches.size());
+  at::parallel_for(0, num_layers * num_pairs * 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t layer = i / (num_pairs * 2), pair = (i / 2) % num_pairs;
+      const at::Tensor& cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
+      const int64_t block_bytes = cache.stride(0) * cache.element_size();
+      char* base = static_cast<char*>(cache.data_ptr());
+      std::memcpy(base + p[2 * pair + 1] * block_bytes, base + p[2 * pair] * block_bytes,
+                  block_bytes);
+    }
+  });
+}
+
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  const char* op = "paged.swap_blocks";
+  check_block_mapping(op, block_mapping);
+  TORCH_CHECK_VALUE(src.device().is_cpu() && dst.device().is_cpu() &&
+                        block_mapping.device().is_cpu(),
+                    op, ": the CPU implementation needs 'src', 'dst' and 'block_mapping' on the CPU");
+  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
+                   ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
+                   " and ", dst.scalar_type());
+  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
+                        src.sizes().slice(1) == dst.sizes().slice(1),
+                    op, ": arguments 'src' and 'dst' must have the same block shape, got ",
+                    src.sizes(), " and ", dst.sizes());
+  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
+                    ": arguments 'src' and 'dst' must be contiguous");
+  const bool same_pool = src.data_ptr() == dst.data_ptr();
+  check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0), same_pool);
+  if (block_mapping.size(0) == 0 || src.numel() == 0) return;
+
+  const at::Tensor pairs = block_mapping.contiguous();
+  const int64_t* p = pairs.data_ptr<int64_t>();
+  const int64_t block_bytes = src.stride(0) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  at::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(d + p[2 * i + 1] * block_bytes, s + p[2 * i] * block_bytes, block_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(paged, CPU, m) {
+  m.impl("write_kv", &write_kv_cpu);
+  m.impl("copy_blocks", &copy_blocks_cpu);
+  m.impl("swap_blocks", &swap_blocks_cpu);
+}
+
+}  // namespace paged::cpu

@@ -1,0 +1,17 @@
+// Run-time choice of the attention kernel's instruction set.
+#pragma once
+
+#include <string>
+
+#include "attention_params.h"
+
+namespace paged::cpu {
+
+// The best instruction set this CPU runs: "avx512", "avx2" or "generic".
+// PAGED_ATTENTION_CPU_ISA may lower it (tests use this to cover every path);
+// asking for one the CPU lacks raises.
+std::string selected_isa();
+
+AttentionKernelFn attention_kernel_for(ScalarKind kind);
+
+}  // namespace paged::cpu

@@ -1,0 +1,29 @@
+"""vLLM-style PagedAttention as standalone PyTorch custom ops.
+
+Importing the package loads the compiled library, which registers the ops under
+``torch.ops.paged`` (CPU, and CUDA when built with it), and their fake (meta)
+implementations for ``torch.compile``.
+"""
+
+from . import _library  # noqa: F401  (loads torch.ops.paged.*)
+from . import fake  # noqa: F401  (fake tensor implementations)
+from .ops import (
+    attention,
+    attention_out,
+    attention_with_lse,
+    copy_blocks,
+    cpu_isa,
+    swap_blocks,
+    write_kv,
+)
+
+__all__ = [
+    "attention",
+    "attention_out",
+    "attention_with_lse",
+    "copy_blocks",
+    "cpu_isa",
+    "swap_blocks",
+    "write_kv",
+]
+__version__ = "0.1.0"

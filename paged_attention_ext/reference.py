@@ -1,0 +1,113 @@
+"""Plain-PyTorch reference of every op: the test oracle and executable documentation.
+
+Written for clarity, not speed: gather each sequence's keys and values through its
+block table, build the explicit mask, do the math in fp32. The signatures match
+``torch.ops.paged`` exactly.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+
+def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's cached rows, ``[num_kv_heads, seq_len, head_size]``, in fp32.
+
+    Only the blocks that hold the sequence's tokens are read.
+    """
+    block_size = cache.shape[2]
+    num_used = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_used].long()]  # [used, kv_heads, block_size, head_size]
+    rows = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], num_used * block_size, cache.shape[3])
+    return rows[:, :seq_len].float()
+
+
+def query_rows(seq_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor]) -> List[Tuple[int, int]]:
+    """(first row, number of rows) of each sequence's queries."""
+    if query_start_loc is None:
+        return [(i, 1) for i in range(seq_lens.shape[0])]
+    starts = query_start_loc.tolist()
+    return [(starts[i], starts[i + 1] - starts[i]) for i in range(seq_lens.shape[0])]
+
+
+def attention_with_lse(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_start_loc: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sliding_window: int = -1,
+    soft_cap: float = 0.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_size = query.shape
+    group = num_heads // key_cache.shape[1]
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32, device=query.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
+
+    for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
+        kv_len = int(seq_lens[i])
+        if q_len == 0 or kv_len == 0:
+            continue
+        keys = gather_sequence_kv(key_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
+        values = gather_sequence_kv(value_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
+        q = query[row:row + q_len].float().transpose(0, 1)  # [heads, q_len, head_size]
+
+        scores = scale * (q @ keys.transpose(1, 2))  # [heads, q_len, kv_len]
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        k_pos = torch.arange(kv_len, device=query.device)[None, :]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float()[:, None, None] * (k_pos - q_pos)
+        visible = k_pos <= q_pos
+        if sliding_window > 0:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+
+        row_lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees nothing
+        probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
+        out[row:row + q_len] = (probs @ values).transpose(0, 1)
+        lse[row:row + q_len] = row_lse.transpose(0, 1)
+    return out.to(query.dtype), lse
+
+
+def attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_start_loc: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sliding_window: int = -1,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                              query_start_loc, alibi_slopes, sliding_window, soft_cap)[0]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    block_size = key_cache.shape[2]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        key_cache[block, :, offset] = key[token]
+        value_cache[block, :, offset] = value[token]
+
+
+def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    for src, dst in block_mapping.tolist():
+        for cache in list(key_caches) + list(value_caches):
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    for s, d in block_mapping.tolist():
+        dst[d] = src[s].to(dst.device)

@@ -1,0 +1,52 @@
+"""Build of paged_attention_ext._C: C++ always, CUDA sources when a CUDA torch and nvcc exist."""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    if os.environ.get("PAGED_ATTENTION_FORCE_CPU", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def extension():
+    # No -march: the ISA-specific kernels carry their own target pragmas and are
+    # chosen at run time, so the library runs on any x86-64 CPU.
+    cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi"]
+    cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+    common = dict(
+        name="paged_attention_ext._C",
+        extra_link_args=["-fopenmp"],
+        # The module stub needs only the stable ABI (torch defines Py_LIMITED_API
+        # for 3.10): one wheel per torch version for every CPython it supports.
+        py_limited_api=True,
+    )
+    cuda_sources = sources("csrc/cuda/*.cu")
+    if want_cuda() and cuda_sources:
+        nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo"]
+        return CUDAExtension(
+            sources=cpp + cuda_sources,
+            extra_compile_args={"cxx": cxx_flags + ["-DPAGED_WITH_CUDA"], "nvcc": nvcc_flags},
+            **common,
+        )
+    return CppExtension(sources=cpp, extra_compile_args={"cxx": cxx_flags}, **common)
+
+
+setup(
+    packages=find_packages(include=["paged_attention_ext", "paged_attention_ext.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
