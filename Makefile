@@ -13,7 +13,6 @@ setup: $(STAMP)
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip>=23" 
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-build-isolation -e .
 	touch $(STAMP)
