@@ -1,0 +1,87 @@
+"""write_kv, copy_blocks and swap_blocks against the reference."""
+
+import pytest
+import torch
+
+import paged_attention_ext as pa
+from paged_attention_ext import reference as ref
+from paged_case import DTYPES
+
+
+def random_caches(num_blocks=12, num_kv_heads=2, block_size=16, head_size=64,
+                  dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_write_kv_scattered_slots_and_padding(dtype, block_size):
+    key_cache, value_cache = random_caches(num_blocks=6, block_size=block_size, dtype=dtype)
+    num_slots = key_cache.shape[0] * block_size
+    num_tokens = min(40, num_slots)
+    slots = torch.randperm(num_slots)[:num_tokens]
+    slots[::5] = -1  # padding tokens are skipped
+    key = torch.randn(num_tokens, 2, 64).to(dtype)
+    value = torch.randn(num_tokens, 2, 64).to(dtype)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+def test_write_kv_from_strided_views():
+    key_cache, value_cache = random_caches()
+    qkv = torch.randn(10, 8, 64)  # fused projection: q heads 0-3, k 4-5, v 6-7
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.arange(10) * 3
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_all_layers(dtype):
+    layers = [random_caches(dtype=dtype, seed=s) for s in range(3)]
+    keys = [k for k, _ in layers]
+    values = [v for _, v in layers]
+    mapping = torch.tensor([[0, 5], [0, 6], [3, 1], [11, 2]], dtype=torch.int64)
+    want_keys = [k.clone() for k in keys]
+    want_values = [v.clone() for v in values]
+    ref.copy_blocks(want_keys, want_values, mapping)
+    pa.copy_blocks(keys, values, mapping)
+    for got, want in zip(keys + values, want_keys + want_values):
+        assert torch.equal(got, want)
+
+
+def test_copy_blocks_empty_mapping_is_a_no_op():
+    key, value = random_caches()
+    before = key.clone(), value.clone()
+    pa.copy_blocks([key], [value], torch.empty(0, 2, dtype=torch.int64))
+    assert torch.equal(key, before[0]) and torch.equal(value, before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_round_trip_is_bit_identical(dtype):
+    device_pool, _ = random_caches(num_blocks=10, dtype=dtype)
+    host_pool = torch.zeros((4,) + device_pool.shape[1:], dtype=dtype)
+    original = device_pool.clone()
+    out_map = torch.tensor([[7, 0], [2, 3], [9, 1]], dtype=torch.int64)
+    pa.swap_blocks(device_pool, host_pool, out_map)
+    want_host = torch.zeros_like(host_pool)
+    ref.swap_blocks(original, want_host, out_map)
+    assert torch.equal(host_pool, want_host)
+    device_pool.zero_()
+    pa.swap_blocks(host_pool, device_pool, out_map.flip(1))
+    for src, _ in out_map.tolist():
+        assert torch.equal(device_pool[src].view(torch.uint8), original[src].view(torch.uint8))
+
+
+def test_swap_blocks_accepts_non_cache_shapes():
+    # Any pool of equal block shape works, e.g. a flattened [num_blocks, block_bytes] view.
+    src = torch.arange(40, dtype=torch.float32).view(5, 8)
+    dst = torch.zeros(3, 8)
+    pa.swap_blocks(src, dst, torch.tensor([[4, 0], [1, 2]]))
+    assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[1]) and (dst[1] == 0).all()

@@ -1,0 +1,149 @@
+"""Bad input raises a Python exception that names the argument, and changes nothing."""
+
+import pytest
+import torch
+
+import paged_attention_ext as pa
+from paged_case import make_case, query_start_loc, random_query
+
+
+@pytest.fixture
+def case():
+    return make_case([5, 20], num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
+
+
+@pytest.fixture
+def query():
+    return random_query(2, 4, 64, torch.float32)
+
+
+def call(query, case, overrides):
+    args = dict(query=query, key_cache=case.key_cache, value_cache=case.value_cache,
+                block_tables=case.block_tables, seq_lens=case.seq_lens, scale=0.125)
+    args.update(overrides)
+    return pa.attention(**args)
+
+
+@pytest.mark.parametrize("name,make,error,match", [
+    ("query rank", lambda q, c: dict(query=q[0]), ValueError, "'query' must be 3-D"),
+    ("query dtype", lambda q, c: dict(query=q.double()), TypeError, "'query'"),
+    ("cache dtype", lambda q, c: dict(key_cache=c.key_cache.half()), TypeError, "'key_cache'"),
+    ("cache rank", lambda q, c: dict(value_cache=c.value_cache[0]), ValueError, "'value_cache'"),
+    ("cache shapes", lambda q, c: dict(value_cache=c.value_cache[:-1]), ValueError, "'value_cache'"),
+    ("non-contiguous cache", lambda q, c: dict(key_cache=c.key_cache.transpose(1, 2)),
+     ValueError, "'key_cache' must be contiguous"),
+    ("head size mismatch", lambda q, c: dict(query=torch.randn(2, 4, 32)), ValueError, "head_size"),
+    ("head size unsupported", lambda q, c: dict(
+        query=torch.randn(2, 4, 12), key_cache=torch.randn(8, 2, 16, 12),
+        value_cache=torch.randn(8, 2, 16, 12)), ValueError, "multiples of 8"),
+    ("heads do not divide", lambda q, c: dict(query=torch.randn(2, 3, 64)), ValueError, "num_kv_heads"),
+    ("seq_lens dtype", lambda q, c: dict(seq_lens=c.seq_lens.long()), TypeError, "'seq_lens'"),
+    ("block_tables dtype", lambda q, c: dict(block_tables=c.block_tables.long()), TypeError,
+     "'block_tables'"),
+    ("block_tables rows", lambda q, c: dict(block_tables=c.block_tables[:1]), ValueError,
+     "'block_tables'"),
+    ("decode rows", lambda q, c: dict(query=q[:1]), ValueError, "one row per sequence"),
+    ("seq_len beyond table", lambda q, c: dict(seq_lens=torch.tensor([5, 1000], dtype=torch.int32)),
+     ValueError, r"seq_lens\[1\]"),
+    ("negative seq_len", lambda q, c: dict(seq_lens=torch.tensor([-1, 3], dtype=torch.int32)),
+     ValueError, r"seq_lens\[0\]"),
+    ("block id out of range", lambda q, c: dict(
+        block_tables=torch.tensor([[0, 1, 2], [99, 1, 2]], dtype=torch.int32)), IndexError,
+     r"block_tables\[1, 0\] = 99"),
+    ("negative block id", lambda q, c: dict(
+        block_tables=torch.tensor([[-1, 1, 2], [0, 1, 2]], dtype=torch.int32)), IndexError,
+     r"block_tables\[0, 0\]"),
+    ("qsl length", lambda q, c: dict(query_start_loc=query_start_loc([1])), ValueError,
+     "'query_start_loc'"),
+    ("qsl total", lambda q, c: dict(query_start_loc=query_start_loc([1, 2])), ValueError,
+     "num_tokens"),
+    ("qsl decreasing", lambda q, c: dict(
+        query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32), query=torch.randn(2, 4, 64)),
+     ValueError, "non-decreasing"),
+    ("qsl longer than sequence", lambda q, c: dict(
+        query_start_loc=query_start_loc([6, 1]), query=torch.randn(7, 4, 64)), ValueError,
+     r"seq_lens\[0\] = 5"),
+    ("alibi shape", lambda q, c: dict(alibi_slopes=torch.ones(3)), ValueError, "'alibi_slopes'"),
+    ("alibi dtype", lambda q, c: dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError,
+     "'alibi_slopes'"),
+    ("soft cap", lambda q, c: dict(soft_cap=-1.0), ValueError, "'soft_cap'"),
+    ("scale", lambda q, c: dict(scale=float("nan")), ValueError, "'scale'"),
+    ("window", lambda q, c: dict(sliding_window=-5), ValueError, "'sliding_window'"),
+])
+def test_attention_rejects(name, make, error, match, query, case):
+    with pytest.raises(error, match=match):
+        call(query, case, make(query, case))
+
+
+def test_attention_out_rejects_wrong_buffers(query, case):
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="'out'"):
+        pa.attention_out(torch.empty(2, 4, 32), *args)
+    with pytest.raises(TypeError, match="'out'"):
+        pa.attention_out(torch.empty(2, 4, 64, dtype=torch.bfloat16), *args)
+    with pytest.raises(ValueError, match="'lse'"):
+        pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 3))
+    with pytest.raises(TypeError, match="'lse'"):
+        pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 4, dtype=torch.float64))
+
+
+def caches():
+    return torch.zeros(4, 2, 8, 64), torch.zeros(4, 2, 8, 64)
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda k, v: dict(slot_mapping=torch.tensor([0, 32])), IndexError, r"slot_mapping\[1\] = 32"),
+    (lambda k, v: dict(slot_mapping=torch.tensor([0, 1], dtype=torch.int32)), TypeError,
+     "'slot_mapping'"),
+    (lambda k, v: dict(slot_mapping=torch.tensor([0])), ValueError, "'slot_mapping'"),
+    (lambda k, v: dict(key=k[:, :1]), ValueError, "'key'"),
+    (lambda k, v: dict(value=v.half()), TypeError, "'value'"),
+    (lambda k, v: dict(key=k.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "'key' and 'value'"),
+])
+def test_write_kv_rejects_and_leaves_cache_unchanged(make, error, match):
+    key_cache, value_cache = caches()
+    key, value = torch.ones(2, 2, 64), torch.ones(2, 2, 64)
+    args = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                slot_mapping=torch.tensor([3, 9]))
+    args.update(make(key, value))
+    with pytest.raises(error, match=match):
+        pa.write_kv(**args)
+    assert (key_cache == 0).all() and (value_cache == 0).all()
+
+
+@pytest.mark.parametrize("mapping,error,match", [
+    (torch.tensor([[0, 4]]), IndexError, r"block_mapping\[0, 1\] = 4"),
+    (torch.tensor([[-1, 2]]), IndexError, r"block_mapping\[0, 0\]"),
+    (torch.tensor([[0, 1], [2, 1]]), ValueError, "more than once"),
+    (torch.tensor([[0, 1], [1, 2]]), ValueError, "also writes"),
+    (torch.tensor([0, 1]), ValueError, r"\[num_pairs, 2\]"),
+    (torch.tensor([[0, 1]], dtype=torch.int32), TypeError, "'block_mapping'"),
+])
+def test_copy_blocks_rejects_bad_mappings(mapping, error, match):
+    key, value = caches()
+    key[0] = 1.0
+    before = key.clone()
+    with pytest.raises(error, match=match):
+        pa.copy_blocks([key], [value], mapping)
+    assert torch.equal(key, before)
+
+
+def test_copy_blocks_rejects_mismatched_layers():
+    key, value = caches()
+    with pytest.raises(ValueError, match="same number of layers"):
+        pa.copy_blocks([key, key], [value], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        pa.copy_blocks([key], [value[:2]], torch.tensor([[0, 1]]))
+
+
+def test_swap_blocks_rejects():
+    src, dst = torch.zeros(4, 2, 8, 64), torch.zeros(2, 2, 8, 64)
+    with pytest.raises(IndexError, match="destination"):
+        pa.swap_blocks(src, dst, torch.tensor([[0, 2]]))
+    with pytest.raises(TypeError, match="same dtype"):
+        pa.swap_blocks(src, dst.half(), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="same block shape"):
+        pa.swap_blocks(src, torch.zeros(2, 2, 8, 32), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="contiguous"):
+        pa.swap_blocks(src, dst.transpose(2, 3).contiguous().transpose(2, 3), torch.tensor([[0, 1]]))
+    assert (dst == 0).all()
