@@ -1,0 +1,54 @@
+"""Wall-clock timing helpers for CPU benchmarks.
+
+Candidates are timed interleaved: every repetition calls each candidate once, in an
+order rotated per repetition, so machine noise (other tenants, frequency changes)
+falls on all of them alike. Each call is timed on its own; the median is the headline
+figure and the minimum the best case.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping
+
+Candidate = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call wall times of one candidate, in seconds."""
+
+    median_s: float
+    min_s: float
+    reps: int
+
+    def summary(self, nbytes: int) -> Dict[str, float]:
+        """Times plus the bandwidth ``nbytes`` per call implies, in GB/s (1e9 bytes)."""
+        return {
+            "median_s": self.median_s,
+            "min_s": self.min_s,
+            "reps": self.reps,
+            "gbps_median": nbytes / self.median_s / 1e9,
+            "gbps_best": nbytes / self.min_s / 1e9,
+        }
+
+
+def time_call(fn: Candidate) -> float:
+    """Wall time of one call of ``fn`` (CPU ops are synchronous)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_interleaved(candidates: Mapping[str, Candidate], warmup: int, reps: int) -> Dict[str, Timing]:
+    """Warm every candidate up, then time ``reps`` round-robin repetitions of all of them."""
+    names = list(candidates)
+    for _ in range(warmup):
+        for name in names:
+            candidates[name]()
+    samples: Dict[str, list] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(time_call(candidates[name]))
+    return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
