@@ -1,0 +1,160 @@
+"""Physical block allocator: free list, reference counts, and an optional prefix cache.
+
+A block is *free* (on the free list, content meaningless), *used* (reference count
+> 0), or *cached* (count 0 but its content is a known full block of tokens, kept for
+prefix-cache hits and evicted least-recently-used only when the free list runs out).
+Cached blocks count as available: allocation takes free blocks first, then evicts.
+"""
+
+from collections import Counter, OrderedDict
+from typing import Dict, Iterable, List, Optional
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot satisfy a request; the allocator was left unchanged."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 name: str = "device") -> None:
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.name = name
+        # Popped from the end: block 0 is handed out first (deterministic ids).
+        self._free: List[int] = list(range(num_blocks - 1, -1, -1))
+        self._ref_counts: List[int] = [0] * num_blocks
+        self._hash_of_block: Dict[int, bytes] = {}
+        self._block_of_hash: Dict[bytes, int] = {}
+        self._evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU first
+        self.cache_hits = 0
+        self.cache_queries = 0
+
+    # ---- counts ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def free_block_ids(self) -> List[int]:
+        """Blocks on the free list (content meaningless); cached blocks excluded."""
+        return list(self._free)
+
+    def ref_count(self, block: int) -> int:
+        self._check_id(block)
+        return self._ref_counts[block]
+
+    # ---- allocate / share / free ------------------------------------------------
+    def allocate(self, count: int = 1) -> List[int]:
+        """`count` fresh blocks with reference count 1, or NoFreeBlocksError and no change."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(f"{self.name} pool: need {count} blocks, "
+                                    f"{self.num_free_blocks} of {self.num_blocks} available")
+        blocks = []
+        for _ in range(count):
+            block = self._free.pop() if self._free else self._evict()
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def fork(self, blocks: Iterable[int]) -> None:
+        """Share used blocks once more each. Never allocates; all-or-nothing on bad ids."""
+        blocks = list(blocks)
+        for block in blocks:
+            if self.ref_count(block) == 0:
+                raise ValueError(f"{self.name} pool: cannot share block {block}: it is not allocated")
+        for block in blocks:
+            self._ref_counts[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference per listed block (a block may repeat); all-or-nothing."""
+        drops = Counter(blocks)
+        for block, times in drops.items():
+            if self.ref_count(block) < times:
+                raise ValueError(f"{self.name} pool: block {block} freed {times} time(s) but has "
+                                 f"{self._ref_counts[block]} reference(s)")
+        for block, times in drops.items():
+            self._ref_counts[block] -= times
+            if self._ref_counts[block] == 0:
+                if block in self._hash_of_block:
+                    self._evictable[block] = None  # most recently used last
+                else:
+                    self._free.append(block)
+
+    # ---- prefix cache -----------------------------------------------------------
+    def lookup(self, content_hash: bytes) -> Optional[int]:
+        """The block holding this full-block content, if cached (used or evictable)."""
+        return self._block_of_hash.get(content_hash)
+
+    def acquire_cached(self, content_hash: bytes) -> int:
+        """Take one reference to the cached block with this content (a prefix hit)."""
+        block = self._block_of_hash[content_hash]
+        if self._ref_counts[block] == 0:
+            del self._evictable[block]
+        self._ref_counts[block] += 1
+        return block
+
+    def register(self, block: int, content_hash: bytes) -> None:
+        """Record that used `block` now holds this full-block content.
+
+        If another block already holds the same content, that one stays the cached
+        copy and `block` remains an ordinary block.
+        """
+        if not self.enable_prefix_caching or content_hash in self._block_of_hash:
+            return
+        if self.ref_count(block) == 0:
+            raise ValueError(f"{self.name} pool: cannot register free block {block}")
+        previous = self._hash_of_block.get(block)
+        if previous is not None:
+            del self._block_of_hash[previous]
+        self._hash_of_block[block] = content_hash
+        self._block_of_hash[content_hash] = block
+
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_of_hash[self._hash_of_block.pop(block)]
+        return block
+
+    def record_lookups(self, hits: int, queries: int) -> None:
+        """Prefix-cache statistics: `hits` of `queries` candidate blocks were found."""
+        self.cache_queries += queries
+        self.cache_hits += hits
+
+    # ---- checks -----------------------------------------------------------------
+    def check_invariants(self, references: Counter) -> None:
+        """`references[b]`: how many block-table entries point at block b of this pool."""
+        free = set(self._free)
+        assert len(free) == len(self._free), f"{self.name}: a block is on the free list twice"
+        assert not free & set(self._evictable), f"{self.name}: a block is both free and cached"
+        for block in range(self.num_blocks):
+            count = self._ref_counts[block]
+            assert count == references.get(block, 0), (
+                f"{self.name}: block {block} has count {count} but "
+                f"{references.get(block, 0)} table references")
+            if count > 0:
+                assert block not in free and block not in self._evictable, (
+                    f"{self.name}: block {block} is referenced and available")
+        assert set(references) <= set(range(self.num_blocks)), f"{self.name}: table holds a bad id"
+        for block in self._evictable:
+            assert block in self._hash_of_block, f"{self.name}: cached block {block} has no hash"
+        for content_hash, block in self._block_of_hash.items():
+            assert self._hash_of_block[block] == content_hash, f"{self.name}: hash maps disagree"
+        used = sum(1 for c in self._ref_counts if c > 0)
+        assert len(free) + len(self._evictable) + used == self.num_blocks, (
+            f"{self.name}: free + cached + used != total")
+
+    def _check_id(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"{self.name} pool: block id {block} outside [0, {self.num_blocks})")

@@ -1,0 +1,88 @@
+"""The KV cache of a whole model: every layer's K and V pools plus host swap pools.
+
+Sizes the device pool from a block count or a memory budget and applies the block
+manager's copy-on-write and swap mappings with the paged ops, all layers at once.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * block_size * head_size * element
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float16, device: "str | torch.device" = "cpu",
+                 num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
+                 num_host_blocks: int = 0) -> None:
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_bytes")
+        self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
+        self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.block_bytes = bytes_per_block(num_layers, num_kv_heads, head_size, block_size, dtype)
+        if num_blocks is None:
+            num_blocks = memory_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the pool must hold at least one block ({self.block_bytes} bytes)")
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        host_shape = (num_host_blocks,) + shape[1:]
+        # Pinned host memory lets device <-> host swaps run asynchronously.
+        pin = self.device.type == "cuda"
+        self.key_caches: List[torch.Tensor] = []
+        self.value_caches: List[torch.Tensor] = []
+        self.host_key_caches: List[torch.Tensor] = []
+        self.host_value_caches: List[torch.Tensor] = []
+        for _ in range(num_layers):
+            self.key_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.value_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.host_key_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            self.host_value_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+
+    def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[index], self.value_caches[index]
+
+    def apply_copies(self, copies: Sequence[Tuple[int, int]]) -> None:
+        """Copy-on-write / fork copies for every layer in one op call."""
+        if copies:
+            # The CUDA kernel reads the mapping on the device, the CPU one on the host.
+            ops.copy_blocks(self.key_caches, self.value_caches, self._mapping(copies, self.device))
+
+    def swap_out(self, mapping: Sequence[Tuple[int, int]]) -> None:
+        """Copy (device block, host block) rows from the device pools to the host pools."""
+        self._swap(mapping, self.key_caches + self.value_caches,
+                   self.host_key_caches + self.host_value_caches)
+
+    def swap_in(self, mapping: Sequence[Tuple[int, int]]) -> None:
+        """Copy (host block, device block) rows from the host pools to the device pools."""
+        self._swap(mapping, self.host_key_caches + self.host_value_caches,
+                   self.key_caches + self.value_caches)
+
+    def usage(self, used_blocks: int, used_host_blocks: int = 0) -> Dict[str, float]:
+        """Bytes reserved and in use, given the block manager's counts."""
+        return {
+            "device_bytes": self.num_blocks * self.block_bytes,
+            "device_bytes_used": used_blocks * self.block_bytes,
+            "device_fraction_used": used_blocks / self.num_blocks,
+            "host_bytes": self.num_host_blocks * self.block_bytes,
+            "host_bytes_used": used_host_blocks * self.block_bytes,
+        }
+
+    def _swap(self, mapping, sources: List[torch.Tensor], targets: List[torch.Tensor]) -> None:
+        if not mapping:
+            return
+        rows = self._mapping(mapping, torch.device("cpu"))  # swaps plan their copies on the host
+        for src, dst in zip(sources, targets):
+            ops.swap_blocks(src, dst, rows)
+
+    @staticmethod
+    def _mapping(pairs: Sequence[Tuple[int, int]], device: torch.device) -> torch.Tensor:
+        return torch.tensor(list(pairs), dtype=torch.int64, device=device).view(-1, 2)

@@ -1,0 +1,319 @@
+"""Allocator, block tables, copy-on-write, prefix caching, swapping and admission rules."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import paged_attention_ext as pa
+from paged_attention_ext.block_allocator import BlockAllocator, NoFreeBlocksError
+from paged_attention_ext.block_manager import BlockSpaceManager
+from paged_attention_ext.block_table import BlockTable
+from paged_attention_ext.kv_cache import PagedKVCache
+
+
+def snapshot(allocator: BlockAllocator):
+    return (list(allocator._free), list(allocator._ref_counts), dict(allocator._hash_of_block),
+            list(allocator._evictable))
+
+
+def check(allocator: BlockAllocator, *tables: BlockTable):
+    allocator.check_invariants(Counter(b for t in tables for b in t.blocks))
+    for t in tables:
+        assert len(t.blocks) == -(-t.num_tokens // t.block_size)
+
+
+# ---- allocator ------------------------------------------------------------------------
+
+def test_allocate_fork_free_counts():
+    alloc = BlockAllocator(4, 16)
+    a, b = alloc.allocate(2)
+    alloc.fork([a, a])
+    assert alloc.ref_count(a) == 3 and alloc.ref_count(b) == 1
+    alloc.free([a, b])
+    assert alloc.ref_count(a) == 2 and alloc.num_free_blocks == 3
+    alloc.free([a, a])
+    assert alloc.num_free_blocks == 4
+    alloc.check_invariants(Counter())
+
+
+def test_double_free_and_bad_ids_raise_without_change():
+    alloc = BlockAllocator(4, 16)
+    a, b = alloc.allocate(2)
+    alloc.free([a])
+    before = snapshot(alloc)
+    with pytest.raises(ValueError, match="freed"):
+        alloc.free([b, a])  # b is fine, a is already free: nothing may change
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.fork([b, a])
+    with pytest.raises(IndexError):
+        alloc.free([7])
+    assert snapshot(alloc) == before
+
+
+def test_failed_allocation_leaves_allocator_unchanged():
+    alloc = BlockAllocator(3, 16)
+    alloc.allocate(2)
+    before = snapshot(alloc)
+    with pytest.raises(NoFreeBlocksError):
+        alloc.allocate(2)
+    assert snapshot(alloc) == before
+
+
+# ---- block tables and copy-on-write --------------------------------------------------------
+
+def test_append_in_place_and_new_block_only_when_full():
+    alloc = BlockAllocator(8, 4)
+    table = BlockTable(alloc)
+    r = table.append_tokens(3)
+    assert len(table.blocks) == 1 and r.copies == []
+    assert r.slots == [table.blocks[0] * 4 + i for i in range(3)]
+    r = table.append_tokens(1)  # fills the last slot in place
+    assert len(table.blocks) == 1 and r.slots == [table.blocks[0] * 4 + 3]
+    r = table.append_tokens(6)  # 4 + 2 tokens: two new blocks
+    assert len(table.blocks) == 3 and table.num_tokens == 10
+    assert r.slots == [table.slot(p) for p in range(4, 10)]
+    check(alloc, table)
+
+
+def test_copy_on_write_of_shared_partial_block():
+    alloc = BlockAllocator(8, 4)
+    parent = BlockTable(alloc)
+    parent.append_tokens(6)  # one full block + 2 tokens in a partial block
+    child = parent.fork()
+    full, partial = parent.blocks
+    assert alloc.ref_count(full) == 2 and alloc.ref_count(partial) == 2
+    r = child.append_tokens(1)
+    new = child.blocks[1]
+    assert r.copies == [(partial, new)] and new != partial
+    assert child.blocks[0] == full  # full blocks stay shared
+    assert alloc.ref_count(partial) == 1 and alloc.ref_count(new) == 1
+    assert r.slots == [new * 4 + 2]
+    r = parent.append_tokens(1)  # now unshared: in place, no copy
+    assert r.copies == [] and parent.blocks[1] == partial
+    check(alloc, parent, child)
+
+
+def test_shared_full_last_block_needs_no_copy():
+    alloc = BlockAllocator(8, 4)
+    parent = BlockTable(alloc)
+    parent.append_tokens(4)
+    child = parent.fork()
+    r = child.append_tokens(1)
+    assert r.copies == [] and child.blocks[0] == parent.blocks[0] and len(child.blocks) == 2
+    check(alloc, parent, child)
+
+
+def test_forks_of_forks_and_frees():
+    alloc = BlockAllocator(16, 4)
+    root = BlockTable(alloc)
+    root.append_tokens(5)
+    a = root.fork()
+    b = a.fork()
+    c = b.fork()
+    assert alloc.ref_count(root.blocks[0]) == 4
+    for t in (a, b, c):
+        t.append_tokens(2)
+    check(alloc, root, a, b, c)
+    # three copies of the shared partial block: root keeps the original
+    assert len({t.blocks[1] for t in (root, a, b, c)}) == 4
+    b.free()
+    a.free()
+    check(alloc, root, c)
+    root.free()
+    c.free()
+    assert alloc.num_free_blocks == 16
+
+
+def test_failed_append_changes_nothing():
+    alloc = BlockAllocator(2, 4)
+    parent = BlockTable(alloc)
+    parent.append_tokens(6)
+    child = parent.fork()
+    before = snapshot(alloc), list(child.blocks), child.num_tokens
+    with pytest.raises(NoFreeBlocksError):
+        child.append_tokens(1)  # needs a copy of the shared partial block
+    assert (snapshot(alloc), list(child.blocks), child.num_tokens) == before
+    check(alloc, parent, child)
+
+
+def test_beam_search_sharing_follows_the_beams():
+    mgr = BlockSpaceManager(64, 0, 4)
+    mgr.allocate(0, 0, 6)
+    for child in (1, 2, 3):
+        mgr.fork(0, child)
+    mgr.check_invariants()
+    step = mgr.append_group(0, {s: 1 for s in range(4)})
+    assert len(step.copies) == 3  # three beams copy the shared partial block, one writes in place
+    # Next step: beams 0 and 0 survive as two children, 1 is kept, 2 and 3 are dropped.
+    mgr.free_seq(2)
+    mgr.free_seq(3)
+    mgr.fork(0, 4)
+    mgr.check_invariants()
+    step = mgr.append_group(0, {0: 1, 1: 1, 4: 1})
+    assert len(step.copies) == 1  # only the new fork of beam 0 copies
+    mgr.check_invariants()
+    mgr.free_group(0)
+    mgr.check_invariants()
+    assert mgr.device.num_free_blocks == 64
+
+
+# ---- prefix caching ----------------------------------------------------------------------
+
+def test_prefix_hit_reuses_full_blocks_and_prefills_the_rest():
+    mgr = BlockSpaceManager(32, 0, 4, enable_prefix_caching=True)
+    prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
+    first, cached = mgr.allocate(0, 0, prompt)
+    assert cached == 0 and len(first.slots) == 11
+    second, cached = mgr.allocate(1, 1, prompt[:9] + [7, 7])
+    assert cached == 8 and len(second.slots) == 3
+    assert mgr.tables[1].blocks[:2] == mgr.tables[0].blocks[:2]
+    assert mgr.device.ref_count(mgr.tables[0].blocks[0]) == 2
+    # A different first block shares nothing (the hash chains over the whole prefix).
+    _, cached = mgr.allocate(2, 2, [0] + prompt[1:])
+    assert cached == 0
+    # An extra key (e.g. an adapter) separates equal tokens.
+    _, cached = mgr.allocate(3, 3, prompt, extra_key="lora-1")
+    assert cached == 0
+    assert mgr.usage()["prefix_cache_hit_rate"] == pytest.approx(2 / 8)
+    mgr.check_invariants()
+
+
+def test_last_prompt_token_is_always_recomputed():
+    mgr = BlockSpaceManager(8, 0, 4, enable_prefix_caching=True)
+    prompt = list(range(8))  # exactly two full blocks
+    mgr.allocate(0, 0, prompt)
+    result, cached = mgr.allocate(1, 1, prompt)
+    assert cached == 4 and len(result.slots) == 4
+    mgr.check_invariants()
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru_only_when_needed():
+    mgr = BlockSpaceManager(6, 0, 4, enable_prefix_caching=True)
+    a, b = list(range(9)), list(range(50, 59))  # 2 full blocks + 1 token each
+    mgr.allocate(0, 0, a)
+    mgr.allocate(1, 1, b)
+    mgr.free_group(0)
+    mgr.free_group(1)
+    assert mgr.device.num_cached_blocks == 4 and mgr.device.num_free_blocks == 6
+    mgr.check_invariants()
+    _, cached = mgr.allocate(2, 2, a)  # hit while cached with count 0
+    assert cached == 8
+    mgr.free_group(2)
+    # a was used more recently than b: filling the pool evicts b's blocks first.
+    mgr.allocate(3, 3, 16)
+    mgr.check_invariants()
+    assert mgr.device.num_cached_blocks == 2
+    mgr.free_group(3)
+    _, cached = mgr.allocate(4, 4, b)  # b was evicted; free blocks serve it, a stays cached
+    assert cached == 0
+    mgr.free_group(4)
+    _, cached = mgr.allocate(5, 5, a)
+    assert cached == 8
+    mgr.check_invariants()
+
+
+def test_failed_prompt_allocation_changes_nothing():
+    mgr = BlockSpaceManager(4, 0, 4, enable_prefix_caching=True)
+    mgr.allocate(0, 0, list(range(9)))
+    mgr.free_group(0)
+    before = snapshot(mgr.device)
+    assert not mgr.can_allocate(list(range(9)) + list(range(20)))
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate(1, 1, list(range(9)) + list(range(20)))
+    assert snapshot(mgr.device) == before and 1 not in mgr.tables
+    mgr.check_invariants()
+
+
+def test_prefix_hit_does_not_change_attention_output():
+    torch.manual_seed(0)
+    bs, kv_heads, head = 4, 2, 32
+    prompt = list(range(11))
+    keys, values = torch.randn(11, kv_heads, head), torch.randn(11, kv_heads, head)
+    query = torch.randn(1, 4, head)
+
+    def run(mgr: BlockSpaceManager, cache: PagedKVCache, group: int) -> torch.Tensor:
+        result, cached = mgr.allocate(group, group, prompt)
+        slots = torch.tensor(result.slots)
+        pa.write_kv(keys[cached:], values[cached:], *cache.layer(0), slots)
+        table = torch.tensor([mgr.tables[group].blocks], dtype=torch.int32)
+        return pa.attention(query, *cache.layer(0), table, torch.tensor([11], dtype=torch.int32),
+                            head ** -0.5)
+
+    mgr = BlockSpaceManager(16, 0, bs, enable_prefix_caching=True)
+    cache = PagedKVCache(1, kv_heads, head, bs, torch.float32, num_blocks=16)
+    cold = run(mgr, cache, 0)
+    warm = run(mgr, cache, 1)
+    assert mgr.tables[1].blocks[:2] == mgr.tables[0].blocks[:2]
+    assert torch.equal(cold, warm)
+
+
+# ---- swapping and admission ------------------------------------------------------------
+
+def test_swap_round_trip_preserves_sharing_and_contents():
+    bs = 4
+    mgr = BlockSpaceManager(16, 8, bs)
+    cache = PagedKVCache(2, 2, 32, bs, torch.bfloat16, num_blocks=16, num_host_blocks=8)
+    result, _ = mgr.allocate(0, 0, 10)
+    for layer in range(2):
+        k = torch.randn(10, 2, 32).bfloat16()
+        pa.write_kv(k, -k, *cache.layer(layer), torch.tensor(result.slots))
+    mgr.fork(0, 1)
+    step = mgr.append(1, 1)
+    cache.apply_copies(step.copies)
+    tables_before = {s: list(mgr.tables[s].blocks) for s in (0, 1)}
+    content = {s: [torch.stack([cache.key_caches[l][b] for b in tables_before[s]]) for l in range(2)]
+               for s in (0, 1)}
+    distinct = len(set(tables_before[0]) | set(tables_before[1]))
+
+    assert mgr.can_swap_out(0)
+    out_map = mgr.swap_out(0)
+    cache.swap_out(out_map)
+    mgr.check_invariants()
+    assert len(out_map) == distinct and mgr.host.num_used_blocks == distinct
+    assert mgr.device.num_used_blocks == 0
+    assert mgr.tables[0].blocks[:2] == mgr.tables[1].blocks[:2]  # still shared on the host
+    for layer in range(2):  # the device pool is reused meanwhile
+        cache.key_caches[layer].fill_(float("nan"))
+
+    mgr.allocate(5, 5, 20)  # someone else takes blocks while the group is out
+    assert mgr.can_swap_in(0)
+    in_map = mgr.swap_in(0)
+    cache.swap_in(in_map)
+    mgr.check_invariants()
+    assert mgr.host.num_used_blocks == 0
+    for s in (0, 1):
+        for layer in range(2):
+            got = torch.stack([cache.key_caches[layer][b] for b in mgr.tables[s].blocks])
+            assert torch.equal(got.view(torch.int16), content[s][layer].view(torch.int16))
+
+
+def test_swap_out_fails_whole_when_host_is_full():
+    mgr = BlockSpaceManager(16, 2, 4)
+    mgr.allocate(0, 0, 12)
+    assert not mgr.can_swap_out(0)
+    before = snapshot(mgr.device), snapshot(mgr.host)
+    with pytest.raises(NoFreeBlocksError):
+        mgr.swap_out(0)
+    assert (snapshot(mgr.device), snapshot(mgr.host)) == before
+    mgr.check_invariants()
+
+
+def test_admission_watermark_and_group_append():
+    mgr = BlockSpaceManager(100, 0, 4, watermark=0.05)  # 5 blocks kept spare
+    assert mgr.can_allocate(4 * 95)
+    assert not mgr.can_allocate(4 * 95 + 1)
+    mgr.allocate(0, 0, 4 * 94 + 2)  # 95 blocks, last one half full
+    mgr.fork(0, 1)
+    assert mgr.can_append(0)  # two sequences: one copy-on-write block needed, 5 free
+    assert not mgr.can_append(0, tokens_per_seq=12)
+    mgr.check_invariants()
+
+
+def test_kv_cache_sizes_from_a_memory_budget():
+    cache = PagedKVCache(num_layers=2, num_kv_heads=4, head_size=64, block_size=16,
+                         dtype=torch.float16, memory_bytes=10 * 2 * 2 * 4 * 16 * 64 * 2 + 5)
+    assert cache.num_blocks == 10
+    assert cache.usage(used_blocks=5)["device_fraction_used"] == 0.5
+    with pytest.raises(ValueError):
+        PagedKVCache(2, 4, 64, num_blocks=4, memory_bytes=100)
