@@ -5,7 +5,7 @@
 // <cstring>, <immintrin.h> and attention_params.h, with these macros set:
 //   PAGED_VEC_WIDTH   fp32 lanes per vector (16, 8)
 //   PAGED_ISA_AVX512  1 when AVX-512F intrinsics may be used
-//   PAGED_ISA_F16C    1 when F16C intrinsics may be used
+//   PAGED_ISA_F16C    1 when AVX2 and F16C intrinsics may be used
 //
 // Algorithm (flash-decoding style, one KV head at a time):
 //   all query vectors of the item (rows x GQA heads) are held in fp32; keys are
@@ -82,10 +82,18 @@ static inline float to_float(Fp16 x) {
 // ---- vector conversions: VW elements of the cache type -> VW floats ---------
 static inline vfloat load_as_float(const float* p) { return load(p); }
 static inline vfloat load_as_float(const Bf16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
   vhalfword h;
   std::memcpy(&h, p, sizeof(h));
-  vuint w = __builtin_convertvector(h, vuint) << 16;
-  return (vfloat)w;
+  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+#endif
 }
 static inline vfloat load_as_float(const Fp16* p) {
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
@@ -127,15 +135,15 @@ static inline vfloat vexp(vfloat x) {
   return x < lo ? vfloat{} : result;
 }
 
-// Dot products of one query with 4 consecutive keys (padded rows of hsp floats).
-static inline void dot4(const float* q, const float* k, int hsp, float* out) {
+// Dot products of one query with 4 keys (rows of hsp floats, zero padded).
+static inline void dot4(const float* q, const float* const* k, int hsp, float* out) {
   vfloat a0{}, a1{}, a2{}, a3{};
   for (int d = 0; d < hsp; d += VW) {
     const vfloat qv = load(q + d);
-    a0 += qv * load(k + d);
-    a1 += qv * load(k + hsp + d);
-    a2 += qv * load(k + 2 * hsp + d);
-    a3 += qv * load(k + 3 * hsp + d);
+    a0 += qv * load(k[0] + d);
+    a1 += qv * load(k[1] + d);
+    a2 += qv * load(k[2] + d);
+    a3 += qv * load(k[3] + d);
   }
   out[0] = hsum(a0);
   out[1] = hsum(a1);
@@ -150,7 +158,8 @@ static inline float dot1(const float* q, const float* k, int hsp) {
 }
 
 // acc[0:hsp] += sum_t p[t] * v[t][0:hsp], four accumulator vectors at a time.
-static inline void accumulate_values(float* acc, const float* p, const float* v, int n, int hsp) {
+static inline void accumulate_values(float* acc, const float* p, const float* const* v, int n,
+                                     int hsp) {
   int d = 0;
   for (; d + 4 * VW <= hsp; d += 4 * VW) {
     vfloat a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
@@ -158,7 +167,7 @@ static inline void accumulate_values(float* acc, const float* p, const float* v,
     for (int t = 0; t < n; ++t) {
       if (p[t] == 0.0f) continue;
       const vfloat pt = splat(p[t]);
-      const float* vr = v + int64_t(t) * hsp + d;
+      const float* vr = v[t] + d;
       a0 += pt * load(vr);
       a1 += pt * load(vr + VW);
       a2 += pt * load(vr + 2 * VW);
@@ -173,7 +182,7 @@ static inline void accumulate_values(float* acc, const float* p, const float* v,
     vfloat a = load(acc + d);
     for (int t = 0; t < n; ++t) {
       if (p[t] == 0.0f) continue;
-      a += splat(p[t]) * load(v + int64_t(t) * hsp + d);
+      a += splat(p[t]) * load(v[t] + d);
     }
     store(acc + d, a);
   }
@@ -219,6 +228,14 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
+  // fp32 rows whose length is a whole number of vectors are read in place.
+  const bool kDirectRows = sizeof(T) == sizeof(float) && hsp == hs;
+  const float* k_rows[CH];
+  const float* v_rows[CH];
+  for (int t = 0; t < CH; ++t) {
+    k_rows[t] = k_f + int64_t(t) * hsp;
+    v_rows[t] = v_f + int64_t(t) * hsp;
+  }
   if (hsp != hs) {  // padded lanes of the key/value chunks must be finite zeros
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hsp);
@@ -237,14 +254,20 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
 
   for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += CH) {
     const int n = (w.kv_end - j0) < CH ? (w.kv_end - j0) : CH;
-    // Gather this chunk's rows through the block table; prefetch the next chunk.
+    // Gather this chunk's rows through the block table (16-bit rows are converted
+    // to fp32 once, for every query head of the group); prefetch the next chunk.
     for (int t = 0; t < n; ++t) {
       const int j = j0 + t;
       const int logical = j / bs;
       const int64_t offset = int64_t(table[logical]) * block_stride + kv_head_offset +
                              int64_t(j - logical * bs) * hs;
-      row_to_float(key_cache + offset, k_f + int64_t(t) * hsp, hs);
-      row_to_float(value_cache + offset, v_f + int64_t(t) * hsp, hs);
+      if (kDirectRows) {
+        k_rows[t] = reinterpret_cast<const float*>(key_cache + offset);
+        v_rows[t] = reinterpret_cast<const float*>(value_cache + offset);
+      } else {
+        row_to_float(key_cache + offset, k_f + int64_t(t) * hsp, hs);
+        row_to_float(value_cache + offset, v_f + int64_t(t) * hsp, hs);
+      }
       const int jn = j + CH;
       if (jn < w.kv_end) {
         const int ln = jn / bs;
@@ -259,26 +282,39 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       const float* qm = q_f + int64_t(m) * hsp;
       float* s = scores + int64_t(m) * CH;
       int t = 0;
-      for (; t + 4 <= n; t += 4) dot4(qm, k_f + int64_t(t) * hsp, hsp, s + t);
-      for (; t < n; ++t) s[t] = dot1(qm, k_f + int64_t(t) * hsp, hsp);
+      for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t);
+      for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp);
 
       // Score modifiers and masks, then the online-softmax update.
       const int head = w.kv_head * group + m % group;
       const int pos = w.first_pos + m / group;
       const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
       float chunk_max = -__builtin_inff();
-      for (t = 0; t < n; ++t) {
-        const int j = j0 + t;
-        float x = s[t];
-        if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
-        if (P.alibi_slopes) x += slope * float(j - pos);
-        const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
-        x = visible ? x : -__builtin_inff();
-        s[t] = x;
-        chunk_max = x > chunk_max ? x : chunk_max;
+      const bool all_visible = j0 + n - 1 <= pos &&
+                               (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
+      if (all_visible && !soft_cap && !P.alibi_slopes) {
+        // The common decode case: nothing to mask or modify.
+        for (t = n; t < CH; ++t) s[t] = -__builtin_inff();
+        vfloat vmax = load(s);
+        for (t = VW; t < CH; t += VW) {
+          const vfloat x = load(s + t);
+          vmax = x > vmax ? x : vmax;
+        }
+        for (int i = 0; i < VW; ++i) chunk_max = vmax[i] > chunk_max ? vmax[i] : chunk_max;
+      } else {
+        for (t = 0; t < n; ++t) {
+          const int j = j0 + t;
+          float x = s[t];
+          if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
+          if (P.alibi_slopes) x += slope * float(j - pos);
+          const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
+          x = visible ? x : -__builtin_inff();
+          s[t] = x;
+          chunk_max = x > chunk_max ? x : chunk_max;
+        }
+        for (; t < CH; ++t) s[t] = -__builtin_inff();
       }
       if (chunk_max == -__builtin_inff()) continue;  // nothing visible in this chunk
-      for (; t < CH; ++t) s[t] = -__builtin_inff();
 
       const float new_max = chunk_max > run_max[m] ? chunk_max : run_max[m];
       const vfloat shift = splat(new_max);
@@ -297,7 +333,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         run_max[m] = new_max;
       }
       run_sum[m] += hsum(total);
-      accumulate_values(am, s, v_f, n, hsp);
+      accumulate_values(am, s, v_rows, n, hsp);
     }
   }
 
