@@ -6,9 +6,11 @@ Every subcommand accepts ``--json``: the last line printed is then one JSON obje
 import argparse
 import json
 import sys
-from typing import Callable, Dict, List, Optional
+from dataclasses import asdict
+from statistics import mean
+from typing import Callable, Dict, List, NoReturn, Optional
 
-from . import walkthrough
+from . import memory, simulator, walkthrough, workloads
 
 Command = Callable[[argparse.Namespace], Dict]
 
@@ -20,9 +22,154 @@ def build_parser() -> argparse.ArgumentParser:
                                        "against the reference implementation")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=walkthrough.run)
+    add_memory_command(sub)
+    add_simulate_command(sub)
     for child in sub.choices.values():
         child.add_argument("--json", action="store_true", help="end with one JSON object")
     return parser
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def fail(message: str) -> NoReturn:
+    raise SystemExit(f"paged-attention: error: {message}")
+
+
+# ---- memory ----------------------------------------------------------------------------
+
+def add_memory_command(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("memory", help="KV-cache bytes per token, sequence and block for a model shape")
+    cmd.add_argument("--preset", choices=sorted(memory.PRESETS),
+                     help="a known model shape; explicit flags override its fields")
+    cmd.add_argument("--layers", type=positive_int)
+    cmd.add_argument("--kv-heads", type=positive_int)
+    cmd.add_argument("--head-size", type=positive_int)
+    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16")
+    cmd.add_argument("--max-len", type=positive_int, default=2048, help="tokens per sequence")
+    cmd.add_argument("--block-size", type=positive_int, help="also report bytes per block")
+    cmd.add_argument("--memory-gib", type=positive_float,
+                     help="also report how many tokens, blocks and sequences fit")
+    cmd.set_defaults(run=run_memory)
+
+
+def run_memory(args: argparse.Namespace) -> Dict:
+    try:
+        shape = memory.resolve_shape(args.preset, args.layers, args.kv_heads, args.head_size)
+    except ValueError as error:
+        fail(str(error))
+    report = {"preset": args.preset, **memory.kv_report(shape, args.dtype, args.max_len,
+                                                         args.block_size, args.memory_gib)}
+    size = memory.format_bytes
+    rows = [("KV cache per token", f"{size(report['bytes_per_token'])} ({report['bytes_per_token']} bytes)"),
+            (f"per sequence of {args.max_len} tokens",
+             f"{size(report['bytes_per_sequence'])} ({report['bytes_per_sequence']} bytes)")]
+    if args.block_size is not None:
+        rows.append((f"per block of {args.block_size} tokens", size(report["bytes_per_block"])))
+    if args.memory_gib is not None:
+        blocks = f"{report['blocks_fit']} blocks, " if args.block_size is not None else ""
+        rows.append((f"fits in {size(report['memory_bytes'])}", f"{report['tokens_fit']} tokens, {blocks}"
+                     f"{report['sequences_fit']} sequences of {args.max_len} tokens"))
+    overridden = args.preset and any(v is not None for v in (args.layers, args.kv_heads, args.head_size))
+    name = f"{args.preset} (overridden)" if overridden else args.preset or "model"
+    print(f"{name}: {shape.layers} layers, {shape.kv_heads} KV heads, "
+          f"head size {shape.head_size}, {args.dtype} ({report['dtype_bytes']} bytes per value)")
+    width = max(len(label) for label, _ in rows) + 1
+    for label, value in rows:
+        print(f"  {label + ':':<{width}} {value}")
+    return report
+
+
+# ---- simulate --------------------------------------------------------------------------
+
+def add_simulate_command(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("simulate", help="replay a request trace through KV-cache allocation "
+                                          "strategies and report memory utilisation and sharing")
+    cmd.add_argument("--workload", choices=sorted(workloads.WORKLOADS), default="sharegpt",
+                     help="synthetic length distribution (see docs/memory.md)")
+    cmd.add_argument("--trace", help="JSON lines of {\"prompt_len\": int, \"output_len\": int}; "
+                                     "replaces --workload")
+    cmd.add_argument("--save-trace", help="write the trace used as JSON lines")
+    cmd.add_argument("--num-requests", type=positive_int, default=1000)
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--max-len", type=positive_int, default=2048)
+    cmd.add_argument("--block-size", type=positive_int, default=16)
+    cmd.add_argument("--pool-tokens", type=positive_int, default=32768,
+                     help="KV pool size in token slots")
+    cmd.add_argument("--parallel-samples", type=positive_int, default=1,
+                     help="also measure sharing with N parallel samples per request")
+    cmd.add_argument("--beam-width", type=positive_int, default=1,
+                     help="also measure sharing in beam search of width N")
+    cmd.add_argument("--beam-switch-prob", type=probability, default=0.1,
+                     help="per step, chance that a beam is replaced by a child of the top beam")
+    cmd.set_defaults(run=run_simulate)
+
+
+def run_simulate(args: argparse.Namespace) -> Dict:
+    try:
+        trace = (workloads.load_trace(args.trace) if args.trace else
+                 workloads.synthetic_trace(args.workload, args.num_requests, args.seed, args.max_len))
+    except (OSError, ValueError) as error:
+        fail(str(error))
+    longest = max(r.prompt_len + r.output_len for r in trace)
+    if longest > args.max_len or args.max_len > args.pool_tokens:
+        fail(f"need longest request ({longest}) <= --max-len ({args.max_len}) <= --pool-tokens "
+             f"({args.pool_tokens})")
+    if args.save_trace:
+        workloads.save_trace(trace, args.save_trace)
+    source = args.trace or f"{args.workload} (seed {args.seed})"
+    report: Dict = {
+        "workload": source, "num_requests": len(trace),
+        "mean_prompt_len": mean(r.prompt_len for r in trace),
+        "mean_output_len": mean(r.output_len for r in trace),
+        "max_len": args.max_len, "block_size": args.block_size, "pool_tokens": args.pool_tokens,
+        "strategies": {},
+    }
+    print(f"{source}: {len(trace)} requests, mean prompt {report['mean_prompt_len']:.1f}, "
+          f"mean output {report['mean_output_len']:.1f} tokens; max_len {args.max_len}, "
+          f"pool {args.pool_tokens} token slots, block size {args.block_size}")
+    print(f"{'strategy':<9} {'utilisation':>11} {'at peak':>8} {'requests fit':>12} "
+          f"{'preemptions':>11} {'steps':>7} {'waste/request':>13}")
+    for name in simulator.STRATEGIES:
+        stats = simulator.replay(trace, simulator.make_strategy(name, args.pool_tokens, args.max_len,
+                                                                args.block_size))
+        report["strategies"][name] = asdict(stats)
+        fit = f"{stats.mean_batch:.1f}" if stats.mean_batch is not None else "all"
+        print(f"{name:<9} {stats.utilisation:>11.1%} {stats.utilisation_at_peak:>8.1%} {fit:>12} "
+              f"{stats.preemptions:>11} {stats.steps:>7} {stats.mean_waste_at_finish:>13.1f}")
+    print("utilisation: share of reserved slots holding tokens, time average and at the step storing "
+          "the most tokens\nrequests fit: mean running requests while others wait; waste/request: "
+          "empty reserved slots when a request finishes (docs/memory.md)")
+    if args.parallel_samples > 1:
+        stats = simulator.parallel_sampling_savings(trace, args.parallel_samples, args.block_size)
+        report["parallel_sampling"] = asdict(stats)
+        print(f"parallel sampling, {stats.width} samples: sharing saves {stats.saved_fraction:.1%} "
+              f"of KV blocks")
+    if args.beam_width > 1:
+        stats = simulator.beam_search_savings(trace, args.beam_width, args.block_size,
+                                              args.beam_switch_prob, args.seed)
+        report["beam_search"] = {**asdict(stats), "switch_prob": args.beam_switch_prob}
+        print(f"beam search, width {stats.width} (switch prob {args.beam_switch_prob}): "
+              f"sharing saves {stats.saved_fraction:.1%} of KV blocks")
+    return report
 
 
 def main(argv: Optional[List[str]] = None) -> int:
