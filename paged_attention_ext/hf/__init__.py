@@ -1,7 +1,9 @@
-"""Hugging Face transformers integration.
+"""Hugging Face transformers integration (transformers 5.x).
 
 Importing this module registers the attention implementation ``paged_attention_ext``
-(attention function and mask function) with transformers' registries.
+(attention function and mask function) with transformers' registries. A model built with
+it runs either the engine's packed forward (``paged_batch=PagedBatch(...)``) or
+``generate`` with ``past_key_values=PagedCache(model.config)``.
 """
 
 from transformers import AttentionInterface
@@ -9,16 +11,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import paged_attention_forward
 from .batch import PagedBatch
+from .cache import PagedCache, publish_padding_mask
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
 
-
-def _no_mask(*args, **kwargs):
-    """Masks come from block tables, sequence lengths and query_start_loc instead."""
-    return None
-
-
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, publish_padding_mask)
 
-__all__ = ["ATTN_IMPLEMENTATION", "PagedBatch", "paged_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "PagedBatch", "PagedCache", "paged_attention_forward"]
