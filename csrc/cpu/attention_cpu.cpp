@@ -21,6 +21,22 @@ namespace {
 constexpr int64_t kMinPartitionTokens = 256;
 // Aim for this many work items per thread so dynamic scheduling balances.
 constexpr int64_t kItemsPerThread = 4;
+// Below this many multiply-adds per thread (~0.1 ms) waking more threads costs more
+// than it saves, and on a busy machine it can wait for a core that is not free.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 19;
+
+// Threads worth using for a call: enough work for each, never more than torch's setting.
+int threads_for(const AttentionShape& s, const at::Tensor& seq_lens,
+                const std::optional<at::Tensor>& query_start_loc, int max_threads) {
+  if (max_threads <= 1) return 1;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t kv_tokens = 0;
+  for (int64_t i = 0; i < s.num_seqs; ++i) kv_tokens += lens[i * seq_lens.stride(0)];
+  // Decode reads every KV token once per query head; multi-token tiles do more.
+  const int64_t rows = query_start_loc.has_value() ? std::max<int64_t>(1, s.num_tokens / std::max<int64_t>(1, s.num_seqs)) : 1;
+  const int64_t work = kv_tokens * rows * s.num_heads * s.head_size * 2;
+  return int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, max_threads));
+}
 
 ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
@@ -183,7 +199,9 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   const at::Tensor query = query_in;
   const std::optional<at::Tensor> slopes =
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
-  const int num_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int num_threads = at::in_parallel_region()
+                              ? 1
+                              : threads_for(s, seq_lens, query_start_loc, at::get_num_threads());
   const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, num_threads);
 
   AttentionParams p{};
