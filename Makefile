@@ -28,3 +28,31 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build $(VENV) paged_attention_ext/*.so *.egg-info
+
+# CUDA compile check, for CI on machines without a GPU: the CUDA build of torch in
+# its own venv, and the extension compiled with nvcc for sm_90 into build/cuda-check
+# (the in-place CPU build is left alone). Nothing CUDA runs here.
+CUDA_VENV := .venv-cuda
+CUDA_PY := $(CUDA_VENV)/bin/python
+CUDA_STAMP := $(CUDA_VENV)/.installed
+CUDA_HOME ?= /usr/local/cuda
+CUDA_CHECK_DIR := build/cuda-check
+
+.PHONY: cuda-build-check
+
+$(CUDA_STAMP):
+	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PY) -m pip install --quiet torch==2.14.1 numpy ninja wheel 'setuptools>=70'
+	touch $(CUDA_STAMP)
+
+# Loading the library afterwards catches undefined symbols, which linking a shared
+# object lets through.
+cuda-build-check: $(CUDA_STAMP)
+	mkdir -p $(CUDA_CHECK_DIR)
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=2 $(CUDA_PY) setup.py --quiet build_ext \
+		--build-lib $(CUDA_CHECK_DIR)/lib --build-temp $(CUDA_CHECK_DIR)/tmp \
+		> $(CUDA_CHECK_DIR)/build.log 2>&1 || { tail -n 60 $(CUDA_CHECK_DIR)/build.log; exit 1; }
+	@$(CUDA_PY) -c "import torch; torch.ops.load_library('$(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so'); \
+		ops = ['attention', 'attention_with_lse', 'attention_out', 'write_kv', 'copy_blocks', 'swap_blocks']; \
+		missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key('paged::' + op, 'CUDA')]; \
+		assert not missing, f'no CUDA kernel for {missing}'; print('cuda-build-check: sm_90 build OK, CUDA kernels of', len(ops), 'ops registered')"

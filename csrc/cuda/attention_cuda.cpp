@@ -1,0 +1,162 @@
+// CUDA implementation of paged.attention / attention_with_lse / attention_out.
+//
+// Shapes, dtypes and devices are validated on the host. The metadata values
+// (block ids, seq_lens, query_start_loc) live on the device and are not read
+// here: that would need a host sync and break CUDA graph capture. The kernels
+// clamp them instead, so no value can cause an out-of-bounds access (see
+// attention_kernels.cu). The work split depends on shapes alone, so a captured
+// graph replays correctly with new metadata values.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../checks.h"
+#include "kernels.h"
+
+namespace paged::cuda {
+namespace {
+
+constexpr int64_t kMaxGridY = 65535;
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat32;
+  }
+}
+
+int multiprocessor_count(int device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+void check_aligned(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": argument '", name,
+                    "' must start at a 16-byte aligned address on CUDA (it is read in 16-byte vectors)");
+}
+
+void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
+                    const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, double scale,
+                    const std::optional<at::Tensor>& query_start_loc,
+                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                    double soft_cap) {
+  const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
+                                                seq_lens, scale, query_start_loc, alibi_slopes,
+                                                sliding_window, soft_cap, &out,
+                                                lse.has_value() ? &*lse : nullptr);
+  TORCH_CHECK_VALUE(query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
+                    query.device());
+  check_aligned(op, "key_cache", key_cache);
+  check_aligned(op, "value_cache", value_cache);
+  TORCH_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
+                    " rows but there are no sequences");
+  TORCH_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
+  TORCH_CHECK_VALUE(s.num_tokens + s.num_seqs <= INT32_MAX, op,
+                    ": too many query rows and sequences for one CUDA launch");
+  if (s.num_tokens == 0 || s.num_heads == 0) return;
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  // The kernels index these densely (a no-op for the usual contiguous tensors).
+  const at::Tensor lens = seq_lens.contiguous();
+  const at::Tensor starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
+  const at::Tensor slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
+
+  AttentionParams p{};
+  p.kind = scalar_kind(query.scalar_type());
+  p.query = query.data_ptr();
+  p.query_token_stride = query.stride(0);
+  p.query_head_stride = query.stride(1);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = lens.data_ptr<int32_t>();
+  p.query_start_loc = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
+  p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  p.num_tokens = int(s.num_tokens);
+  p.num_seqs = int(s.num_seqs);
+  p.num_heads = int(s.num_heads);
+  p.num_kv_heads = int(s.num_kv_heads);
+  p.head_size = int(s.head_size);
+  p.block_size = int(s.block_size);
+  p.num_blocks = int(s.num_blocks);
+  p.max_blocks_per_seq = int(s.max_blocks_per_seq);
+  p.scale = float(scale);
+  p.soft_cap = float(soft_cap);
+  p.sliding_window = int(sliding_window);
+  p.out = out.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
+  plan_attention(p, query_start_loc.has_value(), multiprocessor_count(query.device().index()));
+  TORCH_CHECK_VALUE(int64_t(p.num_kv_heads) * p.head_chunks <= kMaxGridY, op,
+                    ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
+                    kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
+
+  // Partition results: from the caching allocator, which under CUDA graph
+  // capture hands out the graph's private pool, fixed across replays.
+  at::Tensor part_out, part_lse;
+  if (p.num_partitions > 1) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    part_out = at::empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size}, f32);
+    part_lse = at::empty({p.num_partitions, s.num_tokens, s.num_heads}, f32);
+    p.part_out = part_out.data_ptr<float>();
+    p.part_lse = part_lse.data_ptr<float>();
+  }
+  C10_CUDA_CHECK(launch_attention(p, c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, double scale,
+                          const std::optional<at::Tensor>& query_start_loc,
+                          const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                          double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  attention_into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_lse_cuda(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+    const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window, double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  std::optional<at::Tensor> lse;
+  if (query.dim() == 3) lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
+  attention_into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return {out, *lse};
+}
+
+void attention_out_cuda(at::Tensor& out, const std::optional<at::Tensor>& lse,
+                        const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale,
+                        const std::optional<at::Tensor>& query_start_loc,
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        double soft_cap) {
+  attention_into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables,
+                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(paged, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("attention_with_lse", &attention_with_lse_cuda);
+  m.impl("attention_out", &attention_out_cuda);
+}
+
+}  // namespace paged::cuda

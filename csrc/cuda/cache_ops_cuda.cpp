@@ -1,0 +1,172 @@
+// CUDA implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
+// Everything is enqueued on the current stream; nothing waits for the device.
+// Values that live on the device (slot ids, a device block mapping) are not
+// validated, since that would need a sync; the kernels skip out-of-range ones.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "../checks.h"
+#include "kernels.h"
+
+namespace paged::cuda {
+namespace {
+
+void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK_VALUE(key.is_cuda(), "paged.write_kv: argument 'key' must be a CUDA tensor, got ",
+                    key.device());
+  TORCH_CHECK_VALUE(key.size(0) <= INT32_MAX, "paged.write_kv: too many tokens for one CUDA launch");
+  if (key.size(0) == 0 || key.size(1) == 0) return;
+  const c10::cuda::CUDAGuard guard(key.device());
+  const int64_t elem = key.element_size();
+  WriteKvParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.key_token_stride = key.stride(0) * elem;
+  p.key_head_stride = key.stride(1) * elem;
+  p.value_token_stride = value.stride(0) * elem;
+  p.value_head_stride = value.stride(1) * elem;
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.slot_stride = slot_mapping.stride(0);
+  p.num_tokens = key.size(0);
+  p.num_slots = key_cache.size(0) * key_cache.size(2);
+  p.num_kv_heads = int(key_cache.size(1));
+  p.block_size = int(key_cache.size(2));
+  p.row_bytes = key_cache.size(3) * elem;
+  C10_CUDA_CHECK(launch_write_kv(p, c10::cuda::getCurrentCUDAStream()));
+}
+
+void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
+                      const at::Tensor& block_mapping) {
+  const char* op = "paged.copy_blocks";
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
+                    ": arguments 'key_caches' and 'value_caches' must list the same number of "
+                    "layers, got ", key_caches.size(), " and ", value_caches.size());
+  check_block_mapping(op, block_mapping);
+  if (key_caches.empty()) return;
+  const at::Device device = key_caches[0].device();
+  TORCH_CHECK_VALUE(device.is_cuda(), op, ": argument 'key_caches' must hold CUDA tensors");
+  for (size_t l = 0; l < key_caches.size(); ++l) {
+    check_cache_tensor(op, "key_caches", key_caches[l]);
+    check_cache_tensor(op, "value_caches", value_caches[l]);
+    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
+                          key_caches[l].scalar_type() == value_caches[l].scalar_type(),
+                      op, ": key_caches[", l, "] and value_caches[", l,
+                      "] must have the same shape and dtype");
+    TORCH_CHECK_VALUE(key_caches[l].device() == device && value_caches[l].device() == device, op,
+                      ": every cache must be on ", device, "; layer ", l, " is not");
+    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
+                      ": every layer must have the same num_blocks");
+  }
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0) return;
+  TORCH_CHECK_VALUE(num_pairs <= INT32_MAX, op, ": too many pairs for one CUDA launch");
+  const c10::cuda::CUDAGuard guard(device);
+
+  // A host mapping is validated, then copied asynchronously from pinned memory
+  // (the caching host allocator keeps it alive until the copy is done). A
+  // device mapping is used as it is: out-of-range pairs are skipped.
+  at::Tensor mapping;
+  if (block_mapping.device().is_cpu()) {
+    check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
+                               /*same_pool=*/true);
+    at::Tensor host = block_mapping.contiguous();
+    if (!host.is_pinned()) host = host.pin_memory();
+    mapping = host.to(device, /*non_blocking=*/true);
+  } else {
+    TORCH_CHECK_VALUE(block_mapping.device() == device, op,
+                      ": argument 'block_mapping' must be on the CPU or on ", device, ", got ",
+                      block_mapping.device());
+    mapping = block_mapping.contiguous();
+  }
+
+  CopyBlocksParams p{};
+  p.block_mapping = mapping.data_ptr<int64_t>();
+  p.num_pairs = num_pairs;
+  p.num_blocks = key_caches[0].size(0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Layers in groups of kMaxCopyLayers: one launch for any usual model.
+  for (size_t first = 0; first < key_caches.size(); first += kMaxCopyLayers) {
+    p.num_layers = int(std::min<size_t>(kMaxCopyLayers, key_caches.size() - first));
+    for (int l = 0; l < p.num_layers; ++l) {
+      const at::Tensor& k = key_caches[first + l];
+      p.key_caches[l] = k.data_ptr();
+      p.value_caches[l] = value_caches[first + l].data_ptr();
+      p.block_bytes[l] = k.stride(0) * k.element_size();
+    }
+    C10_CUDA_CHECK(launch_copy_blocks(p, stream));
+  }
+}
+
+void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  const char* op = "paged.swap_blocks";
+  check_block_mapping(op, block_mapping);
+  TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
+                    ": argument 'block_mapping' must be a CPU tensor (the copies are issued from "
+                    "the host)");
+  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
+                   ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
+                   " and ", dst.scalar_type());
+  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
+                        src.sizes().slice(1) == dst.sizes().slice(1),
+                    op, ": arguments 'src' and 'dst' must have the same block shape, got ",
+                    src.sizes(), " and ", dst.sizes());
+  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
+                    ": arguments 'src' and 'dst' must be contiguous");
+  TORCH_CHECK_VALUE((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
+                    ": 'src' and 'dst' must be CUDA or CPU tensors, got ", src.device(), " and ",
+                    dst.device());
+  TORCH_CHECK_VALUE(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(), op,
+                    ": 'src' and 'dst' on two CUDA devices are not supported, got ", src.device(),
+                    " and ", dst.device());
+  const bool same_pool = src.data_ptr() == dst.data_ptr();
+  check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0), same_pool);
+  if (block_mapping.size(0) == 0 || src.numel() == 0) return;
+
+  // Sorted by source, runs of consecutive source and destination blocks become
+  // one copy each. The pairs are independent (checked), so order is free.
+  const at::Tensor pairs_tensor = block_mapping.contiguous();
+  const int64_t* raw = pairs_tensor.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> pairs(block_mapping.size(0));
+  for (size_t i = 0; i < pairs.size(); ++i) pairs[i] = {raw[2 * i], raw[2 * i + 1]};
+  std::sort(pairs.begin(), pairs.end());
+
+  const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t block_bytes = src.stride(0) * src.element_size();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(dst.data_ptr());
+  // cudaMemcpyDefault: the direction follows from the (unified) addresses. With
+  // pinned host memory the copy is asynchronous; with pageable memory the
+  // driver stages it and the call returns once the host side is done.
+  for (size_t i = 0; i < pairs.size();) {
+    size_t n = 1;
+    while (i + n < pairs.size() && pairs[i + n].first == pairs[i].first + int64_t(n) &&
+           pairs[i + n].second == pairs[i].second + int64_t(n)) {
+      ++n;
+    }
+    C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[i].second * block_bytes, from + pairs[i].first * block_bytes,
+                                   n * block_bytes, cudaMemcpyDefault, stream));
+    i += n;
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(paged, CUDA, m) {
+  m.impl("write_kv", &write_kv_cuda);
+  m.impl("copy_blocks", &copy_blocks_cuda);
+  m.impl("swap_blocks", &swap_blocks_cuda);
+}
+
+}  // namespace paged::cuda

@@ -1,0 +1,113 @@
+// The interface between the torch-aware host code (*_cuda.cpp, compiled by the
+// host compiler) and the kernels (*.cu, compiled by nvcc). Deliberately free of
+// torch headers: nvcc then parses no ATen header once per target architecture,
+// which keeps a multi-architecture build short.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace paged::cuda {
+
+enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Query vectors (query rows x query heads of one GQA group) one CTA holds.
+constexpr int kMaxQueriesPerCta = 8;
+// Upper bound on split-KV partitions (the merge kernel keeps their weights in
+// shared memory).
+constexpr int kMaxPartitions = 512;
+
+struct AttentionParams {
+  ScalarKind kind;
+  // query [num_tokens, num_heads, head_size], last dim contiguous (strides in elements).
+  const void* query;
+  int64_t query_token_stride;
+  int64_t query_head_stride;
+  // caches [num_blocks, num_kv_heads, block_size, head_size], contiguous, 16-byte aligned.
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, block_table_stride]
+  int64_t block_table_stride;
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1], or nullptr for decode
+  const float* alibi_slopes;       // [num_heads], contiguous, or nullptr
+  int num_tokens;
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int num_blocks;
+  int max_blocks_per_seq;
+  float scale;
+  float soft_cap;      // <= 0: disabled
+  int sliding_window;  // <= 0: disabled
+
+  // Work decomposition (see attention_cuda.cpp: plan_attention). A CTA owns
+  // rows_per_tile query rows of one sequence times heads_per_cta query heads
+  // of one KV head, against one partition of partition_size keys.
+  int rows_per_tile;
+  int heads_per_cta;
+  int head_chunks;  // ceil(group / heads_per_cta)
+  int num_tiles;    // grid.x: an upper bound on the query tiles
+  int num_partitions;
+  int partition_size;
+
+  // Final results: out in the query's dtype (strides in elements), lse fp32 or nullptr.
+  void* out;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  float* lse;
+  int64_t lse_token_stride;
+  // fp32 partition results when num_partitions > 1:
+  // part_out [num_partitions, num_tokens, num_heads, head_size], part_lse [.., num_heads].
+  float* part_out;
+  float* part_lse;
+};
+
+// Fills the work decomposition (rows_per_tile ... partition_size) from the
+// shapes in `params`; reads no tensor data, so a captured CUDA graph stays valid
+// for any metadata values.
+void plan_attention(AttentionParams& params, bool multi_token, int multiprocessors);
+
+// Attention, plus the partition merge when num_partitions > 1, on `stream`.
+cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream);
+
+struct WriteKvParams {
+  // key/value [num_tokens, num_kv_heads, row]; strides in bytes.
+  const void* key;
+  const void* value;
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  int64_t value_token_stride;
+  int64_t value_head_stride;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens], on the device
+  int64_t slot_stride;
+  int64_t num_tokens;
+  int64_t num_slots;  // num_blocks * block_size
+  int num_kv_heads;
+  int block_size;
+  int64_t row_bytes;  // head_size * element size
+};
+
+cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
+
+// Layers one copy_blocks launch covers; its kernel parameters stay under 4 KB.
+constexpr int kMaxCopyLayers = 128;
+
+struct CopyBlocksParams {
+  void* key_caches[kMaxCopyLayers];
+  void* value_caches[kMaxCopyLayers];
+  int64_t block_bytes[kMaxCopyLayers];
+  const int64_t* block_mapping;  // [num_pairs, 2] (src, dst), contiguous, on the device
+  int64_t num_pairs;
+  int64_t num_blocks;
+  int num_layers;  // <= kMaxCopyLayers
+};
+
+cudaError_t launch_copy_blocks(const CopyBlocksParams& params, cudaStream_t stream);
+
+}  // namespace paged::cuda

@@ -1,0 +1,534 @@
+"""The CUDA kernels against the reference, opcheck, and CUDA graph capture.
+
+Skipped where no GPU is present. Runs under pytest, or as a plain script on a machine
+without pytest (``python tests/test_cuda.py [-k SUBSTRING]``, closing with
+``N passed, N failed``).
+"""
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # paged_case, as a script too
+
+try:
+    import pytest
+except ImportError:  # the script runner at the end stands in
+    pytest = None
+
+if not torch.cuda.is_available() and pytest is not None and __name__ != "__main__":
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import paged_attention_ext as pa  # noqa: E402
+from paged_attention_ext import reference as ref  # noqa: E402
+from paged_case import DTYPES, TOLERANCES, PagedCase, make_case, query_start_loc, random_query  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def parametrize(names, values):
+    """``pytest.mark.parametrize``, also recorded for the script runner."""
+    def wrap(fn):
+        fn.cases = [(names, values)] + getattr(fn, "cases", [])
+        return pytest.mark.parametrize(names, values)(fn) if pytest else fn
+    return wrap
+
+
+def on_cuda(case: PagedCase) -> PagedCase:
+    return dataclasses.replace(case, key_cache=case.key_cache.to(CUDA), value_cache=case.value_cache.to(CUDA),
+                               block_tables=case.block_tables.to(CUDA), seq_lens=case.seq_lens.to(CUDA))
+
+
+def cuda_kwargs(kwargs):
+    return {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+
+
+def assert_matches_reference(query, case, scale, **kwargs):
+    """Runs the CUDA op on copies of CPU inputs and compares with the fp32 reference."""
+    gpu = on_cuda(case)
+    out, lse = pa.attention_with_lse(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
+                                     gpu.seq_lens, scale, **cuda_kwargs(kwargs))
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, scale, **kwargs)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == query.dtype and out.shape == query.shape
+    assert not out.isnan().any(), "NaN in output"
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    return out
+
+
+def edge_lengths(block_size: int):
+    return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5})
+
+
+# ---- paged.attention ---------------------------------------------------------------
+
+@parametrize("dtype", DTYPES)
+@parametrize("block_size", [1, 8, 16, 32, 64, 128, 256])
+def test_decode_block_sizes_and_edge_lengths(dtype, block_size):
+    lens = edge_lengths(block_size) + [0]  # 0: a padded row
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=block_size, dtype=dtype)
+    out = assert_matches_reference(random_query(len(lens), 8, 64, dtype), case, 64 ** -0.5)
+    assert (out[-1] == 0).all(), "a padded row must yield zeros"
+
+
+@parametrize("dtype", DTYPES)
+@parametrize("head_size", [8, 32, 40, 64, 80, 96, 112, 120, 128, 136, 192, 256])
+def test_decode_head_sizes(dtype, head_size):
+    lens = [1, 15, 16, 17, 70]
+    case = make_case(lens, num_kv_heads=2, head_size=head_size, block_size=16, dtype=dtype)
+    assert_matches_reference(random_query(len(lens), 4, head_size, dtype), case, head_size ** -0.5)
+
+
+@parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1), (12, 1), (40, 4), (64, 1)])
+@parametrize("multi_token", [False, True])
+def test_gqa_and_mqa(num_heads, num_kv_heads, multi_token):
+    # Groups larger than a CTA's 8 query vectors are split over several CTAs.
+    lens = [5, 33, 64, 100]
+    q_lens = [5, 2, 1, 9] if multi_token else None
+    case = make_case(lens, num_kv_heads=num_kv_heads, head_size=64, block_size=16, dtype=torch.float32)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(int(qsl[-1]) if multi_token else len(lens), num_heads, 64, torch.float32)
+    assert_matches_reference(query, case, 0.125, query_start_loc=qsl)
+
+
+@parametrize("poison", [float("nan"), 1e30, -1e30, float("inf")])
+def test_unused_slots_do_not_change_output(poison):
+    lens = [1, 15, 16, 17, 0, 40]
+    clean = make_case(lens, 2, 64, 16, torch.float32, poison=None)
+    query = random_query(len(lens), 4, 64, torch.float32).to(CUDA)
+
+    def run():
+        gpu = on_cuda(clean)
+        return pa.attention(query, gpu.key_cache, gpu.value_cache, gpu.block_tables, gpu.seq_lens, 0.125)
+
+    before = run()
+    clean.poison_unused(poison)
+    assert torch.equal(before, run())
+
+
+@parametrize("dtype", DTYPES)
+def test_multi_token_mixed_with_decode(dtype):
+    # Prefill, chunked prefill after a cached prefix, decode, speculative (3 tokens),
+    # a padded sequence and a long chunk, in one call.
+    lens = [37, 80, 20, 19, 0, 300]
+    q_lens = [37, 16, 1, 3, 0, 150]
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype)
+    query = random_query(sum(q_lens), 8, 64, dtype)
+    assert_matches_reference(query, case, 0.125, query_start_loc=query_start_loc(q_lens))
+
+
+@parametrize("window", [1, 7, 16, 50, 700])
+@parametrize("multi_token", [False, True])
+def test_sliding_window(window, multi_token):
+    lens = [1, 16, 17, 90, 2000]
+    q_lens = [1, 16, 5, 40, 33] if multi_token else None
+    case = make_case(lens, 2, 64, 16, torch.float32)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 4, 64, torch.float32)
+    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, sliding_window=window)
+
+
+@parametrize("multi_token", [False, True])
+def test_alibi_and_soft_cap(multi_token):
+    lens = [3, 17, 64, 129]
+    q_lens = [3, 4, 1, 20] if multi_token else None
+    case = make_case(lens, 2, 64, 16, torch.bfloat16)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)], dtype=torch.float32)
+    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes)
+    assert_matches_reference(query * 8, case, 0.125, query_start_loc=qsl, soft_cap=5.0)
+    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes,
+                             sliding_window=10, soft_cap=30.0)
+
+
+@parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_long_context(dtype):
+    # Few sequences with long contexts: the keys are split into partitions and merged.
+    lens = [20000, 777, 0]
+    case = make_case(lens, 1, 128, 16, dtype)
+    query = random_query(len(lens), 4, 128, dtype)
+    assert_matches_reference(query, case, 128 ** -0.5)
+    assert_matches_reference(query, case, 128 ** -0.5, sliding_window=1500)
+    qsl = query_start_loc([40, 3, 0])
+    query = random_query(43, 4, 128, dtype)
+    assert_matches_reference(query, case, 128 ** -0.5, query_start_loc=qsl)
+
+
+def test_split_kv_matches_cpu_kernel():
+    case = make_case([30000], 1, 128, 16, torch.float32)
+    query = random_query(1, 8, 128, torch.float32)
+    want = pa.attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
+    gpu = on_cuda(case)
+    got = pa.attention(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables, gpu.seq_lens, 0.1)
+    torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
+
+
+def test_large_scores_are_stable():
+    case = make_case([50, 3], 1, 64, 16, torch.float32)
+    query = random_query(2, 2, 64, torch.float32) * 100.0
+    assert assert_matches_reference(query, case, 1.0).isfinite().all()
+
+
+def test_non_contiguous_query_and_lse_of_one_key():
+    case = make_case([10, 33], 2, 64, 8, torch.float32)
+    fused = random_query(2, 12, 64, torch.float32)
+    query = fused[:, :8]  # a view into a fused projection: strided heads
+    assert not query.is_contiguous()
+    assert_matches_reference(query, case, 0.125)
+    one = make_case([1], 1, 64, 8, torch.float32)
+    q = random_query(1, 1, 64, torch.float32)
+    gpu = on_cuda(one)
+    _, lse = pa.attention_with_lse(q.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
+                                   gpu.seq_lens, 0.5)
+    block = int(one.block_tables[0, 0])
+    torch.testing.assert_close(lse.cpu()[0, 0], 0.5 * torch.dot(q[0, 0], one.key_cache[block, 0, 0]))
+
+
+def test_strided_metadata():
+    case = make_case([10, 33, 0], 2, 64, 16, torch.float32)
+    gpu = on_cuda(case)
+    q_lens = [4, 2, 0]
+    qsl = query_start_loc(q_lens)
+    slopes = torch.rand(4)
+    query = random_query(sum(q_lens), 4, 64, torch.float32)
+
+    def strided(t):  # every other element of a [n, 2] device tensor
+        return torch.stack([t.to(CUDA), t.to(CUDA)], 1)[:, 0]
+
+    got = pa.attention(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables, strided(case.seq_lens),
+                       0.125, query_start_loc=strided(qsl), alibi_slopes=strided(slopes))
+    want = ref.attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125,
+                         query_start_loc=qsl, alibi_slopes=slopes)
+    torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
+
+
+def test_lse_merges_two_halves_exactly():
+    n, m = 1000, 370
+    case = on_cuda(make_case([n], 1, 64, 16, torch.float32))
+    q = random_query(1, 4, 64, torch.float32).to(CUDA)
+    args = (case.key_cache, case.value_cache, case.block_tables)
+    full = pa.attention(q, *args, case.seq_lens, 0.125)
+    first, lse1 = pa.attention_with_lse(q, *args, torch.tensor([m], dtype=torch.int32, device=CUDA), 0.125)
+    second, lse2 = pa.attention_with_lse(q, *args, case.seq_lens, 0.125, sliding_window=n - m)
+    w1, w2 = torch.exp(lse1), torch.exp(lse2)
+    merged = (first * w1[..., None] + second * w2[..., None]) / (w1 + w2)[..., None]
+    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
+
+
+def test_out_variant_writes_into_caller_buffers():
+    case = make_case([5, 0, 40], 2, 64, 16, torch.bfloat16)
+    query = random_query(3, 4, 64, torch.bfloat16)
+    gpu = on_cuda(case)
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device=CUDA)
+    lse = torch.full((3, 4), float("nan"), device=CUDA)
+    result = pa.attention_out(out, query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
+                              gpu.seq_lens, 0.125, lse=lse)
+    assert result.data_ptr() == out.data_ptr()
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125)
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse.cpu(), want_lse)
+    assert (out[1] == 0).all() and math.isinf(lse[1, 0]) and lse[1, 0] < 0
+
+
+@parametrize("multi_token", [False, True])
+def test_out_of_range_metadata_never_faults(multi_token):
+    # Device metadata is not validated on CUDA (that would need a sync), but no value
+    # may make a kernel touch memory outside its tensors. An illegal access would
+    # surface at the synchronize, and poison every later CUDA call.
+    case = on_cuda(make_case([5, 20, 40], 2, 64, 16, torch.float32))
+    tables = torch.tensor([[-1, 2 ** 30, 7, 0], [12345, -7, 3, 1], [2 ** 31 - 1, -2 ** 31, 0, 1]],
+                          dtype=torch.int32, device=CUDA)
+    seq_lens = torch.tensor([1000, -3, 2 ** 31 - 1], dtype=torch.int32, device=CUDA)
+    if multi_token:
+        qsl = torch.tensor([0, 50, -3, 2 ** 30], dtype=torch.int32, device=CUDA)
+        query = torch.randn(9, 8, 64, device=CUDA)
+    else:
+        qsl, query = None, torch.randn(3, 8, 64, device=CUDA)
+    for window in (-1, 5):
+        pa.attention_with_lse(query, case.key_cache, case.value_cache, tables, seq_lens, 0.1,
+                              query_start_loc=qsl, sliding_window=window)
+    slots = torch.tensor([-5, 10 ** 12, case.key_cache.shape[0] * 16], device=CUDA)
+    before = case.key_cache.clone()
+    pa.write_kv(torch.ones(3, 2, 64, device=CUDA), torch.ones(3, 2, 64, device=CUDA),
+                case.key_cache, case.value_cache, slots)
+    pa.copy_blocks([case.key_cache], [case.value_cache],
+                   torch.tensor([[-1, 0], [0, 10 ** 9]], device=CUDA))
+    torch.cuda.synchronize()
+    assert torch.equal(case.key_cache, before), "out-of-range slots and pairs must be skipped"
+
+
+def test_ops_never_synchronize_the_host():
+    # Every input is on the device before the check starts: making one from a Python
+    # list is itself a synchronizing copy.
+    case = on_cuda(make_case([3000, 5], 2, 64, 16, torch.bfloat16))
+    query = random_query(2, 8, 64, torch.bfloat16).to(CUDA)
+    new = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16, device=CUDA)
+    slots = torch.tensor([-1], device=CUDA)
+    mapping = torch.tensor([[0, 1]], device=CUDA)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pa.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
+        pa.write_kv(new[0], new[1], case.key_cache, case.value_cache, slots)
+        pa.copy_blocks([case.key_cache], [case.value_cache], mapping)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# ---- CUDA graphs -----------------------------------------------------------------
+
+@parametrize("multi_token", [False, True])
+@parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_capture_and_replay_with_padded_rows(multi_token, dtype):
+    """One captured step (write_kv, then attention_out into fixed buffers), replayed with
+    new metadata each time: new lengths (some 0: padded rows), new block tables, new
+    queries. The block tables are wide, so the capture also holds the split-KV
+    workspace and the merge."""
+    gen = torch.Generator().manual_seed(0)
+    num_seqs, width, bs, kv_heads, heads, hs = 6, 64, 16, 2, 8, 64
+    num_blocks = num_seqs * width + 4
+    key_cache = torch.randn(num_blocks, kv_heads, bs, hs, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, kv_heads, bs, hs, generator=gen).to(dtype)
+    num_tokens = 16 if multi_token else num_seqs
+
+    g_key, g_value = key_cache.to(CUDA), value_cache.to(CUDA)
+    g_query = torch.zeros(num_tokens, heads, hs, dtype=dtype, device=CUDA)
+    g_new = torch.zeros(2, num_tokens, kv_heads, hs, dtype=dtype, device=CUDA)
+    g_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=CUDA)
+    g_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=CUDA)
+    # Capture-time metadata: every row padding (decode), or one prefill from empty.
+    first_q_lens = [num_tokens] + [0] * (num_seqs - 1)
+    g_lens = torch.tensor(first_q_lens if multi_token else [0] * num_seqs, dtype=torch.int32, device=CUDA)
+    g_qsl = query_start_loc(first_q_lens).to(CUDA) if multi_token else None
+    out = torch.empty_like(g_query)
+    lse = torch.empty(num_tokens, heads, device=CUDA)
+
+    def step():
+        pa.write_kv(g_new[0], g_new[1], g_key, g_value, g_slots)
+        pa.attention_out(out, g_query, g_key, g_value, g_tables, g_lens, 0.125, query_start_loc=g_qsl, lse=lse)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch's docs advise
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    address = out.data_ptr()
+
+    for trial in range(3):
+        q_lens = [[5, 0, 1, 3, 7, 0], [16, 0, 0, 0, 0, 0], [1, 2, 3, 4, 6, 0]][trial] if multi_token else [1] * num_seqs
+        lens = torch.maximum(torch.randint(1, width * bs + 1, (num_seqs,), generator=gen),
+                             torch.tensor(q_lens)).int()
+        if not multi_token:
+            lens[trial % num_seqs] = 0  # a padded row (multi-token: the sequences with q_len 0)
+        tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * width].view(num_seqs, width).int()
+        query = torch.randn(num_tokens, heads, hs, generator=gen).to(dtype)
+        new = torch.randn(2, num_tokens, kv_heads, hs, generator=gen).to(dtype)
+        qsl = query_start_loc(q_lens) if multi_token else None
+        # Each query row's key/value is written at its own position first.
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+        for i, n in enumerate(lens.tolist()):
+            rows = range(int(qsl[i]), int(qsl[i + 1])) if multi_token else ([i] if n > 0 else [])
+            for r, position in zip(rows, range(n - len(rows), n)):
+                slots[r] = int(tables[i, position // bs]) * bs + position % bs
+        for dst, src in ((g_query, query), (g_new, new), (g_slots, slots), (g_tables, tables), (g_lens, lens)):
+            dst.copy_(src)
+        if multi_token:
+            g_qsl.copy_(qsl)
+        graph.replay()
+        torch.cuda.synchronize()
+
+        ref.write_kv(new[0], new[1], key_cache, value_cache, slots)
+        want, want_lse = ref.attention_with_lse(query, key_cache, value_cache, tables, lens, 0.125,
+                                                query_start_loc=qsl)
+        assert out.data_ptr() == address
+        torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[dtype])
+        torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-4, rtol=1e-5)
+        assert torch.equal(g_key.cpu(), key_cache) and torch.equal(g_value.cpu(), value_cache)
+        if not multi_token:
+            assert (out[trial % num_seqs] == 0).all(), "a padded row must yield zeros"
+
+
+# ---- opcheck -----------------------------------------------------------------------
+
+@parametrize("multi_token", [False, True])
+@parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_attention(multi_token, dtype):
+    case = on_cuda(make_case([5, 17, 0, 33], num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
+                             poison=None))
+    qsl = query_start_loc([5, 2, 0, 1]).to(CUDA) if multi_token else None
+    query = random_query(8 if multi_token else 4, 4, 64, dtype).to(CUDA)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, qsl,
+            torch.rand(4, device=CUDA), 8, 10.0)
+    torch.library.opcheck(torch.ops.paged.attention.default, args)
+    torch.library.opcheck(torch.ops.paged.attention_with_lse.default, args)
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device=CUDA)
+    torch.library.opcheck(torch.ops.paged.attention_out.default, (out, lse) + args)
+    torch.library.opcheck(torch.ops.paged.attention_out.default, (out, None) + args)
+
+
+def test_opcheck_cache_ops():
+    key_cache, value_cache = torch.zeros(4, 2, 8, 64, device=CUDA), torch.zeros(4, 2, 8, 64, device=CUDA)
+    key, value = torch.randn(3, 2, 64, device=CUDA), torch.randn(3, 2, 64, device=CUDA)
+    torch.library.opcheck(torch.ops.paged.write_kv.default,
+                          (key, value, key_cache, value_cache, torch.tensor([5, -1, 30], device=CUDA)))
+    keys = [torch.randn(4, 2, 8, 64, device=CUDA) for _ in range(2)]
+    values = [torch.randn(4, 2, 8, 64, device=CUDA) for _ in range(2)]
+    torch.library.opcheck(torch.ops.paged.copy_blocks.default,
+                          (keys, values, torch.tensor([[0, 2], [1, 3]], device=CUDA)))
+    src, dst = torch.randn(4, 2, 8, 64, device=CUDA), torch.zeros(3, 2, 8, 64, device=CUDA)
+    torch.library.opcheck(torch.ops.paged.swap_blocks.default, (src, dst, torch.tensor([[3, 0]])))
+
+
+# ---- cache ops ---------------------------------------------------------------------
+
+def random_caches(num_blocks=12, num_kv_heads=2, block_size=16, head_size=64, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+@parametrize("dtype", DTYPES)
+@parametrize("block_size,head_size", [(1, 64), (16, 64), (256, 64), (16, 12), (8, 36)])
+def test_write_kv_scattered_slots_and_padding(dtype, block_size, head_size):
+    # Head sizes 12 and 36 make rows that 16-byte units do not divide.
+    key_cache, value_cache = random_caches(num_blocks=6, block_size=block_size, head_size=head_size, dtype=dtype)
+    num_slots = key_cache.shape[0] * block_size
+    num_tokens = min(40, num_slots)
+    slots = torch.randperm(num_slots)[:num_tokens]
+    slots[::5] = -1
+    qkv = torch.randn(num_tokens, 7, head_size).to(dtype)  # strided views, as from a fused projection
+    key, value = qkv[:, 1:3], qkv[:, 4:6]
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    got_k, got_v = key_cache.to(CUDA), value_cache.to(CUDA)
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA))
+    qkv_gpu = qkv.to(CUDA)
+    strided_k, strided_v = key_cache.to(CUDA), value_cache.to(CUDA)
+    pa.write_kv(qkv_gpu[:, 1:3], qkv_gpu[:, 4:6], strided_k, strided_v, slots.to(CUDA))
+    for got in ((got_k, got_v), (strided_k, strided_v)):
+        assert torch.equal(got[0].cpu(), want_k) and torch.equal(got[1].cpu(), want_v)
+
+
+@parametrize("dtype", DTYPES)
+@parametrize("mapping_device", ["cpu", "cuda"])
+def test_copy_blocks_all_layers(dtype, mapping_device):
+    layers = [random_caches(dtype=dtype, seed=s) for s in range(3)]
+    mapping = torch.tensor([[0, 5], [0, 6], [3, 1], [11, 2]], dtype=torch.int64)
+    want_keys, want_values = [k.clone() for k, _ in layers], [v.clone() for _, v in layers]
+    ref.copy_blocks(want_keys, want_values, mapping)
+    keys, values = [k.to(CUDA) for k, _ in layers], [v.to(CUDA) for _, v in layers]
+    pa.copy_blocks(keys, values, mapping.to(mapping_device))
+    for got, want in zip(keys + values, want_keys + want_values):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_copy_blocks_more_layers_than_one_launch_holds():
+    keys = [torch.full((4, 1, 2, 8), float(i), device=CUDA) for i in range(300)]
+    values = [-k for k in keys]
+    pa.copy_blocks(keys, values, torch.tensor([[1, 3]]))
+    for i, (k, v) in enumerate(zip(keys, values)):
+        assert (k[3] == i).all() and (v[3] == -i).all()
+
+
+@parametrize("dtype", DTYPES)
+@parametrize("pinned", [True, False])
+def test_swap_blocks_round_trip_is_bit_identical(dtype, pinned):
+    device_pool = random_caches(num_blocks=10, dtype=dtype)[0].to(CUDA)
+    host_pool = torch.zeros((6,) + device_pool.shape[1:], dtype=dtype)
+    if pinned:
+        host_pool = host_pool.pin_memory()
+    original = device_pool.clone()
+    # Adjacent pairs (7, 8 -> 0, 1) travel as one copy.
+    out_map = torch.tensor([[7, 0], [2, 3], [9, 5], [8, 1]], dtype=torch.int64)
+    pa.swap_blocks(device_pool, host_pool, out_map)
+    torch.cuda.synchronize()
+    for src, dst in out_map.tolist():
+        assert torch.equal(host_pool[dst], original[src].cpu())
+    device_pool.zero_()
+    pa.swap_blocks(host_pool, device_pool, out_map.flip(1))
+    for src, _ in out_map.tolist():
+        assert torch.equal(device_pool[src].view(torch.uint8), original[src].view(torch.uint8))
+
+
+def test_swap_blocks_device_to_device():
+    src, dst = torch.randn(5, 2, 4, 8, device=CUDA), torch.zeros(3, 2, 4, 8, device=CUDA)
+    pa.swap_blocks(src, dst, torch.tensor([[4, 0], [1, 2]]))
+    assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[1]) and (dst[1] == 0).all()
+
+
+def test_host_side_errors_on_cuda():
+    case = on_cuda(make_case([5, 20], 2, 64, 16, torch.float32))
+    query = torch.randn(2, 4, 64, device=CUDA)
+    with raises(ValueError, "same device"):
+        pa.attention(query, case.key_cache, case.value_cache, case.block_tables.cpu(), case.seq_lens, 0.1)
+    with raises(ValueError, "head_size"):
+        pa.attention(query[..., :32], case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
+    # A cache view that starts mid-row cannot be read in 16-byte vectors.
+    pool = torch.zeros(case.key_cache.numel() + 1, device=CUDA)
+    misaligned = pool[1:].view(case.key_cache.shape)
+    with raises(ValueError, "16-byte aligned"):
+        pa.attention(query, misaligned, misaligned, case.block_tables, case.seq_lens, 0.1)
+    with raises(ValueError, "CPU tensor"):
+        pa.swap_blocks(case.key_cache, torch.zeros_like(case.key_cache).cpu(), torch.tensor([[0, 1]], device=CUDA))
+    with raises(IndexError, "destination"):
+        pa.swap_blocks(case.key_cache, torch.zeros(2, 2, 16, 64), torch.tensor([[0, 2]]))
+    with raises(ValueError, "also writes"):
+        pa.copy_blocks([case.key_cache], [case.value_cache], torch.tensor([[0, 1], [1, 2]]))
+
+
+@contextlib.contextmanager
+def raises(error, match):
+    """``pytest.raises(error, match=...)`` that also works without pytest."""
+    try:
+        yield
+    except error as e:
+        assert match in str(e), f"{match!r} not in {str(e)!r}"
+    else:
+        raise AssertionError(f"{error.__name__} not raised")
+
+
+# ---- the script runner -------------------------------------------------------------
+
+def _cases(fn):
+    combos = [{}]
+    for names, values in getattr(fn, "cases", []):
+        keys = [n.strip() for n in names.split(",")]
+        combos = [{**c, **dict(zip(keys, v if len(keys) > 1 else (v,)))} for c in combos for v in values]
+    return combos
+
+
+def main(argv):
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing run")
+        return 0
+    pattern = argv[argv.index("-k") + 1] if "-k" in argv else ""
+    passed = failed = 0
+    tests = [(n, f) for n, f in list(globals().items()) if n.startswith("test_") and callable(f) and pattern in n]
+    for name, fn in tests:
+        for kwargs in _cases(fn):
+            label = name + ("[" + "-".join(str(v) for v in kwargs.values()) + "]" if kwargs else "")
+            try:
+                fn(**kwargs)
+                passed += 1
+            except Exception:  # noqa: BLE001 (report every failure, then go on)
+                failed += 1
+                print(f"FAILED {label}")
+                traceback.print_exc()
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
