@@ -27,7 +27,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_attention.py
 
 clean:
-	rm -rf build $(VENV) paged_attention_ext/*.so *.egg-info
+	rm -rf build $(VENV) $(CUDA_VENV) paged_attention_ext/*.so *.egg-info
 
 # CUDA compile check, for CI on machines without a GPU: the CUDA build of torch in
 # its own venv, and the extension compiled with nvcc for sm_90 into build/cuda-check
