@@ -10,7 +10,7 @@ from dataclasses import asdict
 from statistics import mean
 from typing import Callable, Dict, List, NoReturn, Optional
 
-from . import memory, simulator, walkthrough, workloads
+from . import demo, memory, simulator, walkthrough, workloads
 
 Command = Callable[[argparse.Namespace], Dict]
 
@@ -18,10 +18,14 @@ Command = Callable[[argparse.Namespace], Dict]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged-attention", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run every op on a small paged cache and check it "
-                                       "against the reference implementation")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(run=walkthrough.run)
+    serve = sub.add_parser("demo", help="serve a mixed batch with the paged engine under a small "
+                                        "KV pool and check it against transformers generate")
+    demo.add_arguments(serve)
+    serve.set_defaults(run=demo.run)
+    walk = sub.add_parser("walkthrough", help="run every op on a small paged cache and check it "
+                                              "against the reference implementation")
+    walk.add_argument("--seed", type=int, default=0)
+    walk.set_defaults(run=walkthrough.run)
     add_memory_command(sub)
     add_simulate_command(sub)
     for child in sub.choices.values():

@@ -1,4 +1,5 @@
-"""The command line: the demo runs every op and reports a match with the reference."""
+"""The command line: the demo serves a batch with the engine and matches transformers; the
+walkthrough runs every op and reports a match with the reference."""
 
 import json
 import subprocess
@@ -7,9 +8,25 @@ import sys
 from paged_attention_ext.cli import main
 
 
-def test_demo_reports_success_as_json(capsys):
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_demo_serves_with_preemption_and_matches_reference(capsys):
     assert main(["demo", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr()
+    report = last_json(out.out)
+    assert report["matches_reference"] is True and report["ok"] is True
+    assert report["preemptions"]["swap"] > 0 and set(report["preemptions"]) == {"swap", "recompute"}
+    assert report["tokens_per_s"] > 0
+    assert 0 < report["kv_utilization"] <= 1
+    assert report["sharing_saved_pct"] > 0 and report["prefix_cache_hit_rate"] > 0
+    assert "reference" in out.out and "serving" in out.err  # report on stdout, progress on stderr
+
+
+def test_walkthrough_reports_success_as_json(capsys):
+    assert main(["walkthrough", "--json"]) == 0
+    report = last_json(capsys.readouterr().out)
     assert report["ok"] is True
     assert set(report["checks"]) >= {"prefill (multi-token)", "copy_blocks (copy-on-write)",
                                      "swap_blocks (out and back)", "decode after swap-in"}
@@ -19,6 +36,6 @@ def test_demo_reports_success_as_json(capsys):
 
 
 def test_module_entry_point():
-    result = subprocess.run([sys.executable, "-m", "paged_attention_ext", "demo", "--json"],
+    result = subprocess.run([sys.executable, "-m", "paged_attention_ext", "walkthrough", "--json"],
                             capture_output=True, text=True, check=True)
-    assert json.loads(result.stdout.strip().splitlines()[-1])["ok"] is True
+    assert last_json(result.stdout)["ok"] is True

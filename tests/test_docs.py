@@ -12,7 +12,7 @@ def python_blocks(path: Path):
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("name", ["allocator.md", "huggingface.md"])
+@pytest.mark.parametrize("name", ["allocator.md", "huggingface.md", "engine.md"])
 def test_doc_examples_run(name):
     blocks = python_blocks(DOCS / name)
     assert blocks

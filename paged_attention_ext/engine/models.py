@@ -1,0 +1,42 @@
+"""Model pairs for the engine: a paged-attention model and a stock (sdpa) twin with the same weights."""
+
+import copy
+from typing import Tuple
+
+import torch
+import transformers
+
+from ..hf import ATTN_IMPLEMENTATION
+
+Model = torch.nn.Module
+
+
+def tiny_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 2048,
+                eos_token_id: "int | None" = None) -> transformers.PretrainedConfig:
+    """A small Qwen2 (grouped-query attention) configuration for offline runs."""
+    return transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=False)
+
+
+def random_pair(config: transformers.PretrainedConfig, seed: int = 0) -> Tuple[Model, Model]:
+    """(paged model, sdpa twin) with seeded random weights, float32, in eval mode."""
+    torch.manual_seed(seed)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float32).eval()
+    # from_config sets config._attn_implementation, so each model gets its own copy.
+    paged = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    paged.load_state_dict(reference.state_dict())
+    return paged, reference
+
+
+def pretrained_pair(name_or_path: str) -> Tuple[Model, Model]:
+    """(paged model, sdpa twin) of a checkpoint, float32."""
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    paged = load(name_or_path, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    reference = load(name_or_path, attn_implementation="sdpa", dtype=torch.float32).eval()
+    return paged, reference

@@ -1,0 +1,179 @@
+"""Which sequence groups run each step, and the block moves that makes possible.
+
+First come, first served over three queues kept in arrival order:
+
+* running groups decode one token per live sequence; when the pool cannot hold the
+  next token of a group, the latest-arrived running groups are preempted, whole,
+  until it can (possibly the group itself);
+* swapped groups come back (swap-in) when their blocks fit, oldest first;
+* waiting groups (new, or preempted for recomputation) are prefilled when their blocks
+  fit and the step's token budget allows, only once nothing is swapped out.
+
+A step that preempts admits nothing, so freed blocks are not handed straight back.
+Prompts are prefilled in one step (no chunked prefill).
+"""
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from ..block_manager import BlockSpaceManager
+from ..block_table import BlockTable
+from .sequence import GroupStatus, SequenceGroup
+
+PREEMPTION_MODES = ("swap", "recompute")
+Mapping = List[Tuple[int, int]]
+
+
+@dataclass
+class SchedulerOutput:
+    groups: List[SequenceGroup] = field(default_factory=list)  # run: every uncomputed token
+    swap_out: Mapping = field(default_factory=list)   # apply first: these blocks may be reused
+    swap_in: Mapping = field(default_factory=list)
+    copies: Mapping = field(default_factory=list)     # copy-on-write, after the swaps
+    preempted: Dict[str, int] = field(default_factory=lambda: {m: 0 for m in PREEMPTION_MODES})
+
+
+class Scheduler:
+    def __init__(self, manager: BlockSpaceManager, preemption_mode: str = "swap",
+                 max_num_batched_tokens: int = 4096) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        self.manager = manager
+        self.preemption_mode = preemption_mode
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: List[SequenceGroup] = []
+        self.running: List[SequenceGroup] = []
+        self.swapped: List[SequenceGroup] = []
+
+    def add(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.WAITING
+        _insert(self.waiting, group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a finished or aborted group and release whatever blocks it still holds."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        if group.group_id in self.manager.groups:
+            self.manager.free_group(group.group_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        if not any(out.preempted.values()):
+            self._schedule_swapped(out)
+            if not self.swapped:
+                self._schedule_waiting(out)
+        if not out.groups and not any(out.preempted.values()) and self.has_unfinished():
+            group = (self.swapped or self.waiting)[0]
+            raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
+                               f"({self.manager.device.num_blocks} blocks) even alone")
+        return out
+
+    # ---- the three queues ----------------------------------------------------------
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        queue, self.running = list(self.running), []
+        while queue:
+            group = queue.pop(0)
+            while group.status is GroupStatus.RUNNING and not self.manager.can_append(group.group_id):
+                self._preempt(queue.pop() if queue else group, out)
+            if group.status is GroupStatus.RUNNING:
+                self._append_pending(group, out)
+                self.running.append(group)
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        while self.swapped and self._fits_swap_in(self.swapped[0]):
+            group = self.swapped.pop(0)
+            out.swap_in += self.manager.swap_in(group.group_id)
+            self._append_pending(group, out)
+            self._start(group)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        budget = self.max_num_batched_tokens - sum(len(g.live_seqs) for g in out.groups)
+        while self.waiting:
+            group = self.waiting[0]
+            tokens = sum(len(s.token_ids) for s in group.live_seqs)
+            if (out.groups and tokens > budget) or not self._fits_admission(group):
+                return
+            self.waiting.pop(0)
+            self._admit(group)
+            budget -= tokens
+            out.groups.append(group)
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _start(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.RUNNING
+        _insert(self.running, group)
+
+    def _append_pending(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Room for the token each live sequence sampled last step."""
+        result = self.manager.append_group(
+            group.group_id, {s.seq_id: [s.token_ids[-1]] for s in group.live_seqs})
+        out.copies += result.copies
+        out.groups.append(group)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Swap the group to host blocks, or free it to be recomputed (also when the host is full)."""
+        if self.preemption_mode == "swap" and self.manager.can_swap_out(group.group_id):
+            out.swap_out += self.manager.swap_out(group.group_id)
+            group.status = GroupStatus.SWAPPED
+            _insert(self.swapped, group)
+            out.preempted["swap"] += 1
+            return
+        self.manager.free_group(group.group_id)
+        for seq in group.live_seqs:
+            seq.num_computed = 0
+        self.add(group)
+        out.preempted["recompute"] += 1
+
+    def _fits_swap_in(self, group: SequenceGroup) -> bool:
+        tables = [self.manager.tables[s.seq_id] for s in group.live_seqs]
+        blocks = len({b for t in tables for b in t.blocks})
+        appends = sum(t.blocks_needed(1) for t in tables)
+        return blocks + appends <= self.manager.device.num_free_blocks - self.manager.watermark_blocks
+
+    def _fits_admission(self, group: SequenceGroup) -> bool:
+        live = group.live_seqs
+        if len(live) == 1:
+            return self.manager.can_allocate(live[0].token_ids)
+        prompt = live[0].token_ids[:live[0].prompt_len]
+        prompt_blocks = BlockTable(self.manager.device).blocks_needed_for_prompt(prompt)
+        # What append_group checks: each sequence's own copy of the partial block, then growth.
+        shared_end, bs = self._shared_prompt_end(len(prompt)), self.manager.block_size
+        private = sum(-(-(len(s.token_ids) - shared_end) // bs) for s in live)
+        return prompt_blocks + private <= self.manager.device.num_free_blocks - self.manager.watermark_blocks
+
+    def _admit(self, group: SequenceGroup) -> None:
+        """Allocate a prefill (new request) or a re-prefill after recompute preemption.
+
+        The sequences of a recomputed group share the full blocks of the prompt; each one
+        recomputes the prompt's partial last block into its own copy, so the copy-on-write
+        copies of that block (whose contents do not exist yet) are not needed.
+        """
+        live = group.live_seqs
+        first = live[0]
+        if len(live) == 1:
+            _, first.num_computed = self.manager.allocate(group.group_id, first.seq_id, first.token_ids)
+        else:
+            prompt_len = first.prompt_len
+            _, first.num_computed = self.manager.allocate(group.group_id, first.seq_id,
+                                                          first.token_ids[:prompt_len])
+            for seq in live[1:]:
+                self.manager.fork(first.seq_id, seq.seq_id)
+                seq.num_computed = self._shared_prompt_end(prompt_len)
+            self.manager.append_group(group.group_id,
+                                      {s.seq_id: s.token_ids[prompt_len:] for s in live})
+        self._start(group)
+
+    def _shared_prompt_end(self, prompt_len: int) -> int:
+        """End of the prompt's full blocks: what sequences of one group can share."""
+        return prompt_len // self.manager.block_size * self.manager.block_size
+
+
+def _insert(queue: List[SequenceGroup], group: SequenceGroup) -> None:
+    """Keep a queue in arrival order (earliest first)."""
+    bisect.insort(queue, group, key=lambda g: g.arrival)
