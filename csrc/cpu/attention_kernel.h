@@ -188,6 +188,96 @@ static inline void accumulate_values(float* acc, const float* p, const float* co
   }
 }
 
+// Query rows per register tile: 4 x 4 accumulators fit AVX-512's 32 registers,
+// 2 x 4 fit the 16 of AVX2 and SSE.
+constexpr int QT = VW == 16 ? 4 : 2;
+
+// Four horizontal sums at once (a shuffle tree instead of four separate ones).
+static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
+  typedef float v8 __attribute__((vector_size(32)));
+#if PAGED_VEC_WIDTH == 16
+  const v8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 b8 = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 c8 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 d8 = __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const v8 a8 = a, b8 = b, c8 = c, d8 = d;
+#endif
+  // [a0+a4 .. a3+a7, b0+b4 .. b3+b7] and the same for c, d.
+  const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  // Pairs: [a, a, c, c, b, b, d, d] partial sums.
+  const v8 pairs = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
+                   __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 sums = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
+                  __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);  // [a, c, b, d]
+  out[0] = sums[0];
+  out[1] = sums[2];
+  out[2] = sums[1];
+  out[3] = sums[3];
+}
+
+// Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
+// so every loaded key vector serves QT queries and every query vector 4 keys.
+static inline void dot_tile(const float* q, int hsp, const float* const* k, float* s) {
+  vfloat acc[QT][4];
+  for (int g = 0; g < QT; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = vfloat{};
+  for (int d = 0; d < hsp; d += VW) {
+    const vfloat k0 = load(k[0] + d), k1 = load(k[1] + d), k2 = load(k[2] + d),
+                 k3 = load(k[3] + d);
+    for (int g = 0; g < QT; ++g) {
+      const vfloat qv = load(q + int64_t(g) * hsp + d);
+      acc[g][0] += qv * k0;
+      acc[g][1] += qv * k1;
+      acc[g][2] += qv * k2;
+      acc[g][3] += qv * k3;
+    }
+  }
+  for (int g = 0; g < QT; ++g) hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], s + g * kKeyChunk);
+}
+
+// acc[g] += sum_t p[g][t] * v[t] for QT queries: QT x 4 register accumulators per step,
+// so every loaded value vector serves QT queries.
+static inline void accumulate_tile(float* acc, int hsp, const float* p, const float* const* v,
+                                   int n) {
+  int d = 0;
+  for (; d + 4 * VW <= hsp; d += 4 * VW) {
+    vfloat a[QT][4];
+    for (int g = 0; g < QT; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
+    for (int t = 0; t < n; ++t) {
+      const float* vr = v[t] + d;
+      const vfloat v0 = load(vr), v1 = load(vr + VW), v2 = load(vr + 2 * VW), v3 = load(vr + 3 * VW);
+      for (int g = 0; g < QT; ++g) {
+        const vfloat pg = splat(p[g * kKeyChunk + t]);
+        a[g][0] += pg * v0;
+        a[g][1] += pg * v1;
+        a[g][2] += pg * v2;
+        a[g][3] += pg * v3;
+      }
+    }
+    for (int g = 0; g < QT; ++g)
+      for (int i = 0; i < 4; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
+  }
+  for (; d < hsp; d += VW) {
+    vfloat a[QT];
+    for (int g = 0; g < QT; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
+    for (int t = 0; t < n; ++t) {
+      const vfloat vt = load(v[t] + d);
+      for (int g = 0; g < QT; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
+    }
+    for (int g = 0; g < QT; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
+  }
+}
+
 static inline void prefetch_row(const void* row, int bytes) {
   const char* p = static_cast<const char*>(row);
   for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
@@ -278,14 +368,29 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       }
     }
 
-    for (int m = 0; m < num_queries; ++m) {
+    // 1. Scores of every query with every key of the chunk, in register tiles.
+    const int full_queries = num_queries / QT * QT;
+    const int full_keys = n / 4 * 4;
+    for (int m = 0; m < full_queries; m += QT) {
+      const float* qm = q_f + int64_t(m) * hsp;
+      float* s = scores + int64_t(m) * CH;
+      for (int t = 0; t < full_keys; t += 4) dot_tile(qm, hsp, k_rows + t, s + t);
+      for (int g = 0; g < QT; ++g)
+        for (int t = full_keys; t < n; ++t) s[g * CH + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp);
+    }
+    for (int m = full_queries; m < num_queries; ++m) {
       const float* qm = q_f + int64_t(m) * hsp;
       float* s = scores + int64_t(m) * CH;
       int t = 0;
       for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t);
       for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp);
+    }
 
-      // Score modifiers and masks, then the online-softmax update.
+    // 2. Score modifiers and masks, then the online-softmax update: scores become
+    //    probabilities (0 where masked) and the accumulators are rescaled.
+    for (int m = 0; m < num_queries; ++m) {
+      float* s = scores + int64_t(m) * CH;
+      int t = 0;
       const int head = w.kv_head * group + m % group;
       const int pos = w.first_pos + m / group;
       const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
@@ -314,8 +419,10 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         }
         for (; t < CH; ++t) s[t] = -__builtin_inff();
       }
-      if (chunk_max == -__builtin_inff()) continue;  // nothing visible in this chunk
-
+      if (chunk_max == -__builtin_inff()) {  // nothing visible in this chunk
+        for (t = 0; t < CH; ++t) s[t] = 0.0f;
+        continue;
+      }
       const float new_max = chunk_max > run_max[m] ? chunk_max : run_max[m];
       const vfloat shift = splat(new_max);
       vfloat total{};
@@ -333,8 +440,13 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         run_max[m] = new_max;
       }
       run_sum[m] += hsum(total);
-      accumulate_values(am, s, v_rows, n, hsp);
     }
+
+    // 3. Probability-weighted values, in register tiles.
+    for (int m = 0; m < full_queries; m += QT)
+      accumulate_tile(acc + int64_t(m) * hsp, hsp, scores + int64_t(m) * CH, v_rows, n);
+    for (int m = full_queries; m < num_queries; ++m)
+      accumulate_values(acc + int64_t(m) * hsp, scores + int64_t(m) * CH, v_rows, n, hsp);
   }
 
   for (int m = 0; m < num_queries; ++m) {

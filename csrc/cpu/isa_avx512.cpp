@@ -10,6 +10,8 @@
 #include "attention_params.h"
 
 #if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which trips this warning.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define PAGED_VEC_WIDTH 16
