@@ -280,7 +280,7 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const fl
 
 static inline void prefetch_row(const void* row, int bytes) {
   const char* p = static_cast<const char*>(row);
-  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 template <typename T>
