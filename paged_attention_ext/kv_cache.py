@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import ops
+from .host_memory import zeros_huge_pages
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -42,10 +43,15 @@ class PagedKVCache:
         self.host_key_caches: List[torch.Tensor] = []
         self.host_value_caches: List[torch.Tensor] = []
         for _ in range(num_layers):
-            self.key_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            self.value_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.key_caches.append(self._device_pool(shape))
+            self.value_caches.append(self._device_pool(shape))
             self.host_key_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
             self.host_value_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+
+    def _device_pool(self, shape: Tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return zeros_huge_pages(shape, self.dtype)  # random block order: spare the TLB
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.key_caches[index], self.value_caches[index]

@@ -317,3 +317,14 @@ def test_kv_cache_sizes_from_a_memory_budget():
     assert cache.usage(used_blocks=5)["device_fraction_used"] == 0.5
     with pytest.raises(ValueError):
         PagedKVCache(2, 4, 64, num_blocks=4, memory_bytes=100)
+
+
+def test_host_pools_are_zeroed_and_usable():
+    from paged_attention_ext.host_memory import zeros_huge_pages
+    pool = zeros_huge_pages((64, 2, 16, 64), torch.bfloat16)
+    assert pool.shape == (64, 2, 16, 64) and pool.dtype == torch.bfloat16
+    assert pool.is_contiguous() and not pool.any()
+    cache = PagedKVCache(1, 2, 64, 16, torch.float32, num_blocks=8)
+    assert not cache.key_caches[0].any()
+    pa.write_kv(torch.ones(1, 2, 64), torch.ones(1, 2, 64), *cache.layer(0), torch.tensor([17]))
+    assert cache.key_caches[0][1, :, 1].eq(1).all() and cache.key_caches[0].sum() == 128
