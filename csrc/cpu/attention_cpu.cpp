@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "../attention_variants.h"
 #include "../checks.h"
 #include "attention_params.h"
 #include "cpu_features.h"
@@ -254,48 +255,8 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   });
 }
 
-at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
-                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, double scale,
-                         const std::optional<at::Tensor>& query_start_loc,
-                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                         double soft_cap) {
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  attention_into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
-                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> attention_with_lse_cpu(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-    const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window, double soft_cap) {
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  std::optional<at::Tensor> lse;
-  if (query.dim() == 3) lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
-  attention_into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
-                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
-  return {out, *lse};
-}
-
-void attention_out_cpu(at::Tensor& out, const std::optional<at::Tensor>& lse,
-                       const at::Tensor& query, const at::Tensor& key_cache,
-                       const at::Tensor& value_cache, const at::Tensor& block_tables,
-                       const at::Tensor& seq_lens, double scale,
-                       const std::optional<at::Tensor>& query_start_loc,
-                       const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                       double soft_cap) {
-  attention_into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables,
-                 seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CPU, m) {
-  m.impl("attention", &attention_cpu);
-  m.impl("attention_with_lse", &attention_with_lse_cpu);
-  m.impl("attention_out", &attention_out_cpu);
-}
+TORCH_LIBRARY_IMPL(paged, CPU, m) { register_attention_variants<attention_into>(m); }
 
 }  // namespace paged::cpu

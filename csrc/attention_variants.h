@@ -1,0 +1,69 @@
+// The three public forms of paged.attention, written once over a backend's
+// `attention_into` (validate, then compute into `out` and optionally `lse`).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace paged {
+
+using AttentionIntoFn = void (*)(const char* op, at::Tensor& out,
+                                 const std::optional<at::Tensor>& lse, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 double scale, const std::optional<at::Tensor>& query_start_loc,
+                                 const std::optional<at::Tensor>& alibi_slopes,
+                                 int64_t sliding_window, double soft_cap);
+
+template <AttentionIntoFn Into>
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale,
+                     const std::optional<at::Tensor>& query_start_loc,
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                     double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  Into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return out;
+}
+
+template <AttentionIntoFn Into>
+std::tuple<at::Tensor, at::Tensor> attention_with_lse(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+    const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window, double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  // A malformed query is rejected by Into before the lse is used.
+  std::optional<at::Tensor> lse;
+  if (query.dim() == 3) {
+    lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
+  }
+  Into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+  return {out, *lse};
+}
+
+template <AttentionIntoFn Into>
+void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                   const std::optional<at::Tensor>& query_start_loc,
+                   const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                   double soft_cap) {
+  Into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables, seq_lens,
+       scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+}
+
+template <AttentionIntoFn Into>
+void register_attention_variants(torch::Library& m) {
+  m.impl("attention", &attention<Into>);
+  m.impl("attention_with_lse", &attention_with_lse<Into>);
+  m.impl("attention_out", &attention_out<Into>);
+}
+
+}  // namespace paged
