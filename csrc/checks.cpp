@@ -43,6 +43,38 @@ void check_cache_tensor(const char* op, const char* name, const at::Tensor& cach
                     "' must be contiguous (HND layout), got strides ", cache.strides());
 }
 
+void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches) {
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
+                    ": arguments 'key_caches' and 'value_caches' must list the same number of "
+                    "layers, got ", key_caches.size(), " and ", value_caches.size());
+  for (size_t l = 0; l < key_caches.size(); ++l) {
+    check_cache_tensor(op, "key_caches", key_caches[l]);
+    check_cache_tensor(op, "value_caches", value_caches[l]);
+    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
+                          key_caches[l].scalar_type() == value_caches[l].scalar_type(),
+                      op, ": key_caches[", l, "] and value_caches[", l,
+                      "] must have the same shape and dtype");
+    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device() &&
+                          value_caches[l].device() == key_caches[0].device(),
+                      op, ": every cache must be on ", key_caches[0].device(), "; layer ", l,
+                      " is not");
+    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
+                      ": every layer must have the same num_blocks");
+  }
+}
+
+void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
+                   ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
+                   " and ", dst.scalar_type());
+  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
+                        src.sizes().slice(1) == dst.sizes().slice(1),
+                    op, ": arguments 'src' and 'dst' must have the same block shape, got ",
+                    src.sizes(), " and ", dst.sizes());
+  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
+                    ": arguments 'src' and 'dst' must be contiguous");
+}
+
 AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     const at::Tensor& key_cache, const at::Tensor& value_cache,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,

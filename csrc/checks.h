@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ATen_fwd.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
@@ -58,5 +59,12 @@ void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
                                 bool same_pool);
 
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
+
+// copy_blocks' per-layer caches: as many value as key caches, each pair of one shape
+// and dtype, every layer with the same num_blocks, all on one device.
+void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches);
+
+// swap_blocks' pools: one dtype, one block shape (any num_blocks), contiguous.
+void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& dst);
 
 }  // namespace paged

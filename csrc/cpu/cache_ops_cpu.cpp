@@ -46,24 +46,12 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
                      const at::Tensor& block_mapping) {
   const char* op = "paged.copy_blocks";
-  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
-                    ": arguments 'key_caches' and 'value_caches' must list the same number of "
-                    "layers, got ", key_caches.size(), " and ", value_caches.size());
+  check_layer_caches(op, key_caches, value_caches);
   check_block_mapping(op, block_mapping);
   TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
                     ": argument 'block_mapping' must be a CPU tensor for CPU caches");
-  for (size_t l = 0; l < key_caches.size(); ++l) {
-    check_cache_tensor(op, "key_caches", key_caches[l]);
-    check_cache_tensor(op, "value_caches", value_caches[l]);
-    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
-                          key_caches[l].scalar_type() == value_caches[l].scalar_type(),
-                      op, ": key_caches[", l, "] and value_caches[", l,
-                      "] must have the same shape and dtype");
-    TORCH_CHECK_VALUE(key_caches[l].device().is_cpu() && value_caches[l].device().is_cpu(), op,
-                      ": layer ", l, " caches must be CPU tensors");
-    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
-                      ": every layer must have the same num_blocks");
-  }
+  TORCH_CHECK_VALUE(key_caches.empty() || key_caches[0].device().is_cpu(), op,
+                    ": the CPU implementation needs CPU caches");
   if (key_caches.empty() || block_mapping.size(0) == 0) return;
   check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
                              /*same_pool=*/true);
@@ -90,15 +78,7 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
   TORCH_CHECK_VALUE(src.device().is_cpu() && dst.device().is_cpu() &&
                         block_mapping.device().is_cpu(),
                     op, ": the CPU implementation needs 'src', 'dst' and 'block_mapping' on the CPU");
-  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
-                   ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
-                   " and ", dst.scalar_type());
-  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
-                        src.sizes().slice(1) == dst.sizes().slice(1),
-                    op, ": arguments 'src' and 'dst' must have the same block shape, got ",
-                    src.sizes(), " and ", dst.sizes());
-  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
-                    ": arguments 'src' and 'dst' must be contiguous");
+  check_swap_pools(op, src, dst);
   const bool same_pool = src.data_ptr() == dst.data_ptr();
   check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0), same_pool);
   if (block_mapping.size(0) == 0 || src.numel() == 0) return;

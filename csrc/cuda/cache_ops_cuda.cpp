@@ -49,25 +49,11 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
                       const at::Tensor& block_mapping) {
   const char* op = "paged.copy_blocks";
-  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
-                    ": arguments 'key_caches' and 'value_caches' must list the same number of "
-                    "layers, got ", key_caches.size(), " and ", value_caches.size());
+  check_layer_caches(op, key_caches, value_caches);
   check_block_mapping(op, block_mapping);
   if (key_caches.empty()) return;
   const at::Device device = key_caches[0].device();
   TORCH_CHECK_VALUE(device.is_cuda(), op, ": argument 'key_caches' must hold CUDA tensors");
-  for (size_t l = 0; l < key_caches.size(); ++l) {
-    check_cache_tensor(op, "key_caches", key_caches[l]);
-    check_cache_tensor(op, "value_caches", value_caches[l]);
-    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
-                          key_caches[l].scalar_type() == value_caches[l].scalar_type(),
-                      op, ": key_caches[", l, "] and value_caches[", l,
-                      "] must have the same shape and dtype");
-    TORCH_CHECK_VALUE(key_caches[l].device() == device && value_caches[l].device() == device, op,
-                      ": every cache must be on ", device, "; layer ", l, " is not");
-    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
-                      ": every layer must have the same num_blocks");
-  }
   const int64_t num_pairs = block_mapping.size(0);
   if (num_pairs == 0) return;
   TORCH_CHECK_VALUE(num_pairs <= INT32_MAX, op, ": too many pairs for one CUDA launch");
@@ -114,15 +100,7 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
                     ": argument 'block_mapping' must be a CPU tensor (the copies are issued from "
                     "the host)");
-  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
-                   ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
-                   " and ", dst.scalar_type());
-  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
-                        src.sizes().slice(1) == dst.sizes().slice(1),
-                    op, ": arguments 'src' and 'dst' must have the same block shape, got ",
-                    src.sizes(), " and ", dst.sizes());
-  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
-                    ": arguments 'src' and 'dst' must be contiguous");
+  check_swap_pools(op, src, dst);
   TORCH_CHECK_VALUE((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
                     ": 'src' and 'dst' must be CUDA or CPU tensors, got ", src.device(), " and ",
                     dst.device());
