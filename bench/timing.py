@@ -9,7 +9,7 @@ figure and the minimum the best case.
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping
+from typing import Callable, Dict, List, Mapping
 
 Candidate = Callable[[], object]
 
@@ -40,15 +40,30 @@ def time_call(fn: Candidate) -> float:
     return time.perf_counter() - start
 
 
-def time_interleaved(candidates: Mapping[str, Candidate], warmup: int, reps: int) -> Dict[str, Timing]:
-    """Warm every candidate up, then time ``reps`` round-robin repetitions of all of them."""
+def time_interleaved_samples(candidates: Mapping[str, Candidate], warmup: int,
+                             reps: int) -> Dict[str, List[float]]:
+    """Warm every candidate up, then time ``reps`` round-robin repetitions of all of them.
+
+    Returns every candidate's per-call times in repetition order, so ``samples[a][r]`` and
+    ``samples[b][r]`` were taken within one round (for paired ratios).
+    """
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
             candidates[name]()
-    samples: Dict[str, list] = {name: [] for name in names}
+    samples: Dict[str, List[float]] = {name: [] for name in names}
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(time_call(candidates[name]))
-    return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
+    return samples
+
+
+def summarize(samples: List[float]) -> Timing:
+    return Timing(statistics.median(samples), min(samples), len(samples))
+
+
+def time_interleaved(candidates: Mapping[str, Candidate], warmup: int, reps: int) -> Dict[str, Timing]:
+    """Warm every candidate up, then time ``reps`` round-robin repetitions of all of them."""
+    samples = time_interleaved_samples(candidates, warmup, reps)
+    return {name: summarize(s) for name, s in samples.items()}
