@@ -45,7 +45,12 @@ class BlockSpaceManager:
         return needed <= self.device.num_free_blocks
 
     def can_swap_in(self, group_id: int) -> bool:
-        needed = len(self._distinct_blocks(group_id))
+        distinct = self._distinct_blocks(group_id)
+        # Blocks still cached on the device come back without a copy; only those that
+        # are evictable (count 0) leave the available pool.
+        cached = self._cached_on_device(group_id)
+        needed = sum(1 for b in distinct if b not in cached or
+                     self.device.ref_count(self.device.lookup(cached[b])) == 0)
         return self.device.num_free_blocks - needed >= self.watermark_blocks
 
     def can_swap_out(self, group_id: int) -> bool:
@@ -124,7 +129,10 @@ class BlockSpaceManager:
         return self._move_group(group_id, self.device, self.host)
 
     def swap_in(self, group_id: int) -> BlockMapping:
-        """Bring a swapped-out group back; returns (host, device) rows to copy."""
+        """Bring a swapped-out group back; returns (host, device) rows to copy.
+
+        Full blocks still cached on the device are re-used, not copied (not in the rows).
+        """
         mapping = self._move_group(group_id, self.host, self.device)
         for seq_id in self.groups[group_id]:
             self.tables[seq_id].register_full_blocks()
@@ -139,16 +147,36 @@ class BlockSpaceManager:
         if any(t.allocator is not source for t in tables):
             raise ValueError(f"group {group_id} is not in the {source.name} pool")
         distinct = self._distinct_blocks(group_id)
-        new_blocks = target.allocate(len(distinct))  # all-or-nothing
-        mapping = dict(zip(distinct, new_blocks))
+        # Swapping in, full blocks whose content is still cached on the device (e.g. a
+        # system prompt other groups share) are taken from there instead of copied.
+        reuse = self._cached_on_device(group_id) if target is self.device else {}
+        to_copy = [b for b in distinct if b not in reuse]
+        evictable_hits = sum(1 for h in reuse.values() if target.ref_count(target.lookup(h)) == 0)
+        if len(to_copy) + evictable_hits > target.num_free_blocks:
+            raise NoFreeBlocksError(f"{target.name} pool: group {group_id} needs "
+                                    f"{len(to_copy) + evictable_hits} blocks, "
+                                    f"{target.num_free_blocks} available")
         references = Counter(b for t in tables for b in t.blocks)
-        # The new blocks start with count 1: add the group's other references.
+        mapping = {old: target.acquire_cached(content) for old, content in reuse.items()}
+        copied = dict(zip(to_copy, target.allocate(len(to_copy))))
+        mapping.update(copied)
+        # Each new reference starts at count 1: add the group's other references.
         for old, new in mapping.items():
             target.fork([new] * (references[old] - 1))
         source.free(list(references.elements()))
         for table in tables:
             table.remap(target, mapping)
-        return sorted(mapping.items())
+        return sorted(copied.items())
+
+    def _cached_on_device(self, group_id: int) -> Dict[int, bytes]:
+        """Host blocks of a swapped-out group whose full content the device still caches."""
+        found: Dict[int, bytes] = {}
+        for seq_id in self.groups[group_id]:
+            table = self.tables[seq_id]
+            for block, content in zip(table.blocks, table.block_hashes):
+                if self.device.lookup(content) is not None:
+                    found[block] = content
+        return found
 
     def _distinct_blocks(self, group_id: int) -> List[int]:
         seen: Dict[int, None] = {}

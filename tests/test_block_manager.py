@@ -328,3 +328,20 @@ def test_host_pools_are_zeroed_and_usable():
     assert not cache.key_caches[0].any()
     pa.write_kv(torch.ones(1, 2, 64), torch.ones(1, 2, 64), *cache.layer(0), torch.tensor([17]))
     assert cache.key_caches[0][1, :, 1].eq(1).all() and cache.key_caches[0].sum() == 128
+
+
+def test_swap_in_reuses_blocks_still_cached_on_the_device():
+    mgr = BlockSpaceManager(16, 8, 4, enable_prefix_caching=True, watermark=0.0)
+    system = list(range(100, 108))  # two full blocks shared by both requests
+    mgr.allocate(0, 0, system + [1, 2, 3])
+    mgr.allocate(1, 1, system + [4, 5])
+    shared = mgr.tables[0].blocks[:2]
+    assert mgr.tables[1].blocks[:2] == shared
+    out_map = mgr.swap_out(1)
+    assert len(out_map) == 3  # every block of the group is saved to the host
+    mgr.check_invariants()
+    in_map = mgr.swap_in(1)
+    mgr.check_invariants()
+    assert mgr.tables[1].blocks[:2] == shared  # re-used where group 0 still holds them
+    assert len(in_map) == 1  # only the private partial block is copied back
+    assert mgr.device.ref_count(shared[0]) == 2 and mgr.host.num_used_blocks == 0
