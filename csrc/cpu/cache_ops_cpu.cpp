@@ -6,11 +6,30 @@
 #include <torch/library.h>
 
 #include <cstring>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "../checks.h"
 
 namespace paged::cpu {
 namespace {
+
+// Copies one cache row. Rows of whole cache lines into line-aligned slots are
+// written with non-temporal stores (SSE2, so any x86-64): the scattered slots
+// would otherwise be read into the cache before being overwritten.
+inline void store_row(char* dst, const char* src, int64_t bytes) {
+#if defined(__x86_64__)
+  if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    for (int64_t i = 0; i < bytes; i += 16) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), x);
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
@@ -35,11 +54,14 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         // HND: [block, head, offset, :]; int64 offsets throughout.
         const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row_bytes;
-        std::memcpy(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
-        std::memcpy(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * elem,
-                    row_bytes);
+        store_row(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
+        store_row(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * elem,
+                  row_bytes);
       }
     }
+#if defined(__x86_64__)
+    _mm_sfence();  // streaming stores are visible before the op returns
+#endif
   });
 }
 
