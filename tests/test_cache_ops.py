@@ -85,3 +85,16 @@ def test_swap_blocks_accepts_non_cache_shapes():
     dst = torch.zeros(3, 8)
     pa.swap_blocks(src, dst, torch.tensor([[4, 0], [1, 2]]))
     assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[1]) and (dst[1] == 0).all()
+
+
+@pytest.mark.parametrize("head_size", [8, 24, 64])
+def test_write_kv_rows_shorter_than_or_not_a_multiple_of_a_cache_line(head_size):
+    # 16- and 48-byte bf16 rows take the plain copy; 128-byte rows the streaming stores.
+    key_cache, value_cache = random_caches(head_size=head_size, dtype=torch.bfloat16)
+    key = torch.randn(7, 2, head_size).bfloat16()
+    value = torch.randn(7, 2, head_size).bfloat16()
+    slots = torch.tensor([0, 5, 17, 33, -1, 190, 191])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
