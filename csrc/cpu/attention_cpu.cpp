@@ -26,19 +26,6 @@ constexpr int64_t kItemsPerThread = 4;
 // than it saves, and on a busy machine it can wait for a core that is not free.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 19;
 
-// Threads worth using for a call: enough work for each, never more than torch's setting.
-int threads_for(const AttentionShape& s, const at::Tensor& seq_lens,
-                const std::optional<at::Tensor>& query_start_loc, int max_threads) {
-  if (max_threads <= 1) return 1;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  int64_t kv_tokens = 0;
-  for (int64_t i = 0; i < s.num_seqs; ++i) kv_tokens += lens[i * seq_lens.stride(0)];
-  // Decode reads every KV token once per query head; multi-token tiles do more.
-  const int64_t rows = query_start_loc.has_value() ? std::max<int64_t>(1, s.num_tokens / std::max<int64_t>(1, s.num_seqs)) : 1;
-  const int64_t work = kv_tokens * rows * s.num_heads * s.head_size * 2;
-  return int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, max_threads));
-}
-
 ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
     case at::kHalf: return ScalarKind::kFloat16;
@@ -48,6 +35,7 @@ ScalarKind scalar_kind(at::ScalarType t) {
 }
 
 struct Plan {
+  int num_threads = 1;  // enough work for each, never more than torch's setting
   std::vector<WorkItem> items;
   std::vector<int32_t> parts_of_token;  // partitions that hold each query row's result
   int32_t max_parts = 1;
@@ -60,7 +48,7 @@ struct QueryTile {
 
 Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
                const std::optional<at::Tensor>& query_start_loc, int64_t sliding_window,
-               int num_threads) {
+               int max_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -68,6 +56,7 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
 
   std::vector<QueryTile> tiles;
   int64_t longest = 0;
+  int64_t query_key_pairs = 0;  // per query head
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int32_t kv_len = lens[i * lens_stride];
     int32_t q_begin = int32_t(i), q_len = 1;
@@ -87,8 +76,14 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
       const int32_t kv_end = std::max<int32_t>(kv_begin, last_pos + 1);
       tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, first_pos, kv_begin, kv_end});
       longest = std::max<int64_t>(longest, kv_end - kv_begin);
+      query_key_pairs += int64_t(kv_end - kv_begin) * (r1 - r0);
     }
   }
+
+  Plan plan;
+  const int64_t work = query_key_pairs * s.num_heads * s.head_size * 2;  // multiply-adds
+  plan.num_threads = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, max_threads)));
+  const int num_threads = plan.num_threads;
 
   const int64_t base_items = int64_t(tiles.size()) * s.num_kv_heads;
   int64_t parts = 1;
@@ -97,7 +92,6 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
     parts = std::min(parts, std::max<int64_t>(1, longest / kMinPartitionTokens));
   }
 
-  Plan plan;
   plan.parts_of_token.assign(s.num_tokens, 1);
   plan.items.reserve(base_items * parts);
   for (const QueryTile& t : tiles) {
@@ -129,12 +123,12 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
   return plan;
 }
 
-void run_items(const AttentionParams& params, const Plan& plan, int head_size, int num_threads) {
+void run_items(const AttentionParams& params, const Plan& plan, int head_size) {
   const AttentionKernelFn kernel = attention_kernel_for(params.kind);
   const int64_t padded_head = (head_size + 15) / 16 * 16;
   const int64_t workspace_floats = kernel_workspace_floats(int(padded_head), plan.max_queries_per_item);
   const int64_t n = int64_t(plan.items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.num_threads) if (plan.num_threads > 1)
   for (int64_t i = 0; i < n; ++i) {
     // Grows once per thread; later calls reuse it (no allocation in the hot path).
     thread_local std::vector<float> workspace;
@@ -184,26 +178,23 @@ void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, co
 }
 
 void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
-                    const at::Tensor& query_in, const at::Tensor& key_cache,
+                    const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                     double soft_cap) {
-  const AttentionShape s = check_attention_args(op, query_in, key_cache, value_cache, block_tables,
+  const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
                                                 sliding_window, soft_cap, &out,
                                                 lse.has_value() ? &*lse : nullptr);
   check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
   if (s.num_tokens == 0) return;
 
-  const at::Tensor query = query_in;
   const std::optional<at::Tensor> slopes =
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
-  const int num_threads = at::in_parallel_region()
-                              ? 1
-                              : threads_for(s, seq_lens, query_start_loc, at::get_num_threads());
-  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, num_threads);
+  const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, max_threads);
 
   AttentionParams p{};
   p.kind = scalar_kind(query.scalar_type());
@@ -245,7 +236,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
     p.lse_part_stride = s.num_tokens * s.num_heads;
     p.lse_token_stride = s.num_heads;
   }
-  run_items(p, plan, int(s.head_size), num_threads);
+  run_items(p, plan, int(s.head_size));
   if (direct) return;
 
   float* lse_ptr = lse.has_value() ? lse->data_ptr<float>() : nullptr;
