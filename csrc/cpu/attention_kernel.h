@@ -30,21 +30,44 @@ static inline vfloat load(const float* p) {
 static inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 static inline vfloat splat(float x) { return vfloat{} + x; }
 
-static inline float hsum(vfloat v) {
+typedef float v8float __attribute__((vector_size(32)));
+typedef float v4float __attribute__((vector_size(16)));
+
+// The low half plus the high half, down to 8 lanes.
+static inline v8float fold8(vfloat v) {
 #if PAGED_VEC_WIDTH == 16
-  typedef float v8 __attribute__((vector_size(32)));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  a += b;
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-  typedef float v8 __attribute__((vector_size(32)));
-  v8 a = v;
+  return v;
 #endif
-  typedef float v4 __attribute__((vector_size(16)));
-  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+}
+
+static inline float hsum(vfloat v) {
+  const v8float a = fold8(v);
+  v4float c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   c += __builtin_shufflevector(c, c, 2, 3, 0, 1);
   c += __builtin_shufflevector(c, c, 1, 0, 3, 2);
   return c[0];
+}
+
+// Four horizontal sums at once (a shuffle tree instead of four separate ones).
+static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
+  const v8float a8 = fold8(a), b8 = fold8(b), c8 = fold8(c), d8 = fold8(d);
+  // [a0+a4 .. a3+a7, b0+b4 .. b3+b7] and the same for c, d.
+  const v8float ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8float cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  // Pairs: [a, a, c, c, b, b, d, d] partial sums.
+  const v8float pairs = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
+                        __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
+  const v4float sums = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
+                       __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);  // [a, c, b, d]
+  out[0] = sums[0];
+  out[1] = sums[2];
+  out[2] = sums[1];
+  out[3] = sums[3];
 }
 
 // ---- scalar conversions (tails and the generic fp16 path) -------------------
@@ -145,10 +168,7 @@ static inline void dot4(const float* q, const float* const* k, int hsp, float* o
     a2 += qv * load(k[2] + d);
     a3 += qv * load(k[3] + d);
   }
-  out[0] = hsum(a0);
-  out[1] = hsum(a1);
-  out[2] = hsum(a2);
-  out[3] = hsum(a3);
+  hsum4(a0, a1, a2, a3, out);
 }
 
 static inline float dot1(const float* q, const float* k, int hsp) {
@@ -191,38 +211,6 @@ static inline void accumulate_values(float* acc, const float* p, const float* co
 // Query rows per register tile: 4 x 4 accumulators fit AVX-512's 32 registers,
 // 2 x 4 fit the 16 of AVX2 and SSE.
 constexpr int QT = VW == 16 ? 4 : 2;
-
-// Four horizontal sums at once (a shuffle tree instead of four separate ones).
-static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
-  typedef float v8 __attribute__((vector_size(32)));
-#if PAGED_VEC_WIDTH == 16
-  const v8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8 b8 = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8 c8 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8 d8 = __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const v8 a8 = a, b8 = b, c8 = c, d8 = d;
-#endif
-  // [a0+a4 .. a3+a7, b0+b4 .. b3+b7] and the same for c, d.
-  const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
-                __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
-  const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
-                __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
-  // Pairs: [a, a, c, c, b, b, d, d] partial sums.
-  const v8 pairs = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
-                   __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
-  typedef float v4 __attribute__((vector_size(16)));
-  const v4 sums = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
-                  __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);  // [a, c, b, d]
-  out[0] = sums[0];
-  out[1] = sums[2];
-  out[2] = sums[1];
-  out[3] = sums[3];
-}
 
 // Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
 // so every loaded key vector serves QT queries and every query vector 4 keys.

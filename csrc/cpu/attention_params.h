@@ -59,9 +59,9 @@ struct WorkItem {
 
 // Keys processed per online-softmax step (gathered across block boundaries).
 constexpr int kKeyChunk = 32;
-// Upper bound on query vectors (rows x heads of one GQA group) per work item.
+// Query vectors (rows x heads of one GQA group) a work item aims for; a group
+// larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;
-constexpr int kMaxHeadSize = 256;
 
 // Floats of per-thread scratch a kernel needs.
 inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
