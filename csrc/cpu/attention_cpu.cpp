@@ -85,18 +85,31 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
   plan.num_threads = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, max_threads)));
   const int num_threads = plan.num_threads;
 
-  const int64_t base_items = int64_t(tiles.size()) * s.num_kv_heads;
-  int64_t parts = 1;
-  if (base_items > 0 && base_items < kItemsPerThread * num_threads) {
-    parts = (kItemsPerThread * num_threads + base_items - 1) / base_items;
+  // KV heads per item: as many as kMaxQueriesPerItem queries allow. A decode row takes
+  // every head of a block, and in the HND layout those heads are adjacent, so the item
+  // reads long runs of memory instead of one head's rows here and there.
+  auto head_groups_of = [&](const QueryTile& t) {
+    const int64_t queries_per_head = int64_t(t.row_end - t.row_begin) * group;
+    const int64_t heads = std::clamp<int64_t>(kMaxQueriesPerItem / queries_per_head, 1, s.num_kv_heads);
+    return (s.num_kv_heads + heads - 1) / heads;
+  };
+  int64_t base_items = 0;
+  for (const QueryTile& t : tiles) base_items += head_groups_of(t);
+  // Too few items for the threads: split long key ranges first, then the heads.
+  const int64_t wanted = kItemsPerThread * num_threads;
+  int64_t parts = 1, head_split = 1;
+  if (base_items > 0 && base_items < wanted) {
+    parts = (wanted + base_items - 1) / base_items;
     parts = std::min(parts, std::max<int64_t>(1, longest / kMinPartitionTokens));
+    head_split = (wanted + base_items * parts - 1) / (base_items * parts);
   }
 
   plan.parts_of_token.assign(s.num_tokens, 1);
-  plan.items.reserve(base_items * parts);
+  plan.items.reserve(base_items * parts * head_split);
   for (const QueryTile& t : tiles) {
     const int64_t range = t.kv_end - t.kv_begin;
     const int64_t n = std::max<int64_t>(1, std::min(parts, range / kMinPartitionTokens));
+    const int64_t head_groups = std::min<int64_t>(s.num_kv_heads, head_groups_of(t) * head_split);
     // Partition boundaries on 16-token multiples keep chunks block-aligned.
     const int64_t step = ((range + n - 1) / n + 15) / 16 * 16;
     int32_t used = 0;
@@ -104,21 +117,23 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
       const int64_t b = t.kv_begin + p * step;
       if (p > 0 && b >= t.kv_end) break;
       const int32_t e = int32_t(std::min<int64_t>(t.kv_end, b + step));
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-        plan.items.push_back({t.seq, int32_t(h), t.row_begin, t.row_end, t.first_pos, int32_t(b), e,
+      for (int64_t g = 0; g < head_groups; ++g) {
+        const int32_t h0 = int32_t(g * s.num_kv_heads / head_groups);
+        const int32_t h1 = int32_t((g + 1) * s.num_kv_heads / head_groups);
+        plan.items.push_back({t.seq, h0, h1, t.row_begin, t.row_end, t.first_pos, int32_t(b), e,
                               int32_t(p)});
+        plan.max_queries_per_item =
+            std::max<int>(plan.max_queries_per_item, int((t.row_end - t.row_begin) * group * (h1 - h0)));
       }
       ++used;
     }
     for (int32_t r = t.row_begin; r < t.row_end; ++r) plan.parts_of_token[r] = used;
     plan.max_parts = std::max(plan.max_parts, used);
-    plan.max_queries_per_item =
-        std::max<int>(plan.max_queries_per_item, int((t.row_end - t.row_begin) * group));
   }
   // Longest ranges first so the dynamic schedule ends evenly.
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
-    return int64_t(a.kv_end - a.kv_begin) * (a.row_end - a.row_begin) >
-           int64_t(b.kv_end - b.kv_begin) * (b.row_end - b.row_begin);
+    return int64_t(a.kv_end - a.kv_begin) * (a.row_end - a.row_begin) * (a.kv_head_end - a.kv_head_begin) >
+           int64_t(b.kv_end - b.kv_begin) * (b.row_end - b.row_begin) * (b.kv_head_end - b.kv_head_begin);
   });
   return plan;
 }

@@ -1,17 +1,19 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
 // extensions and compiled once per instruction set (see isa_*.cpp).
 //
-// Textually included inside an ISA namespace, after <cmath>, <cstdint>,
+// Textually included inside an ISA namespace, after <algorithm>, <cmath>, <cstdint>,
 // <cstring>, <immintrin.h> and attention_params.h, with these macros set:
 //   PAGED_VEC_WIDTH   fp32 lanes per vector (16, 8)
 //   PAGED_ISA_AVX512  1 when AVX-512F intrinsics may be used
 //   PAGED_ISA_F16C    1 when AVX2 and F16C intrinsics may be used
 //
-// Algorithm (flash-decoding style, one KV head at a time):
-//   all query vectors of the item (rows x GQA heads) are held in fp32; keys are
-//   taken kKeyChunk at a time through the block table, converted once to fp32
-//   and reused by every query head of the group; an online softmax keeps the
-//   running max / sum per query so each K and V byte is read exactly once.
+// Algorithm (flash-decoding style): a work item is one sequence's query rows for
+//   a range of KV heads. Its keys are taken in chunks of kKeyChunk through the block
+//   table, block by block and, within a block, head by head (address order in the
+//   HND layout). Rows whose length is a whole number of vectors are read in place
+//   and widened to fp32 in registers, each key row serving every query head of its
+//   GQA group; an online softmax keeps the running max / sum per query so each K and
+//   V byte is read exactly once. Software prefetches run one phase ahead.
 
 constexpr int VW = PAGED_VEC_WIDTH;
 typedef float vfloat __attribute__((vector_size(VW * 4)));
@@ -158,40 +160,68 @@ static inline vfloat vexp(vfloat x) {
   return x < lo ? vfloat{} : result;
 }
 
-// Dot products of one query with 4 keys (rows of hsp floats, zero padded).
-static inline void dot4(const float* q, const float* const* k, int hsp, float* out) {
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(p + off, 0, 3);
+    // GCC deletes a loop whose only effect is prefetching; this keeps it.
+    asm volatile("");
+  }
+}
+
+// Rows to prefetch while a compute phase runs, spread over its keys so that cache
+// misses stay in flight during the arithmetic instead of arriving in one burst.
+template <typename R>
+struct PrefetchRows {
+  const R* const* rows;
+  int count;
+  int bytes;
+  inline void key(int t) const {
+    if (t < count) prefetch_row(rows[t], bytes);
+  }
+};
+
+// The row loaders below take rows of R (float, or a 16-bit type read in place and
+// widened to fp32 in registers); every row holds hsp elements.
+
+// Dot products of one query with 4 keys.
+template <typename R>
+static inline void dot4(const float* q, const R* const* k, int hsp, float* out) {
   vfloat a0{}, a1{}, a2{}, a3{};
   for (int d = 0; d < hsp; d += VW) {
     const vfloat qv = load(q + d);
-    a0 += qv * load(k[0] + d);
-    a1 += qv * load(k[1] + d);
-    a2 += qv * load(k[2] + d);
-    a3 += qv * load(k[3] + d);
+    a0 += qv * load_as_float(k[0] + d);
+    a1 += qv * load_as_float(k[1] + d);
+    a2 += qv * load_as_float(k[2] + d);
+    a3 += qv * load_as_float(k[3] + d);
   }
   hsum4(a0, a1, a2, a3, out);
 }
 
-static inline float dot1(const float* q, const float* k, int hsp) {
+template <typename R>
+static inline float dot1(const float* q, const R* k, int hsp) {
   vfloat a{};
-  for (int d = 0; d < hsp; d += VW) a += load(q + d) * load(k + d);
+  for (int d = 0; d < hsp; d += VW) a += load(q + d) * load_as_float(k + d);
   return hsum(a);
 }
 
 // acc[0:hsp] += sum_t p[t] * v[t][0:hsp], four accumulator vectors at a time.
-static inline void accumulate_values(float* acc, const float* p, const float* const* v, int n,
-                                     int hsp) {
+template <typename R>
+static inline void accumulate_values(float* acc, const float* p, const R* const* v, int n, int hsp,
+                                     const PrefetchRows<R>& pf) {
   int d = 0;
   for (; d + 4 * VW <= hsp; d += 4 * VW) {
     vfloat a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
            a3 = load(acc + d + 3 * VW);
     for (int t = 0; t < n; ++t) {
+      if (d == 0) pf.key(t);
       if (p[t] == 0.0f) continue;
       const vfloat pt = splat(p[t]);
-      const float* vr = v[t] + d;
-      a0 += pt * load(vr);
-      a1 += pt * load(vr + VW);
-      a2 += pt * load(vr + 2 * VW);
-      a3 += pt * load(vr + 3 * VW);
+      const R* vr = v[t] + d;
+      a0 += pt * load_as_float(vr);
+      a1 += pt * load_as_float(vr + VW);
+      a2 += pt * load_as_float(vr + 2 * VW);
+      a3 += pt * load_as_float(vr + 3 * VW);
     }
     store(acc + d, a0);
     store(acc + d + VW, a1);
@@ -201,8 +231,9 @@ static inline void accumulate_values(float* acc, const float* p, const float* co
   for (; d < hsp; d += VW) {
     vfloat a = load(acc + d);
     for (int t = 0; t < n; ++t) {
+      if (d == 0) pf.key(t);
       if (p[t] == 0.0f) continue;
-      a += splat(p[t]) * load(v[t] + d);
+      a += splat(p[t]) * load_as_float(v[t] + d);
     }
     store(acc + d, a);
   }
@@ -214,13 +245,14 @@ constexpr int QT = VW == 16 ? 4 : 2;
 
 // Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
 // so every loaded key vector serves QT queries and every query vector 4 keys.
-static inline void dot_tile(const float* q, int hsp, const float* const* k, float* s) {
+template <typename R>
+static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s) {
   vfloat acc[QT][4];
   for (int g = 0; g < QT; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = vfloat{};
   for (int d = 0; d < hsp; d += VW) {
-    const vfloat k0 = load(k[0] + d), k1 = load(k[1] + d), k2 = load(k[2] + d),
-                 k3 = load(k[3] + d);
+    const vfloat k0 = load_as_float(k[0] + d), k1 = load_as_float(k[1] + d),
+                 k2 = load_as_float(k[2] + d), k3 = load_as_float(k[3] + d);
     for (int g = 0; g < QT; ++g) {
       const vfloat qv = load(q + int64_t(g) * hsp + d);
       acc[g][0] += qv * k0;
@@ -234,16 +266,19 @@ static inline void dot_tile(const float* q, int hsp, const float* const* k, floa
 
 // acc[g] += sum_t p[g][t] * v[t] for QT queries: QT x 4 register accumulators per step,
 // so every loaded value vector serves QT queries.
-static inline void accumulate_tile(float* acc, int hsp, const float* p, const float* const* v,
-                                   int n) {
+template <typename R>
+static inline void accumulate_tile(float* acc, int hsp, const float* p, const R* const* v, int n,
+                                   const PrefetchRows<R>& pf) {
   int d = 0;
   for (; d + 4 * VW <= hsp; d += 4 * VW) {
     vfloat a[QT][4];
     for (int g = 0; g < QT; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
     for (int t = 0; t < n; ++t) {
-      const float* vr = v[t] + d;
-      const vfloat v0 = load(vr), v1 = load(vr + VW), v2 = load(vr + 2 * VW), v3 = load(vr + 3 * VW);
+      if (d == 0) pf.key(t);
+      const R* vr = v[t] + d;
+      const vfloat v0 = load_as_float(vr), v1 = load_as_float(vr + VW),
+                   v2 = load_as_float(vr + 2 * VW), v3 = load_as_float(vr + 3 * VW);
       for (int g = 0; g < QT; ++g) {
         const vfloat pg = splat(p[g * kKeyChunk + t]);
         a[g][0] += pg * v0;
@@ -259,16 +294,139 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const fl
     vfloat a[QT];
     for (int g = 0; g < QT; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
     for (int t = 0; t < n; ++t) {
-      const vfloat vt = load(v[t] + d);
+      if (d == 0) pf.key(t);
+      const vfloat vt = load_as_float(v[t] + d);
       for (int g = 0; g < QT; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
     }
     for (int g = 0; g < QT; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
   }
 }
 
-static inline void prefetch_row(const void* row, int bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+// One KV head's queries and online-softmax state within a work item.
+struct ItemState {
+  int kv_head;
+  int num_queries;  // query rows x GQA group
+  int group;
+  int hsp;
+  float* q;        // [num_queries, hsp] scaled queries, zero padded
+  float* acc;      // [num_queries, hsp] unnormalised outputs
+  float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
+  float* run_max;  // [num_queries]
+  float* run_sum;  // [num_queries]
+};
+
+// Scores of every query with the chunk's n keys, in register tiles. While the first
+// query tile runs, `pf` gets one prefetch per key.
+template <typename R>
+static inline void chunk_scores(const ItemState& st, const R* const* k_rows, int n,
+                                const PrefetchRows<R>& pf) {
+  const int hsp = st.hsp;
+  const int full_queries = st.num_queries / QT * QT;
+  const int full_keys = n / 4 * 4;
+  for (int m = 0; m < full_queries; m += QT) {
+    const float* qm = st.q + int64_t(m) * hsp;
+    float* s = st.scores + int64_t(m) * kKeyChunk;
+    for (int t = 0; t < full_keys; t += 4) {
+      dot_tile(qm, hsp, k_rows + t, s + t);
+      if (m == 0)
+        for (int i = 0; i < 4; ++i) pf.key(t + i);
+    }
+    for (int g = 0; g < QT; ++g)
+      for (int t = full_keys; t < n; ++t)
+        s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp);
+    if (m == 0)
+      for (int t = full_keys; t < n; ++t) pf.key(t);
+  }
+  for (int m = full_queries; m < st.num_queries; ++m) {
+    const float* qm = st.q + int64_t(m) * hsp;
+    float* s = st.scores + int64_t(m) * kKeyChunk;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+      dot4(qm, k_rows + t, hsp, s + t);
+      if (m == 0)
+        for (int i = 0; i < 4; ++i) pf.key(t + i);
+    }
+    for (; t < n; ++t) {
+      s[t] = dot1(qm, k_rows[t], hsp);
+      if (m == 0) pf.key(t);
+    }
+  }
+}
+
+// Score modifiers and masks for the keys [j0, j0 + n), then the online-softmax update:
+// scores become probabilities (0 where masked) and the accumulators are rescaled.
+static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, const ItemState& st,
+                                 int j0, int n) {
+  constexpr int CH = kKeyChunk;
+  const bool soft_cap = P.soft_cap > 0.0f;
+  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+  for (int m = 0; m < st.num_queries; ++m) {
+    float* s = st.scores + int64_t(m) * CH;
+    int t = 0;
+    const int head = st.kv_head * st.group + m % st.group;
+    const int pos = w.first_pos + m / st.group;
+    const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
+    float chunk_max = -__builtin_inff();
+    const bool all_visible = j0 + n - 1 <= pos &&
+                             (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
+    if (all_visible && !soft_cap && !P.alibi_slopes) {
+      // The common decode case: nothing to mask or modify.
+      for (t = n; t < CH; ++t) s[t] = -__builtin_inff();
+      vfloat vmax = load(s);
+      for (t = VW; t < CH; t += VW) {
+        const vfloat x = load(s + t);
+        vmax = x > vmax ? x : vmax;
+      }
+      for (int i = 0; i < VW; ++i) chunk_max = vmax[i] > chunk_max ? vmax[i] : chunk_max;
+    } else {
+      for (t = 0; t < n; ++t) {
+        const int j = j0 + t;
+        float x = s[t];
+        if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
+        if (P.alibi_slopes) x += slope * float(j - pos);
+        const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
+        x = visible ? x : -__builtin_inff();
+        s[t] = x;
+        chunk_max = x > chunk_max ? x : chunk_max;
+      }
+      for (; t < CH; ++t) s[t] = -__builtin_inff();
+    }
+    if (chunk_max == -__builtin_inff()) {  // nothing visible in this chunk
+      for (t = 0; t < CH; ++t) s[t] = 0.0f;
+      continue;
+    }
+    const float new_max = chunk_max > st.run_max[m] ? chunk_max : st.run_max[m];
+    const vfloat shift = splat(new_max);
+    vfloat total{};
+    for (t = 0; t < CH; t += VW) {
+      const vfloat p = vexp(load(s + t) - shift);
+      store(s + t, p);
+      total += p;
+    }
+    float* am = st.acc + int64_t(m) * st.hsp;
+    if (new_max != st.run_max[m]) {
+      const float alpha = std::exp(st.run_max[m] - new_max);
+      st.run_sum[m] *= alpha;
+      const vfloat av = splat(alpha);
+      for (int d = 0; d < st.hsp; d += VW) store(am + d, load(am + d) * av);
+      st.run_max[m] = new_max;
+    }
+    st.run_sum[m] += hsum(total);
+  }
+}
+
+// Probability-weighted values of the chunk, in register tiles; `pf` as in chunk_scores.
+template <typename R>
+static inline void chunk_values(const ItemState& st, const R* const* v_rows, int n,
+                                const PrefetchRows<R>& pf) {
+  const int full_queries = st.num_queries / QT * QT;
+  const PrefetchRows<R> none{nullptr, 0, 0};
+  for (int m = 0; m < full_queries; m += QT)
+    accumulate_tile(st.acc + int64_t(m) * st.hsp, st.hsp, st.scores + int64_t(m) * kKeyChunk,
+                    v_rows, n, m == 0 ? pf : none);
+  for (int m = full_queries; m < st.num_queries; ++m)
+    accumulate_values(st.acc + int64_t(m) * st.hsp, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
+                      st.hsp, m == 0 ? pf : none);
 }
 
 template <typename T>
@@ -277,9 +435,13 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   const int hsp = (hs + VW - 1) / VW * VW;
   const int group = P.num_heads / P.num_kv_heads;
   const int num_rows = w.row_end - w.row_begin;
-  const int num_queries = num_rows * group;
+  const int num_heads = w.kv_head_end - w.kv_head_begin;
+  const int per_head = num_rows * group;  // queries of one KV head
+  const int num_queries = num_heads * per_head;
   constexpr int CH = kKeyChunk;
 
+  // Workspace: queries, accumulators, scores, running max and sum of every query
+  // (ordered KV head, row, GQA head), then one chunk of fp32 keys and values.
   float* q_f = ws;
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hsp;
@@ -287,159 +449,119 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   float* run_sum = run_max + num_queries;
   float* k_f = run_sum + num_queries;
   float* v_f = k_f + int64_t(CH) * hsp;
+  auto head_state = [&](int i) {
+    const int64_t m0 = int64_t(i) * per_head;
+    return ItemState{w.kv_head_begin + i, per_head, group, hsp, q_f + m0 * hsp, acc + m0 * hsp,
+                     scores + m0 * CH, run_max + m0, run_sum + m0};
+  };
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter.
   const T* query = static_cast<const T*>(P.query);
-  for (int r = 0; r < num_rows; ++r) {
-    for (int g = 0; g < group; ++g) {
-      const int m = r * group + g;
-      const int head = w.kv_head * group + g;
-      float* qm = q_f + int64_t(m) * hsp;
-      std::memset(qm, 0, sizeof(float) * hsp);
-      row_to_float(query + (w.row_begin + r) * P.query_token_stride + head * P.query_head_stride, qm,
-                   hs);
-      for (int d = 0; d < hs; ++d) qm[d] *= P.scale;
-    }
-  }
-  std::memset(acc, 0, sizeof(float) * num_queries * hsp);
   for (int m = 0; m < num_queries; ++m) {
+    const int kv = w.kv_head_begin + m / per_head;
+    const int token = w.row_begin + (m % per_head) / group;
+    const int head = kv * group + m % group;
+    float* qm = q_f + int64_t(m) * hsp;
+    std::memset(qm, 0, sizeof(float) * hsp);
+    row_to_float(query + token * P.query_token_stride + head * P.query_head_stride, qm, hs);
+    for (int d = 0; d < hs; ++d) qm[d] *= P.scale;
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
-  // fp32 rows whose length is a whole number of vectors are read in place.
-  const bool kDirectRows = sizeof(T) == sizeof(float) && hsp == hs;
-  const float* k_rows[CH];
-  const float* v_rows[CH];
-  for (int t = 0; t < CH; ++t) {
-    k_rows[t] = k_f + int64_t(t) * hsp;
-    v_rows[t] = v_f + int64_t(t) * hsp;
-  }
-  if (hsp != hs) {  // padded lanes of the key/value chunks must be finite zeros
-    std::memset(k_f, 0, sizeof(float) * CH * hsp);
-    std::memset(v_f, 0, sizeof(float) * CH * hsp);
-  }
+  std::memset(acc, 0, sizeof(float) * num_queries * hsp);
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
   const int bs = P.block_size;
   const int64_t head_stride = int64_t(bs) * hs;
   const int64_t block_stride = int64_t(P.num_kv_heads) * head_stride;
-  const int64_t kv_head_offset = int64_t(w.kv_head) * head_stride;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const int row_bytes = hs * int(sizeof(T));
-  const bool soft_cap = P.soft_cap > 0.0f;
-  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+  auto row_offset = [&](int j, int kv_head) {
+    const int logical = j / bs;
+    return int64_t(table[logical]) * block_stride + int64_t(kv_head) * head_stride +
+           int64_t(j - logical * bs) * hs;
+  };
 
-  for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += CH) {
-    const int n = (w.kv_end - j0) < CH ? (w.kv_end - j0) : CH;
-    // Gather this chunk's rows through the block table (16-bit rows are converted
-    // to fp32 once, for every query head of the group); prefetch the next chunk.
-    for (int t = 0; t < n; ++t) {
-      const int j = j0 + t;
-      const int logical = j / bs;
-      const int64_t offset = int64_t(table[logical]) * block_stride + kv_head_offset +
-                             int64_t(j - logical * bs) * hs;
-      if (kDirectRows) {
-        k_rows[t] = reinterpret_cast<const float*>(key_cache + offset);
-        v_rows[t] = reinterpret_cast<const float*>(value_cache + offset);
-      } else {
+  // Traversal: the keys are cut into spans of one block (at least one chunk); for each
+  // span, every KV head of the item reads its rows of the span chunk by chunk. In the
+  // HND layout a head's rows of a block are contiguous and the heads of a block are
+  // adjacent, so the item reads memory in address order within a block.
+  const int span = bs > CH ? bs : CH;
+  auto span_end = [&](int j) { return std::min(w.kv_end, (j / span + 1) * span); };
+  auto span_begin = [&](int j) { return std::max(w.kv_begin, j / span * span); };
+  struct Chunk {
+    int j0, n, head;  // keys [j0, j0 + n) of the item's head `head` (0-based); n = 0: done
+  };
+  auto first_chunk = [&] {
+    return Chunk{w.kv_begin, std::min(CH, span_end(w.kv_begin) - w.kv_begin), 0};
+  };
+  auto next_chunk = [&](const Chunk& c) {
+    const int end = span_end(c.j0);
+    if (c.j0 + CH < end) return Chunk{c.j0 + CH, std::min(CH, end - c.j0 - CH), c.head};
+    const int begin = span_begin(c.j0);
+    if (c.head + 1 < num_heads) return Chunk{begin, std::min(CH, span_end(begin) - begin), c.head + 1};
+    if (end < w.kv_end) return Chunk{end, std::min(CH, span_end(end) - end), 0};
+    return Chunk{w.kv_end, 0, 0};
+  };
+
+  if (hsp == hs) {
+    // Rows are whole vectors: read them in place. While a chunk's scores are computed
+    // its values are prefetched, and while its values are accumulated, the next
+    // chunk's keys, so one phase's arithmetic overlaps the other's cache misses.
+    const T* k_rows[CH];
+    const T* v_rows[CH];
+    const T* next_k[CH];
+    for (Chunk c = first_chunk(); c.n > 0;) {
+      const Chunk next = next_chunk(c);
+      const ItemState st = head_state(c.head);
+      for (int t = 0; t < c.n; ++t) {
+        const int64_t offset = row_offset(c.j0 + t, st.kv_head);
+        k_rows[t] = key_cache + offset;
+        v_rows[t] = value_cache + offset;
+      }
+      for (int t = 0; t < next.n; ++t)
+        next_k[t] = key_cache + row_offset(next.j0 + t, w.kv_head_begin + next.head);
+      chunk_scores(st, k_rows, c.n, PrefetchRows<T>{v_rows, c.n, row_bytes});
+      chunk_softmax(P, w, st, c.j0, c.n);
+      chunk_values(st, v_rows, c.n, PrefetchRows<T>{next_k, next.n, row_bytes});
+      c = next;
+    }
+  } else {
+    // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
+    std::memset(k_f, 0, sizeof(float) * CH * hsp);
+    std::memset(v_f, 0, sizeof(float) * CH * hsp);
+    const float* k_rows[CH];
+    const float* v_rows[CH];
+    for (int t = 0; t < CH; ++t) {
+      k_rows[t] = k_f + int64_t(t) * hsp;
+      v_rows[t] = v_f + int64_t(t) * hsp;
+    }
+    const PrefetchRows<float> none{nullptr, 0, 0};
+    for (Chunk c = first_chunk(); c.n > 0;) {
+      const Chunk next = next_chunk(c);
+      const ItemState st = head_state(c.head);
+      for (int t = 0; t < c.n; ++t) {
+        const int64_t offset = row_offset(c.j0 + t, st.kv_head);
         row_to_float(key_cache + offset, k_f + int64_t(t) * hsp, hs);
         row_to_float(value_cache + offset, v_f + int64_t(t) * hsp, hs);
-      }
-      const int jn = j + CH;
-      if (jn < w.kv_end) {
-        const int ln = jn / bs;
-        const int64_t off_n = int64_t(table[ln]) * block_stride + kv_head_offset +
-                              int64_t(jn - ln * bs) * hs;
-        prefetch_row(key_cache + off_n, row_bytes);
-        prefetch_row(value_cache + off_n, row_bytes);
-      }
-    }
-
-    // 1. Scores of every query with every key of the chunk, in register tiles.
-    const int full_queries = num_queries / QT * QT;
-    const int full_keys = n / 4 * 4;
-    for (int m = 0; m < full_queries; m += QT) {
-      const float* qm = q_f + int64_t(m) * hsp;
-      float* s = scores + int64_t(m) * CH;
-      for (int t = 0; t < full_keys; t += 4) dot_tile(qm, hsp, k_rows + t, s + t);
-      for (int g = 0; g < QT; ++g)
-        for (int t = full_keys; t < n; ++t) s[g * CH + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp);
-    }
-    for (int m = full_queries; m < num_queries; ++m) {
-      const float* qm = q_f + int64_t(m) * hsp;
-      float* s = scores + int64_t(m) * CH;
-      int t = 0;
-      for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t);
-      for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp);
-    }
-
-    // 2. Score modifiers and masks, then the online-softmax update: scores become
-    //    probabilities (0 where masked) and the accumulators are rescaled.
-    for (int m = 0; m < num_queries; ++m) {
-      float* s = scores + int64_t(m) * CH;
-      int t = 0;
-      const int head = w.kv_head * group + m % group;
-      const int pos = w.first_pos + m / group;
-      const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
-      float chunk_max = -__builtin_inff();
-      const bool all_visible = j0 + n - 1 <= pos &&
-                               (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
-      if (all_visible && !soft_cap && !P.alibi_slopes) {
-        // The common decode case: nothing to mask or modify.
-        for (t = n; t < CH; ++t) s[t] = -__builtin_inff();
-        vfloat vmax = load(s);
-        for (t = VW; t < CH; t += VW) {
-          const vfloat x = load(s + t);
-          vmax = x > vmax ? x : vmax;
+        if (t < next.n) {
+          const int64_t ahead = row_offset(next.j0 + t, w.kv_head_begin + next.head);
+          prefetch_row(key_cache + ahead, row_bytes);
+          prefetch_row(value_cache + ahead, row_bytes);
         }
-        for (int i = 0; i < VW; ++i) chunk_max = vmax[i] > chunk_max ? vmax[i] : chunk_max;
-      } else {
-        for (t = 0; t < n; ++t) {
-          const int j = j0 + t;
-          float x = s[t];
-          if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
-          if (P.alibi_slopes) x += slope * float(j - pos);
-          const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
-          x = visible ? x : -__builtin_inff();
-          s[t] = x;
-          chunk_max = x > chunk_max ? x : chunk_max;
-        }
-        for (; t < CH; ++t) s[t] = -__builtin_inff();
       }
-      if (chunk_max == -__builtin_inff()) {  // nothing visible in this chunk
-        for (t = 0; t < CH; ++t) s[t] = 0.0f;
-        continue;
-      }
-      const float new_max = chunk_max > run_max[m] ? chunk_max : run_max[m];
-      const vfloat shift = splat(new_max);
-      vfloat total{};
-      for (t = 0; t < CH; t += VW) {
-        const vfloat p = vexp(load(s + t) - shift);
-        store(s + t, p);
-        total += p;
-      }
-      float* am = acc + int64_t(m) * hsp;
-      if (new_max != run_max[m]) {
-        const float alpha = std::exp(run_max[m] - new_max);
-        run_sum[m] *= alpha;
-        const vfloat av = splat(alpha);
-        for (int d = 0; d < hsp; d += VW) store(am + d, load(am + d) * av);
-        run_max[m] = new_max;
-      }
-      run_sum[m] += hsum(total);
+      chunk_scores(st, k_rows, c.n, none);
+      chunk_softmax(P, w, st, c.j0, c.n);
+      chunk_values(st, v_rows, c.n, none);
+      c = next;
     }
-
-    // 3. Probability-weighted values, in register tiles.
-    for (int m = 0; m < full_queries; m += QT)
-      accumulate_tile(acc + int64_t(m) * hsp, hsp, scores + int64_t(m) * CH, v_rows, n);
-    for (int m = full_queries; m < num_queries; ++m)
-      accumulate_values(acc + int64_t(m) * hsp, scores + int64_t(m) * CH, v_rows, n, hsp);
   }
 
   for (int m = 0; m < num_queries; ++m) {
-    const int token = w.row_begin + m / group;
-    const int head = w.kv_head * group + m % group;
+    const int kv = w.kv_head_begin + m / per_head;
+    const int token = w.row_begin + (m % per_head) / group;
+    const int head = kv * group + m % group;
     float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
                head * P.out_head_stride;
     const float* am = acc + int64_t(m) * hsp;

@@ -44,11 +44,13 @@ struct AttentionParams {
 };
 
 // One unit of parallel work: the query rows [row_begin, row_end) of one
-// sequence times all query heads of one KV head, against the keys
-// [kv_begin, kv_end). The row `row_begin` sits at sequence position `first_pos`.
+// sequence times all query heads of the KV heads [kv_head_begin, kv_head_end),
+// against the keys [kv_begin, kv_end). The row `row_begin` sits at sequence
+// position `first_pos`.
 struct WorkItem {
   int32_t seq;
-  int32_t kv_head;
+  int32_t kv_head_begin;
+  int32_t kv_head_end;
   int32_t row_begin;
   int32_t row_end;
   int32_t first_pos;
@@ -58,7 +60,7 @@ struct WorkItem {
 };
 
 // Keys processed per online-softmax step (gathered across block boundaries).
-constexpr int kKeyChunk = 32;
+constexpr int kKeyChunk = 16;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;

@@ -1,5 +1,6 @@
 // The attention kernel compiled for AVX2 with FMA and F16C.
 // Chosen at run time by cpu_features.cpp; never called on a CPU that lacks it.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
