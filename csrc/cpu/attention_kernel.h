@@ -2,10 +2,11 @@
 // extensions and compiled once per instruction set (see isa_*.cpp).
 //
 // Textually included inside an ISA namespace, after <algorithm>, <cmath>, <cstdint>,
-// <cstring>, <immintrin.h> and attention_params.h, with these macros set:
-//   PAGED_VEC_WIDTH   fp32 lanes per vector (16, 8)
-//   PAGED_ISA_AVX512  1 when AVX-512F intrinsics may be used
-//   PAGED_ISA_F16C    1 when AVX2 and F16C intrinsics may be used
+// <cstring>, <type_traits>, <immintrin.h> and attention_params.h, with these macros:
+//   PAGED_VEC_WIDTH        fp32 lanes per vector (16, 8)
+//   PAGED_ISA_AVX512       1 when AVX-512F intrinsics may be used
+//   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional)
+//   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
 //   a range of KV heads. Its keys are taken in chunks of kKeyChunk through the block
@@ -50,6 +51,22 @@ static inline float hsum(vfloat v) {
   v4float c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   c += __builtin_shufflevector(c, c, 2, 3, 0, 1);
   c += __builtin_shufflevector(c, c, 1, 0, 3, 2);
+  return c[0];
+}
+
+template <typename V>
+static inline V vmax(V a, V b) { return a > b ? a : b; }
+
+static inline float hmax(vfloat v) {
+#if PAGED_VEC_WIDTH == 16
+  const v8float a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  const v8float a = v;
+#endif
+  v4float c = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  c = vmax(c, __builtin_shufflevector(c, c, 2, 3, 0, 1));
+  c = vmax(c, __builtin_shufflevector(c, c, 1, 0, 3, 2));
   return c[0];
 }
 
@@ -302,6 +319,53 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const R*
   }
 }
 
+#if PAGED_ISA_AVX512_BF16
+// bf16 keys against bf16 queries with vdpbf16ps: pairs of products summed in fp32,
+// 32 elements a step, no widening. The query is the caller's unscaled bf16 (exact);
+// the softmax scale is applied to the scores afterwards.
+static inline __m512bh load_bf16x32(const void* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s) {
+  __m512 acc[QT][4];
+  for (int g = 0; g < QT; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) {
+    const __m512bh k0 = load_bf16x32(k[0] + d), k1 = load_bf16x32(k[1] + d),
+                   k2 = load_bf16x32(k[2] + d), k3 = load_bf16x32(k[3] + d);
+    for (int g = 0; g < QT; ++g) {
+      const __m512bh qv = load_bf16x32(q + int64_t(g) * hsp + d);
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
+      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], qv, k2);
+      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
+    }
+  }
+  for (int g = 0; g < QT; ++g)
+    hsum4((vfloat)acc[g][0], (vfloat)acc[g][1], (vfloat)acc[g][2], (vfloat)acc[g][3],
+          s + g * kKeyChunk);
+}
+
+static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int d = 0; d < hsp; d += 32) {
+    const __m512bh qv = load_bf16x32(q + d);
+    a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k[0] + d));
+    a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k[1] + d));
+    a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k[2] + d));
+    a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k[3] + d));
+  }
+  hsum4((vfloat)a0, (vfloat)a1, (vfloat)a2, (vfloat)a3, out);
+}
+
+static inline float dot1(const uint16_t* q, const Bf16* k, int hsp) {
+  __m512 a = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), load_bf16x32(k + d));
+  return hsum((vfloat)a);
+}
+#endif  // PAGED_ISA_AVX512_BF16
+
 // One KV head's queries and online-softmax state within a work item.
 struct ItemState {
   int kv_head;
@@ -309,6 +373,8 @@ struct ItemState {
   int group;
   int hsp;
   float* q;        // [num_queries, hsp] scaled queries, zero padded
+  const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
+  float scale;
   float* acc;      // [num_queries, hsp] unnormalised outputs
   float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
   float* run_max;  // [num_queries]
@@ -317,14 +383,14 @@ struct ItemState {
 
 // Scores of every query with the chunk's n keys, in register tiles. While the first
 // query tile runs, `pf` gets one prefetch per key.
-template <typename R>
-static inline void chunk_scores(const ItemState& st, const R* const* k_rows, int n,
+template <typename Q, typename R>
+static inline void chunk_scores(const ItemState& st, const Q* q, const R* const* k_rows, int n,
                                 const PrefetchRows<R>& pf) {
   const int hsp = st.hsp;
   const int full_queries = st.num_queries / QT * QT;
   const int full_keys = n / 4 * 4;
   for (int m = 0; m < full_queries; m += QT) {
-    const float* qm = st.q + int64_t(m) * hsp;
+    const Q* qm = q + int64_t(m) * hsp;
     float* s = st.scores + int64_t(m) * kKeyChunk;
     for (int t = 0; t < full_keys; t += 4) {
       dot_tile(qm, hsp, k_rows + t, s + t);
@@ -338,7 +404,7 @@ static inline void chunk_scores(const ItemState& st, const R* const* k_rows, int
       for (int t = full_keys; t < n; ++t) pf.key(t);
   }
   for (int m = full_queries; m < st.num_queries; ++m) {
-    const float* qm = st.q + int64_t(m) * hsp;
+    const Q* qm = q + int64_t(m) * hsp;
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
     for (; t + 4 <= n; t += 4) {
@@ -349,6 +415,12 @@ static inline void chunk_scores(const ItemState& st, const R* const* k_rows, int
     for (; t < n; ++t) {
       s[t] = dot1(qm, k_rows[t], hsp);
       if (m == 0) pf.key(t);
+    }
+  }
+  if constexpr (std::is_same_v<Q, uint16_t>) {  // unscaled bf16 queries
+    for (int m = 0; m < st.num_queries; ++m) {
+      float* s = st.scores + int64_t(m) * kKeyChunk;
+      for (int t = 0; t < n; ++t) s[t] *= st.scale;
     }
   }
 }
@@ -372,12 +444,9 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
     if (all_visible && !soft_cap && !P.alibi_slopes) {
       // The common decode case: nothing to mask or modify.
       for (t = n; t < CH; ++t) s[t] = -__builtin_inff();
-      vfloat vmax = load(s);
-      for (t = VW; t < CH; t += VW) {
-        const vfloat x = load(s + t);
-        vmax = x > vmax ? x : vmax;
-      }
-      for (int i = 0; i < VW; ++i) chunk_max = vmax[i] > chunk_max ? vmax[i] : chunk_max;
+      vfloat highest = load(s);
+      for (t = VW; t < CH; t += VW) highest = vmax(highest, load(s + t));
+      chunk_max = hmax(highest);
     } else {
       for (t = 0; t < n; ++t) {
         const int j = j0 + t;
@@ -449,11 +518,20 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   float* run_sum = run_max + num_queries;
   float* k_f = run_sum + num_queries;
   float* v_f = k_f + int64_t(CH) * hsp;
+  uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hsp);
   auto head_state = [&](int i) {
     const int64_t m0 = int64_t(i) * per_head;
-    return ItemState{w.kv_head_begin + i, per_head, group, hsp, q_f + m0 * hsp, acc + m0 * hsp,
-                     scores + m0 * CH, run_max + m0, run_sum + m0};
+    return ItemState{w.kv_head_begin + i, per_head, group, hsp, q_f + m0 * hsp, q_bits + m0 * hsp,
+                     P.scale, acc + m0 * hsp, scores + m0 * CH, run_max + m0, run_sum + m0};
   };
+#if PAGED_ISA_AVX512_BF16
+  // bf16 keys take vdpbf16ps when rows are whole 32-element steps.
+  constexpr bool kBf16Dot = std::is_same_v<T, Bf16>;
+  const bool bf16_dot = kBf16Dot && hs % 32 == 0;
+#else
+  constexpr bool kBf16Dot = false;
+  constexpr bool bf16_dot = false;
+#endif
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter.
   const T* query = static_cast<const T*>(P.query);
@@ -465,6 +543,10 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     std::memset(qm, 0, sizeof(float) * hsp);
     row_to_float(query + token * P.query_token_stride + head * P.query_head_stride, qm, hs);
     for (int d = 0; d < hs; ++d) qm[d] *= P.scale;
+    if (bf16_dot) {
+      std::memcpy(q_bits + int64_t(m) * hsp,
+                  query + token * P.query_token_stride + head * P.query_head_stride, 2 * hs);
+    }
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
@@ -477,11 +559,21 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   const int64_t block_stride = int64_t(P.num_kv_heads) * head_stride;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const int row_bytes = hs * int(sizeof(T));
-  auto row_offset = [&](int j, int kv_head) {
-    const int logical = j / bs;
-    return int64_t(table[logical]) * block_stride + int64_t(kv_head) * head_stride +
-           int64_t(j - logical * bs) * hs;
+  // Offsets of the rows of keys [j0, j0 + n) of one KV head: one division per chunk,
+  // then a walk through the block table.
+  auto row_offsets = [&](int j0, int n, int kv_head, int64_t* offsets) {
+    int logical = j0 / bs, slot = j0 - logical * bs;
+    const int64_t head_offset = int64_t(kv_head) * head_stride;
+    int64_t block = int64_t(table[logical]) * block_stride + head_offset;
+    for (int t = 0; t < n; ++t) {
+      offsets[t] = block + int64_t(slot) * hs;
+      if (++slot == bs && t + 1 < n) {
+        slot = 0;
+        block = int64_t(table[++logical]) * block_stride + head_offset;
+      }
+    }
   };
+  int64_t offsets[CH], next_offsets[CH];
 
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
@@ -515,14 +607,20 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     for (Chunk c = first_chunk(); c.n > 0;) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
+      row_offsets(c.j0, c.n, st.kv_head, offsets);
+      row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        const int64_t offset = row_offset(c.j0 + t, st.kv_head);
-        k_rows[t] = key_cache + offset;
-        v_rows[t] = value_cache + offset;
+        k_rows[t] = key_cache + offsets[t];
+        v_rows[t] = value_cache + offsets[t];
       }
-      for (int t = 0; t < next.n; ++t)
-        next_k[t] = key_cache + row_offset(next.j0 + t, w.kv_head_begin + next.head);
-      chunk_scores(st, k_rows, c.n, PrefetchRows<T>{v_rows, c.n, row_bytes});
+      for (int t = 0; t < next.n; ++t) next_k[t] = key_cache + next_offsets[t];
+      const PrefetchRows<T> values_ahead{v_rows, c.n, row_bytes};
+      if constexpr (kBf16Dot) {
+        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, values_ahead);
+        else chunk_scores(st, st.q, k_rows, c.n, values_ahead);
+      } else {
+        chunk_scores(st, st.q, k_rows, c.n, values_ahead);
+      }
       chunk_softmax(P, w, st, c.j0, c.n);
       chunk_values(st, v_rows, c.n, PrefetchRows<T>{next_k, next.n, row_bytes});
       c = next;
@@ -541,17 +639,17 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     for (Chunk c = first_chunk(); c.n > 0;) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
+      row_offsets(c.j0, c.n, st.kv_head, offsets);
+      row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        const int64_t offset = row_offset(c.j0 + t, st.kv_head);
-        row_to_float(key_cache + offset, k_f + int64_t(t) * hsp, hs);
-        row_to_float(value_cache + offset, v_f + int64_t(t) * hsp, hs);
+        row_to_float(key_cache + offsets[t], k_f + int64_t(t) * hsp, hs);
+        row_to_float(value_cache + offsets[t], v_f + int64_t(t) * hsp, hs);
         if (t < next.n) {
-          const int64_t ahead = row_offset(next.j0 + t, w.kv_head_begin + next.head);
-          prefetch_row(key_cache + ahead, row_bytes);
-          prefetch_row(value_cache + ahead, row_bytes);
+          prefetch_row(key_cache + next_offsets[t], row_bytes);
+          prefetch_row(value_cache + next_offsets[t], row_bytes);
         }
       }
-      chunk_scores(st, k_rows, c.n, none);
+      chunk_scores(st, st.q, k_rows, c.n, none);
       chunk_softmax(P, w, st, c.j0, c.n);
       chunk_values(st, v_rows, c.n, none);
       c = next;

@@ -69,7 +69,8 @@ constexpr int kMaxQueriesPerItem = 64;
 inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
   return int64_t(num_queries) * head_size_padded * 2   // scaled queries, accumulators
          + int64_t(num_queries) * (kKeyChunk + 2)      // scores, running max, running sum
-         + int64_t(kKeyChunk) * head_size_padded * 2;  // fp32 keys and values of a chunk
+         + int64_t(kKeyChunk) * head_size_padded * 2   // fp32 keys and values of a chunk
+         + (int64_t(num_queries) * head_size_padded + 1) / 2;  // bf16 queries
 }
 
 using AttentionKernelFn = void (*)(const AttentionParams&, const WorkItem&, float* workspace);

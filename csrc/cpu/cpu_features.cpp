@@ -6,6 +6,7 @@
 
 namespace paged::cpu {
 
+AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
 AttentionKernelFn generic_attention_kernel(ScalarKind kind);
@@ -16,6 +17,7 @@ int isa_rank(const std::string& isa) {
   if (isa == "generic") return 0;
   if (isa == "avx2") return 1;
   if (isa == "avx512") return 2;
+  if (isa == "avx512_bf16") return 3;
   return -1;
 }
 
@@ -24,7 +26,7 @@ std::string best_supported_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return "avx512";
+    return __builtin_cpu_supports("avx512bf16") ? "avx512_bf16" : "avx512";
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -42,7 +44,7 @@ std::string selected_isa() {
   if (requested == nullptr || *requested == '\0') return best;
   const std::string want(requested);
   TORCH_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of generic, avx2, ",
-                    "avx512; got '", want, "'");
+                    "avx512, avx512_bf16; got '", want, "'");
   TORCH_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
   return want;
@@ -50,6 +52,7 @@ std::string selected_isa() {
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind) {
   const std::string isa = selected_isa();
+  if (isa == "avx512_bf16") return avx512_bf16_attention_kernel(kind);
   if (isa == "avx512") return avx512_attention_kernel(kind);
   if (isa == "avx2") return avx2_attention_kernel(kind);
   return generic_attention_kernel(kind);
