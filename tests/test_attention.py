@@ -103,11 +103,11 @@ def test_alibi_and_soft_cap(multi_token):
                              sliding_window=10, soft_cap=30.0)
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype, monkeypatch):
     best = pa.cpu_isa()
-    order = ["generic", "avx2", "avx512"]
+    order = ["generic", "avx2", "avx512", "avx512_bf16"]
     if order.index(isa) > order.index(best):
         pytest.skip(f"this CPU supports up to {best}")
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)

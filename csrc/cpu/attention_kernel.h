@@ -177,35 +177,36 @@ static inline vfloat vexp(vfloat x) {
   return x < lo ? vfloat{} : result;
 }
 
-static inline void prefetch_row(const void* row, int bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(p + off, 0, 3);
-    // GCC deletes a loop whose only effect is prefetching; this keeps it.
-    asm volatile("");
-  }
+// GCC's dead-code elimination deletes a loop whose only effect is prefetching; the
+// empty volatile asm keeps such loops.
+static inline void prefetch(const void* p) {
+  __builtin_prefetch(p, 0, 3);
+  asm volatile("");
 }
 
-// Rows to prefetch while a compute phase runs, spread over its keys so that cache
-// misses stay in flight during the arithmetic instead of arriving in one burst.
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) prefetch(p + off);
+}
+
+// Prefetching mirrors the loads: while a phase reads bytes [x, x + 64) of its row t,
+// it prefetches the same bytes of row t of the next phase's rows (`ahead`, nullable).
+// Misses then stay in flight at the pace of the arithmetic instead of in bursts.
 template <typename R>
-struct PrefetchRows {
-  const R* const* rows;
-  int count;
-  int bytes;
-  inline void key(int t) const {
-    if (t < count) prefetch_row(rows[t], bytes);
-  }
-};
+static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
+  if (ahead && (element * int(sizeof(R))) % 64 == 0) prefetch(ahead[t] + element);
+}
 
 // The row loaders below take rows of R (float, or a 16-bit type read in place and
 // widened to fp32 in registers); every row holds hsp elements.
 
 // Dot products of one query with 4 keys.
 template <typename R>
-static inline void dot4(const float* q, const R* const* k, int hsp, float* out) {
+static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
+                        const R* const* ahead) {
   vfloat a0{}, a1{}, a2{}, a3{};
   for (int d = 0; d < hsp; d += VW) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const vfloat qv = load(q + d);
     a0 += qv * load_as_float(k[0] + d);
     a1 += qv * load_as_float(k[1] + d);
@@ -216,22 +217,25 @@ static inline void dot4(const float* q, const R* const* k, int hsp, float* out) 
 }
 
 template <typename R>
-static inline float dot1(const float* q, const R* k, int hsp) {
+static inline float dot1(const float* q, const R* k, int hsp, const R* const* ahead) {
   vfloat a{};
-  for (int d = 0; d < hsp; d += VW) a += load(q + d) * load_as_float(k + d);
+  for (int d = 0; d < hsp; d += VW) {
+    prefetch_same_line(ahead, 0, d);
+    a += load(q + d) * load_as_float(k + d);
+  }
   return hsum(a);
 }
 
 // acc[0:hsp] += sum_t p[t] * v[t][0:hsp], four accumulator vectors at a time.
 template <typename R>
 static inline void accumulate_values(float* acc, const float* p, const R* const* v, int n, int hsp,
-                                     const PrefetchRows<R>& pf) {
+                                     const R* const* ahead) {
   int d = 0;
   for (; d + 4 * VW <= hsp; d += 4 * VW) {
     vfloat a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
            a3 = load(acc + d + 3 * VW);
     for (int t = 0; t < n; ++t) {
-      if (d == 0) pf.key(t);
+      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, t, d + i * VW);
       if (p[t] == 0.0f) continue;
       const vfloat pt = splat(p[t]);
       const R* vr = v[t] + d;
@@ -248,7 +252,7 @@ static inline void accumulate_values(float* acc, const float* p, const R* const*
   for (; d < hsp; d += VW) {
     vfloat a = load(acc + d);
     for (int t = 0; t < n; ++t) {
-      if (d == 0) pf.key(t);
+      prefetch_same_line(ahead, t, d);
       if (p[t] == 0.0f) continue;
       a += splat(p[t]) * load_as_float(v[t] + d);
     }
@@ -263,11 +267,13 @@ constexpr int QT = VW == 16 ? 4 : 2;
 // Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
 // so every loaded key vector serves QT queries and every query vector 4 keys.
 template <typename R>
-static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s) {
+static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s,
+                            const R* const* ahead) {
   vfloat acc[QT][4];
   for (int g = 0; g < QT; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = vfloat{};
   for (int d = 0; d < hsp; d += VW) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const vfloat k0 = load_as_float(k[0] + d), k1 = load_as_float(k[1] + d),
                  k2 = load_as_float(k[2] + d), k3 = load_as_float(k[3] + d);
     for (int g = 0; g < QT; ++g) {
@@ -285,14 +291,14 @@ static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s
 // so every loaded value vector serves QT queries.
 template <typename R>
 static inline void accumulate_tile(float* acc, int hsp, const float* p, const R* const* v, int n,
-                                   const PrefetchRows<R>& pf) {
+                                   const R* const* ahead) {
   int d = 0;
   for (; d + 4 * VW <= hsp; d += 4 * VW) {
     vfloat a[QT][4];
     for (int g = 0; g < QT; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
     for (int t = 0; t < n; ++t) {
-      if (d == 0) pf.key(t);
+      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, t, d + i * VW);
       const R* vr = v[t] + d;
       const vfloat v0 = load_as_float(vr), v1 = load_as_float(vr + VW),
                    v2 = load_as_float(vr + 2 * VW), v3 = load_as_float(vr + 3 * VW);
@@ -311,7 +317,7 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const R*
     vfloat a[QT];
     for (int g = 0; g < QT; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
     for (int t = 0; t < n; ++t) {
-      if (d == 0) pf.key(t);
+      prefetch_same_line(ahead, t, d);
       const vfloat vt = load_as_float(v[t] + d);
       for (int g = 0; g < QT; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
     }
@@ -327,11 +333,13 @@ static inline __m512bh load_bf16x32(const void* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
-static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s) {
+static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
+                            const Bf16* const* ahead) {
   __m512 acc[QT][4];
   for (int g = 0; g < QT; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const __m512bh k0 = load_bf16x32(k[0] + d), k1 = load_bf16x32(k[1] + d),
                    k2 = load_bf16x32(k[2] + d), k3 = load_bf16x32(k[3] + d);
     for (int g = 0; g < QT; ++g) {
@@ -347,9 +355,11 @@ static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, fl
           s + g * kKeyChunk);
 }
 
-static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out) {
+static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out,
+                        const Bf16* const* ahead) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const __m512bh qv = load_bf16x32(q + d);
     a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k[0] + d));
     a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k[1] + d));
@@ -359,9 +369,12 @@ static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float*
   hsum4((vfloat)a0, (vfloat)a1, (vfloat)a2, (vfloat)a3, out);
 }
 
-static inline float dot1(const uint16_t* q, const Bf16* k, int hsp) {
+static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* const* ahead) {
   __m512 a = _mm512_setzero_ps();
-  for (int d = 0; d < hsp; d += 32) a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), load_bf16x32(k + d));
+  for (int d = 0; d < hsp; d += 32) {
+    prefetch_same_line(ahead, 0, d);
+    a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), load_bf16x32(k + d));
+  }
   return hsum((vfloat)a);
 }
 #endif  // PAGED_ISA_AVX512_BF16
@@ -381,41 +394,29 @@ struct ItemState {
   float* run_sum;  // [num_queries]
 };
 
-// Scores of every query with the chunk's n keys, in register tiles. While the first
-// query tile runs, `pf` gets one prefetch per key.
+// Scores of every query with the chunk's n keys, in register tiles. The first query
+// tile prefetches `ahead` (see prefetch_same_line).
 template <typename Q, typename R>
 static inline void chunk_scores(const ItemState& st, const Q* q, const R* const* k_rows, int n,
-                                const PrefetchRows<R>& pf) {
+                                const R* const* ahead) {
   const int hsp = st.hsp;
   const int full_queries = st.num_queries / QT * QT;
   const int full_keys = n / 4 * 4;
+  auto ahead_at = [&](int m, int t) { return m == 0 && ahead ? ahead + t : nullptr; };
   for (int m = 0; m < full_queries; m += QT) {
     const Q* qm = q + int64_t(m) * hsp;
     float* s = st.scores + int64_t(m) * kKeyChunk;
-    for (int t = 0; t < full_keys; t += 4) {
-      dot_tile(qm, hsp, k_rows + t, s + t);
-      if (m == 0)
-        for (int i = 0; i < 4; ++i) pf.key(t + i);
-    }
+    for (int t = 0; t < full_keys; t += 4) dot_tile(qm, hsp, k_rows + t, s + t, ahead_at(m, t));
     for (int g = 0; g < QT; ++g)
       for (int t = full_keys; t < n; ++t)
-        s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp);
-    if (m == 0)
-      for (int t = full_keys; t < n; ++t) pf.key(t);
+        s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp, g == 0 ? ahead_at(m, t) : nullptr);
   }
   for (int m = full_queries; m < st.num_queries; ++m) {
     const Q* qm = q + int64_t(m) * hsp;
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
-    for (; t + 4 <= n; t += 4) {
-      dot4(qm, k_rows + t, hsp, s + t);
-      if (m == 0)
-        for (int i = 0; i < 4; ++i) pf.key(t + i);
-    }
-    for (; t < n; ++t) {
-      s[t] = dot1(qm, k_rows[t], hsp);
-      if (m == 0) pf.key(t);
-    }
+    for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t, ahead_at(m, t));
+    for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp, ahead_at(m, t));
   }
   if constexpr (std::is_same_v<Q, uint16_t>) {  // unscaled bf16 queries
     for (int m = 0; m < st.num_queries; ++m) {
@@ -484,18 +485,17 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
   }
 }
 
-// Probability-weighted values of the chunk, in register tiles; `pf` as in chunk_scores.
+// Probability-weighted values of the chunk, in register tiles; `ahead` as in chunk_scores.
 template <typename R>
 static inline void chunk_values(const ItemState& st, const R* const* v_rows, int n,
-                                const PrefetchRows<R>& pf) {
+                                const R* const* ahead) {
   const int full_queries = st.num_queries / QT * QT;
-  const PrefetchRows<R> none{nullptr, 0, 0};
   for (int m = 0; m < full_queries; m += QT)
     accumulate_tile(st.acc + int64_t(m) * st.hsp, st.hsp, st.scores + int64_t(m) * kKeyChunk,
-                    v_rows, n, m == 0 ? pf : none);
+                    v_rows, n, m == 0 ? ahead : nullptr);
   for (int m = full_queries; m < st.num_queries; ++m)
     accumulate_values(st.acc + int64_t(m) * st.hsp, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
-                      st.hsp, m == 0 ? pf : none);
+                      st.hsp, m == 0 ? ahead : nullptr);
 }
 
 template <typename T>
@@ -562,6 +562,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   // Offsets of the rows of keys [j0, j0 + n) of one KV head: one division per chunk,
   // then a walk through the block table.
   auto row_offsets = [&](int j0, int n, int kv_head, int64_t* offsets) {
+    if (n == 0) return;
     int logical = j0 / bs, slot = j0 - logical * bs;
     const int64_t head_offset = int64_t(kv_head) * head_stride;
     int64_t block = int64_t(table[logical]) * block_stride + head_offset;
@@ -613,16 +614,18 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         k_rows[t] = key_cache + offsets[t];
         v_rows[t] = value_cache + offsets[t];
       }
-      for (int t = 0; t < next.n; ++t) next_k[t] = key_cache + next_offsets[t];
-      const PrefetchRows<T> values_ahead{v_rows, c.n, row_bytes};
+      // The next chunk may be shorter: its last row stands in for the missing ones.
+      if (next.n > 0)
+        for (int t = 0; t < c.n; ++t) next_k[t] = key_cache + next_offsets[std::min(t, next.n - 1)];
+      const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
       if constexpr (kBf16Dot) {
-        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, values_ahead);
-        else chunk_scores(st, st.q, k_rows, c.n, values_ahead);
+        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, v_rows);
+        else chunk_scores(st, st.q, k_rows, c.n, v_rows);
       } else {
-        chunk_scores(st, st.q, k_rows, c.n, values_ahead);
+        chunk_scores(st, st.q, k_rows, c.n, v_rows);
       }
       chunk_softmax(P, w, st, c.j0, c.n);
-      chunk_values(st, v_rows, c.n, PrefetchRows<T>{next_k, next.n, row_bytes});
+      chunk_values(st, v_rows, c.n, keys_ahead);
       c = next;
     }
   } else {
@@ -635,7 +638,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       k_rows[t] = k_f + int64_t(t) * hsp;
       v_rows[t] = v_f + int64_t(t) * hsp;
     }
-    const PrefetchRows<float> none{nullptr, 0, 0};
+    const float* const* none = nullptr;
     for (Chunk c = first_chunk(); c.n > 0;) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
