@@ -377,6 +377,66 @@ static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* 
   }
   return hsum((vfloat)a);
 }
+
+// Probability-weighted bf16 values with vdpbf16ps, two keys per instruction: the rows
+// of keys t and t+1 are interleaved (vpunpck{l,h}wd) and dotted with the pair
+// (p[t], p[t+1]) rounded to bf16, as flash-attention kernels do on GPUs.
+//
+// The interleave works within 128-bit lanes, so each 32-element step of a row leaves
+// its results in a fixed permutation (pair_lane): the accumulators stay permuted for
+// the whole item and unpermute_pairs restores the order at the end.
+static inline int pair_lane(int i) {  // element i of a 32-element step -> accumulator slot
+  const int lane = i / 8, j = i % 8;
+  return (j < 4 ? 0 : 16) + 4 * lane + j % 4;
+}
+
+static inline void unpermute_pairs(const float* acc, float* out, int hsp, float factor) {
+  for (int d = 0; d < hsp; d += 32)
+    for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
+}
+
+// acc[g] += sum_t p[g][t] v[t] for G queries; `pairs[g * kKeyChunk / 2 + t / 2]` holds
+// (p[g][t], p[g][t+1]) as two bf16. An odd last key is paired with a zero row.
+template <int G>
+static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const Bf16* const* v,
+                                    int n, const Bf16* const* ahead) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int d = 0; d < hsp; d += 32) {
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      lo[g] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d);
+      hi[g] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 16);
+    }
+    for (int t = 0; t < n; t += 2) {
+      const bool odd = t + 1 == n;
+      prefetch_same_line(ahead, t, d);
+      if (!odd) prefetch_same_line(ahead, t + 1, d);
+      const __m512i a = _mm512_loadu_si512(v[t] + d);
+      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d);
+      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
+        lo[g] = _mm512_dpbf16_ps(lo[g], ab_lo, pp);
+        hi[g] = _mm512_dpbf16_ps(hi[g], ab_hi, pp);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d, lo[g]);
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 16, hi[g]);
+    }
+  }
+}
+
+// The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
+template <int G>
+static inline void probability_pairs(const float* scores, uint32_t* pairs) {
+  static_assert(kKeyChunk == 16, "one fp32 vector of probabilities per query");
+  for (int g = 0; g < G; ++g) {
+    const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk));
+    std::memcpy(pairs + g * (kKeyChunk / 2), &p, sizeof(p));
+  }
+}
 #endif  // PAGED_ISA_AVX512_BF16
 
 // One KV head's queries and online-softmax state within a work item.
@@ -497,6 +557,25 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
     accumulate_values(st.acc + int64_t(m) * st.hsp, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
                       st.hsp, m == 0 ? ahead : nullptr);
 }
+
+#if PAGED_ISA_AVX512_BF16
+// chunk_values for bf16 rows with pair dot products (accumulators permuted).
+static inline void chunk_values_pairs(const ItemState& st, const Bf16* const* v_rows, int n,
+                                      const Bf16* const* ahead) {
+  uint32_t pairs[QT * kKeyChunk / 2];
+  const int full_queries = st.num_queries / QT * QT;
+  for (int m = 0; m < full_queries; m += QT) {
+    probability_pairs<QT>(st.scores + int64_t(m) * kKeyChunk, pairs);
+    accumulate_pairs<QT>(st.acc + int64_t(m) * st.hsp, st.hsp, pairs, v_rows, n,
+                         m == 0 ? ahead : nullptr);
+  }
+  for (int m = full_queries; m < st.num_queries; ++m) {
+    probability_pairs<1>(st.scores + int64_t(m) * kKeyChunk, pairs);
+    accumulate_pairs<1>(st.acc + int64_t(m) * st.hsp, st.hsp, pairs, v_rows, n,
+                        m == 0 ? ahead : nullptr);
+  }
+}
+#endif  // PAGED_ISA_AVX512_BF16
 
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
@@ -625,7 +704,12 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         chunk_scores(st, st.q, k_rows, c.n, v_rows);
       }
       chunk_softmax(P, w, st, c.j0, c.n);
-      chunk_values(st, v_rows, c.n, keys_ahead);
+      if constexpr (kBf16Dot) {
+        if (bf16_dot) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
+        else chunk_values(st, v_rows, c.n, keys_ahead);
+      } else {
+        chunk_values(st, v_rows, c.n, keys_ahead);
+      }
       c = next;
     }
   } else {
@@ -668,7 +752,11 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     const float* am = acc + int64_t(m) * hsp;
     const bool any = run_sum[m] > 0.0f;
     const float inv = any ? 1.0f / run_sum[m] : 0.0f;
-    for (int d = 0; d < hs; ++d) o[d] = am[d] * inv;
+#if PAGED_ISA_AVX512_BF16
+    if (bf16_dot) unpermute_pairs(am, o, hsp, inv);
+    else
+#endif
+      for (int d = 0; d < hs; ++d) o[d] = am[d] * inv;
     if (P.lse) {
       P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
           any ? run_max[m] + std::log(run_sum[m]) : -__builtin_inff();
