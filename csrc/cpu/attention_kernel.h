@@ -523,9 +523,10 @@ static inline void chunk_scores(const ItemState& st, const Q* q, const R* const*
     for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp, ahead_at(m, t));
   }
   if constexpr (std::is_same_v<Q, uint16_t>) {  // unscaled bf16 queries
+    const vfloat scale = splat(st.scale);
     for (int m = 0; m < st.num_queries; ++m) {
       float* s = st.scores + int64_t(m) * kKeyChunk;
-      for (int t = 0; t < n; ++t) s[t] *= st.scale;
+      for (int t = 0; t < kKeyChunk; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
     }
   }
 }
