@@ -72,7 +72,7 @@ SWEEP_SERIES = (("fp32", 32), ("fp32", 8), ("bf16", 32), ("bf16", 8))
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 L3_CONTEXT = 512
 LONG_CONTEXT = 32768
-LONG_KV_HEADS = (32, 8, 4)  # 32/4 is the only one with < 4 work items per thread (split)
+LONG_KV_HEADS = (32, 8)
 
 MT_SEQ_LEN = 4096
 MT_QUERIES = 512
@@ -344,10 +344,12 @@ def bench_decode(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
             if not torch.equal(out_huge, plain.run()):
                 raise AssertionError("huge-page and plain pools give different results")
             error = check_decode(huge, out_huge)
-            s = time_interleaved_samples({"paged_huge": huge.run, "paged_plain": plain.run,
-                                          "read": read_candidate(mem),
-                                          "read_plain": mem.read_plain.sum}, plan.warmup,
-                                         plan.decode_reps)
+            candidates = {"paged_huge": huge.run, "paged_plain": plain.run,
+                          "read": read_candidate(mem), "read_plain": mem.read_plain.sum}
+            lower = lower_isa() if dtype_name == "bf16" else None
+            if lower:
+                candidates[f"paged_huge_{lower}"] = with_isa(lower, huge.run)
+            s = time_interleaved_samples(candidates, plan.warmup, plan.decode_reps)
             kv = huge.kv_bytes
             rows.append({
                 **huge.describe(), "max_abs_error_seq0": error, "decode_gflop": huge.flops / 1e9,
@@ -360,6 +362,8 @@ def bench_decode(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
                 | ratios(s["paged_plain"], kv, s["read"], READ_BYTES),
                 "huge_vs_plain_speedup_paired": statistics.median(
                     p / h for p, h in zip(s["paged_plain"], s["paged_huge"])),
+                **({f"speedup_over_{lower}_paired": statistics.median(
+                    o / h for o, h in zip(s[f"paged_huge_{lower}"], s["paged_huge"]))} if lower else {}),
                 "by_read_regime": regimes(s["paged_huge"], kv, s["read"]),
                 "samples_s": s,
             })
@@ -424,13 +428,20 @@ def bench_cache_resident(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
     return rows
 
 
-def split_plan(batch: int, kv_heads: int, context: int, threads: int) -> Dict[str, int]:
-    """Work items the kernel makes for a decode call (mirrors make_plan in attention_cpu.cpp)."""
-    base = batch * kv_heads
-    parts = 1
-    if base < 4 * threads:
-        parts = min(-(-4 * threads // base), max(1, context // 256))
-    return {"work_items": base * parts, "partitions_per_sequence_head": parts}
+def lower_isa() -> Optional[str]:
+    """The kernel without bf16 dot products, when the best one has them (bf16 rows only)."""
+    return "avx512" if pa.cpu_isa() == "avx512_bf16" else None
+
+
+def with_isa(isa: str, fn: Candidate) -> Candidate:
+    """``fn`` with the kernel forced to ``isa`` (the library reads the variable per call)."""
+    def call():
+        os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+        try:
+            return fn()
+        finally:
+            del os.environ["PAGED_ATTENTION_CPU_ISA"]
+    return call
 
 
 def with_threads(threads: int, fn: Candidate) -> Candidate:
@@ -462,10 +473,8 @@ def bench_long_context(mem: Memory, plan: Plan, threads: int) -> Dict[str, objec
         many, one = s[f"kvh{h}_t{threads}"], s[f"kvh{h}_t1"]
         rows.append({
             **case.describe(),
-            f"threads_{threads}": rate_summary(many, kv) | ratios(many, kv, s[read_name], READ_BYTES)
-            | split_plan(1, h, LONG_CONTEXT, threads),
-            "threads_1": rate_summary(one, kv) | ratios(one, kv, s["read_t1"], READ_BYTES)
-            | split_plan(1, h, LONG_CONTEXT, 1),
+            f"threads_{threads}": rate_summary(many, kv) | ratios(many, kv, s[read_name], READ_BYTES),
+            "threads_1": rate_summary(one, kv) | ratios(one, kv, s["read_t1"], READ_BYTES),
             "speedup_paired": statistics.median(a / b for a, b in zip(one, many)),
         })
     result = {"threads": threads, f"read_bandwidth_t{threads}": rate_summary(s[read_name], READ_BYTES),
@@ -634,8 +643,7 @@ def evaluate(report: Dict[str, object]) -> List[Dict[str, object]]:
         targets.append(target(
             "B=1 ctx 32k % of read BW", f"fp32 32/{row['num_kv_heads']}, {t} threads",
             many["pct_paired"], LONG_TARGET, "% (paired)",
-            f"{many['rate_median']:.1f} GB/s; {t} vs 1 thread {row['speedup_paired']:.2f}x; "
-            f"{many['work_items']} work items"))
+            f"{many['rate_median']:.1f} GB/s; {t} vs 1 thread {row['speedup_paired']:.2f}x"))
     for series in report["block_sweep"]:
         eligible = [p for p in series["points"] if p["block_size"] >= 8]
         worst = min(eligible, key=lambda p: p["pct_of_best"])
@@ -672,6 +680,9 @@ def print_decode_row(row: Dict[str, object]) -> None:
           f"huge/plain {row['huge_vs_plain_speedup_paired']:.2f}x | read {r['rate_median']:.1f} "
           f"(best {r['rate_best']:.1f}, 4K pages {row['read_bandwidth_plain_pages']['rate_median']:.1f}) "
           f"| {row['paged_huge_gflops_median']:.0f} GFLOP/s", flush=True)
+    for key, value in row.items():
+        if key.startswith("speedup_over_"):
+            print(f"  {key}: {value:.2f}x", flush=True)
 
 
 def print_sweep(series: Dict[str, object], key: str) -> None:
@@ -692,7 +703,7 @@ def print_long(result: Dict[str, object]) -> None:
     for row in result["rows"]:
         m, o = row[f"threads_{t}"], row["threads_1"]
         print(f"  32/{row['num_kv_heads']:<2} {t}t {m['rate_median']:5.1f} GB/s {m['pct_paired']:4.0f}% "
-              f"({m['work_items']} items) | 1t {o['rate_median']:5.1f} GB/s {o['pct_paired']:4.0f}% "
+              f"| 1t {o['rate_median']:5.1f} GB/s {o['pct_paired']:4.0f}% "
               f"of 1-thread read | speedup {row['speedup_paired']:.2f}x", flush=True)
 
 

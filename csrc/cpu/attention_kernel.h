@@ -9,7 +9,7 @@
 //   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
-//   a range of KV heads. Its keys are taken in chunks of kKeyChunk through the block
+//   a range of KV heads. Its keys are taken in chunks (up to kKeyChunk) through the block
 //   table, block by block and, within a block, head by head (address order in the
 //   HND layout). Rows whose length is a whole number of vectors are read in place
 //   and widened to fp32 in registers, each key row serving every query head of its
@@ -475,10 +475,12 @@ static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, 
 // The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
 template <int G>
 static inline void probability_pairs(const float* scores, uint32_t* pairs) {
-  static_assert(kKeyChunk == 16, "one fp32 vector of probabilities per query");
+  static_assert(kKeyChunk % 16 == 0, "whole fp32 vectors of probabilities per query");
   for (int g = 0; g < G; ++g) {
-    const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk));
-    std::memcpy(pairs + g * (kKeyChunk / 2), &p, sizeof(p));
+    for (int t = 0; t < kKeyChunk; t += 16) {
+      const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk + t));
+      std::memcpy(pairs + g * (kKeyChunk / 2) + t / 2, &p, sizeof(p));
+    }
   }
 }
 #endif  // PAGED_ISA_AVX512_BF16
@@ -531,15 +533,15 @@ static inline void chunk_scores(const ItemState& st, const Q* q, const R* const*
   }
 }
 
-// Score modifiers and masks for the keys [j0, j0 + n), then the online-softmax update:
+// Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
+// from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
 static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, const ItemState& st,
-                                 int j0, int n) {
-  constexpr int CH = kKeyChunk;
+                                 int j0, int n, int chunk) {
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
   for (int m = 0; m < st.num_queries; ++m) {
-    float* s = st.scores + int64_t(m) * CH;
+    float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
     const int head = st.kv_head * st.group + m % st.group;
     const int pos = w.first_pos + m / st.group;
@@ -549,9 +551,9 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
                              (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
     if (all_visible && !soft_cap && !P.alibi_slopes) {
       // The common decode case: nothing to mask or modify.
-      for (t = n; t < CH; ++t) s[t] = -__builtin_inff();
+      for (t = n; t < chunk; ++t) s[t] = -__builtin_inff();
       vfloat highest = load(s);
-      for (t = VW; t < CH; t += VW) highest = vmax(highest, load(s + t));
+      for (t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
       chunk_max = hmax(highest);
     } else {
       for (t = 0; t < n; ++t) {
@@ -564,16 +566,16 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
         s[t] = x;
         chunk_max = x > chunk_max ? x : chunk_max;
       }
-      for (; t < CH; ++t) s[t] = -__builtin_inff();
+      for (; t < chunk; ++t) s[t] = -__builtin_inff();
     }
     if (chunk_max == -__builtin_inff()) {  // nothing visible in this chunk
-      for (t = 0; t < CH; ++t) s[t] = 0.0f;
+      for (t = 0; t < chunk; ++t) s[t] = 0.0f;
       continue;
     }
     const float new_max = chunk_max > st.run_max[m] ? chunk_max : st.run_max[m];
     const vfloat shift = splat(new_max);
     vfloat total{};
-    for (t = 0; t < CH; t += VW) {
+    for (t = 0; t < chunk; t += VW) {
       const vfloat p = vexp(load(s + t) - shift);
       store(s + t, p);
       total += p;
@@ -631,14 +633,16 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   const int num_heads = w.kv_head_end - w.kv_head_begin;
   const int per_head = num_rows * group;  // queries of one KV head
   const int num_queries = num_heads * per_head;
-  constexpr int CH = kKeyChunk;
+  // Keys per chunk: a chunk of one head's rows is 8 KiB at head size 128 in every dtype
+  // (16-bit chunks are longer so the per-chunk softmax work is spread over more keys).
+  constexpr int CH = sizeof(T) == sizeof(float) ? kKeyChunk / 2 : kKeyChunk;
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
   // (ordered KV head, row, GQA head), then one chunk of fp32 keys and values.
   float* q_f = ws;
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hsp;
-  float* run_max = scores + int64_t(num_queries) * CH;
+  float* run_max = scores + int64_t(num_queries) * kKeyChunk;
   float* run_sum = run_max + num_queries;
   float* k_f = run_sum + num_queries;
   float* v_f = k_f + int64_t(CH) * hsp;
@@ -646,7 +650,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   auto head_state = [&](int i) {
     const int64_t m0 = int64_t(i) * per_head;
     return ItemState{w.kv_head_begin + i, per_head, group, hsp, q_f + m0 * hsp, q_bits + m0 * hsp,
-                     P.scale, acc + m0 * hsp, scores + m0 * CH, run_max + m0, run_sum + m0};
+                     P.scale, acc + m0 * hsp, scores + m0 * kKeyChunk, run_max + m0, run_sum + m0};
   };
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys take vdpbf16ps when rows are whole 32-element steps.
@@ -748,7 +752,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       } else {
         chunk_scores(st, st.q, k_rows, c.n, v_rows);
       }
-      chunk_softmax(P, w, st, c.j0, c.n);
+      chunk_softmax(P, w, st, c.j0, c.n, CH);
       if constexpr (kBf16Dot) {
         if (bf16_dot) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
@@ -782,7 +786,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
         }
       }
       chunk_scores(st, st.q, k_rows, c.n, none);
-      chunk_softmax(P, w, st, c.j0, c.n);
+      chunk_softmax(P, w, st, c.j0, c.n, CH);
       chunk_values(st, v_rows, c.n, none);
       c = next;
     }

@@ -59,8 +59,8 @@ struct WorkItem {
   int32_t partition;
 };
 
-// Keys processed per online-softmax step (gathered across block boundaries).
-constexpr int kKeyChunk = 16;
+// Most keys per online-softmax step (16-bit caches; fp32 takes half).
+constexpr int kKeyChunk = 32;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;
