@@ -441,35 +441,49 @@ static inline void unpermute_pairs(const float* acc, float* out, int hsp, float 
 
 // acc[g] += sum_t p[g][t] v[t] for G queries; `pairs[g * kKeyChunk / 2 + t / 2]` holds
 // (p[g][t], p[g][t+1]) as two bf16. An odd last key is paired with a zero row.
+template <int G, int STEPS>
+static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint32_t* pairs,
+                                          const Bf16* const* v, int n, const Bf16* const* ahead) {
+  // STEPS 32-element steps of the rows at once: each broadcast pair serves them all.
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 lo[G][STEPS], hi[G][STEPS];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      lo[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k);
+      hi[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16);
+    }
+  for (int t = 0; t < n; t += 2) {
+    const bool odd = t + 1 == n;
+    __m512bh ab_lo[STEPS], ab_hi[STEPS];
+    for (int k = 0; k < STEPS; ++k) {
+      prefetch_same_line(ahead, t, d + 32 * k);
+      if (!odd) prefetch_same_line(ahead, t + 1, d + 32 * k);
+      const __m512i a = _mm512_loadu_si512(v[t] + d + 32 * k);
+      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d + 32 * k);
+      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
+      for (int k = 0; k < STEPS; ++k) {
+        lo[g][k] = _mm512_dpbf16_ps(lo[g][k], ab_lo[k], pp);
+        hi[g][k] = _mm512_dpbf16_ps(hi[g][k], ab_hi[k], pp);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k, lo[g][k]);
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16, hi[g][k]);
+    }
+}
+
 template <int G>
 static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const Bf16* const* v,
                                     int n, const Bf16* const* ahead) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int d = 0; d < hsp; d += 32) {
-    __m512 lo[G], hi[G];
-    for (int g = 0; g < G; ++g) {
-      lo[g] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d);
-      hi[g] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 16);
-    }
-    for (int t = 0; t < n; t += 2) {
-      const bool odd = t + 1 == n;
-      prefetch_same_line(ahead, t, d);
-      if (!odd) prefetch_same_line(ahead, t + 1, d);
-      const __m512i a = _mm512_loadu_si512(v[t] + d);
-      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d);
-      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      const __m512bh ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      for (int g = 0; g < G; ++g) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
-        lo[g] = _mm512_dpbf16_ps(lo[g], ab_lo, pp);
-        hi[g] = _mm512_dpbf16_ps(hi[g], ab_hi, pp);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      _mm512_storeu_ps(acc + int64_t(g) * hsp + d, lo[g]);
-      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 16, hi[g]);
-    }
-  }
+  int d = 0;
+  for (; d + 64 <= hsp; d += 64) accumulate_pairs_block<G, 2>(acc, hsp, d, pairs, v, n, ahead);
+  if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
 }
 
 // The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
