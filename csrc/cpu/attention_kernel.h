@@ -204,16 +204,16 @@ static inline void prefetch_same_line(const R* const* ahead, int t, int element)
 template <typename R>
 static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
                         const R* const* ahead) {
-  vfloat a0{}, a1{}, a2{}, a3{};
-  for (int d = 0; d < hsp; d += VW) {
+  // Two accumulators per key (even and odd steps): eight independent FMA chains.
+  vfloat a[2][4] = {};
+  int d = 0;
+  for (; d < hsp; d += VW) {
     for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const vfloat qv = load(q + d);
-    a0 += qv * load_as_float(k[0] + d);
-    a1 += qv * load_as_float(k[1] + d);
-    a2 += qv * load_as_float(k[2] + d);
-    a3 += qv * load_as_float(k[3] + d);
+    const int h = (d / VW) & 1;
+    for (int i = 0; i < 4; ++i) a[h][i] += qv * load_as_float(k[i] + d);
   }
-  hsum4(a0, a1, a2, a3, out);
+  hsum4(a[0][0] + a[1][0], a[0][1] + a[1][1], a[0][2] + a[1][2], a[0][3] + a[1][3], out);
 }
 
 template <typename R>
@@ -226,38 +226,29 @@ static inline float dot1(const float* q, const R* k, int hsp, const R* const* ah
   return hsum(a);
 }
 
-// acc[0:hsp] += sum_t p[t] * v[t][0:hsp], four accumulator vectors at a time.
+// acc[d:d + W*VW] += sum_t p[t] * v[t][d:d + W*VW]: W independent accumulator vectors.
+template <int W, typename R>
+static inline void accumulate_block(float* acc, const float* p, const R* const* v, int n, int d,
+                                   const R* const* ahead) {
+  vfloat a[W];
+  for (int i = 0; i < W; ++i) a[i] = load(acc + d + i * VW);
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < W; ++i) prefetch_same_line(ahead, t, d + i * VW);
+    if (p[t] == 0.0f) continue;
+    const vfloat pt = splat(p[t]);
+    for (int i = 0; i < W; ++i) a[i] += pt * load_as_float(v[t] + d + i * VW);
+  }
+  for (int i = 0; i < W; ++i) store(acc + d + i * VW, a[i]);
+}
+
+// acc[0:hsp] += sum_t p[t] * v[t][0:hsp], eight accumulator vectors at a time.
 template <typename R>
 static inline void accumulate_values(float* acc, const float* p, const R* const* v, int n, int hsp,
                                      const R* const* ahead) {
   int d = 0;
-  for (; d + 4 * VW <= hsp; d += 4 * VW) {
-    vfloat a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
-           a3 = load(acc + d + 3 * VW);
-    for (int t = 0; t < n; ++t) {
-      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, t, d + i * VW);
-      if (p[t] == 0.0f) continue;
-      const vfloat pt = splat(p[t]);
-      const R* vr = v[t] + d;
-      a0 += pt * load_as_float(vr);
-      a1 += pt * load_as_float(vr + VW);
-      a2 += pt * load_as_float(vr + 2 * VW);
-      a3 += pt * load_as_float(vr + 3 * VW);
-    }
-    store(acc + d, a0);
-    store(acc + d + VW, a1);
-    store(acc + d + 2 * VW, a2);
-    store(acc + d + 3 * VW, a3);
-  }
-  for (; d < hsp; d += VW) {
-    vfloat a = load(acc + d);
-    for (int t = 0; t < n; ++t) {
-      prefetch_same_line(ahead, t, d);
-      if (p[t] == 0.0f) continue;
-      a += splat(p[t]) * load_as_float(v[t] + d);
-    }
-    store(acc + d, a);
-  }
+  for (; d + 8 * VW <= hsp; d += 8 * VW) accumulate_block<8>(acc, p, v, n, d, ahead);
+  for (; d + 4 * VW <= hsp; d += 4 * VW) accumulate_block<4>(acc, p, v, n, d, ahead);
+  for (; d < hsp; d += VW) accumulate_block<1>(acc, p, v, n, d, ahead);
 }
 
 // Query rows per register tile: 4 x 4 accumulators fit AVX-512's 32 registers,
