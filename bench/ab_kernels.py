@@ -9,7 +9,9 @@ runs one worker process per build, back to back, in alternating order; the host'
 bandwidth moves in bursts of seconds to minutes, so the two workers of a round usually see
 the same state. Each worker times its configurations round-robin against the 1 GiB read
 sum (``bench_cpu_perf.py``'s reference) and reports GB/s and % of read. The summary gives,
-per configuration, each build's median and the median over rounds of current / baseline.
+per configuration, each build's median and the median over rounds of current / baseline,
+and for DRAM rows the medians over the rounds in which both workers saw the host's fast
+(read > 65 GB/s) or slow read-bandwidth state.
 
 Configurations: decode B=16, 32 query heads, head size 128, context 2048, block 16, on
 huge-page pools, fp32 / bf16 / fp16 x 32 / 8 KV heads, from DRAM (random block order,
@@ -33,6 +35,7 @@ HEADS, HEAD_SIZE, BATCH, CONTEXT, BLOCK = 32, 128, 16, 2048, 16
 L3_CONTEXT = 512
 DECODE = [(dtype, kv) for dtype in ("fp32", "bf16", "fp16") for kv in (32, 8)]
 MT_QUERIES, MT_CONTEXT, MT_KV_HEADS = 512, 4096, 8
+FAST_READ_GBPS = 65.0  # between the host's two read-bandwidth states (~45-55 and ~75-85 GB/s)
 
 
 def worker(reps: int) -> Dict[str, object]:
@@ -125,6 +128,15 @@ def summarize(rounds: List[Dict[str, Dict[str, object]]]) -> Dict[str, object]:
         if "pct_of_read" in first:
             row["current_pct_of_read"] = statistics.median(r["current"][key]["pct_of_read"] for r in rounds)
             row["baseline_pct_of_read"] = statistics.median(r["baseline"][key]["pct_of_read"] for r in rounds)
+            # The host's read bandwidth has two states; compare builds within each.
+            for state, in_state in (("fast", lambda x: x > FAST_READ_GBPS),
+                                    ("slow", lambda x: x <= FAST_READ_GBPS)):
+                same = [r for r in rounds
+                        if all(in_state(r[b][key]["read_gbps"]) for b in ("current", "baseline"))]
+                if same:
+                    row[f"{state}_rounds"] = len(same)
+                    row[f"{state}_current_gbps"] = statistics.median(r["current"][key]["gbps"] for r in same)
+                    row[f"{state}_baseline_gbps"] = statistics.median(r["baseline"][key]["gbps"] for r in same)
         summary[key] = row
     return summary
 
@@ -156,8 +168,11 @@ def main() -> None:
         unit = "gflops" if "current_gflops" in row else "gbps"
         pct = (f"   {row['baseline_pct_of_read']:4.0f}% -> {row['current_pct_of_read']:4.0f}%"
                if "current_pct_of_read" in row else "")
+        states = "".join(
+            f" | {st} ({row[f'{st}_rounds']}): {row[f'{st}_baseline_gbps']:.1f} -> {row[f'{st}_current_gbps']:.1f}"
+            for st in ("fast", "slow") if f"{st}_rounds" in row)
         print(f"{key:28s} {row[f'baseline_{unit}']:10.1f} {row[f'current_{unit}']:10.1f} "
-              f"{row['speedup_paired']:7.2f}x{pct}")
+              f"{row['speedup_paired']:7.2f}x{pct}{states}")
     report = {"baseline": str(args.baseline), "rounds": rounds, "summary": summary,
               "units": "gbps = effective KV GB/s; gflops = multi-token GFLOP/s"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
