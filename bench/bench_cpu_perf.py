@@ -814,11 +814,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the PNGs from the JSON at --out")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        write_plots(json.loads(args.out.read_text()), args.out.parent)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     plan = QUICK if args.quick else FULL
@@ -855,16 +860,20 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     if not args.no_plots:
-        for key, name, title in (
-                ("context", "cpu_perf_context.png",
-                 "Paged decode vs context (H=32, D=128, block 16), beside read bandwidth"),
-                ("block_size", "cpu_perf_block_size.png",
-                 "Paged decode vs block size (B=16, ctx 2048, H=32, D=128), beside read bandwidth")):
-            path = args.out.parent / name
-            sweep = report["context_sweep" if key == "context" else "block_sweep"]
-            plot_sweep(sweep, key, path, title, report["long_context"] if key == "context" else None)
-            print(f"wrote {path}")
+        write_plots(report, args.out.parent)
     print(f"total {report['total_seconds']} s")
+
+
+def write_plots(report: Dict[str, object], directory: Path) -> None:
+    for key, name, title in (
+            ("context", "cpu_perf_context.png",
+             "Paged decode vs context (H=32, D=128, block 16), beside read bandwidth"),
+            ("block_size", "cpu_perf_block_size.png",
+             "Paged decode vs block size (B=16, ctx 2048, H=32, D=128), beside read bandwidth")):
+        path = directory / name
+        sweep = report["context_sweep" if key == "context" else "block_sweep"]
+        plot_sweep(sweep, key, path, title, report["long_context"] if key == "context" else None)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
