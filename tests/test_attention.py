@@ -216,3 +216,43 @@ def test_out_variant_writes_into_caller_buffers():
     torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(lse, want_lse)
     assert (out[1] == 0).all() and math.isinf(lse[1, 0]) and lse[1, 0] < 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_heads,group,lens", [
+    (8, 1, [40]),          # one short sequence: its KV heads are split across work items
+    (32, 1, [3000]),       # one long sequence: key partitions, each holding every KV head
+    (8, 4, [3000, 17]),    # partitions and GQA groups together
+    (3, 2, [700, 1, 33]),  # a KV head count that does not split evenly
+])
+def test_work_splits(dtype, num_kv_heads, group, lens):
+    case = make_case(lens, num_kv_heads, 128, 16, dtype)
+    query = random_query(len(lens), num_kv_heads * group, 128, dtype)
+    assert_matches_reference(query, case, 128 ** -0.5)
+
+
+def test_random_shapes_match_reference():
+    """Seeded random mixes of dtype, heads, head and block size, lengths, window and
+    multi-token rows: the traversal (spans of blocks, heads within them, ragged chunks)
+    must agree with the reference everywhere."""
+    rng = torch.Generator().manual_seed(5)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    for seed in range(60):
+        dtype = pick(DTYPES)
+        kv_heads, group = pick([1, 2, 3, 4, 8]), pick([1, 2, 4, 8])
+        head_size, block_size = pick([16, 48, 64, 72, 128, 256]), pick([1, 5, 8, 16, 24, 32, 64])
+        lens = [pick([1, max(1, block_size - 1), block_size, block_size + 1,
+                      int(torch.randint(1, 700, (1,), generator=rng))])
+                for _ in range(pick([1, 2, 3, 5, 16]))]
+        case = make_case(lens, kv_heads, head_size, block_size, dtype, seed=seed)
+        kwargs = {"sliding_window": pick([0, 0, 7, 40])}
+        num_tokens = len(lens)
+        if seed % 3 == 0:  # multi-token rows
+            q_lens = [int(torch.randint(1, n + 1, (1,), generator=rng)) for n in lens]
+            kwargs["query_start_loc"] = query_start_loc(q_lens)
+            num_tokens = sum(q_lens)
+        query = random_query(num_tokens, kv_heads * group, head_size, dtype)
+        assert_matches_reference(query, case, head_size ** -0.5, **kwargs)
