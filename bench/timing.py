@@ -1,11 +1,12 @@
 """Wall-clock timing helpers for CPU benchmarks.
 
-Candidates are timed interleaved: every repetition calls each candidate once, in an
-order rotated per repetition, so machine noise (other tenants, frequency changes)
+Candidates are timed interleaved: every repetition calls each candidate once, in a
+random order per repetition, so machine noise (other tenants, frequency changes)
 falls on all of them alike. Each call is timed on its own; the median is the headline
 figure and the minimum the best case.
 """
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -52,9 +53,13 @@ def time_interleaved_samples(candidates: Mapping[str, Candidate], warmup: int,
         for name in names:
             candidates[name]()
     samples: Dict[str, List[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+    # A fresh random order every round. A rotated order would always run the same
+    # candidate right after a given one (e.g. after the 1 GiB read that flushes the caches).
+    order = random.Random(0)
+    for _ in range(reps):
+        round_names = list(names)
+        order.shuffle(round_names)
+        for name in round_names:
             samples[name].append(time_call(candidates[name]))
     return samples
 
