@@ -638,9 +638,10 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   const int num_heads = w.kv_head_end - w.kv_head_begin;
   const int per_head = num_rows * group;  // queries of one KV head
   const int num_queries = num_heads * per_head;
-  // Keys per chunk: a chunk of one head's rows is 8 KiB at head size 128 in every dtype
-  // (16-bit chunks are longer so the per-chunk softmax work is spread over more keys).
-  constexpr int CH = sizeof(T) == sizeof(float) ? kKeyChunk / 2 : kKeyChunk;
+  // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
+  // fp32 with several queries per KV head, where the shorter chunk measured faster
+  // (8 KiB of a head's rows at head size 128, one block at block size 16).
+  const int CH = sizeof(T) == sizeof(float) && per_head > 1 ? kKeyChunk / 2 : kKeyChunk;
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
   // (ordered KV head, row, GQA head), then one chunk of fp32 keys and values.
@@ -707,7 +708,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       }
     }
   };
-  int64_t offsets[CH], next_offsets[CH];
+  int64_t offsets[kKeyChunk], next_offsets[kKeyChunk];
 
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
@@ -735,9 +736,9 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     // Rows are whole vectors: read them in place. While a chunk's scores are computed
     // its values are prefetched, and while its values are accumulated, the next
     // chunk's keys, so one phase's arithmetic overlaps the other's cache misses.
-    const T* k_rows[CH];
-    const T* v_rows[CH];
-    const T* next_k[CH];
+    const T* k_rows[kKeyChunk];
+    const T* v_rows[kKeyChunk];
+    const T* next_k[kKeyChunk];
     for (Chunk c = first_chunk(); c.n > 0;) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
@@ -770,8 +771,8 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hsp);
-    const float* k_rows[CH];
-    const float* v_rows[CH];
+    const float* k_rows[kKeyChunk];
+    const float* v_rows[kKeyChunk];
     for (int t = 0; t < CH; ++t) {
       k_rows[t] = k_f + int64_t(t) * hsp;
       v_rows[t] = v_f + int64_t(t) * hsp;

@@ -59,7 +59,7 @@ struct WorkItem {
   int32_t partition;
 };
 
-// Most keys per online-softmax step (16-bit caches; fp32 takes half).
+// Most keys per online-softmax step (some fp32 items take half, see attention_kernel.h).
 constexpr int kKeyChunk = 32;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item).
