@@ -644,7 +644,8 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   const int CH = sizeof(T) == sizeof(float) && per_head > 1 ? kKeyChunk / 2 : kKeyChunk;
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
-  // (ordered KV head, row, GQA head), then one chunk of fp32 keys and values.
+  // (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
+  // sizes), then the unscaled bf16 queries (bf16 dot products).
   float* q_f = ws;
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hsp;
