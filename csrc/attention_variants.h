@@ -8,7 +8,18 @@
 #include <optional>
 #include <tuple>
 
+#include "scalar_kind.h"
+
 namespace paged {
+
+// The kernels' element type of an (already validated) attention dtype.
+inline ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat32;
+  }
+}
 
 using AttentionIntoFn = void (*)(const char* op, at::Tensor& out,
                                  const std::optional<at::Tensor>& lse, const at::Tensor& query,

@@ -26,13 +26,6 @@ constexpr int64_t kItemsPerThread = 4;
 // than it saves, and on a busy machine it can wait for a core that is not free.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 19;
 
-ScalarKind scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat32;
-  }
-}
 
 struct Plan {
   int num_threads = 1;  // enough work for each, never more than torch's setting

@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-namespace paged::cpu {
+#include "../scalar_kind.h"
 
-enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+namespace paged::cpu {
 
 struct AttentionParams {
   ScalarKind kind;

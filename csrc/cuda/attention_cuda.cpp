@@ -23,13 +23,6 @@ namespace {
 
 constexpr int64_t kMaxGridY = 65535;
 
-ScalarKind scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat32;
-  }
-}
 
 int multiprocessor_count(int device) {
   int count = 0;

@@ -8,9 +8,9 @@
 
 #include <cstdint>
 
-namespace paged::cuda {
+#include "../scalar_kind.h"
 
-enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+namespace paged::cuda {
 
 // Query vectors (query rows x query heads of one GQA group) one CTA holds.
 constexpr int kMaxQueriesPerCta = 8;
