@@ -709,7 +709,9 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       }
     }
   };
-  int64_t offsets[kKeyChunk], next_offsets[kKeyChunk];
+  // Row offsets of the current and the next chunk; the next chunk's become the current
+  // ones one step later (each chunk's table walk is done once).
+  int64_t offset_buffers[2][kKeyChunk];
 
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
@@ -742,10 +744,13 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     const T* k_rows[kKeyChunk];
     const T* v_rows[kKeyChunk];
     const T* next_k[kKeyChunk];
-    for (Chunk c = first_chunk(); c.n > 0;) {
+    int64_t* offsets = offset_buffers[0];
+    int64_t* next_offsets = offset_buffers[1];
+    Chunk c = first_chunk();
+    row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
+    while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      row_offsets(c.j0, c.n, st.kv_head, offsets);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
         k_rows[t] = key_cache + offsets[t];
@@ -768,6 +773,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
       }
+      std::swap(offsets, next_offsets);
       c = next;
     }
   } else {
@@ -781,10 +787,13 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       v_rows[t] = v_f + int64_t(t) * hsp;
     }
     const float* const* none = nullptr;
-    for (Chunk c = first_chunk(); c.n > 0;) {
+    int64_t* offsets = offset_buffers[0];
+    int64_t* next_offsets = offset_buffers[1];
+    Chunk c = first_chunk();
+    row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
+    while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      row_offsets(c.j0, c.n, st.kv_head, offsets);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
         row_to_float(key_cache + offsets[t], k_f + int64_t(t) * hsp, hs);
@@ -797,6 +806,7 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       chunk_scores(st, st.q, k_rows, c.n, none);
       chunk_softmax(P, w, st, c.j0, c.n, CH);
       chunk_values(st, v_rows, c.n, none);
+      std::swap(offsets, next_offsets);
       c = next;
     }
   }
