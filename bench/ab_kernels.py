@@ -31,10 +31,6 @@ from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_kernel_ab.json"
-HEADS, HEAD_SIZE, BATCH, CONTEXT, BLOCK = 32, 128, 16, 2048, 16
-L3_CONTEXT = 512
-DECODE = [(dtype, kv) for dtype in ("fp32", "bf16", "fp16") for kv in (32, 8)]
-MT_QUERIES, MT_CONTEXT, MT_KV_HEADS = 512, 4096, 8
 FAST_READ_GBPS = 65.0  # between the host's two read-bandwidth states (~45-55 and ~75-85 GB/s)
 
 
@@ -43,68 +39,44 @@ def worker(reps: int) -> Dict[str, object]:
     import torch
 
     import paged_attention_ext as pa
+    from bench_cpu_perf import (BATCH, BLOCK_SIZE, CONTEXT, DTYPES, HEAD_SIZE, KV_HEADS, L3_CONTEXT,
+                                MT_DTYPES, MT_KV_HEADS, NUM_HEADS, Pool, cache_resident, decode_case,
+                                multi_token_case, random_pattern)
     from paged_attention_ext.host_memory import zeros_huge_pages
-
-    sys.path.insert(0, str(ROOT / "bench"))
     from timing import time_interleaved_samples
 
     torch.set_num_threads(2)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    pool_bytes = BATCH * CONTEXT * HEADS * HEAD_SIZE * 4
-    k_pool = zeros_huge_pages((pool_bytes,), torch.uint8)
-    v_pool = zeros_huge_pages((pool_bytes,), torch.uint8)
+    pool_bytes = BATCH * CONTEXT * NUM_HEADS * HEAD_SIZE * 4  # fp32 MHA, the largest case
+    k_pool, v_pool = Pool(pool_bytes, huge=True), Pool(pool_bytes, huge=True)
     read = zeros_huge_pages((1 << 28,), torch.float32).normal_()
     read_bytes = read.numel() * 4
     results: Dict[str, object] = {"isa": pa.cpu_isa(), "library": pa.__file__}
-    for where, context in (("dram", CONTEXT), ("l3", L3_CONTEXT)):
-        for name, kv_heads in DECODE:
-            dtype = dtypes[name]
-            blocks = BATCH * context // BLOCK
-            shape = (blocks, kv_heads, BLOCK, HEAD_SIZE)
-            count = blocks * kv_heads * BLOCK * HEAD_SIZE
-            k = k_pool.view(dtype)[:count].view(shape)
-            v = v_pool.view(dtype)[:count].view(shape)
-            k.copy_(torch.randn(shape).to(dtype))
-            v.copy_(torch.randn(shape).to(dtype))
-            table = torch.randperm(blocks, dtype=torch.int32).view(BATCH, -1)
-            if where == "l3":  # every sequence reads the first sequence's blocks
-                table = table[:1].expand(BATCH, -1).contiguous()
-            query = torch.randn(BATCH, HEADS, HEAD_SIZE).to(dtype)
-            lens = torch.full((BATCH,), context, dtype=torch.int32)
-            kv_bytes = 2 * BATCH * context * kv_heads * HEAD_SIZE * dtype.itemsize
+    def fill(name: str) -> None:
+        k_pool.fill(random_pattern(DTYPES[name], 1))
+        v_pool.fill(random_pattern(DTYPES[name], 2))
 
-            def run(q=query, k=k, v=v, t=table, n=lens):
-                return pa.attention(q, k, v, t, n, HEAD_SIZE**-0.5)
-
-            if where == "l3":  # back to back: after the 1 GiB read the cache would be cold
-                s = time_interleaved_samples({"paged": run}, 2, reps)
-                results[f"{where} {name} 32/{kv_heads}"] = {
-                    "gbps": statistics.median(kv_bytes / t / 1e9 for t in s["paged"])}
-                continue
-            s = time_interleaved_samples({"paged": run, "read": read.sum}, 2, reps)
-            paged = [kv_bytes / t / 1e9 for t in s["paged"]]
+    for name in DTYPES:
+        fill(name)
+        for kv_heads in KV_HEADS:
+            dram = decode_case(k_pool, v_pool, name, BATCH, kv_heads, CONTEXT, BLOCK_SIZE)
+            s = time_interleaved_samples({"paged": dram.run, "read": read.sum}, 2, reps)
+            paged = [dram.kv_bytes / t / 1e9 for t in s["paged"]]
             ref = [read_bytes / t / 1e9 for t in s["read"]]
-            results[f"{where} {name} 32/{kv_heads}"] = {
+            results[f"dram {name} 32/{kv_heads}"] = {
                 "gbps": statistics.median(paged), "read_gbps": statistics.median(ref),
                 "pct_of_read": 100 * statistics.median(a / b for a, b in zip(paged, ref))}
-    for name in ("fp32", "bf16"):
-        dtype = dtypes[name]
-        blocks = MT_CONTEXT // BLOCK
-        k = torch.randn(blocks, MT_KV_HEADS, BLOCK, HEAD_SIZE).to(dtype)
-        v = torch.randn(blocks, MT_KV_HEADS, BLOCK, HEAD_SIZE).to(dtype)
-        table = torch.randperm(blocks, dtype=torch.int32)[None]
-        query = torch.randn(MT_QUERIES, HEADS, HEAD_SIZE).to(dtype)
-        starts = torch.tensor([0, MT_QUERIES], dtype=torch.int32)
-        lens = torch.tensor([MT_CONTEXT], dtype=torch.int32)
-        pairs = sum(MT_CONTEXT - MT_QUERIES + i + 1 for i in range(MT_QUERIES))
-        flop = 4 * HEADS * HEAD_SIZE * pairs
-
-        def run_mt(q=query, k=k, v=v, t=table, n=lens, s=starts):
-            return pa.attention(q, k, v, t, n, HEAD_SIZE**-0.5, query_start_loc=s)
-
-        s = time_interleaved_samples({"paged": run_mt}, 1, max(3, reps // 3))
+            # Back to back: after the 1 GiB read the cache would be cold.
+            l3 = cache_resident(decode_case(k_pool, v_pool, name, BATCH, kv_heads, L3_CONTEXT,
+                                            BLOCK_SIZE))
+            s = time_interleaved_samples({"paged": l3.run}, 2, reps)
+            results[f"l3 {name} 32/{kv_heads}"] = {
+                "gbps": statistics.median(l3.kv_bytes / t / 1e9 for t in s["paged"])}
+    for name in MT_DTYPES:
+        fill(name)
+        case = multi_token_case(k_pool, v_pool, name)
+        s = time_interleaved_samples({"paged": case.run}, 1, max(3, reps // 3))
         results[f"multi-token {name} 32/{MT_KV_HEADS}"] = {
-            "gflops": flop / statistics.median(s["paged"]) / 1e9}
+            "gflops": case.flops / statistics.median(s["paged"]) / 1e9}
     return results
 
 

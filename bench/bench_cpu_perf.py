@@ -309,6 +309,13 @@ def decode_case(key_pool: Pool, value_pool: Pool, dtype_name: str, batch: int, k
                       torch.full((batch,), context, dtype=torch.int32))
 
 
+def cache_resident(case: DecodeCase) -> DecodeCase:
+    """``case`` with every sequence reading the first sequence's blocks (the L3-resident
+    diagnostic: same arithmetic and byte count, far fewer distinct bytes)."""
+    shared = case.block_tables[:1].expand(case.batch, -1).contiguous()
+    return DecodeCase(**{**case.__dict__, "block_tables": shared})
+
+
 def check_decode(case: DecodeCase, out: torch.Tensor) -> float:
     """Max abs error of sequence 0 of ``out`` against the plain-PyTorch reference."""
     expected = reference.attention(case.query[:1], case.key_cache, case.value_cache,
@@ -405,8 +412,7 @@ def bench_cache_resident(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
         for kv_heads in KV_HEADS:
             dram = decode_case(mem.key, mem.value, dtype_name, BATCH, kv_heads, L3_CONTEXT,
                                BLOCK_SIZE)
-            shared = dram.block_tables[:1].expand(BATCH, -1).contiguous()
-            l3 = DecodeCase(**{**dram.__dict__, "block_tables": shared})
+            l3 = cache_resident(dram)
             check_decode(l3, l3.run())
             distinct = L3_CONTEXT * kv_heads * HEAD_SIZE * 2 * DTYPES[dtype_name].itemsize
             # The L3 case runs in its own loop: interleaved with the 1 GiB read it would
@@ -516,36 +522,58 @@ def visible_pairs(seq_len: int, queries: int) -> int:
     return sum(p + 1 for p in range(seq_len - queries, seq_len))
 
 
+@dataclass
+class MultiTokenCase:
+    """A 512-token chunk over 4096 cached tokens (32/8 heads), causal."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def flops(self) -> int:
+        return 4 * NUM_HEADS * HEAD_SIZE * visible_pairs(MT_SEQ_LEN, MT_QUERIES)
+
+    def args(self) -> tuple:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                HEAD_SIZE**-0.5, self.query_start_loc)
+
+    def run(self) -> torch.Tensor:
+        return pa.attention_out(self.out, *self.args())
+
+
+def multi_token_case(key_pool: Pool, value_pool: Pool, dtype_name: str) -> MultiTokenCase:
+    dtype = DTYPES[dtype_name]
+    num_blocks = MT_SEQ_LEN // BLOCK_SIZE
+    shape = (num_blocks, MT_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+    query = torch.randn(MT_QUERIES, NUM_HEADS, HEAD_SIZE).to(dtype)
+    return MultiTokenCase(query, key_pool.tensor(dtype, shape), value_pool.tensor(dtype, shape),
+                          torch.randperm(num_blocks, dtype=torch.int32).view(1, -1),
+                          torch.tensor([MT_SEQ_LEN], dtype=torch.int32),
+                          torch.tensor([0, MT_QUERIES], dtype=torch.int32), torch.empty_like(query))
+
+
 def bench_multi_token(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
     """A 512-token chunk over 4096 tokens (32/8 heads) against torch.mm, same dtype."""
     rows = []
     for dtype_name in MT_DTYPES:
         dtype = DTYPES[dtype_name]
         mem.fill(dtype_name)
-        num_blocks = MT_SEQ_LEN // BLOCK_SIZE
-        shape = (num_blocks, MT_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
-        key_cache, value_cache = mem.key.tensor(dtype, shape), mem.value.tensor(dtype, shape)
-        table = torch.randperm(num_blocks, dtype=torch.int32).view(1, -1)
-        seq_lens = torch.tensor([MT_SEQ_LEN], dtype=torch.int32)
-        qsl = torch.tensor([0, MT_QUERIES], dtype=torch.int32)
-        query = torch.randn(MT_QUERIES, NUM_HEADS, HEAD_SIZE).to(dtype)
-        out = torch.empty_like(query)
-
-        def chunk() -> torch.Tensor:
-            return pa.attention_out(out, query, key_cache, value_cache, table, seq_lens,
-                                    HEAD_SIZE**-0.5, qsl)
-
-        expected = reference.attention(query, key_cache, value_cache, table, seq_lens,
-                                       HEAD_SIZE**-0.5, qsl)
-        error = (chunk().float() - expected.float()).abs().max().item()
+        case = multi_token_case(mem.key, mem.value, dtype_name)
+        expected = reference.attention(*case.args())
+        error = (case.run().float() - expected.float()).abs().max().item()
         if error > 10 * TOLERANCE[dtype_name]:
             raise AssertionError(f"multi-token {dtype_name} differs from reference by {error:.3g}")
         a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         b = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         c = torch.empty(MATMUL_N, MATMUL_N, dtype=dtype)
-        flops = 4 * NUM_HEADS * HEAD_SIZE * visible_pairs(MT_SEQ_LEN, MT_QUERIES)
+        flops = case.flops
         mm_flops = 2 * MATMUL_N**3
-        s = time_interleaved_samples({"paged": chunk, "matmul": lambda: torch.mm(a, b, out=c)},
+        s = time_interleaved_samples({"paged": case.run, "matmul": lambda: torch.mm(a, b, out=c)},
                                      plan.warmup, plan.mt_reps)
         rows.append({"dtype": dtype_name, "seq_len": MT_SEQ_LEN, "queries": MT_QUERIES,
                      "num_heads": NUM_HEADS, "num_kv_heads": MT_KV_HEADS, "head_size": HEAD_SIZE,
