@@ -31,7 +31,9 @@ static inline vfloat load(const float* p) {
   return v;
 }
 static inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-static inline vfloat splat(float x) { return vfloat{} + x; }
+// A broadcast. x - 0 is exactly x (for -0 too), so this folds to one broadcast; the
+// `vfloat{} + x` it replaces cost a scalar add first (0 + -0 is +0).
+static inline vfloat splat(float x) { return x - vfloat{}; }
 
 typedef float v8float __attribute__((vector_size(32)));
 typedef float v4float __attribute__((vector_size(16)));
@@ -204,16 +206,26 @@ static inline void prefetch_same_line(const R* const* ahead, int t, int element)
 template <typename R>
 static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
                         const R* const* ahead) {
-  // Two accumulators per key (even and odd steps): eight independent FMA chains.
-  vfloat a[2][4] = {};
+  // Two accumulators per key (even and odd steps): eight independent FMA chains. The
+  // loop takes two steps at a time so that both sets stay in registers (indexing them
+  // by step parity put them on the stack: a store-forwarding chain per FMA).
+  vfloat even[4] = {}, odd[4] = {};
   int d = 0;
-  for (; d < hsp; d += VW) {
+  for (; d + 2 * VW <= hsp; d += 2 * VW) {
     for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
-    const vfloat qv = load(q + d);
-    const int h = (d / VW) & 1;
-    for (int i = 0; i < 4; ++i) a[h][i] += qv * load_as_float(k[i] + d);
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d + VW);
+    const vfloat q0 = load(q + d), q1 = load(q + d + VW);
+    for (int i = 0; i < 4; ++i) {
+      even[i] += q0 * load_as_float(k[i] + d);
+      odd[i] += q1 * load_as_float(k[i] + d + VW);
+    }
   }
-  hsum4(a[0][0] + a[1][0], a[0][1] + a[1][1], a[0][2] + a[1][2], a[0][3] + a[1][3], out);
+  if (d < hsp) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const vfloat q0 = load(q + d);
+    for (int i = 0; i < 4; ++i) even[i] += q0 * load_as_float(k[i] + d);
+  }
+  hsum4(even[0] + odd[0], even[1] + odd[1], even[2] + odd[2], even[3] + odd[3], out);
 }
 
 template <typename R>
