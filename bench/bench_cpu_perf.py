@@ -316,6 +316,16 @@ def cache_resident(case: DecodeCase) -> DecodeCase:
     return DecodeCase(**{**case.__dict__, "block_tables": shared})
 
 
+def core_resident(case: DecodeCase, distinct_bytes: int = 256 << 10) -> DecodeCase:
+    """``case`` with every block table cycling over the first few physical blocks, about
+    ``distinct_bytes`` of K and V in all: the KV stays in each core's L2, so the time is
+    the kernel's arithmetic (the compute-bound diagnostic)."""
+    block_bytes = 2 * case.key_cache[0].numel() * case.key_cache.element_size()
+    distinct = max(1, distinct_bytes // block_bytes)
+    table = (torch.arange(case.block_tables.numel()) % distinct).to(torch.int32)
+    return DecodeCase(**{**case.__dict__, "block_tables": table.view_as(case.block_tables)})
+
+
 def check_decode(case: DecodeCase, out: torch.Tensor) -> float:
     """Max abs error of sequence 0 of ``out`` against the plain-PyTorch reference."""
     expected = reference.attention(case.query[:1], case.key_cache, case.value_cache,
@@ -400,11 +410,13 @@ def bench_context_sweep(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
 
 
 def bench_cache_resident(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
-    """Diagnostic: the kernel's speed when its KV is L3-resident, beside the same shape from DRAM.
+    """Diagnostic: the kernel's speed when its KV is L3- or L2-resident, beside the same
+    shape from DRAM.
 
     B=16 sequences of 512 tokens; ``l3`` points all 16 block tables at the same 32 blocks
-    (16 MiB of distinct KV in fp32 32/32, 4 MiB in 32/8; L3 is 32 MiB), ``dram`` gives each
-    sequence its own blocks. Both do the same arithmetic on the same number of bytes.
+    (16 MiB of distinct KV in fp32 32/32, 4 MiB in 32/8; L3 is 32 MiB), ``l2`` cycles every
+    table over 256 KiB of blocks (each core's L2 holds it: the arithmetic alone), ``dram``
+    gives each sequence its own blocks. All do the same arithmetic on the same number of bytes.
     """
     rows = []
     for dtype_name in DTYPES:
@@ -413,23 +425,29 @@ def bench_cache_resident(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
             dram = decode_case(mem.key, mem.value, dtype_name, BATCH, kv_heads, L3_CONTEXT,
                                BLOCK_SIZE)
             l3 = cache_resident(dram)
+            l2 = core_resident(dram)
             check_decode(l3, l3.run())
+            check_decode(l2, l2.run())
             distinct = L3_CONTEXT * kv_heads * HEAD_SIZE * 2 * DTYPES[dtype_name].itemsize
             # The L3 case runs in its own loop: interleaved with the 1 GiB read it would
             # always start from a cache the read has just flushed.
             s = time_interleaved_samples({"dram": dram.run, "read": read_candidate(mem)},
                                          plan.warmup, plan.decode_reps)
             s_l3 = time_interleaved_samples({"l3": l3.run}, plan.warmup, plan.decode_reps)["l3"]
+            s_l2 = time_interleaved_samples({"l2": l2.run}, plan.warmup, plan.decode_reps)["l2"]
             kv = dram.kv_bytes
             rows.append({**dram.describe(), "l3_distinct_kv_bytes": distinct,
                          "read_bandwidth": rate_summary(s["read"], READ_BYTES),
                          "l3": rate_summary(s_l3, kv),
                          "dram": rate_summary(s["dram"], kv)
                          | ratios(s["dram"], kv, s["read"], READ_BYTES),
+                         "l2": rate_summary(s_l2, kv),
                          "l3_gflops_median": dram.flops / statistics.median(s_l3) / 1e9,
+                         "l2_gflops_median": dram.flops / statistics.median(s_l2) / 1e9,
                          "l3_speedup_median": statistics.median(s["dram"]) / statistics.median(s_l3)})
             r = rows[-1]
-            print(f"cache-resident {dtype_name} 32/{kv_heads:<2} | L3 {r['l3']['rate_median']:5.1f} GB/s "
+            print(f"cache-resident {dtype_name} 32/{kv_heads:<2} | L2 {r['l2']['rate_median']:5.1f} GB/s "
+                  f"({r['l2_gflops_median']:.0f} GFLOP/s) | L3 {r['l3']['rate_median']:5.1f} GB/s "
                   f"({r['l3_gflops_median']:.0f} GFLOP/s) | DRAM {r['dram']['rate_median']:5.1f} GB/s "
                   f"{r['dram']['pct_paired']:4.0f}% of read | L3/DRAM {r['l3_speedup_median']:.2f}x | "
                   f"read {r['read_bandwidth']['rate_median']:.1f}", flush=True)

@@ -641,9 +641,9 @@ static inline void chunk_values_pairs(const ItemState& st, const Bf16* const* v_
 }
 #endif  // PAGED_ISA_AVX512_BF16
 
-template <typename T>
-void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  const int hs = P.head_size;
+template <typename T, int kHeadSize>
+void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
+  const int hs = kHeadSize > 0 ? kHeadSize : P.head_size;
   const int hsp = (hs + VW - 1) / VW * VW;
   const int group = P.num_heads / P.num_kv_heads;
   const int num_rows = w.row_end - w.row_begin;
@@ -842,6 +842,14 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
           any ? run_max[m] + std::log(run_sum[m]) : -__builtin_inff();
     }
   }
+}
+
+// Head size 128 (most models) gets its own compile of the kernel: with constant trip
+// counts the compiler unrolls the row loops.
+template <typename T>
+void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  if (P.head_size == 128) attention_work_item_for<T, 128>(P, w, ws);
+  else attention_work_item_for<T, 0>(P, w, ws);
 }
 
 inline AttentionKernelFn kernel_for(ScalarKind kind) {
