@@ -4,6 +4,11 @@
 //   g++ -O3 -march=native -fopenmp bench/microbench/access_pattern.cpp -o /tmp/access_pattern
 //   /tmp/access_pattern [kv_heads]      # 32 (MHA) by default
 //
+// Each variant runs with 1 and with 4 multiply-adds per loaded vector: the arithmetic of
+// one query per KV head (MHA) and of four (GQA 32/8). The number is a template argument,
+// so the loops are fully unrolled as in the kernel's head-size-128 compile (with a
+// run-time count the same walk measured ~20% slower from DRAM).
+//
 // Layout as the kernel sees it (fp32, HND, block size 16, head size 128): K and V pools of
 // 512 MiB each, blocks of kv_heads x 16 rows x 512 B visited in random order, and within a
 // block head by head. Per head: the K rows are read four at a time in 64-byte steps (as the
@@ -39,36 +44,61 @@ float* allocate(size_t bytes) {
 
 inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
-// K rows of one head: four rows at a time, one 16-float step of each, prefetching `ahead`.
+// Queries and probabilities of G query heads (L1-resident, like the kernel's).
+alignas(64) float g_queries[4 * kHead];
+alignas(64) float g_probabilities[4 * kRows];
+
+// K rows of one head: four rows at a time, one 16-float step of each, prefetching `ahead`;
+// every loaded vector meets G query vectors.
+template <int G>
 inline __m512 keys(const float* k, const float* ahead, __m512 total) {
-  const __m512 q = _mm512_set1_ps(1.0001f);
   for (int r = 0; r < kRows; r += 4) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int d = 0; d < kHead; d += 16)
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+    for (int d = 0; d < kHead; d += 16) {
+      __m512 kv[4];
       for (int i = 0; i < 4; ++i) {
         if (ahead) prefetch(ahead + (r + i) * kHead + d);
-        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(k + (r + i) * kHead + d), q, a[i]);
+        kv[i] = _mm512_loadu_ps(k + (r + i) * kHead + d);
       }
-    total = _mm512_add_ps(total, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+      for (int g = 0; g < G; ++g) {
+        const __m512 q = _mm512_load_ps(g_queries + g * kHead + d);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_fmadd_ps(kv[i], q, a[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      total = _mm512_add_ps(total, _mm512_add_ps(_mm512_add_ps(a[g][0], a[g][1]), _mm512_add_ps(a[g][2], a[g][3])));
   }
   return total;
 }
 
-// V rows of one head: 64 floats of every row, then the next 64, prefetching `ahead`.
+// V rows of one head: 64 floats of every row, then the next 64, prefetching `ahead`;
+// every loaded vector meets G probabilities.
+template <int G>
 inline __m512 values(const float* v, const float* ahead, __m512 total) {
-  const __m512 p = _mm512_set1_ps(0.9999f);
   for (int d = 0; d < kHead; d += 64) {
-    __m512 a[4] = {total, _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int t = 0; t < kRows; ++t)
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+    for (int t = 0; t < kRows; ++t) {
+      __m512 vv[4];
       for (int i = 0; i < 4; ++i) {
         if (ahead) prefetch(ahead + t * kHead + d + 16 * i);
-        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(v + t * kHead + d + 16 * i), p, a[i]);
+        vv[i] = _mm512_loadu_ps(v + t * kHead + d + 16 * i);
       }
-    total = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(g_probabilities[g * kRows + t]);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_fmadd_ps(vv[i], p, a[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      total = _mm512_add_ps(total, _mm512_add_ps(_mm512_add_ps(a[g][0], a[g][1]), _mm512_add_ps(a[g][2], a[g][3])));
   }
   return total;
 }
 
+template <int G>
 double walk(const float* K, const float* V, const std::vector<int>& order, int heads,
             bool use_prefetch, bool cached) {
   const size_t block = kSegment * heads;
@@ -84,8 +114,8 @@ double walk(const float* K, const float* V, const std::vector<int>& order, int h
       const float* k = K + here * block + h * kSegment;
       const float* v = V + here * block + h * kSegment;
       const float* k_next = h + 1 < heads ? k + kSegment : K + next * block;
-      total = keys(k, use_prefetch ? v : nullptr, total);
-      total = values(v, use_prefetch ? k_next : nullptr, total);
+      total = keys<G>(k, use_prefetch ? v : nullptr, total);
+      total = values<G>(v, use_prefetch ? k_next : nullptr, total);
     }
     sink += _mm512_reduce_add_ps(total);
   }
@@ -110,23 +140,33 @@ double sequential_read(const float* K) {
   return kPoolBytes / seconds / 1e9;
 }
 
+
+template <int G>
+void measure(const float* K, const float* V, const std::vector<int>& order, int heads) {
+  for (const bool use_prefetch : {false, true}) {
+    double dram = 0, cached = 0, read = 0;
+    for (int rep = 0; rep < 3; ++rep) {  // best of three: the host's bandwidth moves
+      read = std::max(read, sequential_read(K));
+      dram = std::max(dram, walk<G>(K, V, order, heads, use_prefetch, false));
+      cached = std::max(cached, walk<G>(K, V, order, heads, use_prefetch, true));
+    }
+    std::printf("kv_heads %d, %d multiply-add(s) per vector, prefetch %-3s: DRAM %5.1f GB/s "
+                "(%3.0f%% of read %5.1f), cached %6.1f GB/s\n",
+                heads, G, use_prefetch ? "on" : "off", dram, 100 * dram / read, read, cached);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int heads = argc > 1 ? std::atoi(argv[1]) : 32;
   float* K = allocate(kPoolBytes);
   float* V = allocate(kPoolBytes);
+  for (float& x : g_queries) x = 1.0001f;
+  for (float& x : g_probabilities) x = 0.9999f;
   std::vector<int> order(kPoolBytes / (kSegment * heads * sizeof(float)));
   for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
   std::shuffle(order.begin(), order.end(), std::mt19937(1));
-  for (const bool use_prefetch : {false, true}) {
-    double dram = 0, cached = 0, read = 0;
-    for (int rep = 0; rep < 3; ++rep) {  // best of three: the host's bandwidth moves
-      read = std::max(read, sequential_read(K));
-      dram = std::max(dram, walk(K, V, order, heads, use_prefetch, false));
-      cached = std::max(cached, walk(K, V, order, heads, use_prefetch, true));
-    }
-    std::printf("kv_heads %d, prefetch %-3s: DRAM %5.1f GB/s (%3.0f%% of read %5.1f), cached %6.1f GB/s\n",
-                heads, use_prefetch ? "on" : "off", dram, 100 * dram / read, read, cached);
-  }
+  measure<1>(K, V, order, heads);
+  measure<4>(K, V, order, heads);
 }
