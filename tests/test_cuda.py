@@ -6,8 +6,6 @@ without pytest (``python tests/test_cuda.py [-k SUBSTRING]``, closing with
 """
 
 import contextlib
-import dataclasses
-import math
 import os
 import sys
 import traceback
@@ -26,140 +24,30 @@ if not torch.cuda.is_available() and pytest is not None and __name__ != "__main_
 
 import paged_attention_ext as pa  # noqa: E402
 from paged_attention_ext import reference as ref  # noqa: E402
+from attention_scenarios import on_device, scenario_cases  # noqa: E402
 from paged_case import DTYPES, TOLERANCES, PagedCase, make_case, query_start_loc, random_query  # noqa: E402
 
 CUDA = torch.device("cuda")
 
 
-def parametrize(names, values):
+def parametrize(names, values, ids=None):
     """``pytest.mark.parametrize``, also recorded for the script runner."""
     def wrap(fn):
         fn.cases = [(names, values)] + getattr(fn, "cases", [])
-        return pytest.mark.parametrize(names, values)(fn) if pytest else fn
+        return pytest.mark.parametrize(names, values, ids=ids)(fn) if pytest else fn
     return wrap
 
 
 def on_cuda(case: PagedCase) -> PagedCase:
-    return dataclasses.replace(case, key_cache=case.key_cache.to(CUDA), value_cache=case.value_cache.to(CUDA),
-                               block_tables=case.block_tables.to(CUDA), seq_lens=case.seq_lens.to(CUDA))
-
-
-def cuda_kwargs(kwargs):
-    return {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-
-
-def assert_matches_reference(query, case, scale, **kwargs):
-    """Runs the CUDA op on copies of CPU inputs and compares with the fp32 reference."""
-    gpu = on_cuda(case)
-    out, lse = pa.attention_with_lse(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
-                                     gpu.seq_lens, scale, **cuda_kwargs(kwargs))
-    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, scale, **kwargs)
-    out, lse = out.cpu(), lse.cpu()
-    assert out.dtype == query.dtype and out.shape == query.shape
-    assert not out.isnan().any(), "NaN in output"
-    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
-    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
-    return out
-
-
-def edge_lengths(block_size: int):
-    return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5})
+    return on_device(case, CUDA)
 
 
 # ---- paged.attention ---------------------------------------------------------------
 
-@parametrize("dtype", DTYPES)
-@parametrize("block_size", [1, 8, 16, 32, 64, 128, 256])
-def test_decode_block_sizes_and_edge_lengths(dtype, block_size):
-    lens = edge_lengths(block_size) + [0]  # 0: a padded row
-    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=block_size, dtype=dtype)
-    out = assert_matches_reference(random_query(len(lens), 8, 64, dtype), case, 64 ** -0.5)
-    assert (out[-1] == 0).all(), "a padded row must yield zeros"
-
-
-@parametrize("dtype", DTYPES)
-@parametrize("head_size", [8, 32, 40, 64, 80, 96, 112, 120, 128, 136, 192, 256])
-def test_decode_head_sizes(dtype, head_size):
-    lens = [1, 15, 16, 17, 70]
-    case = make_case(lens, num_kv_heads=2, head_size=head_size, block_size=16, dtype=dtype)
-    assert_matches_reference(random_query(len(lens), 4, head_size, dtype), case, head_size ** -0.5)
-
-
-@parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1), (12, 1), (40, 4), (64, 1)])
-@parametrize("multi_token", [False, True])
-def test_gqa_and_mqa(num_heads, num_kv_heads, multi_token):
-    # Groups larger than a CTA's 8 query vectors are split over several CTAs.
-    lens = [5, 33, 64, 100]
-    q_lens = [5, 2, 1, 9] if multi_token else None
-    case = make_case(lens, num_kv_heads=num_kv_heads, head_size=64, block_size=16, dtype=torch.float32)
-    qsl = query_start_loc(q_lens) if multi_token else None
-    query = random_query(int(qsl[-1]) if multi_token else len(lens), num_heads, 64, torch.float32)
-    assert_matches_reference(query, case, 0.125, query_start_loc=qsl)
-
-
-@parametrize("poison", [float("nan"), 1e30, -1e30, float("inf")])
-def test_unused_slots_do_not_change_output(poison):
-    lens = [1, 15, 16, 17, 0, 40]
-    clean = make_case(lens, 2, 64, 16, torch.float32, poison=None)
-    query = random_query(len(lens), 4, 64, torch.float32).to(CUDA)
-
-    def run():
-        gpu = on_cuda(clean)
-        return pa.attention(query, gpu.key_cache, gpu.value_cache, gpu.block_tables, gpu.seq_lens, 0.125)
-
-    before = run()
-    clean.poison_unused(poison)
-    assert torch.equal(before, run())
-
-
-@parametrize("dtype", DTYPES)
-def test_multi_token_mixed_with_decode(dtype):
-    # Prefill, chunked prefill after a cached prefix, decode, speculative (3 tokens),
-    # a padded sequence and a long chunk, in one call.
-    lens = [37, 80, 20, 19, 0, 300]
-    q_lens = [37, 16, 1, 3, 0, 150]
-    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype)
-    query = random_query(sum(q_lens), 8, 64, dtype)
-    assert_matches_reference(query, case, 0.125, query_start_loc=query_start_loc(q_lens))
-
-
-@parametrize("window", [1, 7, 16, 50, 700])
-@parametrize("multi_token", [False, True])
-def test_sliding_window(window, multi_token):
-    lens = [1, 16, 17, 90, 2000]
-    q_lens = [1, 16, 5, 40, 33] if multi_token else None
-    case = make_case(lens, 2, 64, 16, torch.float32)
-    qsl = query_start_loc(q_lens) if multi_token else None
-    query = random_query(sum(q_lens) if multi_token else len(lens), 4, 64, torch.float32)
-    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, sliding_window=window)
-
-
-@parametrize("multi_token", [False, True])
-def test_alibi_and_soft_cap(multi_token):
-    lens = [3, 17, 64, 129]
-    q_lens = [3, 4, 1, 20] if multi_token else None
-    case = make_case(lens, 2, 64, 16, torch.bfloat16)
-    qsl = query_start_loc(q_lens) if multi_token else None
-    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)], dtype=torch.float32)
-    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes)
-    assert_matches_reference(query * 8, case, 0.125, query_start_loc=qsl, soft_cap=5.0)
-    assert_matches_reference(query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes,
-                             sliding_window=10, soft_cap=30.0)
-
-
-@parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_kv_long_context(dtype):
-    # Few sequences with long contexts: the keys are split into partitions and merged.
-    lens = [20000, 777, 0]
-    case = make_case(lens, 1, 128, 16, dtype)
-    query = random_query(len(lens), 4, 128, dtype)
-    assert_matches_reference(query, case, 128 ** -0.5)
-    assert_matches_reference(query, case, 128 ** -0.5, sliding_window=1500)
-    qsl = query_start_loc([40, 3, 0])
-    query = random_query(43, 4, 128, dtype)
-    assert_matches_reference(query, case, 128 ** -0.5, query_start_loc=qsl)
+@parametrize("case", scenario_cases(), ids=str)
+def test_attention_scenario(case):
+    """The scenarios the CPU kernel is tested with (attention_scenarios.py)."""
+    case.run(CUDA)
 
 
 def test_split_kv_matches_cpu_kernel():
@@ -169,27 +57,6 @@ def test_split_kv_matches_cpu_kernel():
     gpu = on_cuda(case)
     got = pa.attention(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables, gpu.seq_lens, 0.1)
     torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
-
-
-def test_large_scores_are_stable():
-    case = make_case([50, 3], 1, 64, 16, torch.float32)
-    query = random_query(2, 2, 64, torch.float32) * 100.0
-    assert assert_matches_reference(query, case, 1.0).isfinite().all()
-
-
-def test_non_contiguous_query_and_lse_of_one_key():
-    case = make_case([10, 33], 2, 64, 8, torch.float32)
-    fused = random_query(2, 12, 64, torch.float32)
-    query = fused[:, :8]  # a view into a fused projection: strided heads
-    assert not query.is_contiguous()
-    assert_matches_reference(query, case, 0.125)
-    one = make_case([1], 1, 64, 8, torch.float32)
-    q = random_query(1, 1, 64, torch.float32)
-    gpu = on_cuda(one)
-    _, lse = pa.attention_with_lse(q.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
-                                   gpu.seq_lens, 0.5)
-    block = int(one.block_tables[0, 0])
-    torch.testing.assert_close(lse.cpu()[0, 0], 0.5 * torch.dot(q[0, 0], one.key_cache[block, 0, 0]))
 
 
 def test_strided_metadata():
@@ -208,35 +75,6 @@ def test_strided_metadata():
     want = ref.attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125,
                          query_start_loc=qsl, alibi_slopes=slopes)
     torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
-
-
-def test_lse_merges_two_halves_exactly():
-    n, m = 1000, 370
-    case = on_cuda(make_case([n], 1, 64, 16, torch.float32))
-    q = random_query(1, 4, 64, torch.float32).to(CUDA)
-    args = (case.key_cache, case.value_cache, case.block_tables)
-    full = pa.attention(q, *args, case.seq_lens, 0.125)
-    first, lse1 = pa.attention_with_lse(q, *args, torch.tensor([m], dtype=torch.int32, device=CUDA), 0.125)
-    second, lse2 = pa.attention_with_lse(q, *args, case.seq_lens, 0.125, sliding_window=n - m)
-    w1, w2 = torch.exp(lse1), torch.exp(lse2)
-    merged = (first * w1[..., None] + second * w2[..., None]) / (w1 + w2)[..., None]
-    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
-
-
-def test_out_variant_writes_into_caller_buffers():
-    case = make_case([5, 0, 40], 2, 64, 16, torch.bfloat16)
-    query = random_query(3, 4, 64, torch.bfloat16)
-    gpu = on_cuda(case)
-    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device=CUDA)
-    lse = torch.full((3, 4), float("nan"), device=CUDA)
-    result = pa.attention_out(out, query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
-                              gpu.seq_lens, 0.125, lse=lse)
-    assert result.data_ptr() == out.data_ptr()
-    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
-    torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
-    torch.testing.assert_close(lse.cpu(), want_lse)
-    assert (out[1] == 0).all() and math.isinf(lse[1, 0]) and lse[1, 0] < 0
 
 
 @parametrize("multi_token", [False, True])

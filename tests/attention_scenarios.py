@@ -1,0 +1,240 @@
+"""paged.attention scenarios run on every backend: tests/test_attention.py runs them on the
+CPU, tests/test_cuda.py on a GPU. Each scenario builds its inputs on the CPU, runs the op
+on the given device and checks the result against the fp32 reference on the CPU.
+
+Plain functions and parameter grids (no pytest), so test_cuda.py can also run them as a
+script on a machine without pytest.
+"""
+
+import dataclasses
+import itertools
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+import paged_attention_ext as pa
+from paged_attention_ext import reference as ref
+from paged_case import DTYPES, TOLERANCES, PagedCase, make_case, query_start_loc, random_query
+
+Scenario = Callable[..., None]
+_REGISTRY: List[Tuple[Scenario, Dict[str, Sequence]]] = []
+
+
+def scenario(**grid: Sequence) -> Callable[[Scenario], Scenario]:
+    """Registers a scenario ``fn(device, **params)`` to run once per point of ``grid``."""
+    def register(fn: Scenario) -> Scenario:
+        _REGISTRY.append((fn, grid))
+        return fn
+    return register
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioCase:
+    """One scenario at one point of its grid."""
+
+    fn: Scenario
+    params: Tuple[Tuple[str, object], ...]
+
+    def run(self, device: str) -> None:
+        self.fn(device, **dict(self.params))
+
+    def __str__(self) -> str:
+        values = "-".join(str(v).replace("torch.", "") for _, v in self.params)
+        return self.fn.__name__ + (f"[{values}]" if values else "")
+
+
+def scenario_cases() -> List[ScenarioCase]:
+    """Every registered scenario at every point of its grid."""
+    cases = []
+    for fn, grid in _REGISTRY:
+        names = list(grid)
+        for values in itertools.product(*(grid[n] for n in names)):
+            cases.append(ScenarioCase(fn, tuple(zip(names, values))))
+    return cases
+
+
+# ---- running the op on a device -------------------------------------------------------
+
+def on_device(case: PagedCase, device: str) -> PagedCase:
+    """``case`` with its tensors on ``device`` (the same tensors when already there)."""
+    return dataclasses.replace(case, key_cache=case.key_cache.to(device),
+                               value_cache=case.value_cache.to(device),
+                               block_tables=case.block_tables.to(device),
+                               seq_lens=case.seq_lens.to(device))
+
+
+def attention_with_lse(device: str, query: torch.Tensor, case: PagedCase, scale: float,
+                       **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """paged.attention_with_lse on ``device``; outputs back on the CPU."""
+    dev = on_device(case, device)
+    moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    out, lse = pa.attention_with_lse(query.to(device), dev.key_cache, dev.value_cache, dev.block_tables,
+                                     dev.seq_lens, scale, **moved)
+    return out.cpu(), lse.cpu()
+
+
+def assert_matches_reference(device: str, query: torch.Tensor, case: PagedCase, scale: float,
+                             **kwargs) -> torch.Tensor:
+    out, lse = attention_with_lse(device, query, case, scale, **kwargs)
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache,
+                                            case.block_tables, case.seq_lens, scale, **kwargs)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    assert not out.isnan().any(), "NaN in output"
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    return out
+
+
+def edge_lengths(block_size: int) -> List[int]:
+    return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5})
+
+
+# ---- scenarios ----------------------------------------------------------------------------
+
+@scenario(dtype=DTYPES, block_size=[1, 8, 16, 32, 64, 128, 256])
+def decode_block_sizes_and_edge_lengths(device, dtype, block_size):
+    lens = edge_lengths(block_size) + [0]  # 0: a padded row
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=block_size, dtype=dtype)
+    out = assert_matches_reference(device, random_query(len(lens), 8, 64, dtype), case, 64 ** -0.5)
+    assert (out[-1] == 0).all(), "a padded row must yield zeros"
+
+
+@scenario(dtype=DTYPES, head_size=[8, 32, 40, 64, 80, 96, 112, 120, 128, 136, 192, 256])
+def decode_head_sizes(device, dtype, head_size):
+    lens = [1, 15, 16, 17, 70]
+    case = make_case(lens, num_kv_heads=2, head_size=head_size, block_size=16, dtype=dtype)
+    assert_matches_reference(device, random_query(len(lens), 4, head_size, dtype), case,
+                             head_size ** -0.5)
+
+
+@scenario(heads=[(4, 4), (8, 2), (16, 2), (8, 1), (12, 1), (40, 4), (64, 1)], multi_token=[False, True])
+def gqa_and_mqa(device, heads, multi_token):
+    # (query heads, KV heads). On CUDA, groups larger than a CTA's 8 query vectors are
+    # split over several CTAs.
+    num_heads, num_kv_heads = heads
+    lens = [5, 33, 64, 100]
+    q_lens = [5, 2, 1, 9] if multi_token else None
+    case = make_case(lens, num_kv_heads=num_kv_heads, head_size=64, block_size=16, dtype=torch.float32)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(int(qsl[-1]) if multi_token else len(lens), num_heads, 64, torch.float32)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl)
+
+
+@scenario(poison=[float("nan"), 1e30, -1e30, float("inf")])
+def unused_slots_do_not_change_output(device, poison):
+    lens = [1, 15, 16, 17, 0, 40]
+    clean = make_case(lens, 2, 64, 16, torch.float32, poison=None)
+    query = random_query(len(lens), 4, 64, torch.float32)
+    before, _ = attention_with_lse(device, query, clean, 0.125)
+    clean.poison_unused(poison)
+    after, _ = attention_with_lse(device, query, clean, 0.125)
+    assert torch.equal(before, after)
+
+
+@scenario(dtype=DTYPES)
+def multi_token_mixed_with_decode(device, dtype):
+    # Prefill from empty, chunked prefill after a cached prefix, a decode row, speculative
+    # decoding (3 tokens), a padded sequence and a long chunk, in one call.
+    lens = [37, 80, 20, 19, 0, 300]
+    q_lens = [37, 16, 1, 3, 0, 150]
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype)
+    query = random_query(sum(q_lens), 8, 64, dtype)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=query_start_loc(q_lens))
+
+
+@scenario(window=[1, 7, 16, 50, 700], multi_token=[False, True])
+def sliding_window(device, window, multi_token):
+    lens = [1, 16, 17, 90, 2000]
+    q_lens = [1, 16, 5, 40, 33] if multi_token else None
+    case = make_case(lens, 2, 64, 16, torch.float32)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 4, 64, torch.float32)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sliding_window=window)
+
+
+@scenario(multi_token=[False, True])
+def alibi_and_soft_cap(device, multi_token):
+    lens = [3, 17, 64, 129]
+    q_lens = [3, 4, 1, 20] if multi_token else None
+    case = make_case(lens, 2, 64, 16, torch.bfloat16)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)], dtype=torch.float32)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes)
+    assert_matches_reference(device, query * 8, case, 0.125, query_start_loc=qsl, soft_cap=5.0)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes,
+                             sliding_window=10, soft_cap=30.0)
+
+
+@scenario(dtype=[torch.float32, torch.bfloat16])
+def split_kv_long_context(device, dtype):
+    # Few sequences with long contexts: the keys are split into partitions and merged.
+    lens = [20000, 777, 0]
+    case = make_case(lens, 1, 128, 16, dtype)
+    query = random_query(len(lens), 4, 128, dtype)
+    assert_matches_reference(device, query, case, 128 ** -0.5)
+    assert_matches_reference(device, query, case, 128 ** -0.5, sliding_window=1500)
+    qsl = query_start_loc([40, 3, 0])
+    query = random_query(43, 4, 128, dtype)
+    assert_matches_reference(device, query, case, 128 ** -0.5, query_start_loc=qsl)
+
+
+@scenario()
+def large_scores_are_stable(device):
+    case = make_case([50, 3], 1, 64, 16, torch.float32)
+    query = random_query(2, 2, 64, torch.float32) * 100.0
+    assert assert_matches_reference(device, query, case, 1.0).isfinite().all()
+
+
+@scenario()
+def non_contiguous_query_and_lse_of_one_key(device):
+    case = make_case([10, 33], 2, 64, 8, torch.float32)
+    fused = random_query(2, 12, 64, torch.float32).to(device)
+    query = fused[:, :8]  # a view into a fused projection: strided heads
+    assert not query.is_contiguous()
+    dev = on_device(case, device)
+    out = pa.attention(query, dev.key_cache, dev.value_cache, dev.block_tables, dev.seq_lens, 0.125)
+    want = ref.attention(query.cpu(), case.key_cache, case.value_cache, case.block_tables,
+                         case.seq_lens, 0.125)
+    torch.testing.assert_close(out.cpu(), want, **TOLERANCES[torch.float32])
+    # The lse of a single visible key is exactly its score.
+    one = make_case([1], 1, 64, 8, torch.float32)
+    q = random_query(1, 1, 64, torch.float32)
+    _, lse = attention_with_lse(device, q, one, 0.5)
+    block = int(one.block_tables[0, 0])
+    torch.testing.assert_close(lse[0, 0], 0.5 * torch.dot(q[0, 0], one.key_cache[block, 0, 0]))
+
+
+@scenario()
+def lse_merges_two_halves_exactly(device):
+    # Attention over keys [0, n) equals the LSE-weighted merge of [0, m) and [m, n).
+    n, m = 1000, 370
+    case = make_case([n], 1, 64, 16, torch.float32)
+    q = random_query(1, 4, 64, torch.float32)
+    full, _ = attention_with_lse(device, q, case, 0.125)
+    # Keys [0, m): the same table with seq_len m (the query, placed at m-1, sees them all).
+    first_half = dataclasses.replace(case, seq_lens=torch.tensor([m], dtype=torch.int32))
+    first, lse1 = attention_with_lse(device, q, first_half, 0.125)
+    # Keys [m, n): the query at n-1 with a window of n - m.
+    second, lse2 = attention_with_lse(device, q, case, 0.125, sliding_window=n - m)
+    w1, w2 = torch.exp(lse1), torch.exp(lse2)
+    merged = (first * w1[..., None] + second * w2[..., None]) / (w1 + w2)[..., None]
+    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
+
+
+@scenario()
+def out_variant_writes_into_caller_buffers(device):
+    case = make_case([5, 0, 40], 2, 64, 16, torch.bfloat16)
+    query = random_query(3, 4, 64, torch.bfloat16)
+    dev = on_device(case, device)
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((3, 4), float("nan"), device=device)
+    result = pa.attention_out(out, query.to(device), dev.key_cache, dev.value_cache, dev.block_tables,
+                              dev.seq_lens, 0.125, lse=lse)
+    assert result.data_ptr() == out.data_ptr()
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125)
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse.cpu(), want_lse)
+    assert (out[1] == 0).all() and math.isinf(lse[1, 0]) and lse[1, 0] < 0
