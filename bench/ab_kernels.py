@@ -16,9 +16,9 @@ and for DRAM rows the medians over the rounds in which both workers saw the host
 Configurations: decode B=16, 32 query heads, head size 128, context 2048, block 16, on
 huge-page pools, fp32 / bf16 / fp16 x 32 / 8 KV heads, from DRAM (random block order,
 timed with the read reference) and from L3 (all sequences share 512 tokens of blocks; timed
-back to back, since after the read the cache would be cold) and from L2 (tables cycling over 256
-KiB of blocks: the arithmetic alone); multi-token (512 queries over 4096
-tokens, 32/8 heads) in fp32 and bf16, in GFLOP/s.
+back to back, since after the read the cache would be cold) and from L2 (tables cycling
+over 256 KiB of blocks: the arithmetic alone); multi-token (512 queries over 4096 tokens,
+32/8 heads) in fp32 and bf16, in GFLOP/s.
 """
 
 import argparse
@@ -41,8 +41,8 @@ def worker(reps: int) -> Dict[str, object]:
 
     import paged_attention_ext as pa
     from bench_cpu_perf import (BATCH, BLOCK_SIZE, CONTEXT, DTYPES, HEAD_SIZE, KV_HEADS, L3_CONTEXT,
-                                MT_DTYPES, MT_KV_HEADS, NUM_HEADS, Pool, cache_resident, core_resident, decode_case,
-                                multi_token_case, random_pattern)
+                                MT_DTYPES, MT_KV_HEADS, NUM_HEADS, Pool, cache_resident, core_resident,
+                                decode_case, multi_token_case, random_pattern)
     from paged_attention_ext.host_memory import zeros_huge_pages
     from timing import time_interleaved_samples
 
