@@ -69,13 +69,10 @@ def worker(reps: int) -> Dict[str, object]:
             # Back to back: after the 1 GiB read the cache would be cold.
             l3 = cache_resident(decode_case(k_pool, v_pool, name, BATCH, kv_heads, L3_CONTEXT,
                                             BLOCK_SIZE))
-            s = time_interleaved_samples({"paged": l3.run}, 2, reps)
-            results[f"l3 {name} 32/{kv_heads}"] = {
-                "gbps": statistics.median(l3.kv_bytes / t / 1e9 for t in s["paged"])}
-            l2 = core_resident(dram)
-            s = time_interleaved_samples({"paged": l2.run}, 2, reps)
-            results[f"l2 {name} 32/{kv_heads}"] = {
-                "gbps": statistics.median(l2.kv_bytes / t / 1e9 for t in s["paged"])}
+            for level, case in (("l3", l3), ("l2", core_resident(dram))):
+                s = time_interleaved_samples({"paged": case.run}, 2, reps)
+                results[f"{level} {name} 32/{kv_heads}"] = {
+                    "gbps": statistics.median(case.kv_bytes / t / 1e9 for t in s["paged"])}
     for name in MT_DTYPES:
         fill(name)
         case = multi_token_case(k_pool, v_pool, name)

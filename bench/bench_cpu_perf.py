@@ -40,7 +40,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -388,6 +388,20 @@ def bench_decode(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
     return rows
 
 
+def time_sweep(mem: Memory, plan: Plan, cases: Dict[int, DecodeCase],
+               prefix: str) -> Tuple[List[Dict[str, object]], List[float]]:
+    """Every case of a sweep in one round-robin with the read sum: one point per case
+    (description, rate, % of read) and the read's samples."""
+    s = time_interleaved_samples({f"{prefix}{k}": case.run for k, case in cases.items()}
+                                 | {"read": read_candidate(mem)}, plan.warmup, plan.sweep_reps)
+    points = []
+    for k, case in cases.items():
+        name = f"{prefix}{k}"
+        points.append({**case.describe(), **rate_summary(s[name], case.kv_bytes),
+                       **ratios(s[name], case.kv_bytes, s["read"], READ_BYTES)})
+    return points, s["read"]
+
+
 def bench_context_sweep(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
     """Per series, every context length in one round-robin with the read sum."""
     series = []
@@ -396,15 +410,9 @@ def bench_context_sweep(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
         token_bytes = kv_heads * HEAD_SIZE * DTYPES[dtype_name].itemsize
         cases = {ctx: decode_case(mem.key, mem.value, dtype_name, fit_batch(token_bytes, ctx),
                                   kv_heads, ctx, BLOCK_SIZE) for ctx in CONTEXTS}
-        s = time_interleaved_samples({f"ctx{c}": case.run for c, case in cases.items()}
-                                     | {"read": read_candidate(mem)}, plan.warmup, plan.sweep_reps)
-        points = []
-        for ctx, case in cases.items():
-            name = f"ctx{ctx}"
-            points.append({**case.describe(), **rate_summary(s[name], case.kv_bytes),
-                           **ratios(s[name], case.kv_bytes, s["read"], READ_BYTES)})
-        series.append({"dtype": dtype_name, "num_kv_heads": kv_heads, "read_bandwidth": rate_summary(s["read"], READ_BYTES),
-                       "points": points})
+        points, read = time_sweep(mem, plan, cases, "ctx")
+        series.append({"dtype": dtype_name, "num_kv_heads": kv_heads,
+                       "read_bandwidth": rate_summary(read, READ_BYTES), "points": points})
         print_sweep(series[-1], "context")
     return series
 
@@ -517,20 +525,14 @@ def bench_block_sweep(mem: Memory, plan: Plan) -> List[Dict[str, object]]:
         cases = {bs: decode_case(mem.key, mem.value, dtype_name, BATCH, kv_heads, CONTEXT, bs)
                  for bs in BLOCK_SIZES}
         check_decode(cases[BLOCK_SIZES[0]], cases[BLOCK_SIZES[0]].run())
-        s = time_interleaved_samples({f"bs{b}": case.run for b, case in cases.items()}
-                                     | {"read": read_candidate(mem)}, plan.warmup, plan.sweep_reps)
-        points = []
-        for bs, case in cases.items():
-            name = f"bs{bs}"
-            points.append({**case.describe(), **rate_summary(s[name], case.kv_bytes),
-                           **ratios(s[name], case.kv_bytes, s["read"], READ_BYTES)})
+        points, read = time_sweep(mem, plan, cases, "bs")
         best = max(p["rate_median"] for p in points)
         best_paired = max(p["pct_paired"] for p in points)
         for p in points:
             p["pct_of_best"] = 100 * p["rate_median"] / best
             p["pct_of_best_read_normalized"] = 100 * p["pct_paired"] / best_paired
-        series.append({"dtype": dtype_name, "num_kv_heads": kv_heads, "read_bandwidth": rate_summary(s["read"], READ_BYTES),
-                       "points": points})
+        series.append({"dtype": dtype_name, "num_kv_heads": kv_heads,
+                       "read_bandwidth": rate_summary(read, READ_BYTES), "points": points})
         print_sweep(series[-1], "block_size")
     return series
 
