@@ -623,8 +623,10 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
 }
 
 #if PAGED_ISA_AVX512_BF16
-// chunk_values for bf16 rows with pair dot products (accumulators permuted).
-static inline void chunk_values_pairs(const ItemState& st, const Bf16* const* v_rows, int n,
+// chunk_values for bf16 rows with pair dot products (accumulators permuted). Forced
+// inline: GCC kept it out of line, so the head-size-128 compile lost its constant trip
+// counts here (bf16 decode from L2: 6-10% more cycles per chunk).
+__attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st, const Bf16* const* v_rows, int n,
                                       const Bf16* const* ahead) {
   uint32_t pairs[QT * kKeyChunk / 2];
   const int full_queries = st.num_queries / QT * QT;

@@ -1,0 +1,137 @@
+// Cycles per 32 keys of the CPU kernel's decode work item, cache-resident, on one core:
+// the arithmetic cost of a kernel change measured in seconds of build time instead of a
+// full extension build (docs/performance.md, "Where time goes").
+//
+//   bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
+//
+// The script compiles SOURCE_DIR's csrc/cpu/isa_avx512_bf16.cpp (the kernel this
+// machine dispatches to) with setup.py's flags plus any -D flags given, links it with this
+// file, and runs decode items of B=1, 32 query heads, head size 128, context 2048, block
+// size 16, for fp32 / fp16 / bf16 with 32 and 8 KV heads. The block table cycles over
+// `resident` bytes of K (and as many of V): 512 KiB each by default, inside the 2 MiB L2.
+// Two source trees compared one after the other give the change's cost; the numbers are
+// best-of-five and move a few percent between runs on this shared machine.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../csrc/cpu/attention_params.h"
+
+namespace paged::cpu {
+AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
+}
+
+namespace {
+
+using paged::ScalarKind;
+using namespace paged::cpu;
+
+// Core clock from a chain of dependent adds (one per cycle), so results are in cycles.
+double core_ghz() {
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    uint64_t x = 0;
+    const long n = 200000000;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < n; ++i) asm volatile("add $1, %0" : "+r"(x));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, n / s / 1e9);
+  }
+  return best;
+}
+
+uint16_t to_bits(float x, ScalarKind kind) {
+  if (kind == ScalarKind::kFloat16) return _cvtss_sh(x, 0);
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return uint16_t(b >> 16);  // bf16 (truncated: any value will do)
+}
+
+std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
+  const size_t esize = kind == ScalarKind::kFloat32 ? 4 : 2;
+  std::vector<char> buf(elements * esize);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < elements; ++i) {
+    const float x = normal(rng);
+    if (esize == 4) std::memcpy(&buf[i * 4], &x, 4);
+    else {
+      const uint16_t h = to_bits(x, kind);
+      std::memcpy(&buf[i * 2], &h, 2);
+    }
+  }
+  return buf;
+}
+
+void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz) {
+  constexpr int kContext = 2048, kBlock = 16, kHead = 128, kHeads = 32;
+  const size_t esize = kind == ScalarKind::kFloat32 ? 4 : 2;
+  const size_t block_elements = size_t(kv_heads) * kBlock * kHead;
+  const int blocks = int(std::max<size_t>(1, resident / (block_elements * esize)));
+  const std::vector<char> K = random_rows(block_elements * blocks, kind, 1);
+  const std::vector<char> V = random_rows(block_elements * blocks, kind, 2);
+  const std::vector<char> Q = random_rows(size_t(kHeads) * kHead, kind, 3);
+  std::vector<int32_t> table(kContext / kBlock);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t((i * 7) % blocks);
+  const int32_t length = kContext;
+  std::vector<float> out(kHeads * kHead);
+
+  AttentionParams P{};
+  P.kind = kind;
+  P.query = Q.data();
+  P.query_token_stride = kHeads * kHead;
+  P.query_head_stride = kHead;
+  P.key_cache = K.data();
+  P.value_cache = V.data();
+  P.block_tables = table.data();
+  P.block_table_stride = int64_t(table.size());
+  P.seq_lens = &length;
+  P.num_heads = kHeads;
+  P.num_kv_heads = kv_heads;
+  P.head_size = kHead;
+  P.block_size = kBlock;
+  P.scale = 1.0f / std::sqrt(float(kHead));
+  P.out = out.data();
+  P.out_token_stride = kHeads * kHead;
+  P.out_head_stride = kHead;
+  // One item per sequence holding every KV head (as attention_cpu.cpp plans decode rows).
+  const int group = kHeads / kv_heads;
+  const int item_heads = std::clamp(kMaxQueriesPerItem / group, 1, kv_heads);
+  const WorkItem item{0, 0, item_heads, 0, 1, kContext - 1, 0, kContext, 0};
+  std::vector<float> workspace(kernel_workspace_floats(kHead, item_heads * group));
+  const AttentionKernelFn kernel = avx512_bf16_attention_kernel(kind);
+
+  const int reps = 40;
+  double best = 1e30;
+  for (int round = 0; round < 5; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) kernel(P, item, workspace.data());
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
+  }
+  const double bytes = 2.0 * kContext * item_heads * kHead * esize;
+  const double chunks = double(kContext) / 32 * item_heads;
+  std::printf("%-4s 32/%-2d  %7.1f us/item  %6.1f GB/s per core  %5.0f cycles per 32 keys of a KV head"
+              "  (check %.4f)\n",
+              name, kv_heads, best * 1e6, bytes / best / 1e9, best * ghz * 1e9 / chunks, out[0]);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const size_t resident = argc > 1 ? size_t(std::atol(argv[1])) : size_t(512) << 10;
+  const double ghz = core_ghz();
+  std::printf("core clock %.2f GHz, %zu KiB of K and of V\n", ghz, resident >> 10);
+  const struct { const char* name; ScalarKind kind; } kinds[] = {
+      {"fp32", ScalarKind::kFloat32}, {"fp16", ScalarKind::kFloat16}, {"bf16", ScalarKind::kBFloat16}};
+  for (const auto& k : kinds)
+    for (const int kv_heads : {32, 8}) measure(k.name, k.kind, kv_heads, resident, ghz);
+}
