@@ -159,7 +159,31 @@ static inline void row_to_float(const T* src, float* dst, int head_size) {
   for (; d < head_size; ++d) dst[d] = to_float(src[d]);
 }
 
-// exp(x) for a vector; exact 0 for x below the float range (so -inf -> 0).
+// exp(x) for a vector; exact 0 for x below the float range (so -inf -> 0). Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r.
+static inline vfloat exp_reduced(vfloat r) {
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  return p * r * r + r + splat(1.0f);
+}
+
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+// AVX-512: round with vrndscaleps and scale by 2^n with vscalefps, which also yields inf
+// above the float range and 0 below it, so only -inf (and NaN-free -large) need a clamp:
+// e^-104 is below the smallest denormal and scales to exactly 0.
+static inline vfloat vexp(vfloat x) {
+  const vfloat lo = splat(-104.0f);
+  x = x < lo ? lo : x;  // keeps NaN
+  const vfloat n = (vfloat)_mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  vfloat r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  return (vfloat)_mm512_scalef_ps((__m512)exp_reduced(r), (__m512)n);
+}
+#else
 static inline vfloat vexp(vfloat x) {
   const vfloat lo = splat(-87.33654f);
   const vfloat xc = x < lo ? lo : (x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x);
@@ -167,17 +191,11 @@ static inline vfloat vexp(vfloat x) {
   const vfloat n = (xc * splat(1.44269504088896341f) + magic) - magic;
   vfloat r = xc - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const vfloat y = p * r * r + r + splat(1.0f);
   const vint e = (__builtin_convertvector(n, vint) + 127) << 23;
-  const vfloat result = y * (vfloat)e;
+  const vfloat result = exp_reduced(r) * (vfloat)e;
   return x < lo ? vfloat{} : result;
 }
+#endif
 
 // GCC's dead-code elimination deletes a loop whose only effect is prefetching; the
 // empty volatile asm keeps such loops.
