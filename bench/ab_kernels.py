@@ -40,6 +40,7 @@ def worker(reps: int) -> Dict[str, object]:
     import torch
 
     import paged_attention_ext as pa
+    from bench_attention import source_revision
     from bench_cpu_perf import (BATCH, BLOCK_SIZE, CONTEXT, DTYPES, HEAD_SIZE, KV_HEADS, L3_CONTEXT,
                                 MT_DTYPES, MT_KV_HEADS, NUM_HEADS, Pool, cache_resident, core_resident,
                                 decode_case, multi_token_case, random_pattern)
@@ -51,7 +52,7 @@ def worker(reps: int) -> Dict[str, object]:
     k_pool, v_pool = Pool(pool_bytes, huge=True), Pool(pool_bytes, huge=True)
     read = zeros_huge_pages((1 << 28,), torch.float32).normal_()
     read_bytes = read.numel() * 4
-    results: Dict[str, object] = {"isa": pa.cpu_isa(), "library": pa.__file__}
+    results: Dict[str, object] = {"isa": pa.cpu_isa(), "library": pa.__file__, "source": source_revision()}
     def fill(name: str) -> None:
         k_pool.fill(random_pattern(DTYPES[name], 1))
         v_pool.fill(random_pattern(DTYPES[name], 2))

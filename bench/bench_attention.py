@@ -41,6 +41,7 @@ Results are printed and written as JSON (default ``bench/results/cpu_attention.j
 import argparse
 import json
 import os
+import subprocess
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -106,8 +107,20 @@ def cpu_model() -> str:
     return "unknown"
 
 
+def source_revision() -> str:
+    """The commit the library was built from, "+dirty" if the C++ or Python sources differ."""
+    root = Path(pa.__file__).resolve().parent.parent
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--", "csrc", "paged_attention_ext") else "")
+
+
 def machine_info() -> Dict[str, object]:
     return {
+        "source": source_revision(),
         "cpu_model": cpu_model(),
         "nproc": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
