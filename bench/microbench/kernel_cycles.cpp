@@ -115,7 +115,8 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   for (int round = 0; round < 5; ++round) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) kernel(P, item, workspace.data());
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, seconds / reps);
   }
   const double bytes = 2.0 * kContext * item_heads * kHead * esize;
   const double chunks = double(kContext) / 32 * item_heads;

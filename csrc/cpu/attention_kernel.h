@@ -159,8 +159,10 @@ static inline void row_to_float(const T* src, float* dst, int head_size) {
   for (; d < head_size; ++d) dst[d] = to_float(src[d]);
 }
 
-// exp(x) for a vector; exact 0 for x below the float range (so -inf -> 0). Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r.
+// exp(x) for a vector: 0 for -inf and below the float range, NaN for NaN. Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2 / 2, then e^r by exp_reduced and a scale by 2^n.
+
+// e^r for |r| <= ln2 / 2: a degree-6 polynomial.
 static inline vfloat exp_reduced(vfloat r) {
   vfloat p = splat(1.9875691500e-4f);
   p = p * r + splat(1.3981999507e-3f);
@@ -172,18 +174,21 @@ static inline vfloat exp_reduced(vfloat r) {
 }
 
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
-// AVX-512: round with vrndscaleps and scale by 2^n with vscalefps, which also yields inf
-// above the float range and 0 below it, so only -inf (and NaN-free -large) need a clamp:
-// e^-104 is below the smallest denormal and scales to exactly 0.
+// AVX-512: n rounded by vrndscaleps, 2^n applied by vscalefps, which gives inf above the
+// float range and denormals, then 0, below it. The one clamp keeps -inf from becoming
+// NaN in the reduction; e^-104 is below the smallest denormal, so it still gives 0.
 static inline vfloat vexp(vfloat x) {
   const vfloat lo = splat(-104.0f);
-  x = x < lo ? lo : x;  // keeps NaN
-  const vfloat n = (vfloat)_mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  x = x < lo ? lo : x;  // NaN stays NaN
+  const __m512 t = (__m512)(x * splat(1.44269504088896341f));
+  const vfloat n = (vfloat)_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
   vfloat r = x - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
   return (vfloat)_mm512_scalef_ps((__m512)exp_reduced(r), (__m512)n);
 }
 #else
+// Elsewhere: clamps, rounding by adding and subtracting 1.5 * 2^23, and 2^n built in the
+// exponent bits (0 below the normal range, the largest finite result above it).
 static inline vfloat vexp(vfloat x) {
   const vfloat lo = splat(-87.33654f);
   const vfloat xc = x < lo ? lo : (x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x);
@@ -644,8 +649,9 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
 // chunk_values for bf16 rows with pair dot products (accumulators permuted). Forced
 // inline: GCC kept it out of line, so the head-size-128 compile lost its constant trip
 // counts here (bf16 decode from L2: 6-10% more cycles per chunk).
-__attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st, const Bf16* const* v_rows, int n,
-                                      const Bf16* const* ahead) {
+__attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st,
+                                                                     const Bf16* const* v_rows, int n,
+                                                                     const Bf16* const* ahead) {
   uint32_t pairs[QT * kKeyChunk / 2];
   const int full_queries = st.num_queries / QT * QT;
   for (int m = 0; m < full_queries; m += QT) {
