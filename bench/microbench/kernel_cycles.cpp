@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "../../csrc/cpu/attention_params.h"
+#include "attention_params.h"  // from the measured tree (kernel_cycles.sh sets -I)
 
 namespace paged::cpu {
 AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
