@@ -26,7 +26,6 @@ constexpr int64_t kItemsPerThread = 4;
 // than it saves, and on a busy machine it can wait for a core that is not free.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 19;
 
-
 struct Plan {
   int num_threads = 1;  // enough work for each, never more than torch's setting
   std::vector<WorkItem> items;

@@ -23,7 +23,6 @@ namespace {
 
 constexpr int64_t kMaxGridY = 65535;
 
-
 int multiprocessor_count(int device) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
