@@ -51,7 +51,7 @@ from typing import Callable, Dict, List
 import torch
 import transformers
 
-from paged_attention_ext import demo
+from paged_attention_ext.tools import demo
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.engine.models import random_pair, tiny_config
 

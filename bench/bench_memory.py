@@ -5,7 +5,7 @@ Usage: ``.venv/bin/python bench/bench_memory.py [--quick] [--out-dir DIR]``
 Method (details and definitions in docs/memory.md)
 -------------------------------------------------
 * Workloads: the synthetic ShareGPT- and Alpaca-like traces of
-  ``paged_attention_ext.workloads`` (seed 0), max_len 2048.
+  ``paged_attention_ext.tools.workloads`` (seed 0), max_len 2048.
 * Utilisation: ``simulator.replay`` of REPLAY_REQUESTS requests per workload through each
   strategy with a pool of POOL_TOKENS token slots and block size 16.
 * Block-size sweep: for each block size, ``simulator.internal_waste`` (empty slots of a
@@ -33,8 +33,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from paged_attention_ext import simulator, workloads  # noqa: E402
-from paged_attention_ext.workloads import Request, Trace  # noqa: E402
+from paged_attention_ext.tools import simulator, workloads  # noqa: E402
+from paged_attention_ext.tools.workloads import Request, Trace  # noqa: E402
 
 MAX_LEN = 2048
 POOL_TOKENS = 32768

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from paged_attention_ext.cli import main
+from paged_attention_ext.tools.cli import main
 
 
 def last_json(text: str) -> dict:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from paged_attention_ext.cli import main
-from paged_attention_ext.memory import (GIB, PRESETS, ModelShape, bytes_per_token, format_bytes,
+from paged_attention_ext.tools.cli import main
+from paged_attention_ext.tools.memory import (GIB, PRESETS, ModelShape, bytes_per_token, format_bytes,
                                         kv_report, resolve_shape)
 
 

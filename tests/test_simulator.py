@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from paged_attention_ext.cli import main
-from paged_attention_ext.simulator import (STRATEGIES, beam_search_savings, internal_waste,
+from paged_attention_ext.tools.cli import main
+from paged_attention_ext.tools.simulator import (STRATEGIES, beam_search_savings, internal_waste,
                                            make_strategy, parallel_sampling_savings, replay)
-from paged_attention_ext.workloads import (WORKLOADS, Request, clipped_lognormal_mean,
+from paged_attention_ext.tools.workloads import (WORKLOADS, Request, clipped_lognormal_mean,
                                            fit_lognormal_mu, load_trace, save_trace, synthetic_trace)
 
 

@@ -19,8 +19,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-from .block_allocator import BlockAllocator
-from .block_table import BlockTable
+from ..block_allocator import BlockAllocator
+from ..block_table import BlockTable
 from .workloads import Trace
 
 STRATEGIES = ("max_len", "pow2", "oracle", "paged")

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import Request, RequestOutput
+    from ..engine import Request, RequestOutput
 
 BLOCK_SIZE = 16
 EOS = 2  # the built-in model's end-of-sequence token
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_requests(vocab_size: int, eos: int, seed: int) -> List["Request"]:
     """Greedy, sampled (n > 1) and beam-search requests sharing a 48-token system prompt."""
-    from .engine import Request, SamplingParams
+    from ..engine import Request, SamplingParams
 
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab_size) for _ in range(3 * BLOCK_SIZE)]
@@ -83,9 +83,9 @@ def _progress(total: int) -> Callable[["RequestOutput"], None]:
 
 def run(args: argparse.Namespace) -> Dict:
     # Imported here: transformers takes seconds to load, and other subcommands don't need it.
-    from .engine import EngineConfig, LLMEngine, Request, SamplingParams
-    from .engine.models import pretrained_pair, random_pair, tiny_config
-    from .engine.reference import generate_reference
+    from ..engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from ..engine.models import pretrained_pair, random_pair, tiny_config
+    from ..engine.reference import generate_reference
 
     started = time.perf_counter()
     if args.model:

@@ -13,9 +13,9 @@ from typing import Dict, List
 
 import torch
 
-from . import ops, reference
-from .block_manager import BlockSpaceManager
-from .kv_cache import PagedKVCache
+from .. import ops, reference
+from ..block_manager import BlockSpaceManager
+from ..kv_cache import PagedKVCache
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, NUM_KV_HEADS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE = 64, 16, 2, 8, 16, 64
 SCALE = HEAD_SIZE ** -0.5
