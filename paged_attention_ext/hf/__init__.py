@@ -12,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from .attention import paged_attention_forward
 from .batch import PagedBatch
 from .cache import PagedCache, publish_padding_mask
+from .support import check_config
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
 

@@ -8,9 +8,17 @@ comes from one of two places:
 * the ``paged_batch`` keyword argument (the engine's packed forward): the function
   also stores the keys and values with ``paged.write_kv``;
 * the :class:`~paged_attention_ext.hf.PagedCache` passed as ``past_key_values``: its
-  ``update`` has already stored them and published the batch for this layer call.
+  ``update`` has already stored them and published the batch for this layer call
+  (for MLA models, whose ``update`` gets compressed latents, this function stores the
+  keys and values transformers expanded from them).
+
+Every keyword argument transformers passes either is applied (``scaling``,
+``sliding_window``, ``softcap``, attention sinks as ``s_aux``/``sinks``) or known not to
+change the result (``position_ids``: positions are already in the rotary embeddings and
+in the block tables); anything else raises instead of being ignored.
 """
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -18,6 +26,60 @@ import torch
 from .. import ops
 from .batch import PagedBatch, flat_tokens
 from .cache import take_batch
+
+# Keyword arguments that reach attention functions and do not change what they compute.
+IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_hidden_states",
+                            "output_router_logits", "return_dict", "cache_position"})
+
+
+def _ops_take_sinks() -> bool:
+    try:
+        return "sinks" in inspect.signature(ops.attention).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _sinks(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:
+    """The learned per-head sink logits as fp32 ``[heads]``, or None."""
+    if s_aux is not None and sinks is not None:
+        raise ValueError("attention got both s_aux and sinks (one set of attention sinks expected)")
+    value = s_aux if s_aux is not None else sinks
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != heads:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"attention sinks (s_aux/sinks) of layer {getattr(module, 'layer_idx', '?')} "
+                         f"must be one logit per query head ({heads}), got {shape}")
+    if not _ops_take_sinks():
+        raise NotImplementedError("this model uses attention sinks (s_aux), and this build of the "
+                                  "paged ops has no sinks argument")
+    return value.detach().reshape(heads).to(device=device, dtype=torch.float32).contiguous()
+
+
+def _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions,
+                        kwargs) -> None:
+    layer = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"paged_attention_ext: {layer} got an attention_mask tensor (a custom 4D mask, or one "
+            "built outside the paged_attention_ext mask function); attention follows the block "
+            "tables (causal, with the layer's sliding window) and cannot apply it")
+    if dropout:
+        raise NotImplementedError(f"paged_attention_ext: {layer} asked for attention dropout "
+                                  f"{dropout} (training); the paged ops are for inference")
+    if is_causal is False:
+        raise NotImplementedError(f"paged_attention_ext: {layer} asked for non-causal attention "
+                                  "(is_causal=False); the paged ops are causal")
+    if output_attentions:
+        raise NotImplementedError(f"paged_attention_ext: {layer}: output_attentions=True is not "
+                                  "supported (the paged ops return no attention weights)")
+    unknown = sorted(name for name, value in kwargs.items()
+                     if name not in IGNORED_KWARGS and value is not None)
+    if unknown:
+        raise NotImplementedError(
+            f"paged_attention_ext: {layer} passed attention arguments {unknown}, which this "
+            "implementation does not apply (refused rather than ignored: they would change the "
+            "result)")
 
 
 def paged_attention_forward(
@@ -31,25 +93,45 @@ def paged_attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     paged_batch: Optional[PagedBatch] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    is_causal: Optional[bool] = None,
+    output_attentions: Optional[bool] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
-    batch = paged_batch if paged_batch is not None else take_batch(key)
+    batch = paged_batch if paged_batch is not None else take_batch(module, key)
     if batch is None:
-        raise ValueError("attn_implementation='paged_attention_ext' needs a PagedBatch (pass "
-                         "paged_batch=... to the model forward) or a PagedCache as past_key_values")
+        raise ValueError(
+            "attn_implementation='paged_attention_ext' attends over a PagedCache or a PagedBatch, "
+            "and this forward has neither: pass past_key_values=PagedCache(model.config) (not a "
+            "DynamicCache or another cache, and not use_cache=False) to generate or the forward, "
+            "or paged_batch=... to a packed forward")
+    _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions, kwargs)
     key_cache, value_cache = batch.kv_cache.layer(module.layer_idx)
-    if batch.write_kv:
-        ops.write_kv(flat_tokens(key).to(key_cache.dtype), flat_tokens(value).to(key_cache.dtype),
-                     key_cache, value_cache, batch.slot_mapping)
     rows, heads, q_len, head_size = query.shape
+    head_size_v = value.shape[-1]
+    sink_logits = _sinks(module, s_aux, sinks, heads, key_cache.device)
+    if batch.write_kv:
+        if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
+                or value.shape[1] != value_cache.shape[1] or head_size_v != value_cache.shape[-1]):
+            raise ValueError(
+                f"paged_attention_ext: layer {module.layer_idx} stores keys {tuple(key.shape)} and "
+                f"values {tuple(value.shape)} in pools of key shape {tuple(key_cache.shape)} and "
+                f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
+        ops.write_kv(flat_tokens(key).to(key_cache.dtype), flat_tokens(value).to(value_cache.dtype),
+                     key_cache, value_cache, batch.slot_mapping)
+    elif head_size_v != value_cache.shape[-1]:
+        raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
+                         f"{head_size_v}, the value pool {value_cache.shape[-1]}")
     q = flat_tokens(query).to(key_cache.dtype)
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
+    extra = {} if sink_logits is None else {"sinks": sink_logits}
     out = ops.attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale,
-                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0)
+                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, **extra)
     if batch.query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
-        out = out.new_zeros(rows * q_len, heads, head_size).index_copy_(0, batch.query_rows, out)
-    # transformers expects [batch, tokens, heads, head_size].
-    return out.view(rows, q_len, heads, head_size).to(query.dtype), None
+        out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)
+    # transformers expects [batch, tokens, heads, head_size_v].
+    return out.view(rows, q_len, heads, head_size_v).to(query.dtype), None

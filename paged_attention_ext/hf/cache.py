@@ -32,41 +32,91 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
+from transformers.masking_utils import causal_mask_function
 
 from .. import ops
+from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
 from ..kv_cache import PagedKVCache
 from .batch import PagedBatch, flat_tokens
+from .support import SUPPORTED_LAYER_TYPES, check_config, mla_head_sizes
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTN_IMPLEMENTATION = "paged_attention_ext"
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
 
 class _LayerCall(NamedTuple):
-    key: torch.Tensor  # what update() returned: identifies the attention call the batch is for
+    cache: "PagedCache"
+    layer_idx: int
+    # What update() returned: identifies the attention call the batch is for. None for MLA
+    # models, whose attention gets keys expanded from what update() returned.
+    key: Optional[torch.Tensor]
     batch: PagedBatch
 
 
 _padding_mask: ContextVar[Optional[torch.Tensor]] = ContextVar("paged_padding_mask", default=None)
 _layer_call: ContextVar[Optional[_LayerCall]] = ContextVar("paged_layer_call", default=None)
 
+# Leaves of the mask functions transformers composes that the paged attention implements:
+# causal, the sliding-window overlay (the attention gets the window as sliding_window) and
+# the packed-sequence mask of the engine's packed forward (block tables keep sequences apart).
+_ALLOWED_MASK_LEAVES = ("sliding_window_overlay.<locals>.inner_mask",
+                        "packed_sequence_mask_function.<locals>.inner_mask")
 
-def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, **kwargs) -> None:
+
+def _mask_leaves(function) -> List:
+    """The functions an ``and_masks`` composition intersects (itself if it is not one)."""
+    if getattr(function, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+        if "mask_functions" in cells:
+            return [leaf for part in cells["mask_functions"].cell_contents
+                    for leaf in _mask_leaves(part)]
+    return [function]
+
+
+def _check_mask_function(mask_function) -> None:
+    """Refuse any mask but causal, sliding-window causal or packed causal."""
+    leaves = _mask_leaves(mask_function)
+    names = [getattr(f, "__qualname__", repr(f)) for f in leaves]
+    if (any(f is causal_mask_function for f in leaves)
+            and all(f is causal_mask_function or n in _ALLOWED_MASK_LEAVES
+                    for f, n in zip(leaves, names))):
+        return
+    raise NotImplementedError(
+        f"attn_implementation={ATTN_IMPLEMENTATION!r} attends causally over block tables (with the "
+        f"layer's sliding window); this model asked for another mask ({' & '.join(names)}: e.g. "
+        "bidirectional, chunked, or image-token blocks), which it cannot apply")
+
+
+def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_function=None,
+                         **kwargs) -> None:
     """The mask function of ``paged_attention_ext``: builds no mask, records the padding.
 
     Attention masks come from block tables and sequence lengths. The 2D mask
-    (``[batch, past + new]``, 0 = padding) is kept for the next PagedCache forward.
+    (``[batch, past + new]``, 0 = padding) is kept for the next PagedCache forward. A mask
+    other than (sliding-window) causal raises ``NotImplementedError``. transformers builds
+    the masks before the first layer, so this also drops a batch that a forward stopped by
+    an exception left published.
     """
+    if mask_function is not None:
+        _check_mask_function(mask_function)
+    _layer_call.set(None)
     _padding_mask.set(attention_mask)
     return None
 
 
-def take_batch(key: torch.Tensor) -> Optional[PagedBatch]:
-    """The batch a PagedCache published for the attention call that received ``key``."""
+def take_batch(module: torch.nn.Module, key: torch.Tensor) -> Optional[PagedBatch]:
+    """The batch a PagedCache published for the attention call of ``module`` with ``key``."""
     call = _layer_call.get()
-    if call is None or call.key is not key:
+    if call is None:
         return None
-    _layer_call.set(None)  # so the pools are not kept alive after the forward
+    layer_idx = getattr(module, "layer_idx", None)
+    if call.key is None:
+        if layer_idx != call.layer_idx:
+            return None
+    elif call.key is not key or (layer_idx is not None and layer_idx != call.layer_idx):
+        return None
+    _layer_call.set(None)  # taken; so the pools are not kept alive after the forward
     return call.batch
 
 
@@ -78,18 +128,14 @@ def _fingerprints(keys: torch.Tensor, values: torch.Tensor) -> List[int]:
             for row in raw]
 
 
-def _layer_types(config: PretrainedConfig) -> List[str]:
-    """Each layer's attention type, inferred as transformers' DynamicCache does."""
-    if getattr(config, "num_kv_shared_layers", None):
-        raise NotImplementedError("PagedCache does not support layers that share another layer's K/V")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-        layer_types = [kind] * config.num_hidden_layers
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(f"PagedCache supports {SUPPORTED_LAYER_TYPES} layers, not {unsupported}")
-    return list(layer_types)
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"PagedCache: {name} must be {kind}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"PagedCache: {name} must be >= {minimum}, got {value}")
 
 
 class PagedCache(Cache):
@@ -101,27 +147,54 @@ class PagedCache(Cache):
 
     Args:
         config: the model's config (layer count and layer types).
-        block_size: tokens per block.
+        block_size: tokens per block (>= 1).
         num_blocks: a fixed pool size in blocks (``NoFreeBlocksError`` when exhausted).
             ``None`` sizes the pool to what is in use, growing it by a quarter when needed, up
-            to ``batch * ceil(max_position_embeddings / block_size)`` blocks.
+            to ``batch * ceil(max_seq_len / block_size)`` blocks.
         enable_prefix_caching: share the full blocks of identical prompt prefixes.
+        max_seq_len: with ``num_blocks=None``, the most tokens (prompt and generated) a row
+            may hold; ``None`` takes the config's ``max_position_embeddings``. A forward past
+            it raises ``ValueError`` before anything changes.
 
-    The pools take the dtype, device and head shape of the first keys stored. One
-    instance serves one ``generate`` call (or ``reset()`` it).
+    The pools take the dtype, device and head shapes (key and value head sizes may differ)
+    of the first keys and values stored. One instance serves one ``generate`` call (or
+    ``reset()`` it).
+
+    Errors: an unsupported architecture raises ``NotImplementedError`` here; a model whose
+    attention is not ``paged_attention_ext`` raises ``ValueError`` here or ``RuntimeError``
+    at its next ``update``. An exception during the first forward leaves the cache as new;
+    one during a later forward (or a forward stopped by an exception elsewhere in the model)
+    makes every later ``update`` raise until ``reset()``, which always works, as do
+    ``memory_usage()`` and ``get_seq_length()``.
     """
 
     def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None) -> None:
         if int(transformers.__version__.split(".")[0]) < 5:
             raise RuntimeError(f"PagedCache needs transformers 5.x, found {transformers.__version__}")
-        super().__init__(layers=[])  # one set of block tables serves every layer
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
+                            f"model's config), got {type(config).__name__}")
+        _check_int("block_size", block_size, 1)
+        _check_int("num_blocks", num_blocks, 1, optional=True)
+        _check_int("max_seq_len", max_seq_len, 1, optional=True)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"PagedCache: enable_prefix_caching must be a bool, got "
+                            f"{type(enable_prefix_caching).__name__}")
         text_config = config.get_text_config(decoder=True)
-        self.layer_types: List[str] = _layer_types(text_config)
+        layer_types = check_config(config, text_config)
+        super().__init__(layers=[])  # one set of block tables serves every layer
+        self._config = text_config
+        self._check_attn_implementation(ValueError)
+        self.layer_types: List[str] = layer_types
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.max_positions: Optional[int] = getattr(text_config, "max_position_embeddings", None)
+        self.max_seq_len = max_seq_len
+        # MLA (DeepSeek-V2/V3): update() gets compressed latents; the attention function
+        # stores the keys and values transformers expands from them (these head sizes).
+        self._mla: Optional[Tuple[int, int]] = mla_head_sizes(text_config)
         self._clear()
 
     def _clear(self) -> None:
@@ -131,7 +204,23 @@ class PagedCache(Cache):
         self._length = 0  # columns seen per row, padding included (transformers' seq length)
         self._next_seq_id = 0
         self._batch: Optional[PagedBatch] = None
-        self._pool_spec: Optional[Tuple[int, int, torch.dtype, torch.device]] = None
+        self._pool_spec: Optional[Tuple[int, int, int, torch.dtype, torch.device]] = None
+        self._layers_stored = 0  # update() calls of the current forward
+        self._forwards_done = 0  # forwards whose every layer stored its K/V
+        self._broken: Optional[str] = None  # why the cache must be reset before more use
+        if _layer_call.get() is not None and _layer_call.get().cache is self:
+            _layer_call.set(None)
+
+    def _check_attn_implementation(self, error: type) -> None:
+        implementation = getattr(self._config, "_attn_implementation", None)
+        if implementation is not None and implementation != ATTN_IMPLEMENTATION:
+            raise error(
+                f"PagedCache needs a model that runs attn_implementation={ATTN_IMPLEMENTATION!r}; "
+                f"this config says {implementation!r}, with which the model would attend only to "
+                "the new tokens (different output, no error). Load or build the model with "
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} (note: from_config writes "
+                "attn_implementation into the config object it is given, so building another "
+                "model from the same config object switches this one too).")
 
     # ---- the transformers Cache interface ------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -140,15 +229,24 @@ class PagedCache(Cache):
 
         Returns its inputs unchanged: attention reads the history from the pools.
         """
-        if layer_idx == 0:
-            self._begin_forward(key_states, value_states)
-        elif self._batch is None:
-            raise RuntimeError("PagedCache: layer 0 must store its keys first in each forward")
-        key_cache, value_cache = self.kv.layer(layer_idx)
-        ops.write_kv(flat_tokens(key_states).to(key_cache.dtype),
-                     flat_tokens(value_states).to(key_cache.dtype),
-                     key_cache, value_cache, self._batch.slot_mapping)
-        _layer_call.set(_LayerCall(key_states, self._batch))
+        self._check_call(layer_idx)
+        plan = self._plan_forward(key_states, value_states) if layer_idx == 0 else None
+        try:
+            if plan is not None:
+                self._place(key_states, value_states, *plan)
+            if self._mla is None:
+                self._check_layer_shapes(layer_idx, key_states, value_states)
+                key_cache, value_cache = self.kv.layer(layer_idx)
+                ops.write_kv(flat_tokens(key_states).to(key_cache.dtype),
+                             flat_tokens(value_states).to(value_cache.dtype),
+                             key_cache, value_cache, self._batch.slot_mapping)
+        except BaseException as error:
+            self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
+            raise
+        self._layers_stored += 1
+        if self._layers_stored == len(self.layer_types):
+            self._forwards_done += 1
+        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else key_states, self._batch))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -171,10 +269,11 @@ class PagedCache(Cache):
         self._select_rows([row for row in range(len(self.rows)) for _ in range(repeats)])
 
     def reset(self) -> None:
-        """Free every row's blocks and drop the pools: the cache is as new."""
-        for seq_id in self.rows:
-            if seq_id is not None:
-                self.manager.free_seq(seq_id)
+        """Free every row's blocks and drop the pools: the cache is as new (always works)."""
+        if self.manager is not None:
+            for seq_id in self.rows:
+                if seq_id is not None and seq_id in self.manager.tables:
+                    self.manager.free_seq(seq_id)
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -216,23 +315,102 @@ class PagedCache(Cache):
         if self.manager is None:
             return {"pool_bytes": 0, "used_bytes": 0, "blocks_used": 0, "block_references": 0}
         used = self.manager.device.num_used_blocks
+        block_bytes = self.kv.block_bytes if self.kv is not None else 0
         return {
-            "pool_bytes": self.kv.num_blocks * self.kv.block_bytes,
-            "used_bytes": used * self.kv.block_bytes,
+            "pool_bytes": self.kv.num_blocks * block_bytes if self.kv is not None else 0,
+            "used_bytes": used * block_bytes,
             "blocks_used": used,
             "block_references": sum(len(self.manager.tables[s].blocks) for s in self.rows
-                                    if s is not None),
+                                    if s is not None and s in self.manager.tables),
         }
 
+    # ---- consistency -----------------------------------------------------------------------
+    def _check_call(self, layer_idx: int) -> None:
+        """Refuse an update that would store K/V next to an inconsistent history."""
+        if self._broken is not None:
+            raise RuntimeError(f"PagedCache cannot continue: {self._broken}. Call reset() (or use a "
+                               "new PagedCache) and start the generation again.")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not (
+                0 <= layer_idx < len(self.layer_types)):
+            raise ValueError(f"PagedCache: layer_idx {layer_idx!r} is not a layer of this config "
+                             f"({len(self.layer_types)} layers)")
+        if layer_idx == 0 and self._batch is not None and self._layers_stored != len(self.layer_types):
+            self._refuse(f"the previous forward stopped after {self._layers_stored} of "
+                         f"{len(self.layer_types)} layers stored their K/V (an exception "
+                         "interrupted it), so its tokens are only partly stored")
+        call = _layer_call.get()
+        if call is not None and call.cache is self:
+            self._refuse(f"the attention of layer {call.layer_idx} did not read the paged cache: the "
+                         f"model does not run attn_implementation={ATTN_IMPLEMENTATION!r} (it would "
+                         "attend only to the new tokens and generate different tokens). Load or build "
+                         f"the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
+        if layer_idx == 0:
+            self._check_attn_implementation(RuntimeError)
+        elif self._batch is None or layer_idx != self._layers_stored:
+            raise RuntimeError(f"PagedCache: layer {layer_idx} stored K/V out of order (after "
+                               f"{self._layers_stored} layers of this forward; layer 0 comes first)")
+
+    def _refuse(self, reason: str) -> None:
+        self._fail(reason)
+        raise RuntimeError(f"PagedCache cannot continue: {reason}. Call reset() (or use a new "
+                           "PagedCache) and start the generation again.")
+
+    def _fail(self, reason: str) -> None:
+        """After an exception: as new if no forward finished yet, otherwise unusable until reset."""
+        if self._forwards_done == 0:
+            self.reset()
+        else:
+            self._broken = reason
+
+    def _check_layer_shapes(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        kv_heads, head_size, head_size_v = self._pool_spec[:3]
+        if (keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != kv_heads
+                or values.shape[1] != kv_heads or keys.shape[3] != head_size
+                or values.shape[3] != head_size_v or keys.shape[:3] != values.shape[:3]):
+            raise ValueError(f"PagedCache: layer {layer_idx} stores keys {tuple(keys.shape)} and "
+                             f"values {tuple(values.shape)}; the pools hold {kv_heads} KV heads of "
+                             f"key size {head_size} and value size {head_size_v} (set by layer 0: "
+                             "one pool shape serves every layer)")
+
     # ---- placement -------------------------------------------------------------------------
-    def _begin_forward(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Place this forward's new tokens and build its PagedBatch."""
+    def _plan_forward(self, keys: torch.Tensor, values: torch.Tensor):
+        """Check this forward's new tokens against the cache; no state changes.
+
+        Returns the new-token count of each row and the pool spec.
+        """
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"PagedCache: keys {tuple(keys.shape)} and values {tuple(values.shape)} "
+                             "must be [batch, kv_heads, q_len, head_size] with equal leading sizes")
         rows, kv_heads, q_len, head_size = keys.shape
-        if not self.rows:
-            self._start(rows, (kv_heads, head_size, keys.dtype, keys.device))
-        if rows != len(self.rows):
+        if self.rows and rows != len(self.rows):
             raise ValueError(f"PagedCache holds {len(self.rows)} rows, the forward has {rows}")
         counts = self._new_token_counts(rows, q_len)
+        for row, count in enumerate(counts):
+            if self.rows and self.rows[row] is not None and 0 < count < q_len:
+                raise ValueError(f"PagedCache: row {row} has padding after its first token "
+                                 "(only left padding is supported)")
+        if self._mla is not None:
+            # Pools for the expanded per-head K/V the attention function will store.
+            spec = (self._config.num_attention_heads,) + self._mla
+        else:
+            spec = (kv_heads, head_size, values.shape[3])
+        spec += (keys.dtype, keys.device)
+        if self._pool_spec is not None and spec != self._pool_spec:
+            raise ValueError(f"PagedCache: this forward's K/V (heads, key size, value size, dtype, "
+                             f"device) {spec} differ from the pools' {self._pool_spec}")
+        if self.rows:
+            self._check_room(counts)
+        return counts, spec
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor, counts: List[int], spec) -> None:
+        """Place this forward's new tokens and build its PagedBatch."""
+        rows, _, q_len, _ = keys.shape
+        if not self.rows:
+            self._start(rows, spec)
+            self._check_room(counts)
+        self._length += q_len
+        self._layers_stored = 0
+        self._batch = None
         slots = [-1] * (rows * q_len)
         copies = []
         for row, count in enumerate(counts):
@@ -241,19 +419,16 @@ class PagedCache(Cache):
             pad = q_len - count
             seq_id = self.rows[row]
             if seq_id is None:
-                seq_id = self.rows[row] = self._new_seq_id()
+                seq_id = self._new_seq_id()
                 prompt = (_fingerprints(keys[row, :, pad:], values[row, :, pad:])
                           if self.enable_prefix_caching else count)
                 placed, num_cached = self.manager.allocate(seq_id, seq_id, prompt)
+                self.rows[row] = seq_id  # only once the manager knows it
                 pad += num_cached  # prefix hits: already stored, not written again
-            elif pad:
-                raise ValueError(f"PagedCache: row {row} has padding after its first token "
-                                 "(only left padding is supported)")
             else:
                 placed = self.manager.append(seq_id, count)
                 copies.extend(placed.copies)
             slots[row * q_len + pad:(row + 1) * q_len] = placed.slots
-        self._length += q_len
         tables = [self.manager.tables[s] if s is not None else None for s in self.rows]
         self._reserve(1 + max((max(t.blocks) for t in tables if t is not None and t.blocks),
                               default=0))
@@ -265,7 +440,7 @@ class PagedCache(Cache):
         self._batch = PagedBatch.build(
             self.kv, [t.blocks if t is not None else [] for t in tables],
             [t.num_tokens if t is not None else 0 for t in tables], counts, slots,
-            write_kv=False, query_rows=query_rows)
+            write_kv=self._mla is not None, query_rows=query_rows)
 
     def _new_token_counts(self, rows: int, q_len: int) -> List[int]:
         """Real (non-padding) new tokens per row, from the published 2D attention mask."""
@@ -283,26 +458,55 @@ class PagedCache(Cache):
             raise ValueError("PagedCache supports left padding only")
         return counts.tolist()
 
-    def _start(self, rows: int, pool_spec: Tuple[int, int, torch.dtype, torch.device]) -> None:
-        self.rows = [None] * rows
-        self._pool_spec = pool_spec
+    def _row_limit(self) -> Optional[int]:
+        return self.max_seq_len if self.max_seq_len is not None else self.max_positions
+
+    def _check_room(self, counts: Sequence[int]) -> None:
+        """Refuse a forward the pool cannot take, before any state changes."""
+        tables = [self.manager.tables[s] if s is not None else None for s in self.rows]
+        if self.num_blocks is None:
+            limit = self._row_limit()
+            for row, (table, count) in enumerate(zip(tables, counts)):
+                total = (table.num_tokens if table is not None else 0) + count
+                if total > limit:
+                    source = ("max_seq_len" if self.max_seq_len is not None else
+                              "the config's max_position_embeddings")
+                    raise ValueError(
+                        f"PagedCache: row {row} would hold {total} tokens, more than {limit} "
+                        f"({source}), which sizes the default pool (num_blocks=None). To generate "
+                        f"longer, pass PagedCache(config, max_seq_len=...) or a fixed num_blocks.")
+            return
+        needed = sum(t.blocks_needed(c) if t is not None else -(-c // self.block_size)
+                     for t, c in zip(tables, counts))
+        free = self.manager.device.num_free_blocks
+        if needed > free and all(t is not None or c == 0 for t, c in zip(tables, counts)):
+            # Exact for appends (new rows may need fewer blocks after prefix hits).
+            raise NoFreeBlocksError(
+                f"PagedCache: this forward needs {needed} more blocks, the fixed pool "
+                f"(num_blocks={self.num_blocks}) has {free} free; pass a larger num_blocks, or "
+                "num_blocks=None to grow the pool as needed")
+
+    def _start(self, rows: int, pool_spec: Tuple[int, int, int, torch.dtype, torch.device]) -> None:
         if self.num_blocks is not None:
             capacity = self.num_blocks
-        elif self.max_positions:
-            # Without sharing, no row holds more blocks than the model's longest sequence.
-            capacity = rows * -(-self.max_positions // self.block_size)
+        elif self._row_limit():
+            # Without sharing, no row holds more blocks than its longest allowed sequence.
+            capacity = rows * -(-self._row_limit() // self.block_size)
         else:
-            raise ValueError("PagedCache: the config has no max_position_embeddings; pass num_blocks")
+            raise ValueError("PagedCache: the config has no max_position_embeddings; pass "
+                             "max_seq_len or num_blocks")
         self.manager = BlockSpaceManager(capacity, 0, self.block_size,
                                          enable_prefix_caching=self.enable_prefix_caching,
                                          watermark=0.0)
+        self.rows = [None] * rows
+        self._pool_spec = pool_spec
         if self.num_blocks is not None:
             self.kv = self._new_pool(self.num_blocks)
 
     def _new_pool(self, num_blocks: int) -> PagedKVCache:
-        kv_heads, head_size, dtype, device = self._pool_spec
+        kv_heads, head_size, head_size_v, dtype, device = self._pool_spec
         return PagedKVCache(len(self.layer_types), kv_heads, head_size, self.block_size, dtype,
-                            device, num_blocks=num_blocks)
+                            device, num_blocks=num_blocks, head_size_v=head_size_v)
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size).
@@ -326,6 +530,10 @@ class PagedCache(Cache):
         """Row i becomes a fork of old row ``indices[i]``; the old rows are freed."""
         if self.manager is None:
             return  # nothing stored yet
+        bad = [i for i in indices if not 0 <= i < len(self.rows)]
+        if bad:
+            raise IndexError(f"PagedCache: rows {bad} do not exist (the cache holds "
+                             f"{len(self.rows)} rows)")
         new_rows: List[Optional[int]] = []
         for index in indices:
             parent = self.rows[index]
@@ -338,7 +546,7 @@ class PagedCache(Cache):
             if seq_id is not None:
                 self.manager.free_seq(seq_id)
         self.rows = new_rows
-        self._batch = None
+        self._batch = None if self._layers_stored == len(self.layer_types) else self._batch
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

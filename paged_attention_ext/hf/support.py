@@ -1,0 +1,104 @@
+"""Which transformers architectures the ``paged_attention_ext`` integration can run.
+
+:func:`check_config` runs when a :class:`~paged_attention_ext.hf.PagedCache` is created and
+raises ``NotImplementedError`` naming the architecture and the reason for models whose
+attention this integration would compute wrongly, so that they fail there instead of
+deep inside ``generate`` (or, worse, generating different tokens without an error).
+
+Three safety nets stay in place for architectures this list does not know about: the
+mask function refuses any mask other than causal or sliding-window causal, the attention
+function refuses keyword arguments it does not handle, and ``PagedCache`` refuses to run
+when the model's attention never reads the batch it published (a model whose attention
+does not go through transformers' attention interface).
+"""
+
+from typing import Dict, List, Optional
+
+import transformers
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# model_type -> why it cannot run with PagedCache / paged_attention_ext.
+REFUSED: Dict[str, str] = {
+    "bloom": "ALiBi position biases computed inside its own attention code, which does not go "
+             "through transformers' attention interface",
+    "mpt": "ALiBi position biases computed inside its own attention code, which does not go "
+           "through transformers' attention interface",
+    "falcon": "its attention classes (selected from FALCON_ATTENTION_CLASSES, optionally with "
+              "ALiBi) do not go through transformers' attention interface",
+    "llama4": "chunked local attention (attention_chunk_size: a query sees only keys of its own "
+              "chunk), which the paged ops do not implement",
+    "llama4_text": "chunked local attention (attention_chunk_size: a query sees only keys of its "
+                   "own chunk), which the paged ops do not implement",
+    "deepseek_v32": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
+    "glm_moe_dsa": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
+    "gemma3n": "layers that reuse another layer's K/V (num_kv_shared_layers)",
+}
+
+# Multi-head latent attention models whose attention runs (and was tested) with the K/V
+# expanded per head: key head qk_nope_head_dim + qk_rope_head_dim, value head v_head_dim.
+MLA_TESTED = ("deepseek_v2", "deepseek_v3")
+
+# Model types whose causal-LM class does not declare _supports_attention_backend but whose
+# attention does go through the interface (checked by the tests).
+INTERFACE_VERIFIED = ("stablelm",)
+
+
+def _causal_lm_class(model_type: str):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if name else None
+
+
+def mla_head_sizes(text_config) -> Optional[tuple]:
+    """(key head size, value head size) for an MLA config, else None."""
+    if getattr(text_config, "kv_lora_rank", None) is None:
+        return None
+    return (text_config.qk_nope_head_dim + text_config.qk_rope_head_dim, text_config.v_head_dim)
+
+
+def check_config(config, text_config) -> List[str]:
+    """Each layer's attention type, or ``NotImplementedError`` (architecture and reason)."""
+    model_type = getattr(text_config, "model_type", "") or getattr(config, "model_type", "")
+
+    def refuse(reason: str):
+        raise NotImplementedError(f"PagedCache does not support the {model_type!r} architecture: "
+                                  f"{reason}")
+
+    for kind in {getattr(config, "model_type", ""), model_type}:
+        if kind in REFUSED:
+            model_type = kind
+            refuse(REFUSED[kind])
+    if getattr(config, "is_encoder_decoder", False):
+        refuse("encoder-decoder models need a cross-attention cache (only decoder-only models are "
+               "supported)")
+    if getattr(text_config, "num_kv_shared_layers", None):
+        refuse("layers that reuse another layer's K/V (num_kv_shared_layers)")
+    if getattr(text_config, "attention_chunk_size", None):
+        refuse("chunked local attention (attention_chunk_size), which the paged ops do not "
+               "implement")
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        # As transformers' DynamicCache infers them.
+        kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
+        layer_types = [kind] * text_config.num_hidden_layers
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        refuse(f"its layer types {unsupported} are not attention over a causal K/V history "
+               f"(linear attention / state-space layers, chunked attention, ...); PagedCache "
+               f"supports {list(SUPPORTED_LAYER_TYPES)}")
+    if getattr(text_config, "alibi", False) is True:
+        refuse("ALiBi position biases (alibi=True) inside its own attention code")
+    for name in ("num_key_value_heads", "num_attention_heads", "head_dim"):
+        if isinstance(getattr(text_config, name, None), (list, tuple)):
+            refuse(f"a different {name} per layer (one pool shape serves all layers)")
+    if mla_head_sizes(text_config) is not None and model_type not in MLA_TESTED:
+        refuse("multi-head latent attention (kv_lora_rank) in a variant that has not been "
+               f"checked against eager; checked: {', '.join(MLA_TESTED)}")
+    model_class = _causal_lm_class(model_type)
+    if (model_class is not None and not getattr(model_class, "_supports_attention_backend", False)
+            and model_type not in INTERFACE_VERIFIED):
+        refuse(f"{model_class.__name__} does not route its attention through transformers' "
+               "attention interface (it does not declare _supports_attention_backend), so the "
+               "paged attention would never run")
+    return list(layer_types)
