@@ -163,7 +163,8 @@ class BlockSpaceManager:
         # Each new reference starts at count 1: add the group's other references.
         for old, new in mapping.items():
             target.fork([new] * (references[old] - 1))
-        source.free(list(references.elements()))
+        # Tail first, as BlockTable.free: a chain's head is the last to be evicted.
+        source.free(list(references.elements())[::-1])
         for table in tables:
             table.remap(target, mapping)
         return sorted(copied.items())

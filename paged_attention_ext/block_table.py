@@ -128,7 +128,9 @@ class BlockTable:
         return child
 
     def free(self) -> None:
-        self.allocator.free(self.blocks)
+        # Tail first: the pool evicts the least recently freed block first, and names
+        # chain from the head, so the head must be the last of this prompt to go.
+        self.allocator.free(reversed(self.blocks))
         self.blocks = []
         self.num_tokens = 0
         self.token_ids = []

@@ -213,6 +213,36 @@ def test_cached_blocks_survive_free_and_are_evicted_lru_only_when_needed():
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("evicted", [0, 1, 2, 3])
+def test_eviction_takes_a_cached_prompt_tail_first(evicted):
+    """Names chain from the head, so evicting the head would strand every later block."""
+    n, bs = 3, 4
+    mgr = BlockSpaceManager(n + 1, 0, bs, enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(n * bs + 1))  # n full blocks, then the last token's block
+    mgr.allocate(0, 0, prompt)
+    mgr.free_group(0)
+    assert mgr.device.num_cached_blocks == n
+    mgr.allocate(1, 1, (1 + evicted) * bs)  # the free block, then `evicted` cached ones
+    mgr.free_group(1)
+    assert mgr.device.num_cached_blocks == n - evicted
+    _, num_cached = mgr.allocate(2, 2, prompt)
+    assert num_cached == (n - evicted) * bs
+    mgr.check_invariants()
+
+
+def test_swap_out_caches_the_tail_as_least_recently_used():
+    bs = 4
+    mgr = BlockSpaceManager(5, 4, bs, enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(3 * bs + 1))
+    mgr.allocate(0, 0, prompt)
+    mgr.swap_out(0)  # the device blocks stay cached under their names
+    mgr.allocate(1, 1, 3 * bs)  # the two free blocks and one cached block
+    mgr.free_group(1)
+    _, num_cached = mgr.allocate(2, 2, prompt[:3 * bs] + [99])
+    assert num_cached == 2 * bs
+    mgr.check_invariants()
+
+
 def test_failed_prompt_allocation_changes_nothing():
     mgr = BlockSpaceManager(4, 0, 4, enable_prefix_caching=True)
     mgr.allocate(0, 0, list(range(9)))
