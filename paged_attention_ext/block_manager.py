@@ -10,10 +10,10 @@ admission questions first so a scheduler never needs the exception.
 """
 
 from collections import Counter
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import AppendResult, BlockCopy, BlockTable
+from .block_table import AppendResult, BlockCopy, BlockTable, block_hashes
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError"]
 
@@ -33,10 +33,15 @@ class BlockSpaceManager:
         self.group_of: Dict[int, int] = {}
 
     # ---- admission ----------------------------------------------------------------
-    def can_allocate(self, prompt: "int | Sequence[int]", extra_key: str = "") -> bool:
-        """Whether a new group with this prompt (ids, or a length) fits above the watermark."""
-        needed = (BlockTable(self.device, extra_key).blocks_needed_for_prompt(prompt)
-                  if not isinstance(prompt, int) else -(-prompt // self.block_size))
+    def can_allocate(self, prompt: "int | Sequence[int]", extra_key: str = "",
+                     names: Optional[Sequence[bytes]] = None) -> bool:
+        """Whether a new group with this prompt (ids, or a length) fits above the watermark.
+
+        ``names``: the prompt's full-block names (:func:`block_hashes`) if the caller
+        keeps them; otherwise they are computed from the ids.
+        """
+        num_tokens, names = self._prompt(prompt, extra_key, names)
+        needed = BlockTable(self.device).blocks_needed_for_prompt(num_tokens, names)
         return self.device.num_free_blocks - needed >= self.watermark_blocks
 
     def can_append(self, group_id: int, tokens_per_seq: int = 1) -> bool:
@@ -58,19 +63,19 @@ class BlockSpaceManager:
 
     # ---- lifecycle ----------------------------------------------------------------
     def allocate(self, group_id: int, seq_id: int, prompt: "int | Sequence[int]",
-                 extra_key: str = "") -> Tuple[AppendResult, int]:
-        """Start a group with one sequence holding the prompt.
+                 extra_key: str = "", names: Optional[Sequence[bytes]] = None
+                 ) -> Tuple[AppendResult, int]:
+        """Start a group with one sequence holding the prompt (ids, or a length).
 
         Returns the slots of the prompt tokens to prefill and how many leading tokens
-        came from the prefix cache (their KV is already in place).
+        came from the prefix cache (their KV is already in place). ``names`` as in
+        :meth:`can_allocate`.
         """
         if group_id in self.groups or seq_id in self.tables:
             raise ValueError(f"group {group_id} or sequence {seq_id} already exists")
-        table = BlockTable(self.device, extra_key)
-        if isinstance(prompt, int):
-            result, num_cached = table.append_tokens(prompt), 0
-        else:
-            result, num_cached = table.allocate_prompt(prompt)
+        num_tokens, names = self._prompt(prompt, extra_key, names)
+        table = BlockTable(self.device)
+        result, num_cached = table.allocate_prompt(num_tokens, names)
         self.tables[seq_id] = table
         self.groups[group_id] = [seq_id]
         self.group_of[seq_id] = group_id
@@ -85,23 +90,35 @@ class BlockSpaceManager:
         self.groups[group_id].append(child_seq)
         self.group_of[child_seq] = group_id
 
-    def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1) -> AppendResult:
-        """Room for new tokens of one sequence: slots, plus copy-on-write copies to apply first."""
+    def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1,
+               names: Sequence[bytes] = ()) -> AppendResult:
+        """Room for new tokens of one sequence: slots, plus copy-on-write copies to apply first.
+
+        ``tokens``: how many (or the new ids, which are only counted). ``names``: the
+        sequence's full-block names after the append (:func:`block_hashes`); the
+        blocks they name enter the prefix cache.
+        """
         table = self.tables[seq_id]
         if table.allocator is not self.device:
             raise ValueError(f"sequence {seq_id} is swapped out")
-        return table.append_tokens(tokens)
+        return table.append_tokens(tokens if isinstance(tokens, int) else len(tokens), names)
 
-    def append_group(self, group_id: int, tokens: Dict[int, "int | Sequence[int]"]) -> AppendResult:
-        """Append to several sequences of a group at once, all-or-nothing."""
-        needed = sum(self.tables[s].blocks_needed(n if isinstance(n, int) else len(n))
-                     for s, n in tokens.items())
+    def append_group(self, group_id: int, num_tokens: Mapping[int, int],
+                     names: Optional[Mapping[int, Sequence[bytes]]] = None) -> AppendResult:
+        """Append to several sequences of a group at once, all-or-nothing.
+
+        ``names``: per sequence, as in :meth:`append`.
+        """
+        for seq_id, count in num_tokens.items():
+            if count < 0:
+                raise ValueError(f"sequence {seq_id}: number of new tokens must be >= 0, got {count}")
+        needed = sum(self.tables[s].blocks_needed(n) for s, n in num_tokens.items())
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"group {group_id}: needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
         merged = AppendResult()
-        for seq_id, new in tokens.items():
-            part = self.append(seq_id, new)
+        for seq_id, count in num_tokens.items():
+            part = self.append(seq_id, count, names.get(seq_id, ()) if names else ())
             merged.slots.extend(part.slots)
             merged.copies.extend(part.copies)
         return merged
@@ -168,6 +185,17 @@ class BlockSpaceManager:
         for table in tables:
             table.remap(target, mapping)
         return sorted(copied.items())
+
+    def _prompt(self, prompt: "int | Sequence[int]", extra_key: str,
+                names: Optional[Sequence[bytes]]) -> Tuple[int, Sequence[bytes]]:
+        """(length, full-block names) of a prompt given as ids or as a length."""
+        num_tokens = prompt if isinstance(prompt, int) else len(prompt)
+        if num_tokens < 1:
+            raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
+        if names is None:
+            names = ([] if isinstance(prompt, int) or not self.device.enable_prefix_caching
+                     else block_hashes(prompt, self.block_size, extra_key))
+        return num_tokens, names
 
     def _cached_on_device(self, group_id: int) -> Dict[int, bytes]:
         """Host blocks of a swapped-out group whose full content the device still caches."""

@@ -8,7 +8,9 @@ raises :class:`NoFreeBlocksError` with nothing changed.
 
 With prefix caching, every full block is named by a SHA-256 hash chained over all
 tokens up to and including it (and an optional extra key such as an adapter id),
-so equal prefixes map to the same physical blocks.
+so equal prefixes map to the same physical blocks. A table never sees token ids:
+whoever owns the tokens names the blocks once with :func:`block_hashes` and passes
+the names in.
 """
 
 import hashlib
@@ -28,6 +30,20 @@ def chain_hash(parent: Optional[bytes], tokens: Sequence[int], extra_key: str = 
     return digest.digest()
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: str = "",
+                 known: Sequence[bytes] = ()) -> List[bytes]:
+    """Names of every full block of ``token_ids``, chained from the first.
+
+    ``known`` holds the names of the leading blocks computed before (e.g. before the
+    sequence grew); only the blocks filled since are hashed.
+    """
+    names = list(known)
+    for b in range(len(names), len(token_ids) // block_size):
+        names.append(chain_hash(names[-1] if names else None,
+                                token_ids[b * block_size:(b + 1) * block_size], extra_key))
+    return names
+
+
 @dataclass
 class AppendResult:
     slots: List[int] = field(default_factory=list)  # for paged.write_kv, one per new token
@@ -35,13 +51,11 @@ class AppendResult:
 
 
 class BlockTable:
-    def __init__(self, allocator: BlockAllocator, extra_key: str = "") -> None:
+    def __init__(self, allocator: BlockAllocator) -> None:
         self.allocator = allocator
-        self.extra_key = extra_key
         self.blocks: List[int] = []
         self.num_tokens = 0
-        self.token_ids: List[int] = []  # kept when known: prefix hashes and recomputation
-        self.block_hashes: List[bytes] = []  # of the full blocks, when token ids are known
+        self.block_hashes: List[bytes] = []  # names of the leading full blocks, when given
 
     @property
     def block_size(self) -> int:
@@ -58,14 +72,15 @@ class BlockTable:
         grow = max(0, num_new_tokens - room)
         return copy + -(-grow // self.block_size)
 
-    def append_tokens(self, tokens: "int | Sequence[int]") -> AppendResult:
-        """Make room for new tokens and return where they go.
+    def append_tokens(self, count: int, names: Sequence[bytes] = ()) -> AppendResult:
+        """Make room for ``count`` new tokens and return where they go.
 
-        Pass token ids to let full blocks enter the prefix cache; a bare count
-        works too, and such a table's later blocks are simply not cached.
+        ``names`` are the sequence's full-block names (:func:`block_hashes`) after the
+        append; blocks it names enter the prefix cache. Without names, later blocks
+        are simply not cached.
         """
-        token_ids = None if isinstance(tokens, int) else list(tokens)
-        count = tokens if token_ids is None else len(token_ids)
+        if count < 0:
+            raise ValueError(f"number of new tokens must be >= 0, got {count}")
         fresh = self.allocator.allocate(self.blocks_needed(count))  # all-or-nothing
         result = AppendResult()
         room = len(self.blocks) * self.block_size - self.num_tokens
@@ -78,52 +93,49 @@ class BlockTable:
         start = self.num_tokens
         self.num_tokens += count
         result.slots = [self.slot(p) for p in range(start, self.num_tokens)]
-        if token_ids is not None:
-            self.token_ids.extend(token_ids)
-            self._register_full_blocks()
+        self._register_full_blocks(names)
         return result
 
-    def allocate_prompt(self, token_ids: Sequence[int]) -> Tuple[AppendResult, int]:
+    def allocate_prompt(self, num_tokens: int, names: Sequence[bytes]) -> Tuple[AppendResult, int]:
         """Place a new sequence's prompt, reusing cached full blocks of its prefix.
 
-        Returns the slots of the tokens that still need prefill (the first
-        ``num_cached`` tokens are already in the cache) and ``num_cached``. The last
-        prompt token is always recomputed, so its logits exist.
+        ``names`` are the prompt's full-block names. Returns the slots of the tokens
+        that still need prefill (the first ``num_cached`` tokens are already in the
+        cache) and ``num_cached``. The last prompt token is always recomputed, so its
+        logits exist.
         """
         if self.num_tokens:
             raise ValueError("allocate_prompt is for an empty table")
-        hits = self._cached_prefix_hashes(token_ids)
-        needed = self.blocks_needed_for_prompt(token_ids)
+        hits = self._cached_prefix(num_tokens, names)
+        needed = self.blocks_needed_for_prompt(num_tokens, names)
         if needed > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
                                     f"{self.allocator.num_free_blocks} available")
         # Take the hits first so that allocating the rest cannot evict them.
         cached = [self.allocator.acquire_cached(h) for h in hits]
-        fresh = self.allocator.allocate(-(-(len(token_ids) - len(hits) * self.block_size)
+        fresh = self.allocator.allocate(-(-(num_tokens - len(hits) * self.block_size)
                                           // self.block_size))
-        self.allocator.record_lookups(hits=len(hits), queries=self._prefix_candidates(token_ids))
+        self.allocator.record_lookups(hits=len(hits), queries=self._prefix_candidates(num_tokens))
         self.blocks = cached + fresh
         num_cached = len(hits) * self.block_size
-        self.num_tokens = len(token_ids)
-        self.token_ids = list(token_ids)
+        self.num_tokens = num_tokens
         self.block_hashes = list(hits)
-        self._register_full_blocks()
+        self._register_full_blocks(names)
         slots = [self.slot(p) for p in range(num_cached, self.num_tokens)]
         return AppendResult(slots=slots), num_cached
 
-    def blocks_needed_for_prompt(self, token_ids: Sequence[int]) -> int:
-        hits = self._cached_prefix_hashes(token_ids)
-        fresh = -(-(len(token_ids) - len(hits) * self.block_size) // self.block_size)
+    def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes]) -> int:
+        hits = self._cached_prefix(num_tokens, names)
+        fresh = -(-(num_tokens - len(hits) * self.block_size) // self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
         return fresh + sum(1 for h in hits if self.allocator.ref_count(self.allocator.lookup(h)) == 0)
 
     def fork(self) -> "BlockTable":
         """A new table sharing every block (reference counts +1; never allocates)."""
         self.allocator.fork(self.blocks)
-        child = BlockTable(self.allocator, self.extra_key)
+        child = BlockTable(self.allocator)
         child.blocks = list(self.blocks)
         child.num_tokens = self.num_tokens
-        child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
         return child
 
@@ -133,7 +145,6 @@ class BlockTable:
         self.allocator.free(reversed(self.blocks))
         self.blocks = []
         self.num_tokens = 0
-        self.token_ids = []
         self.block_hashes = []
 
     def remap(self, allocator: BlockAllocator, mapping: dict) -> None:
@@ -142,32 +153,26 @@ class BlockTable:
         self.blocks = [mapping[b] for b in self.blocks]
 
     def register_full_blocks(self) -> None:
-        """Offer this table's full blocks to the prefix cache (e.g. after a swap-in)."""
+        """Offer this table's named blocks to the prefix cache (e.g. after a swap-in)."""
         for block, content in zip(self.blocks, self.block_hashes):
             self.allocator.register(block, content)
 
-    def _prefix_candidates(self, token_ids: Sequence[int]) -> int:
+    def _prefix_candidates(self, num_tokens: int) -> int:
         """Full prompt blocks that may come from the cache: never the last token's block."""
-        return (len(token_ids) - 1) // self.block_size if self.allocator.enable_prefix_caching else 0
+        return (num_tokens - 1) // self.block_size if self.allocator.enable_prefix_caching else 0
 
-    def _cached_prefix_hashes(self, token_ids: Sequence[int]) -> List[bytes]:
+    def _cached_prefix(self, num_tokens: int, names: Sequence[bytes]) -> List[bytes]:
         hits: List[bytes] = []
-        parent = None
-        bs = self.block_size
-        for b in range(self._prefix_candidates(token_ids)):
-            parent = chain_hash(parent, token_ids[b * bs:(b + 1) * bs], self.extra_key)
-            if self.allocator.lookup(parent) is None:
+        for name in names[:self._prefix_candidates(num_tokens)]:
+            if self.allocator.lookup(name) is None:
                 break
-            hits.append(parent)
+            hits.append(name)
         return hits
 
-    def _register_full_blocks(self) -> None:
-        if not self.allocator.enable_prefix_caching or len(self.token_ids) != self.num_tokens:
+    def _register_full_blocks(self, names: Sequence[bytes]) -> None:
+        if not self.allocator.enable_prefix_caching:
             return
-        bs = self.block_size
-        while len(self.block_hashes) < self.num_tokens // bs:
-            b = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            content = chain_hash(parent, self.token_ids[b * bs:(b + 1) * bs], self.extra_key)
-            self.block_hashes.append(content)
-            self.allocator.register(self.blocks[b], content)
+        known = len(self.block_hashes)
+        for b in range(known, min(len(names), self.num_tokens // self.block_size)):
+            self.block_hashes.append(names[b])
+            self.allocator.register(self.blocks[b], names[b])

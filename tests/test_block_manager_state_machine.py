@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_attention_ext.block_allocator import NoFreeBlocksError
 from paged_attention_ext.block_manager import BlockSpaceManager
+from paged_attention_ext.block_table import block_hashes
 from paged_attention_ext.kv_cache import PagedKVCache
 from paged_attention_ext import ops
 
@@ -41,6 +42,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ops.write_kv(values.contiguous(), values.contiguous(), *self.cache.layer(0),
                      torch.tensor(slots, dtype=torch.int64))
 
+    @staticmethod
+    def names(tokens: List[int]) -> List[bytes]:
+        return block_hashes(tokens, BLOCK_SIZE)
+
     def device_groups(self) -> List[int]:
         return [g for g in self.mgr.groups if not self.mgr.is_swapped_out(g)]
 
@@ -63,13 +68,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self.device_groups()))
         seqs = self.mgr.groups[group]
         new = {s: [data.draw(st.integers(1, 3))] for s in seqs}
+        counts = {s: 1 for s in seqs}
+        names = {s: self.names(self.tokens[s] + new[s]) for s in seqs}
         if not self.mgr.can_append(group):
             try:
-                self.mgr.append_group(group, new)
+                self.mgr.append_group(group, counts, names)
             except NoFreeBlocksError:
                 return
             raise AssertionError("can_append said no but the append succeeded")
-        step = self.mgr.append_group(group, new)
+        step = self.mgr.append_group(group, counts, names)
         self.cache.apply_copies(step.copies)
         self.write(step.slots, [new[s][0] for s in seqs])
         for s in seqs:
@@ -87,7 +94,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if diverge and self.mgr.tables[child].blocks_needed(1) <= self.mgr.device.num_free_blocks:
             # A beam that takes a different token at once: copy-on-write of a partial block.
             token = data.draw(st.integers(1, 3))
-            step = self.mgr.append(child, [token])
+            step = self.mgr.append(child, 1, self.names(self.tokens[child] + [token]))
             self.cache.apply_copies(step.copies)
             self.write(step.slots, [token])
             self.tokens[child].append(token)

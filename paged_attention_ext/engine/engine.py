@@ -7,6 +7,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..block_manager import BlockSpaceManager
+from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
 from ..kv_cache import PagedKVCache
 from .beam_search import BeamSearch
@@ -75,9 +76,10 @@ class LLMEngine:
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.kv_cache.device).manual_seed(params.seed)
+        prompt = Sequence(next(self._ids), list(request.prompt), len(request.prompt))
+        self._name_blocks(prompt)
         group = SequenceGroup(
-            group_id=next(self._ids), request=request,
-            seqs=[Sequence(next(self._ids), list(request.prompt), len(request.prompt))],
+            group_id=next(self._ids), request=request, seqs=[prompt],
             arrival=next(self._ids), generator=generator,
             beam=BeamSearch(len(request.prompt), params) if params.is_beam_search else None)
         self._groups[request.request_id] = group
@@ -152,7 +154,7 @@ class LLMEngine:
             parent = group.seqs[0]
             for _ in range(params.n - 1):
                 child = Sequence(next(self._ids), list(parent.token_ids), parent.prompt_len,
-                                 parent.num_computed)
+                                 parent.num_computed, block_hashes=list(parent.block_hashes))
                 self.manager.fork(parent.seq_id, child.seq_id)
                 group.seqs.append(child)
         tokens = next_tokens(logits, [not s.finished for s in group.seqs], params, group.generator)
@@ -162,6 +164,7 @@ class LLMEngine:
                 new_tokens.append([])
                 continue
             seq.token_ids.append(token)
+            self._name_blocks(seq)
             new_tokens.append([token])
             if token in params.eos_token_ids or len(seq.output_ids) >= params.max_new_tokens:
                 seq.finished = True
@@ -173,7 +176,7 @@ class LLMEngine:
         new_beams = group.beam.step(logits, [s.output_ids for s in old])
         if group.beam.done:
             return []
-        bases = [list(s.token_ids) for s in old]
+        bases = [(list(s.token_ids), s.block_hashes) for s in old]
         parents = {p for p, _ in new_beams}
         for row, seq in enumerate(old):
             if row not in parents:
@@ -188,7 +191,15 @@ class LLMEngine:
             else:
                 seq = old[parent]
                 reused.add(parent)
-            seq.token_ids = bases[parent] + [token]
+            seq.token_ids = bases[parent][0] + [token]
+            seq.block_hashes = bases[parent][1]
+            self._name_blocks(seq)
             seqs.append(seq)
         group.seqs = seqs
         return []
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Extend the sequence's block names over the blocks its new tokens filled."""
+        if self.config.enable_prefix_caching:
+            seq.block_hashes = block_hashes(seq.token_ids, self.config.block_size,
+                                            known=seq.block_hashes)

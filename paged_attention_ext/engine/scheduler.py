@@ -111,8 +111,9 @@ class Scheduler:
 
     def _append_pending(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Room for the token each live sequence sampled last step."""
-        result = self.manager.append_group(
-            group.group_id, {s.seq_id: [s.token_ids[-1]] for s in group.live_seqs})
+        live = group.live_seqs
+        result = self.manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
+                                           {s.seq_id: s.block_hashes for s in live})
         out.copies += result.copies
         out.groups.append(group)
 
@@ -138,12 +139,14 @@ class Scheduler:
 
     def _fits_admission(self, group: SequenceGroup) -> bool:
         live = group.live_seqs
+        first = live[0]
         if len(live) == 1:
-            return self.manager.can_allocate(live[0].token_ids)
-        prompt = live[0].token_ids[:live[0].prompt_len]
-        prompt_blocks = BlockTable(self.manager.device).blocks_needed_for_prompt(prompt)
+            return self.manager.can_allocate(len(first.token_ids), names=first.block_hashes)
+        prompt_len, bs = first.prompt_len, self.manager.block_size
+        prompt_blocks = BlockTable(self.manager.device).blocks_needed_for_prompt(
+            prompt_len, first.block_hashes[:prompt_len // bs])
         # What append_group checks: each sequence's own copy of the partial block, then growth.
-        shared_end, bs = self._shared_prompt_end(len(prompt)), self.manager.block_size
+        shared_end = self._shared_prompt_end(prompt_len)
         private = sum(-(-(len(s.token_ids) - shared_end) // bs) for s in live)
         return prompt_blocks + private <= self.manager.device.num_free_blocks - self.manager.watermark_blocks
 
@@ -157,16 +160,19 @@ class Scheduler:
         live = group.live_seqs
         first = live[0]
         if len(live) == 1:
-            _, first.num_computed = self.manager.allocate(group.group_id, first.seq_id, first.token_ids)
+            _, first.num_computed = self.manager.allocate(
+                group.group_id, first.seq_id, len(first.token_ids), names=first.block_hashes)
         else:
             prompt_len = first.prompt_len
-            _, first.num_computed = self.manager.allocate(group.group_id, first.seq_id,
-                                                          first.token_ids[:prompt_len])
+            _, first.num_computed = self.manager.allocate(
+                group.group_id, first.seq_id, prompt_len,
+                names=first.block_hashes[:prompt_len // self.manager.block_size])
             for seq in live[1:]:
                 self.manager.fork(first.seq_id, seq.seq_id)
                 seq.num_computed = self._shared_prompt_end(prompt_len)
             self.manager.append_group(group.group_id,
-                                      {s.seq_id: s.token_ids[prompt_len:] for s in live})
+                                      {s.seq_id: len(s.token_ids) - prompt_len for s in live},
+                                      {s.seq_id: s.block_hashes for s in live})
         self._start(group)
 
     def _shared_prompt_end(self, prompt_len: int) -> int:

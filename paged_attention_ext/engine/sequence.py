@@ -17,6 +17,7 @@ class Sequence:
     prompt_len: int
     num_computed: int = 0       # leading tokens whose K/V is in the cache
     finished: bool = False      # a sample that hit EOS or its length limit
+    block_hashes: List[bytes] = field(default_factory=list)  # names of token_ids' full blocks
 
     @property
     def output_ids(self) -> List[int]:
