@@ -72,7 +72,7 @@ def main() -> None:
     ids = torch.randint(1, CONFIG["vocab_size"], (1, args.prompt))
 
     dynamic = peak_of_generate(reference, ids, args.new, DynamicCache(config=config), dynamic_cache_bytes)
-    paged_run = peak_of_generate(paged, ids, args.new, PagedCache(config, block_size=BLOCK_SIZE),
+    paged_run = peak_of_generate(paged, ids, args.new, PagedCache(paged.config, block_size=BLOCK_SIZE),
                                  paged_cache_bytes)
     same_tokens = torch.equal(dynamic.pop("tokens"), paged_run.pop("tokens"))
 

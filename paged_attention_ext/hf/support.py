@@ -33,6 +33,17 @@ REFUSED: Dict[str, str] = {
     "deepseek_v32": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "glm_moe_dsa": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "gemma3n": "layers that reuse another layer's K/V (num_kv_shared_layers)",
+    "gemma3n_text": "layers that reuse another layer's K/V (num_kv_shared_layers)",
+    "diffllama": "differential attention (two softmax maps per head, subtracted), computed from "
+                 "keys it splits after the cache update",
+    "doge": "dynamic mask attention (a learned mask added to the attention scores)",
+    "recurrent_gemma": "recurrent (RG-LRU) blocks with their own state, not attention over a K/V "
+                       "history",
+    "mllama": "cross-attention layers over image features",
+    "jetmoe": "mixture-of-attention heads that repeat the K/V heads after the cache update "
+              "(query head h reads KV head h % kv_heads; the paged ops group h // group)",
+    "hrm_text": "its attention modules store K/V under other cache layer indices than their own "
+                "(one cache layer per reasoning cycle)",
 }
 
 # Multi-head latent attention models whose attention runs (and was tested) with the K/V

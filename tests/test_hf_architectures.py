@@ -1,0 +1,222 @@
+"""Architectures beyond test_hf_generate.py: attention sinks (GPT-OSS), different key and
+value head sizes (DeepSeek-V2/V3 multi-head latent attention), a sweep of decoder
+architectures, and the architectures PagedCache refuses (issue 12 items 2 and 3).
+
+Tiny random fp32 models, built twice with the same weights: once with ``eager`` and the
+default DynamicCache, once with ``paged_attention_ext`` and a PagedCache. Outputs must be
+token-identical.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+import transformers
+
+from paged_attention_ext import ops
+from paged_attention_ext.hf import PagedCache
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
+              bos_token_id=None, eos_token_id=None, initializer_range=0.2)
+BLOCK_SIZE = 4
+
+
+def _ops_take_sinks() -> bool:
+    return "sinks" in inspect.signature(ops.attention).parameters
+
+
+def _ops_take_value_head_size() -> bool:
+    """Whether this build's write_kv and attention accept a value head size != key head size."""
+    key_cache = torch.zeros(1, 1, 4, 16)
+    value_cache = torch.zeros(1, 1, 4, 8)
+    try:
+        ops.write_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 8), key_cache, value_cache,
+                     torch.zeros(1, dtype=torch.int64))
+        out = ops.attention(torch.ones(1, 1, 16), key_cache, value_cache,
+                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.25)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return tuple(out.shape) == (1, 1, 8)
+
+
+needs_sinks = pytest.mark.skipif(not _ops_take_sinks(),
+                                 reason="the paged ops of this build have no sinks argument "
+                                        "(kernel branch not merged yet)")
+needs_value_head_size = pytest.mark.skipif(not _ops_take_value_head_size(),
+                                           reason="the paged ops of this build need equal key and "
+                                                  "value head sizes (kernel branch not merged yet)")
+
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+           num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+           num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1)
+# name -> (config, mark). GPT-OSS: learned sinks, alternating sliding (window 6) and full
+# layers. DeepSeek: key head 16 + 8 = 24, value head 16 (real models: 128 + 64 and 128).
+MODELS = {
+    "gpt_oss": (lambda: transformers.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                  num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=6), needs_sinks),
+    "deepseek_v3": (lambda: transformers.DeepseekV3Config(**COMMON, **MLA, q_lora_rank=48, n_group=1,
+                                                          topk_group=1), needs_value_head_size),
+    "deepseek_v2": (lambda: transformers.DeepseekV2Config(**COMMON, **MLA, q_lora_rank=None),
+                    needs_value_head_size),
+}
+DECODING = {
+    "greedy": dict(do_sample=False),
+    "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "sampling": dict(do_sample=True, num_return_sequences=3),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads (see test_hf_generate.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build_pair(config, reference_impl="eager"):
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=reference_impl, dtype=torch.float32).eval()
+    paged = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="paged_attention_ext", dtype=torch.float32).eval()
+    paged.load_state_dict(reference.state_dict())
+    return reference, paged
+
+
+def left_padded_prompts(seed=0):
+    ids = torch.randint(1, COMMON["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :4] = 0
+    mask[1, :4] = 0
+    return ids, mask
+
+
+def generate_both(pair, max_new_tokens=12, seed=5, **kwargs):
+    ids, mask = left_padded_prompts()
+    outputs = []
+    cache = PagedCache(pair[1].config, block_size=BLOCK_SIZE)
+    for model, extra in ((pair[0], {}), (pair[1], {"past_key_values": cache})):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outputs.append(model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          pad_token_id=0, **kwargs, **extra))
+    return outputs[0], outputs[1], cache
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=mark) for name, (_, mark) in MODELS.items()])
+def special(request):
+    return request.param, build_pair(MODELS[request.param][0]())
+
+
+@pytest.mark.parametrize("decoding", sorted(DECODING))
+def test_sinks_and_latent_attention_equal_eager(special, decoding):
+    name, pair = special
+    expected, got, cache = generate_both(pair, **DECODING[decoding])
+    assert torch.equal(got, expected), f"{name} {decoding}"
+    cache.manager.check_invariants()
+    if name.startswith("deepseek"):
+        key_pool, value_pool = cache.kv.layer(0)
+        # Per head: key qk_nope + qk_rope, value v_head_dim.
+        assert key_pool.shape[1:] == (4, BLOCK_SIZE, 24) and value_pool.shape[1:] == (4, BLOCK_SIZE, 16)
+    cache.reset()
+    assert cache.memory_usage()["blocks_used"] == 0
+
+
+@pytest.mark.skipif(_ops_take_sinks(), reason="this build's ops take sinks")
+def test_sinks_refused_while_the_ops_lack_them():
+    reference, paged = build_pair(MODELS["gpt_oss"][0]())
+    ids, mask = left_padded_prompts()
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        paged.generate(ids, attention_mask=mask, max_new_tokens=2,
+                       past_key_values=PagedCache(paged.config))
+
+
+def test_sinks_change_the_output():
+    """The comparison above would catch sinks being dropped: eager with zeroed-out sink
+    logits (a sink of -inf is no sink) generates differently."""
+    reference, _ = build_pair(MODELS["gpt_oss"][0]())
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        with_sinks = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        for layer in reference.model.layers:
+            layer.self_attn.sinks.fill_(-float("inf"))
+        without = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(with_sinks, without)
+
+
+# ---- a sweep: greedy decoding of a left-padded batch, fp32 identical to eager -------------------
+SWEEP = {
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                     num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                         sliding_window=6),
+    "cohere2": lambda: transformers.Cohere2Config(**COMMON, num_key_value_heads=2, sliding_window=6),
+    "olmo2": lambda: transformers.Olmo2Config(**COMMON, num_key_value_heads=2),
+    "granite": lambda: transformers.GraniteConfig(**COMMON, num_key_value_heads=2),
+    "stablelm": lambda: transformers.StableLmConfig(**COMMON, num_key_value_heads=2),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**COMMON),
+    "starcoder2": lambda: transformers.Starcoder2Config(**COMMON, num_key_value_heads=2, sliding_window=6),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                            n_positions=256, bos_token_id=None, eos_token_id=None,
+                                            pad_token_id=0, initializer_range=0.2),
+    "opt": lambda: transformers.OPTConfig(**{k: v for k, v in COMMON.items() if k != "intermediate_size"},
+                                          ffn_dim=128, word_embed_proj_dim=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_greedy_equals_eager(name):
+    expected, got, cache = generate_both(build_pair(SWEEP[name]()), max_new_tokens=10,
+                                         do_sample=False)
+    assert torch.equal(got, expected)
+    cache.manager.check_invariants()
+
+
+# ---- refused at PagedCache creation, with the architecture and the reason -----------------------
+REFUSED = {
+    "bloom": (lambda: transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4),
+              "ALiBi"),
+    "falcon": (lambda: transformers.FalconConfig(**COMMON), "FALCON_ATTENTION_CLASSES"),
+    "mpt": (lambda: transformers.MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4), "ALiBi"),
+    "llama4_text": (lambda: transformers.Llama4TextConfig(**COMMON), "chunked local attention"),
+    "llama4": (lambda: transformers.Llama4Config(text_config=COMMON), "chunked local attention"),
+    "qwen3_next": (lambda: transformers.Qwen3NextConfig(**COMMON, num_key_value_heads=2),
+                   r"\['linear_attention'\]"),
+    "jamba": (lambda: transformers.JambaConfig(**COMMON), r"\['linear_attention'\]"),
+    "bamba": (lambda: transformers.BambaConfig(**COMMON), r"\['linear_attention'\]"),
+    "zamba2": (lambda: transformers.Zamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                 layers_block_type=["mamba", "hybrid"]), r"'hybrid'"),
+    "nemotron_h": (lambda: transformers.NemotronHConfig(**COMMON), r"'linear_attention'"),
+    "falcon_h1": (lambda: transformers.FalconH1Config(**COMMON), r"'hybrid'"),
+    "recurrent_gemma": (lambda: transformers.RecurrentGemmaConfig(**COMMON), "recurrent"),
+    "deepseek_v32": (lambda: transformers.DeepseekV32Config(**COMMON), "sparse attention"),
+    "minicpm3": (lambda: transformers.MiniCPM3Config(**COMMON), "latent attention"),
+    "gemma3n_text": (lambda: transformers.Gemma3nTextConfig(**COMMON), "num_kv_shared_layers"),
+    "codegen": (lambda: transformers.CodeGenConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4),
+                "does not route its attention"),
+    "gptj": (lambda: transformers.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4),
+             "does not route its attention"),
+    "t5": (lambda: transformers.T5Config(vocab_size=128, d_model=64, num_layers=2, num_heads=4),
+           "encoder-decoder"),
+    "diffllama": (lambda: transformers.DiffLlamaConfig(**COMMON), "differential attention"),
+    "doge": (lambda: transformers.DogeConfig(**COMMON), "learned mask"),
+    "mllama": (lambda: transformers.MllamaConfig(), "cross-attention"),
+    "jetmoe": (lambda: transformers.JetMoeConfig(**COMMON), "repeat the K/V heads"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_at_cache_creation(name):
+    make_config, reason = REFUSED[name]
+    config = make_config()
+    with pytest.raises(NotImplementedError, match=rf"PagedCache does not support the '[\w]+' "
+                                                  rf"architecture: .*{reason}"):
+        PagedCache(config)
