@@ -220,3 +220,38 @@ def test_refused_at_cache_creation(name):
     with pytest.raises(NotImplementedError, match=rf"PagedCache does not support the '[\w]+' "
                                                   rf"architecture: .*{reason}"):
         PagedCache(config)
+
+
+# ---- bf16: as close to the fp32 model as transformers' own bf16 run -------------------------------
+# Tokens may diverge in bf16, so the steps are teacher-forced and the logits compared:
+# paged bf16 vs eager fp32 must be within 1.5x (plus 1% of the logit range) of eager bf16
+# vs eager fp32.
+BF16 = {
+    "llama": (lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2), None),
+    "qwen3": (SWEEP["qwen3"], None),
+    "deepseek_v3": (MODELS["deepseek_v3"][0], needs_value_head_size),
+    "gpt_oss": (MODELS["gpt_oss"][0], needs_sinks),
+}
+
+
+def _logits(model, cache, inputs):
+    with torch.no_grad():
+        return [model(step, past_key_values=cache).logits.float() for step in inputs]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=m) if m else n for n, (_, m) in BF16.items()])
+def test_bf16_logits_close(name):
+    reference, paged = build_pair(BF16[name][0]())
+    reference_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    paged.to(torch.bfloat16)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
+    steps = torch.randint(1, COMMON["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(4))
+    inputs = [ids] + [steps[:, i:i + 1] for i in range(steps.shape[1])]
+    exact = _logits(reference, transformers.DynamicCache(config=reference.config), inputs)
+    eager = _logits(reference_bf16, transformers.DynamicCache(config=reference.config), inputs)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    got = _logits(paged, cache, inputs)
+    assert cache.kv.dtype == torch.bfloat16
+    for step, (e, b, g) in enumerate(zip(exact, eager, got)):
+        bound = 1.5 * (b - e).abs().max() + 0.01 * e.abs().max()
+        assert (g - e).abs().max() <= bound, f"{name} step {step}"
