@@ -210,6 +210,8 @@ REFUSED = {
     "doge": (lambda: transformers.DogeConfig(**COMMON), "learned mask"),
     "mllama": (lambda: transformers.MllamaConfig(), "cross-attention"),
     "jetmoe": (lambda: transformers.JetMoeConfig(**COMMON), "repeat the K/V heads"),
+    "hrm_text": (lambda: transformers.HrmTextConfig(**COMMON), "other cache layer indices"),
+    "glm_moe_dsa": (lambda: transformers.GlmMoeDsaConfig(**COMMON), "sparse attention"),
 }
 
 
