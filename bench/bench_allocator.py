@@ -46,7 +46,7 @@ def bookkeeping_step(mgr: BlockSpaceManager, rng: random.Random, next_seq: list)
             mgr.fork(seqs[0], next_seq[0])
             next_seq[0] += 1
         step = mgr.append_group(g, {s: 1 for s in mgr.groups[g]})
-        copies += len(step.copies)
+        copies += sum(len(placed.copies) for placed in step.values())
     return copies
 
 

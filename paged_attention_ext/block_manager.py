@@ -3,36 +3,72 @@
 A *sequence group* is the set of sequences of one request (parallel samples, beams).
 Groups are admitted, preempted and restored as a whole (all-or-nothing), so a step
 never runs with part of a group's blocks. The manager owns two allocators over the
-same block shape: the device pool and a host swap pool.
+same block shape: the device pool and a host swap pool, and every block table.
 
-Every method either succeeds or raises with no state changed; ``can_*`` answer the
-admission questions first so a scheduler never needs the exception.
+A scheduler only asks questions (``can_admit``, ``can_append``, ``can_swap_in``,
+``can_swap_out``) and applies the answers (``admit``, ``append_group``, ``swap_in``,
+``swap_out``, ``free_group``); each of those returns what the step must do with the
+cache: the slots to write, the blocks to copy (copy-on-write) and to swap. Every
+method either succeeds or raises with no state changed.
 """
 
 from collections import Counter
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import AppendResult, BlockCopy, BlockTable, block_hashes
 
-__all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError"]
+__all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
+           "SeqSpec"]
 
 BlockMapping = List[Tuple[int, int]]  # rows for paged.swap_blocks
+
+
+class SeqSpec(NamedTuple):
+    """One sequence as the manager needs to know it to place it."""
+
+    seq_id: int
+    num_tokens: int
+    names: Sequence[bytes] = ()  # its full blocks' names (block_hashes), with prefix caching
 
 
 class BlockSpaceManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  enable_prefix_caching: bool = False, watermark: float = 0.01) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.device = BlockAllocator(num_device_blocks, block_size, enable_prefix_caching, "device")
         self.host = BlockAllocator(num_host_blocks, block_size, name="host")
         self.block_size = block_size
         # Admission keeps this many device blocks spare so running groups can keep decoding.
-        self.watermark_blocks = int(watermark * num_device_blocks)
-        self.tables: Dict[int, BlockTable] = {}
-        self.groups: Dict[int, List[int]] = {}
-        self.group_of: Dict[int, int] = {}
+        self._watermark_blocks = int(watermark * num_device_blocks)
+        self._tables: Dict[int, BlockTable] = {}
+        self._groups: Dict[int, List[int]] = {}
+        self._group_of: Dict[int, int] = {}
 
-    # ---- admission ----------------------------------------------------------------
+    # ---- read-only views (inspection, tests) ------------------------------------------
+    @property
+    def tables(self) -> Mapping[int, BlockTable]:
+        return MappingProxyType(self._tables)
+
+    @property
+    def groups(self) -> Mapping[int, List[int]]:
+        return MappingProxyType(self._groups)
+
+    @property
+    def group_of(self) -> Mapping[int, int]:
+        return MappingProxyType(self._group_of)
+
+    def holds(self, group_id: int) -> bool:
+        """Whether the group has blocks here (on the device or swapped out)."""
+        return group_id in self._groups
+
+    def block_ids(self, seq_id: int) -> List[int]:
+        """The sequence's physical blocks, in order (a copy)."""
+        return list(self._tables[seq_id].blocks)
+
+    # ---- questions ----------------------------------------------------------------
     def can_allocate(self, prompt: "int | Sequence[int]", extra_key: str = "",
                      names: Optional[Sequence[bytes]] = None) -> bool:
         """Whether a new group with this prompt (ids, or a length) fits above the watermark.
@@ -41,22 +77,24 @@ class BlockSpaceManager:
         keeps them; otherwise they are computed from the ids.
         """
         num_tokens, names = self._prompt(prompt, extra_key, names)
-        needed = BlockTable(self.device).blocks_needed_for_prompt(num_tokens, names)
-        return self.device.num_free_blocks - needed >= self.watermark_blocks
+        return self.can_admit([SeqSpec(-1, num_tokens, names)], num_tokens)
+
+    def can_admit(self, seqs: Sequence[SeqSpec], shared_len: int) -> bool:
+        """Whether :meth:`admit` of these sequences fits above the watermark."""
+        return self.device.num_free_blocks - self._admission_cost(seqs, shared_len) \
+            >= self._watermark_blocks
 
     def can_append(self, group_id: int, tokens_per_seq: int = 1) -> bool:
         """Whether every sequence of the group can take `tokens_per_seq` more tokens."""
-        needed = sum(self.tables[s].blocks_needed(tokens_per_seq) for s in self.groups[group_id])
-        return needed <= self.device.num_free_blocks
+        return self._append_cost((self._tables[s], tokens_per_seq)
+                                 for s in self._groups[group_id]) <= self.device.num_free_blocks
 
-    def can_swap_in(self, group_id: int) -> bool:
-        distinct = self._distinct_blocks(group_id)
-        # Blocks still cached on the device come back without a copy; only those that
-        # are evictable (count 0) leave the available pool.
-        cached = self._cached_on_device(group_id)
-        needed = sum(1 for b in distinct if b not in cached or
-                     self.device.ref_count(self.device.lookup(cached[b])) == 0)
-        return self.device.num_free_blocks - needed >= self.watermark_blocks
+    def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
+        """Whether the swapped-out group fits back above the watermark, together with the
+        next `tokens_per_seq` tokens of each of its sequences."""
+        needed = self._swap_in_cost(group_id) + self._append_cost(
+            (self._tables[s], tokens_per_seq) for s in self._groups[group_id])
+        return self.device.num_free_blocks - needed >= self._watermark_blocks
 
     def can_swap_out(self, group_id: int) -> bool:
         return len(self._distinct_blocks(group_id)) <= self.host.num_free_blocks
@@ -71,24 +109,42 @@ class BlockSpaceManager:
         came from the prefix cache (their KV is already in place). ``names`` as in
         :meth:`can_allocate`.
         """
-        if group_id in self.groups or seq_id in self.tables:
-            raise ValueError(f"group {group_id} or sequence {seq_id} already exists")
         num_tokens, names = self._prompt(prompt, extra_key, names)
+        [slots] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens)
+        return AppendResult(slots=slots), num_tokens - len(slots)
+
+    def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int) -> List[List[int]]:
+        """Start a group whose sequences share their first ``shared_len`` tokens.
+
+        One sequence: a new prompt (or a recomputation). Several: a group preempted by
+        recomputation, whose samples or beams share the prompt's full blocks and each
+        recompute the prompt's partial last block into their own block. Returns, per
+        sequence, the slots of the tokens that must be computed: the leading tokens
+        not listed are in the prefix cache or computed by the first sequence.
+        """
+        self._check_new(group_id, [s.seq_id for s in seqs])
+        needed = self._admission_cost(seqs, shared_len)
+        if needed > self.device.num_free_blocks:
+            raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
+                                    f"{self.device.num_free_blocks} available")
+        first, bs = seqs[0], self.block_size
         table = BlockTable(self.device)
-        result, num_cached = table.allocate_prompt(num_tokens, names)
-        self.tables[seq_id] = table
-        self.groups[group_id] = [seq_id]
-        self.group_of[seq_id] = group_id
-        return result, num_cached
+        _, num_cached = table.allocate_prompt(shared_len, first.names[:shared_len // bs])
+        self._add(group_id, first.seq_id, table)
+        for seq in seqs[1:]:
+            self.fork(first.seq_id, seq.seq_id)
+        self.append_group(group_id, {s.seq_id: s.num_tokens - shared_len for s in seqs},
+                          {s.seq_id: s.names for s in seqs})
+        # Copy-on-write copies of the prompt's partial block are not needed: its
+        # content does not exist yet, every sequence computes its own copy.
+        starts = [num_cached] + [shared_len // bs * bs] * (len(seqs) - 1)
+        return [[self._tables[seq.seq_id].slot(p) for p in range(start, seq.num_tokens)]
+                for seq, start in zip(seqs, starts)]
 
     def fork(self, parent_seq: int, child_seq: int) -> None:
         """A new sequence of the parent's group sharing all its blocks (never allocates)."""
-        if child_seq in self.tables:
-            raise ValueError(f"sequence {child_seq} already exists")
-        self.tables[child_seq] = self.tables[parent_seq].fork()
-        group_id = self.group_of[parent_seq]
-        self.groups[group_id].append(child_seq)
-        self.group_of[child_seq] = group_id
+        self._check_new(None, [child_seq])
+        self._add(self._group_of[parent_seq], child_seq, self._tables[parent_seq].fork())
 
     def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1,
                names: Sequence[bytes] = ()) -> AppendResult:
@@ -98,42 +154,42 @@ class BlockSpaceManager:
         sequence's full-block names after the append (:func:`block_hashes`); the
         blocks they name enter the prefix cache.
         """
-        table = self.tables[seq_id]
+        table = self._tables[seq_id]
         if table.allocator is not self.device:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return table.append_tokens(tokens if isinstance(tokens, int) else len(tokens), names)
 
     def append_group(self, group_id: int, num_tokens: Mapping[int, int],
-                     names: Optional[Mapping[int, Sequence[bytes]]] = None) -> AppendResult:
+                     names: Optional[Mapping[int, Sequence[bytes]]] = None
+                     ) -> Dict[int, AppendResult]:
         """Append to several sequences of a group at once, all-or-nothing.
 
-        ``names``: per sequence, as in :meth:`append`.
+        ``names``: per sequence, as in :meth:`append`. Returns each sequence's slots and
+        copies; apply every copy before writing any slot.
         """
         for seq_id, count in num_tokens.items():
+            if self._group_of.get(seq_id) != group_id:
+                raise ValueError(f"sequence {seq_id} is not in group {group_id}")
             if count < 0:
                 raise ValueError(f"sequence {seq_id}: number of new tokens must be >= 0, got {count}")
-        needed = sum(self.tables[s].blocks_needed(n) for s, n in num_tokens.items())
+        needed = self._append_cost((self._tables[s], n) for s, n in num_tokens.items())
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"group {group_id}: needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
-        merged = AppendResult()
-        for seq_id, count in num_tokens.items():
-            part = self.append(seq_id, count, names.get(seq_id, ()) if names else ())
-            merged.slots.extend(part.slots)
-            merged.copies.extend(part.copies)
-        return merged
+        return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else ())
+                for seq_id, count in num_tokens.items()}
 
     def free_seq(self, seq_id: int) -> None:
         """Release one sequence (a finished sample, a dropped beam)."""
-        self.tables.pop(seq_id).free()
-        group_id = self.group_of.pop(seq_id)
-        self.groups[group_id].remove(seq_id)
-        if not self.groups[group_id]:
-            del self.groups[group_id]
+        self._tables.pop(seq_id).free()
+        group_id = self._group_of.pop(seq_id)
+        self._groups[group_id].remove(seq_id)
+        if not self._groups[group_id]:
+            del self._groups[group_id]
 
     def free_group(self, group_id: int) -> None:
         """Release a whole group: finished, aborted, or preempted for recomputation."""
-        for seq_id in list(self.groups[group_id]):
+        for seq_id in list(self._groups[group_id]):
             self.free_seq(seq_id)
 
     # ---- swapping -------------------------------------------------------------------
@@ -151,16 +207,125 @@ class BlockSpaceManager:
         Full blocks still cached on the device are re-used, not copied (not in the rows).
         """
         mapping = self._move_group(group_id, self.host, self.device)
-        for seq_id in self.groups[group_id]:
-            self.tables[seq_id].register_full_blocks()
+        for seq_id in self._groups[group_id]:
+            self._tables[seq_id].register_full_blocks()
         return mapping
 
     def is_swapped_out(self, group_id: int) -> bool:
-        return self.tables[self.groups[group_id][0]].allocator is self.host
+        return self._tables[self._groups[group_id][0]].allocator is self.host
+
+    # ---- reporting --------------------------------------------------------------------
+    def usage(self) -> Dict[str, float]:
+        """Block counts and sharing: references vs distinct physical blocks, slots filled."""
+        on_device = [t for t in self._tables.values() if t.allocator is self.device]
+        references = sum(len(t.blocks) for t in on_device)
+        used = self.device.num_used_blocks
+        bs = self.block_size
+        filled: Dict[int, int] = {}  # tokens in each device block in use
+        for table in on_device:
+            for i, block in enumerate(table.blocks):
+                filled[block] = max(filled.get(block, 0), min(bs, table.num_tokens - i * bs))
+        return {
+            "device_blocks_total": self.device.num_blocks,
+            "device_blocks_used": used,
+            "device_blocks_cached": self.device.num_cached_blocks,
+            "device_blocks_free": self.device.num_free_blocks - self.device.num_cached_blocks,
+            "host_blocks_used": self.host.num_used_blocks,
+            "block_references": references,
+            "sharing_saved_blocks": references - used,
+            "device_slots_in_use": len(filled) * bs,
+            "device_slots_filled": sum(filled.values()),
+            "prefix_cache_hit_rate": (self.device.cache_hits / self.device.cache_queries
+                                      if self.device.cache_queries else 0.0),
+        }
+
+    def check_invariants(self) -> None:
+        """Reference counts equal table references on both pools; tables are well formed."""
+        for allocator in (self.device, self.host):
+            refs = Counter(b for t in self._tables.values() if t.allocator is allocator
+                           for b in t.blocks)
+            allocator.check_invariants(refs)
+        for seq_id, table in self._tables.items():
+            assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
+                f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
+            assert seq_id in self._groups[self._group_of[seq_id]]
+        tables_in = {s for g in self._groups.values() for s in g}
+        assert tables_in == set(self._tables), "group membership and tables disagree"
+        for group_id, seqs in self._groups.items():
+            pools = {self._tables[s].allocator.name for s in seqs}
+            assert len(pools) == 1, f"group {group_id} is split across pools {pools}"
+
+    # ---- internals --------------------------------------------------------------------
+    def _prompt(self, prompt: "int | Sequence[int]", extra_key: str,
+                names: Optional[Sequence[bytes]]) -> Tuple[int, Sequence[bytes]]:
+        """(length, full-block names) of a prompt given as ids or as a length."""
+        num_tokens = prompt if isinstance(prompt, int) else len(prompt)
+        if names is None:
+            names = ([] if isinstance(prompt, int) or not self.device.enable_prefix_caching
+                     else block_hashes(prompt, self.block_size, extra_key))
+        return num_tokens, names
+
+    def _check_new(self, group_id: Optional[int], seq_ids: Sequence[int]) -> None:
+        if group_id is not None and group_id in self._groups:
+            raise ValueError(f"group {group_id} already exists")
+        for seq_id in seq_ids:
+            if seq_id in self._tables:
+                raise ValueError(f"sequence {seq_id} already exists")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence ids repeat: {list(seq_ids)}")
+
+    def _add(self, group_id: int, seq_id: int, table: BlockTable) -> None:
+        self._tables[seq_id] = table
+        self._groups.setdefault(group_id, []).append(seq_id)
+        self._group_of[seq_id] = group_id
+
+    def _admission_cost(self, seqs: Sequence[SeqSpec], shared_len: int) -> int:
+        """Device blocks :meth:`admit` takes: the prompt's (fresh blocks and evictable
+        prefix hits), then each sequence's copy of the partial prompt block and growth."""
+        if not seqs:
+            raise ValueError("a group needs at least one sequence")
+        if shared_len < 1:
+            raise ValueError(f"a prompt needs at least one token, got {shared_len}")
+        bs = self.block_size
+        cost = BlockTable(self.device).blocks_needed_for_prompt(
+            shared_len, seqs[0].names[:shared_len // bs])
+        room, sharers = -shared_len % bs, len(seqs)
+        for seq in seqs:
+            extra = seq.num_tokens - shared_len
+            if extra < 0:
+                raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} tokens, fewer than "
+                                 f"the {shared_len} it shares")
+            if room and extra and sharers > 1:  # copy-on-write; the last sharer writes in place
+                cost += 1
+                sharers -= 1
+            cost += -(-max(0, extra - room) // bs)
+        return cost
+
+    def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]]) -> int:
+        """Blocks that these appends, in this order, allocate: a copy of a shared partial
+        last block for every user but the last to append, then growth."""
+        copied: Counter = Counter()
+        cost = 0
+        for table, count in appends:
+            room = len(table.blocks) * self.block_size - table.num_tokens
+            if room > 0 and count > 0:
+                last = table.blocks[-1]
+                if table.allocator.ref_count(last) - copied[last] > 1:
+                    copied[last] += 1
+                    cost += 1
+            cost += -(-max(0, count - room) // self.block_size)
+        return cost
+
+    def _swap_in_cost(self, group_id: int) -> int:
+        # Blocks still cached on the device come back without a copy; only those that
+        # are evictable (count 0) leave the available pool.
+        cached = self._cached_on_device(group_id)
+        return sum(1 for b in self._distinct_blocks(group_id) if b not in cached or
+                   self.device.ref_count(self.device.lookup(cached[b])) == 0)
 
     def _move_group(self, group_id: int, source: BlockAllocator,
                     target: BlockAllocator) -> BlockMapping:
-        tables = [self.tables[s] for s in self.groups[group_id]]
+        tables = [self._tables[s] for s in self._groups[group_id]]
         if any(t.allocator is not source for t in tables):
             raise ValueError(f"group {group_id} is not in the {source.name} pool")
         distinct = self._distinct_blocks(group_id)
@@ -186,22 +351,11 @@ class BlockSpaceManager:
             table.remap(target, mapping)
         return sorted(copied.items())
 
-    def _prompt(self, prompt: "int | Sequence[int]", extra_key: str,
-                names: Optional[Sequence[bytes]]) -> Tuple[int, Sequence[bytes]]:
-        """(length, full-block names) of a prompt given as ids or as a length."""
-        num_tokens = prompt if isinstance(prompt, int) else len(prompt)
-        if num_tokens < 1:
-            raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
-        if names is None:
-            names = ([] if isinstance(prompt, int) or not self.device.enable_prefix_caching
-                     else block_hashes(prompt, self.block_size, extra_key))
-        return num_tokens, names
-
     def _cached_on_device(self, group_id: int) -> Dict[int, bytes]:
         """Host blocks of a swapped-out group whose full content the device still caches."""
         found: Dict[int, bytes] = {}
-        for seq_id in self.groups[group_id]:
-            table = self.tables[seq_id]
+        for seq_id in self._groups[group_id]:
+            table = self._tables[seq_id]
             for block, content in zip(table.blocks, table.block_hashes):
                 if self.device.lookup(content) is not None:
                     found[block] = content
@@ -209,40 +363,7 @@ class BlockSpaceManager:
 
     def _distinct_blocks(self, group_id: int) -> List[int]:
         seen: Dict[int, None] = {}
-        for seq_id in self.groups[group_id]:
-            for block in self.tables[seq_id].blocks:
+        for seq_id in self._groups[group_id]:
+            for block in self._tables[seq_id].blocks:
                 seen.setdefault(block, None)
         return list(seen)
-
-    # ---- reporting --------------------------------------------------------------------
-    def usage(self) -> Dict[str, float]:
-        """Block counts and sharing: references vs distinct physical blocks."""
-        references = sum(len(t.blocks) for t in self.tables.values() if t.allocator is self.device)
-        used = self.device.num_used_blocks
-        return {
-            "device_blocks_total": self.device.num_blocks,
-            "device_blocks_used": used,
-            "device_blocks_cached": self.device.num_cached_blocks,
-            "device_blocks_free": self.device.num_free_blocks - self.device.num_cached_blocks,
-            "host_blocks_used": self.host.num_used_blocks,
-            "block_references": references,
-            "sharing_saved_blocks": references - used,
-            "prefix_cache_hit_rate": (self.device.cache_hits / self.device.cache_queries
-                                      if self.device.cache_queries else 0.0),
-        }
-
-    def check_invariants(self) -> None:
-        """Reference counts equal table references on both pools; tables are well formed."""
-        for allocator in (self.device, self.host):
-            refs = Counter(b for t in self.tables.values() if t.allocator is allocator
-                           for b in t.blocks)
-            allocator.check_invariants(refs)
-        for seq_id, table in self.tables.items():
-            assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
-                f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
-            assert seq_id in self.groups[self.group_of[seq_id]]
-        tables_in = {s for g in self.groups.values() for s in g}
-        assert tables_in == set(self.tables), "group membership and tables disagree"
-        for group_id, seqs in self.groups.items():
-            pools = {self.tables[s].allocator.name for s in seqs}
-            assert len(pools) == 1, f"group {group_id} is split across pools {pools}"

@@ -115,7 +115,8 @@ class BlockTable:
         cached = [self.allocator.acquire_cached(h) for h in hits]
         fresh = self.allocator.allocate(-(-(num_tokens - len(hits) * self.block_size)
                                           // self.block_size))
-        self.allocator.record_lookups(hits=len(hits), queries=self._prefix_candidates(num_tokens))
+        self.allocator.record_lookups(hits=len(hits),
+                                      queries=min(len(names), self._prefix_candidates(num_tokens)))
         self.blocks = cached + fresh
         num_cached = len(hits) * self.block_size
         self.num_tokens = num_tokens

@@ -7,7 +7,7 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext.block_allocator import BlockAllocator, NoFreeBlocksError
-from paged_attention_ext.block_manager import BlockSpaceManager
+from paged_attention_ext.block_manager import BlockSpaceManager, SeqSpec
 from paged_attention_ext.block_table import BlockTable
 from paged_attention_ext.kv_cache import PagedKVCache
 
@@ -144,14 +144,14 @@ def test_beam_search_sharing_follows_the_beams():
         mgr.fork(0, child)
     mgr.check_invariants()
     step = mgr.append_group(0, {s: 1 for s in range(4)})
-    assert len(step.copies) == 3  # three beams copy the shared partial block, one writes in place
+    assert sum(len(r.copies) for r in step.values()) == 3  # three beams copy the shared partial block, one writes in place
     # Next step: beams 0 and 0 survive as two children, 1 is kept, 2 and 3 are dropped.
     mgr.free_seq(2)
     mgr.free_seq(3)
     mgr.fork(0, 4)
     mgr.check_invariants()
     step = mgr.append_group(0, {0: 1, 1: 1, 4: 1})
-    assert len(step.copies) == 1  # only the new fork of beam 0 copies
+    assert sum(len(r.copies) for r in step.values()) == 1  # only the new fork of beam 0 copies
     mgr.check_invariants()
     mgr.free_group(0)
     mgr.check_invariants()
@@ -375,3 +375,54 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
     assert mgr.tables[1].blocks[:2] == shared  # re-used where group 0 still holds them
     assert len(in_map) == 1  # only the private partial block is copied back
     assert mgr.device.ref_count(shared[0]) == 2 and mgr.host.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("free", [6, 7])
+def test_admission_of_a_recomputed_group_is_counted_exactly(free):
+    """Three samples of a 6-token prompt with 3 tokens each: the prompt's 2 blocks, two
+    copies of its partial block (the last sample writes in place) and 3 new blocks."""
+    mgr = BlockSpaceManager(free, 0, 4, watermark=0.0)
+    seqs = [SeqSpec(s, 9) for s in range(3)]
+    assert mgr.can_admit(seqs, 6) == (free >= 7)
+    if free < 7:
+        with pytest.raises(NoFreeBlocksError):
+            mgr.admit(0, seqs, 6)
+        assert mgr.device.num_free_blocks == free and not mgr.tables
+        return
+    slots = mgr.admit(0, seqs, 6)
+    assert mgr.device.num_free_blocks == 0
+    assert len(slots[0]) == 9  # the first sample computes the prompt
+    assert [len(s) for s in slots[1:]] == [5, 5]  # the others from the prompt's partial block
+    assert len({slot // 4 for s in slots for slot in s[-5:]}) == 6  # own partial + own new block
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("free", [1, 2])
+def test_swap_in_counts_the_next_token(free):
+    mgr = BlockSpaceManager(1 + free, 4, 4, watermark=0.0)
+    mgr.allocate(0, 0, 4)  # one full block: the next token needs a new one
+    mgr.swap_out(0)
+    mgr.allocate(1, 1, 4)  # leaves `free` device blocks
+    assert mgr.can_swap_in(0) == (free == 2)
+
+
+def test_bad_counts_and_ids_raise_value_error_without_change():
+    mgr = BlockSpaceManager(8, 0, 4)
+    mgr.allocate(0, 0, 5)
+    before = snapshot(mgr.device), dict(mgr.tables[0].__dict__)
+    with pytest.raises(ValueError, match="new tokens must be >= 0"):
+        mgr.append(0, -5)
+    with pytest.raises(ValueError, match="new tokens must be >= 0"):
+        mgr.append_group(0, {0: -1})
+    with pytest.raises(ValueError, match="at least one token"):
+        mgr.allocate(1, 1, -3)
+    with pytest.raises(ValueError, match="at least one token"):
+        mgr.allocate(1, 1, [])
+    with pytest.raises(ValueError, match="already exists"):
+        mgr.allocate(0, 2, 3)
+    with pytest.raises(ValueError, match="not in group"):
+        mgr.append_group(5, {0: 1})
+    with pytest.raises(ValueError, match="fewer than"):
+        mgr.admit(1, [SeqSpec(1, 6), SeqSpec(2, 3)], 4)
+    assert (snapshot(mgr.device), dict(mgr.tables[0].__dict__)) == before
+    mgr.check_invariants()

@@ -77,8 +77,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("can_append said no but the append succeeded")
         step = self.mgr.append_group(group, counts, names)
-        self.cache.apply_copies(step.copies)
-        self.write(step.slots, [new[s][0] for s in seqs])
+        self.cache.apply_copies([c for s in seqs for c in step[s].copies])
+        self.write([slot for s in seqs for slot in step[s].slots], [new[s][0] for s in seqs])
         for s in seqs:
             self.tokens[s] += new[s]
 

@@ -128,7 +128,7 @@ class LLMEngine:
         self.kv_cache.apply_copies(plan.copies)
         if not plan.groups:
             return []
-        logits = self.runner.forward(plan.groups, self.manager)
+        logits = self.runner.forward(plan.groups, plan.slots, self.manager)
         outputs = []
         for group, rows in zip(plan.groups, logits):
             for seq in group.live_seqs:

@@ -57,9 +57,8 @@ class EngineMetrics:
         self.blocks_used.append(int(usage["device_blocks_used"]))
         self.block_references += int(usage["block_references"])
         self.blocks_saved += int(usage["sharing_saved_blocks"])
-        filled = _filled_fraction(manager)
-        if filled is not None:
-            self.filled_fraction.append(filled)
+        if usage["device_slots_in_use"]:
+            self.filled_fraction.append(usage["device_slots_filled"] / usage["device_slots_in_use"])
         # A contiguous cache reserves max length for every sequence up front.
         bs = manager.block_size
         self.contiguous_blocks.append(sum(
@@ -73,6 +72,7 @@ class EngineMetrics:
         # Per-token latency: the gaps between a request's steps after its first token.
         gaps = [b - a for r in self.requests.values() for a, b in zip(r.token_times, r.token_times[1:])]
         peak = max(self.blocks_used, default=0)
+        usage = manager.usage()
         return {
             "requests": len(self.requests),
             "steps": self.steps,
@@ -81,7 +81,7 @@ class EngineMetrics:
             "tokens_per_s": self.generated_tokens / elapsed,
             "ttft_s": _summary(ttft),
             "per_token_latency_s": _summary(gaps),
-            "kv_blocks_total": manager.device.num_blocks,
+            "kv_blocks_total": usage["device_blocks_total"],
             "kv_blocks_peak": peak,
             "kv_blocks_mean": statistics.fmean(self.blocks_used) if self.blocks_used else 0.0,
             "contiguous_blocks_peak": max(self.contiguous_blocks, default=0),
@@ -91,20 +91,8 @@ class EngineMetrics:
             "sharing_saved_pct": (100.0 * self.blocks_saved / self.block_references
                                   if self.block_references else 0.0),
             "preemptions": dict(self.preemptions),
-            "prefix_cache_hit_rate": manager.usage()["prefix_cache_hit_rate"],
+            "prefix_cache_hit_rate": usage["prefix_cache_hit_rate"],
         }
-
-
-def _filled_fraction(manager: BlockSpaceManager) -> Optional[float]:
-    """Token slots holding a token, over all slots of the device blocks in use."""
-    bs = manager.block_size
-    filled: Dict[int, int] = {}
-    for table in manager.tables.values():
-        if table.allocator is not manager.device:
-            continue
-        for i, block in enumerate(table.blocks):
-            filled[block] = max(filled.get(block, 0), min(bs, table.num_tokens - i * bs))
-    return sum(filled.values()) / (len(filled) * bs) if filled else None
 
 
 def _summary(values: List[float]) -> Dict[str, float]:

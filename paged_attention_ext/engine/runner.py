@@ -7,7 +7,7 @@ writes each token's K/V to its slot and attends with the multi-token form of
 ``paged.attention``; only the last position of each sequence goes through the LM head.
 """
 
-from typing import List, Sequence
+from typing import List, Mapping, Sequence
 
 import torch
 
@@ -23,20 +23,27 @@ class ModelRunner:
         self.kv_cache = kv_cache
 
     @torch.no_grad()
-    def forward(self, groups: Sequence[SequenceGroup], manager: BlockSpaceManager) -> List[torch.Tensor]:
-        """Per group, fp32 logits ``[live sequences, vocab]`` of each live sequence's last token."""
+    def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[int]],
+                manager: BlockSpaceManager) -> List[torch.Tensor]:
+        """Per group, fp32 logits ``[live sequences, vocab]`` of each live sequence's last token.
+
+        ``slots_of``: per sequence, the slots the block manager placed its uncomputed
+        tokens in.
+        """
         ids: List[int] = []
         positions: List[int] = []
         slots: List[int] = []
         tables, seq_lens, query_lens, last_rows = [], [], [], []
         for group in groups:
             for seq in group.live_seqs:
-                table = manager.tables[seq.seq_id]
                 start, end = seq.num_computed, len(seq.token_ids)
+                if len(slots_of[seq.seq_id]) != end - start:
+                    raise RuntimeError(f"sequence {seq.seq_id}: {end - start} tokens to compute, "
+                                       f"{len(slots_of[seq.seq_id])} slots placed")
                 ids += seq.token_ids[start:end]
                 positions += range(start, end)
-                slots += [table.slot(p) for p in range(start, end)]
-                tables.append(table.blocks)
+                slots += slots_of[seq.seq_id]
+                tables.append(manager.block_ids(seq.seq_id))
                 seq_lens.append(end)
                 query_lens.append(end - start)
                 last_rows.append(len(ids) - 1)

@@ -17,8 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from ..block_manager import BlockSpaceManager
-from ..block_table import BlockTable
+from ..block_manager import BlockSpaceManager, SeqSpec
 from .sequence import GroupStatus, SequenceGroup
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -28,6 +27,7 @@ Mapping = List[Tuple[int, int]]
 @dataclass
 class SchedulerOutput:
     groups: List[SequenceGroup] = field(default_factory=list)  # run: every uncomputed token
+    slots: Dict[int, List[int]] = field(default_factory=dict)   # per sequence, its uncomputed tokens'
     swap_out: Mapping = field(default_factory=list)   # apply first: these blocks may be reused
     swap_in: Mapping = field(default_factory=list)
     copies: Mapping = field(default_factory=list)     # copy-on-write, after the swaps
@@ -58,7 +58,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
-        if group.group_id in self.manager.groups:
+        if self.manager.holds(group.group_id):
             self.manager.free_group(group.group_id)
 
     def schedule(self) -> SchedulerOutput:
@@ -71,7 +71,7 @@ class Scheduler:
         if not out.groups and not any(out.preempted.values()) and self.has_unfinished():
             group = (self.swapped or self.waiting)[0]
             raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
-                               f"({self.manager.device.num_blocks} blocks) even alone")
+                               f"({self.manager.usage()['device_blocks_total']} blocks) even alone")
         return out
 
     # ---- the three queues ----------------------------------------------------------
@@ -86,7 +86,7 @@ class Scheduler:
                 self.running.append(group)
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
-        while self.swapped and self._fits_swap_in(self.swapped[0]):
+        while self.swapped and self.manager.can_swap_in(self.swapped[0].group_id):
             group = self.swapped.pop(0)
             out.swap_in += self.manager.swap_in(group.group_id)
             self._append_pending(group, out)
@@ -97,10 +97,10 @@ class Scheduler:
         while self.waiting:
             group = self.waiting[0]
             tokens = sum(len(s.token_ids) for s in group.live_seqs)
-            if (out.groups and tokens > budget) or not self._fits_admission(group):
+            if (out.groups and tokens > budget) or not self.manager.can_admit(*_admission(group)):
                 return
             self.waiting.pop(0)
-            self._admit(group)
+            self._admit(group, out)
             budget -= tokens
             out.groups.append(group)
 
@@ -112,9 +112,11 @@ class Scheduler:
     def _append_pending(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Room for the token each live sequence sampled last step."""
         live = group.live_seqs
-        result = self.manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
+        placed = self.manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
                                            {s.seq_id: s.block_hashes for s in live})
-        out.copies += result.copies
+        for seq in live:
+            out.copies += placed[seq.seq_id].copies
+            out.slots[seq.seq_id] = placed[seq.seq_id].slots
         out.groups.append(group)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -131,53 +133,24 @@ class Scheduler:
         self.add(group)
         out.preempted["recompute"] += 1
 
-    def _fits_swap_in(self, group: SequenceGroup) -> bool:
-        tables = [self.manager.tables[s.seq_id] for s in group.live_seqs]
-        blocks = len({b for t in tables for b in t.blocks})
-        appends = sum(t.blocks_needed(1) for t in tables)
-        return blocks + appends <= self.manager.device.num_free_blocks - self.manager.watermark_blocks
-
-    def _fits_admission(self, group: SequenceGroup) -> bool:
-        live = group.live_seqs
-        first = live[0]
-        if len(live) == 1:
-            return self.manager.can_allocate(len(first.token_ids), names=first.block_hashes)
-        prompt_len, bs = first.prompt_len, self.manager.block_size
-        prompt_blocks = BlockTable(self.manager.device).blocks_needed_for_prompt(
-            prompt_len, first.block_hashes[:prompt_len // bs])
-        # What append_group checks: each sequence's own copy of the partial block, then growth.
-        shared_end = self._shared_prompt_end(prompt_len)
-        private = sum(-(-(len(s.token_ids) - shared_end) // bs) for s in live)
-        return prompt_blocks + private <= self.manager.device.num_free_blocks - self.manager.watermark_blocks
-
-    def _admit(self, group: SequenceGroup) -> None:
-        """Allocate a prefill (new request) or a re-prefill after recompute preemption.
-
-        The sequences of a recomputed group share the full blocks of the prompt; each one
-        recomputes the prompt's partial last block into its own copy, so the copy-on-write
-        copies of that block (whose contents do not exist yet) are not needed.
-        """
-        live = group.live_seqs
-        first = live[0]
-        if len(live) == 1:
-            _, first.num_computed = self.manager.allocate(
-                group.group_id, first.seq_id, len(first.token_ids), names=first.block_hashes)
-        else:
-            prompt_len = first.prompt_len
-            _, first.num_computed = self.manager.allocate(
-                group.group_id, first.seq_id, prompt_len,
-                names=first.block_hashes[:prompt_len // self.manager.block_size])
-            for seq in live[1:]:
-                self.manager.fork(first.seq_id, seq.seq_id)
-                seq.num_computed = self._shared_prompt_end(prompt_len)
-            self.manager.append_group(group.group_id,
-                                      {s.seq_id: len(s.token_ids) - prompt_len for s in live},
-                                      {s.seq_id: s.block_hashes for s in live})
+    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Allocate a prefill (new request) or a re-prefill after recompute preemption."""
+        seqs, shared_len = _admission(group)
+        for seq, slots in zip(group.live_seqs, self.manager.admit(group.group_id, seqs, shared_len)):
+            seq.num_computed = len(seq.token_ids) - len(slots)
+            out.slots[seq.seq_id] = slots
         self._start(group)
 
-    def _shared_prompt_end(self, prompt_len: int) -> int:
-        """End of the prompt's full blocks: what sequences of one group can share."""
-        return prompt_len // self.manager.block_size * self.manager.block_size
+
+def _admission(group: SequenceGroup) -> Tuple[List[SeqSpec], int]:
+    """The group's sequences as the manager places them, and how many tokens they share.
+
+    One sequence is placed whole (prefix-cache hits may cover generated tokens too);
+    the samples or beams of a recomputed group share their prompt.
+    """
+    live = group.live_seqs
+    seqs = [SeqSpec(s.seq_id, len(s.token_ids), s.block_hashes) for s in live]
+    return seqs, (len(live[0].token_ids) if len(live) == 1 else live[0].prompt_len)
 
 
 def _insert(queue: List[SequenceGroup], group: SequenceGroup) -> None:
