@@ -12,13 +12,28 @@ from paged_attention_ext.engine.sampler import next_tokens, warp
 from paged_attention_ext.engine.sequence import GroupStatus
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
-                                 dict(n=2), dict(num_beams=2, temperature=1.0),
-                                 dict(num_beams=2, num_return_sequences=3),
-                                 dict(num_beams=2, early_stopping="soon")])
-def test_invalid_sampling_params_raise(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("bad,field", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"), (dict(seed=1.0), "seed"), (dict(n=0), "n"),
+    (dict(n=2), "n > 1"), (dict(num_beams=0), "num_beams"),
+    (dict(num_beams=2, temperature=1.0), "beam search"),
+    (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),
+    (dict(num_beams=2, num_return_sequences=0), "num_return_sequences"),
+    (dict(length_penalty=float("nan")), "length_penalty"),
+    (dict(num_beams=2, early_stopping="soon"), "early_stopping"),
+    (dict(eos_token_ids=(-1,)), "eos_token_ids"), (dict(eos_token_ids=2), "eos_token_ids")])
+def test_invalid_sampling_params_raise_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field.replace(">", ".")):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("prompt", [[], [1, -2], [1, 2.0], [True]])
+def test_invalid_prompts_raise_naming_the_request(prompt):
+    with pytest.raises(ValueError, match="request r7"):
+        Request("r7", prompt)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8),

@@ -1,5 +1,6 @@
 """What a request asks for: its prompt and how to decode it."""
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -26,20 +27,31 @@ class SamplingParams:
     eos_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-        if self.n < 1 or self.num_beams < 1:
-            raise ValueError("n and num_beams must be >= 1")
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("top_k", self.top_k, 0)
+        _check_int("seed", self.seed, None)
+        _check_int("n", self.n, 1)
+        _check_int("num_beams", self.num_beams, 1)
+        if self.num_return_sequences is not None:
+            _check_int("num_return_sequences", self.num_return_sequences, 1)
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a tuple of token ids >= 0, got {self.eos_token_ids!r}")
         if self.n > 1 and not self.do_sample:
             raise ValueError("n > 1 needs sampling (temperature > 0); greedy samples are identical")
         if self.num_beams > 1 and (self.do_sample or self.n > 1):
             raise ValueError("beam search is greedy and returns num_return_sequences, not n")
-        if not 1 <= self.beams_returned <= self.num_beams:
-            raise ValueError("num_return_sequences must be in [1, num_beams]")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError("early_stopping is True, False or 'never'")
+        if not self.beams_returned <= self.num_beams:
+            raise ValueError(f"num_return_sequences must be in [1, num_beams={self.num_beams}], "
+                             f"got {self.num_return_sequences}")
 
     @property
     def do_sample(self) -> bool:
@@ -68,3 +80,18 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.request_id}: empty prompt")
+        for position, token in enumerate(self.prompt):
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"request {self.request_id}: prompt[{position}] = {token!r} "
+                                 "is not a token id (an integer >= 0)")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: "int | None") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
