@@ -122,6 +122,19 @@ class BlockAllocator:
         self._hash_of_block[block] = content_hash
         self._block_of_hash[content_hash] = block
 
+    def named_blocks(self) -> Dict[int, bytes]:
+        """Every block the prefix cache knows (used or evictable) and its content name."""
+        return dict(self._hash_of_block)
+
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Take unused cached blocks out of the prefix cache (their content is no longer
+        trusted); used blocks and blocks it does not know are left alone."""
+        for block in blocks:
+            if block in self._evictable:
+                del self._evictable[block]
+                del self._block_of_hash[self._hash_of_block.pop(block)]
+                self._free.append(block)
+
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
         del self._block_of_hash[self._hash_of_block.pop(block)]
@@ -131,6 +144,15 @@ class BlockAllocator:
         """Prefix-cache statistics: `hits` of `queries` candidate blocks were found."""
         self.cache_queries += queries
         self.cache_hits += hits
+
+    def copy(self) -> "BlockAllocator":
+        """An independent copy of this pool's state (for a checkpoint)."""
+        twin = BlockAllocator.__new__(BlockAllocator)
+        twin.__dict__.update(self.__dict__)
+        twin._free, twin._ref_counts = list(self._free), list(self._ref_counts)
+        twin._hash_of_block, twin._block_of_hash = dict(self._hash_of_block), dict(self._block_of_hash)
+        twin._evictable = OrderedDict(self._evictable)
+        return twin
 
     # ---- checks -----------------------------------------------------------------
     def check_invariants(self, references: Counter) -> None:

@@ -84,10 +84,14 @@ class BlockSpaceManager:
         return self.device.num_free_blocks - self._admission_cost(seqs, shared_len) \
             >= self._watermark_blocks
 
-    def can_append(self, group_id: int, tokens_per_seq: int = 1) -> bool:
-        """Whether every sequence of the group can take `tokens_per_seq` more tokens."""
-        return self._append_cost((self._tables[s], tokens_per_seq)
-                                 for s in self._groups[group_id]) <= self.device.num_free_blocks
+    def can_append(self, group_id: int, tokens_per_seq: int = 1, reserved: int = 0) -> bool:
+        """Whether every sequence of the group can take `tokens_per_seq` more tokens,
+        leaving `reserved` blocks (promised to other groups' appends) untouched."""
+        return self.append_cost(group_id, tokens_per_seq) + reserved <= self.device.num_free_blocks
+
+    def append_cost(self, group_id: int, tokens_per_seq: int = 1) -> int:
+        """Device blocks an append of `tokens_per_seq` to every sequence of the group takes."""
+        return self._append_cost((self._tables[s], tokens_per_seq) for s in self._groups[group_id])
 
     def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
         """Whether the swapped-out group fits back above the watermark, together with the
@@ -213,6 +217,23 @@ class BlockSpaceManager:
 
     def is_swapped_out(self, group_id: int) -> bool:
         return self._tables[self._groups[group_id][0]].allocator is self.host
+
+    # ---- transactions -----------------------------------------------------------------
+    def checkpoint(self) -> object:
+        """Everything the manager knows, to :meth:`rollback` to if a step fails."""
+        pools = {id(self.device): self.device.copy(), id(self.host): self.host.copy()}
+        tables = {s: t.copy(pools[id(t.allocator)]) for s, t in self._tables.items()}
+        return (pools[id(self.device)], pools[id(self.host)], tables,
+                {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of))
+
+    def rollback(self, checkpoint: object) -> None:
+        """Return to a checkpoint (once). Cached blocks evicted since then may have been
+        written, so they stay out of the prefix cache; everything else is as it was."""
+        device, host, tables, groups, group_of = checkpoint  # type: ignore[misc]
+        now = self.device.named_blocks()
+        device.forget(b for b, name in device.named_blocks().items() if now.get(b) != name)
+        self.device, self.host = device, host
+        self._tables, self._groups, self._group_of = tables, groups, group_of
 
     # ---- reporting --------------------------------------------------------------------
     def usage(self) -> Dict[str, float]:

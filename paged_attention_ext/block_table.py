@@ -140,6 +140,13 @@ class BlockTable:
         child.block_hashes = list(self.block_hashes)
         return child
 
+    def copy(self, allocator: BlockAllocator) -> "BlockTable":
+        """An independent copy of this table over `allocator` (a copy of its pool)."""
+        twin = BlockTable(allocator)
+        twin.blocks, twin.num_tokens = list(self.blocks), self.num_tokens
+        twin.block_hashes = list(self.block_hashes)
+        return twin
+
     def free(self) -> None:
         # Tail first: the pool evicts the least recently freed block first, and names
         # chain from the head, so the head must be the last of this prompt to go.

@@ -426,3 +426,31 @@ def test_bad_counts_and_ids_raise_value_error_without_change():
         mgr.admit(1, [SeqSpec(1, 6), SeqSpec(2, 3)], 4)
     assert (snapshot(mgr.device), dict(mgr.tables[0].__dict__)) == before
     mgr.check_invariants()
+
+
+def test_rollback_restores_the_checkpoint_but_forgets_evicted_cached_blocks():
+    mgr = BlockSpaceManager(6, 4, 4, enable_prefix_caching=True, watermark=0.0)
+    mgr.allocate(0, 0, list(range(9)))       # two named blocks and a partial one
+    mgr.allocate(1, 1, list(range(50, 59)))
+    head = mgr.tables[1].blocks[0]
+    mgr.free_group(1)                        # its two named blocks stay cached
+    cached_before = list(mgr.device._evictable)
+    refs_before = [mgr.device.ref_count(b) for b in range(6)]
+    table_before = (list(mgr.tables[0].blocks), mgr.tables[0].num_tokens)
+    checkpoint = mgr.checkpoint()
+
+    mgr.append(0, 1)
+    mgr.allocate(2, 2, 8)                    # the free block, then evicts group 1's tail
+    tail = [b for b in cached_before if b not in mgr.device._evictable]
+    mgr.swap_out(0)
+    mgr.rollback(checkpoint)
+
+    assert len(tail) == 1 and head not in tail
+    assert [mgr.device.ref_count(b) for b in range(6)] == refs_before
+    assert (mgr.tables[0].blocks, mgr.tables[0].num_tokens) == table_before
+    assert not mgr.holds(2) and mgr.host.num_used_blocks == 0
+    assert list(mgr.device._evictable) == [b for b in cached_before if b not in tail]
+    assert tail[0] in mgr.device.free_block_ids()  # its memory may have been overwritten
+    mgr.check_invariants()
+    _, num_cached = mgr.allocate(3, 3, list(range(50, 59)))
+    assert num_cached == 4                   # the head is still served

@@ -54,7 +54,7 @@ def expected(models, requests):
 
 
 def serve(model, requests, **config):
-    """Run to completion, checking the block manager after every step.
+    """Run to completion, checking the engine deeply after every step.
 
     Also returns the requests that were preempted (swapped out, or sent back to wait).
     """
@@ -66,7 +66,7 @@ def serve(model, requests, **config):
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs
-        engine.manager.check_invariants()
+        engine.check_invariants(deep=True)
         for request in requests:
             status = engine.status(request.request_id)
             if status is GroupStatus.RUNNING:
@@ -136,13 +136,13 @@ def test_abort_releases_blocks_in_every_state(models, requests):
                     and status not in aborted:
                 engine.abort(request.request_id)
                 aborted[status] = request.request_id
-                engine.manager.check_invariants()
+                engine.check_invariants(deep=True)
         engine.step()
     assert len(aborted) == 3
     finished = set()
     while engine.has_unfinished():
         finished |= {o.request_id for o in engine.step() if o.finished}
-        engine.manager.check_invariants()
+        engine.check_invariants(deep=True)
     assert finished.isdisjoint(aborted.values())
     assert_all_blocks_released(engine)
 

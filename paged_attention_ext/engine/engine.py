@@ -1,8 +1,10 @@
 """The engine loop: schedule, move blocks, one packed forward, choose tokens, stream."""
 
+import contextlib
+import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -11,11 +13,12 @@ from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
 from ..kv_cache import PagedKVCache
 from .beam_search import BeamSearch
+from .contents import BlockContents
 from .metrics import EngineMetrics
 from .params import Request
 from .runner import ModelRunner
 from .sampler import next_tokens
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 
@@ -30,6 +33,15 @@ class EngineConfig:
     preemption_mode: str = "swap"
     max_num_batched_tokens: int = 4096  # tokens per step; prefills beyond decodes queue up
     watermark: float = 0.01             # pool share kept free at admission for decoding
+
+
+@dataclass
+class _Choice:
+    """A group's next tokens, chosen but not yet adopted."""
+
+    tokens: list                                   # per row a token; beams: (row, token) pairs
+    generator: Optional[torch.Generator] = None    # sampling: the advanced copy
+    beam: Optional[BeamSearch] = None              # beam search: the advanced copy
 
 
 @dataclass
@@ -64,14 +76,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
+        self.contents = BlockContents(config.block_size)
         self.metrics = EngineMetrics()
+        self.vocab_size = text.vocab_size
         self._groups: Dict[str, SequenceGroup] = {}
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError naming it if it cannot be served."""
         if request.request_id in self._groups:
             raise ValueError(f"request {request.request_id} already exists")
+        for position, token in enumerate(request.prompt):
+            if token >= self.vocab_size:
+                raise ValueError(f"request {request.request_id}: prompt[{position}] = {token} is "
+                                 f"not in the model's vocabulary (size {self.vocab_size})")
         params = request.params
         generator = None
         if params.do_sample:
@@ -115,25 +134,125 @@ class LLMEngine:
                     results[output.request_id] = output.outputs
         return results
 
+    def check_invariants(self, deep: bool = False) -> None:
+        """Block manager invariants, and every request where its status says.
+
+        ``deep``: also check the cache's content as recorded at each write, copy and
+        swap: every block in the prefix cache holds exactly the tokens (after exactly
+        the prefix) its name says, and every sequence's blocks hold its computed tokens.
+        """
+        self.manager.check_invariants()
+        queues = {GroupStatus.WAITING: self.scheduler.waiting,
+                  GroupStatus.RUNNING: self.scheduler.running,
+                  GroupStatus.SWAPPED: self.scheduler.swapped}
+        for status, queue in queues.items():
+            for group in queue:
+                assert group.status is status, f"request {group.request.request_id} in the wrong queue"
+                assert self._groups.get(group.request.request_id) is group
+        assert sum(map(len, queues.values())) == len(self._groups), "a request is in no queue"
+        for group in self._groups.values():
+            held = group.status is not GroupStatus.WAITING
+            assert self.manager.holds(group.group_id) == held, (
+                f"request {group.request.request_id} is {group.status.value} but holds blocks: "
+                f"{self.manager.holds(group.group_id)}")
+            if held:
+                assert self.manager.is_swapped_out(group.group_id) == (
+                    group.status is GroupStatus.SWAPPED)
+                for seq in group.live_seqs:
+                    # The last token, chosen by the previous step, is placed by the next.
+                    assert seq.num_computed == len(seq.token_ids) - 1 == \
+                        self.manager.tables[seq.seq_id].num_tokens
+        if deep:
+            self._check_contents()
+
+    def _check_contents(self) -> None:
+        self.contents.check_named(self.manager.device.named_blocks())
+        for group in self._groups.values():
+            if group.status is GroupStatus.WAITING:
+                continue
+            pool = self.contents.host if group.status is GroupStatus.SWAPPED else self.contents.device
+            for seq in group.live_seqs:
+                held = self.contents.tokens(pool, self.manager.block_ids(seq.seq_id), seq.num_computed)
+                assert held == seq.token_ids[:seq.num_computed], (
+                    f"request {group.request.request_id}, sequence {seq.seq_id}: the cache holds "
+                    f"{held} for tokens {seq.token_ids[:seq.num_computed]}")
+
     def report(self) -> Dict:
         return {**self.metrics.report(self.manager), "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
-        plan = self.scheduler.schedule()
-        self.metrics.on_schedule(self.manager, self.scheduler.running, plan.preempted)
-        # Swap-outs read blocks that this step's allocations may already reuse.
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.apply_copies(plan.copies)
-        if not plan.groups:
-            return []
-        logits = self.runner.forward(plan.groups, plan.slots, self.manager)
-        outputs = []
-        for group, rows in zip(plan.groups, logits):
+        """Preempt, place this step's tokens, one packed forward, choose tokens, stream.
+
+        A step is two transactions. The first preempts (and copies swapped-out blocks to
+        the host); the second places tokens, moves blocks, runs the model and chooses
+        the next tokens. If either raises, it is rolled back: block tables, reference
+        counts, the prefix cache, the queues and every sequence are as they were before
+        it (the prefix cache may have forgotten blocks the failed part evicted, since
+        their memory may have been written). A failure in the second part keeps the
+        first part's preemptions, whose blocks may already have been reused.
+        """
+        with self._transaction():
+            preemption = self.scheduler.preempt()
+            self.kv_cache.swap_out(preemption.swap_out)
+        self.contents.swap_out(preemption.swap_out)
+        self.metrics.on_preempt(preemption.counts)
+        with self._transaction():
+            plan = self.scheduler.schedule(admit=not preemption.any)
+            self.kv_cache.swap_in(plan.swap_in)
+            self.kv_cache.apply_copies(plan.copies)
+            logits = self.runner.forward(plan.groups, plan.slots, self.manager) if plan.groups else []
+            choices = [self._choose(group, rows) for group, rows in zip(plan.groups, logits)]
+        return self._commit(plan, choices)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """Undo every state change of the block if it raises (see :meth:`step`)."""
+        manager = self.manager.checkpoint()
+        queues = [list(q) for q in (self.scheduler.waiting, self.scheduler.running,
+                                    self.scheduler.swapped)]
+        groups = [(g, g.status, [(s, s.num_computed) for s in g.seqs]) for g in self._groups.values()]
+        try:
+            yield
+        except BaseException:
+            self.manager.rollback(manager)
+            self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped = queues
+            for group, status, seqs in groups:
+                group.status = status
+                for seq, num_computed in seqs:
+                    seq.num_computed = num_computed
+            raise
+
+    def _choose(self, group: SequenceGroup, logits: torch.Tensor) -> _Choice:
+        """The group's next tokens, without changing the group: the request's generator
+        and beam state advance on copies that the commit adopts."""
+        if group.beam:
+            beam = copy.deepcopy(group.beam)
+            return _Choice(beam.step(logits, [s.output_ids for s in group.seqs]), beam=beam)
+        params = group.request.params
+        live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
+                else [not s.finished for s in group.seqs])
+        generator = None
+        if group.generator is not None:
+            generator = torch.Generator(device=group.generator.device)
+            generator.set_state(group.generator.get_state())
+        return _Choice(next_tokens(logits, live, params, generator), generator=generator)
+
+    def _commit(self, plan: SchedulerOutput, choices: List["_Choice"]) -> List[RequestOutput]:
+        """Adopt a step that ran: record what was written, append the chosen tokens, stream."""
+        self.metrics.on_step(self.manager, self.scheduler.running)
+        self.contents.swap_in(plan.swap_in)
+        self.contents.copy(plan.copies)
+        for group in plan.groups:
             for seq in group.live_seqs:
-                seq.num_computed = len(seq.token_ids)
-            new_tokens = self._advance_beams(group, rows) if group.beam else self._advance_samples(group, rows)
+                end = len(seq.token_ids)
+                self.contents.write(plan.slots[seq.seq_id], seq.token_ids[seq.num_computed:],
+                                    range(seq.num_computed, end), seq.block_hashes)
+                seq.num_computed = end
+        outputs = []
+        for group, choice in zip(plan.groups, choices):
+            new_tokens = (self._advance_beams(group, choice) if group.beam
+                          else self._advance_samples(group, choice))
             request_id = group.request.request_id
             self.metrics.on_tokens(request_id, group.request.params.num_beams
                                    if group.beam else sum(map(len, new_tokens)))
@@ -147,8 +266,9 @@ class LLMEngine:
             outputs.append(RequestOutput(request_id, new_tokens, finished, group.results))
         return outputs
 
-    def _advance_samples(self, group: SequenceGroup, logits: torch.Tensor) -> List[List[int]]:
+    def _advance_samples(self, group: SequenceGroup, choice: "_Choice") -> List[List[int]]:
         params = group.request.params
+        group.generator = choice.generator
         if len(group.seqs) < params.n:
             # First token: the samples share the prompt's blocks from here on.
             parent = group.seqs[0]
@@ -157,9 +277,8 @@ class LLMEngine:
                                  parent.num_computed, block_hashes=list(parent.block_hashes))
                 self.manager.fork(parent.seq_id, child.seq_id)
                 group.seqs.append(child)
-        tokens = next_tokens(logits, [not s.finished for s in group.seqs], params, group.generator)
         new_tokens: List[List[int]] = []
-        for seq, token in zip(group.seqs, tokens):
+        for seq, token in zip(group.seqs, choice.tokens):
             if seq.finished:
                 new_tokens.append([])
                 continue
@@ -171,11 +290,12 @@ class LLMEngine:
                 self.manager.free_seq(seq.seq_id)
         return new_tokens
 
-    def _advance_beams(self, group: SequenceGroup, logits: torch.Tensor) -> List[List[int]]:
+    def _advance_beams(self, group: SequenceGroup, choice: "_Choice") -> List[List[int]]:
         old = group.seqs
-        new_beams = group.beam.step(logits, [s.output_ids for s in old])
+        group.beam = choice.beam
         if group.beam.done:
             return []
+        new_beams = choice.tokens
         bases = [(list(s.token_ids), s.block_hashes) for s in old]
         parents = {p for p, _ in new_beams}
         for row, seq in enumerate(old):

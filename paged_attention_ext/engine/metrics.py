@@ -47,12 +47,13 @@ class EngineMetrics:
         """A request finished or was aborted."""
         self.end = self.clock()
 
-    def on_schedule(self, manager: BlockSpaceManager, running: Sequence[SequenceGroup],
-                    preempted: Dict[str, int]) -> None:
-        """Sample the pool as the step's forward will see it."""
-        self.steps += 1
+    def on_preempt(self, preempted: Dict[str, int]) -> None:
         for mode, count in preempted.items():
             self.preemptions[mode] += count
+
+    def on_step(self, manager: BlockSpaceManager, running: Sequence[SequenceGroup]) -> None:
+        """A step ran: sample the pool as its forward saw it."""
+        self.steps += 1
         usage = manager.usage()
         self.blocks_used.append(int(usage["device_blocks_used"]))
         self.block_references += int(usage["block_references"])

@@ -9,8 +9,12 @@ First come, first served over three queues kept in arrival order:
 * waiting groups (new, or preempted for recomputation) are prefilled when their blocks
   fit and the step's token budget allows, only once nothing is swapped out.
 
-A step that preempts admits nothing, so freed blocks are not handed straight back.
-Prompts are prefilled in one step (no chunked prefill).
+A step has two parts, so that a failure in the second never loses a group's blocks:
+:meth:`Scheduler.preempt` first decides and applies the preemptions (the engine then
+copies the swapped-out blocks to the host), and only then :meth:`Scheduler.schedule`
+places this step's tokens, which may reuse the freed blocks. A step that preempts
+admits nothing, so freed blocks are not handed straight back. Prompts are prefilled in
+one step (no chunked prefill).
 """
 
 import bisect
@@ -25,13 +29,21 @@ Mapping = List[Tuple[int, int]]
 
 
 @dataclass
+class Preemption:
+    swap_out: Mapping = field(default_factory=list)   # (device, host) rows to copy before any write
+    counts: Dict[str, int] = field(default_factory=lambda: {m: 0 for m in PREEMPTION_MODES})
+
+    @property
+    def any(self) -> bool:
+        return any(self.counts.values())
+
+
+@dataclass
 class SchedulerOutput:
     groups: List[SequenceGroup] = field(default_factory=list)  # run: every uncomputed token
     slots: Dict[int, List[int]] = field(default_factory=dict)   # per sequence, its uncomputed tokens'
-    swap_out: Mapping = field(default_factory=list)   # apply first: these blocks may be reused
     swap_in: Mapping = field(default_factory=list)
-    copies: Mapping = field(default_factory=list)     # copy-on-write, after the swaps
-    preempted: Dict[str, int] = field(default_factory=lambda: {m: 0 for m in PREEMPTION_MODES})
+    copies: Mapping = field(default_factory=list)     # copy-on-write, after the swap-ins
 
 
 class Scheduler:
@@ -61,30 +73,39 @@ class Scheduler:
         if self.manager.holds(group.group_id):
             self.manager.free_group(group.group_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def preempt(self) -> Preemption:
+        """Preempt the latest-arrived running groups until every other one's next token fits.
+
+        Writes nothing: the blocks the running groups will take are only counted.
+        """
+        out = Preemption()
+        queue, self.running, reserved = list(self.running), [], 0
+        while queue:
+            group = queue.pop(0)
+            while group.status is GroupStatus.RUNNING and not self.manager.can_append(
+                    group.group_id, reserved=reserved):
+                self._preempt(queue.pop() if queue else group, out)
+            if group.status is GroupStatus.RUNNING:
+                reserved += self.manager.append_cost(group.group_id)
+                self.running.append(group)
+        return out
+
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """Place the running groups' next tokens, then (if `admit`) swap in and prefill."""
         out = SchedulerOutput()
-        self._schedule_running(out)
-        if not any(out.preempted.values()):
+        for group in self.running:
+            self._append_pending(group, out)
+        if admit:
             self._schedule_swapped(out)
             if not self.swapped:
                 self._schedule_waiting(out)
-        if not out.groups and not any(out.preempted.values()) and self.has_unfinished():
-            group = (self.swapped or self.waiting)[0]
-            raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
-                               f"({self.manager.usage()['device_blocks_total']} blocks) even alone")
+            if not out.groups and self.has_unfinished():
+                group = (self.swapped or self.waiting)[0]
+                raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
+                                   f"({self.manager.usage()['device_blocks_total']} blocks) even alone")
         return out
 
-    # ---- the three queues ----------------------------------------------------------
-    def _schedule_running(self, out: SchedulerOutput) -> None:
-        queue, self.running = list(self.running), []
-        while queue:
-            group = queue.pop(0)
-            while group.status is GroupStatus.RUNNING and not self.manager.can_append(group.group_id):
-                self._preempt(queue.pop() if queue else group, out)
-            if group.status is GroupStatus.RUNNING:
-                self._append_pending(group, out)
-                self.running.append(group)
-
+    # ---- the queues that wait --------------------------------------------------------
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped and self.manager.can_swap_in(self.swapped[0].group_id):
             group = self.swapped.pop(0)
@@ -119,19 +140,19 @@ class Scheduler:
             out.slots[seq.seq_id] = placed[seq.seq_id].slots
         out.groups.append(group)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: Preemption) -> None:
         """Swap the group to host blocks, or free it to be recomputed (also when the host is full)."""
         if self.preemption_mode == "swap" and self.manager.can_swap_out(group.group_id):
             out.swap_out += self.manager.swap_out(group.group_id)
             group.status = GroupStatus.SWAPPED
             _insert(self.swapped, group)
-            out.preempted["swap"] += 1
+            out.counts["swap"] += 1
             return
         self.manager.free_group(group.group_id)
         for seq in group.live_seqs:
             seq.num_computed = 0
         self.add(group)
-        out.preempted["recompute"] += 1
+        out.counts["recompute"] += 1
 
     def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Allocate a prefill (new request) or a re-prefill after recompute preemption."""
