@@ -142,7 +142,7 @@ class BlockSpaceManager:
         # Copy-on-write copies of the prompt's partial block are not needed: its
         # content does not exist yet, every sequence computes its own copy.
         starts = [num_cached] + [shared_len // bs * bs] * (len(seqs) - 1)
-        return [[self._tables[seq.seq_id].slot(p) for p in range(start, seq.num_tokens)]
+        return [self._tables[seq.seq_id].slots(start, seq.num_tokens)
                 for seq, start in zip(seqs, starts)]
 
     def fork(self, parent_seq: int, child_seq: int) -> None:

@@ -61,8 +61,10 @@ class BlockTable:
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    def slot(self, position: int) -> int:
-        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+    def slots(self, start: int, end: int) -> List[int]:
+        """Slots of positions ``start`` to ``end - 1``."""
+        bs, blocks = self.block_size, self.blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks an append of this many tokens would allocate (copy-on-write included)."""
@@ -92,7 +94,7 @@ class BlockTable:
         self.blocks.extend(fresh)
         start = self.num_tokens
         self.num_tokens += count
-        result.slots = [self.slot(p) for p in range(start, self.num_tokens)]
+        result.slots = self.slots(start, self.num_tokens)
         self._register_full_blocks(names)
         return result
 
@@ -107,7 +109,7 @@ class BlockTable:
         if self.num_tokens:
             raise ValueError("allocate_prompt is for an empty table")
         hits = self._cached_prefix(num_tokens, names)
-        needed = self.blocks_needed_for_prompt(num_tokens, names)
+        needed = self._prompt_blocks(num_tokens, hits)
         if needed > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
                                     f"{self.allocator.num_free_blocks} available")
@@ -122,11 +124,12 @@ class BlockTable:
         self.num_tokens = num_tokens
         self.block_hashes = list(hits)
         self._register_full_blocks(names)
-        slots = [self.slot(p) for p in range(num_cached, self.num_tokens)]
-        return AppendResult(slots=slots), num_cached
+        return AppendResult(slots=self.slots(num_cached, self.num_tokens)), num_cached
 
     def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes]) -> int:
-        hits = self._cached_prefix(num_tokens, names)
+        return self._prompt_blocks(num_tokens, self._cached_prefix(num_tokens, names))
+
+    def _prompt_blocks(self, num_tokens: int, hits: Sequence[bytes]) -> int:
         fresh = -(-(num_tokens - len(hits) * self.block_size) // self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
         return fresh + sum(1 for h in hits if self.allocator.ref_count(self.allocator.lookup(h)) == 0)

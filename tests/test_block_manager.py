@@ -72,7 +72,7 @@ def test_append_in_place_and_new_block_only_when_full():
     assert len(table.blocks) == 1 and r.slots == [table.blocks[0] * 4 + 3]
     r = table.append_tokens(6)  # 4 + 2 tokens: two new blocks
     assert len(table.blocks) == 3 and table.num_tokens == 10
-    assert r.slots == [table.slot(p) for p in range(4, 10)]
+    assert r.slots == [table.blocks[p // 4] * 4 + p % 4 for p in range(4, 10)] == table.slots(4, 10)
     check(alloc, table)
 
 
