@@ -33,6 +33,16 @@ class SeqSpec(NamedTuple):
     names: Sequence[bytes] = ()  # its full blocks' names (block_hashes), with prefix caching
 
 
+class Checkpoint(NamedTuple):
+    """Copies of everything a manager knows (see :meth:`BlockSpaceManager.checkpoint`)."""
+
+    device: BlockAllocator
+    host: BlockAllocator
+    tables: Dict[int, BlockTable]
+    groups: Dict[int, List[int]]
+    group_of: Dict[int, int]
+
+
 class BlockSpaceManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  enable_prefix_caching: bool = False, watermark: float = 0.01) -> None:
@@ -219,17 +229,17 @@ class BlockSpaceManager:
         return self._tables[self._groups[group_id][0]].allocator is self.host
 
     # ---- transactions -----------------------------------------------------------------
-    def checkpoint(self) -> object:
+    def checkpoint(self) -> Checkpoint:
         """Everything the manager knows, to :meth:`rollback` to if a step fails."""
         pools = {id(self.device): self.device.copy(), id(self.host): self.host.copy()}
         tables = {s: t.copy(pools[id(t.allocator)]) for s, t in self._tables.items()}
-        return (pools[id(self.device)], pools[id(self.host)], tables,
-                {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of))
+        return Checkpoint(pools[id(self.device)], pools[id(self.host)], tables,
+                          {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of))
 
-    def rollback(self, checkpoint: object) -> None:
+    def rollback(self, checkpoint: Checkpoint) -> None:
         """Return to a checkpoint (once). Cached blocks evicted since then may have been
         written, so they stay out of the prefix cache; everything else is as it was."""
-        device, host, tables, groups, group_of = checkpoint  # type: ignore[misc]
+        device, host, tables, groups, group_of = checkpoint
         now = self.device.named_blocks()
         device.forget(b for b, name in device.named_blocks().items() if now.get(b) != name)
         self.device, self.host = device, host

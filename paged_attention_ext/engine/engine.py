@@ -13,6 +13,7 @@ from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
 from ..kv_cache import PagedKVCache
 from .beam_search import BeamSearch
+from .checks import check_engine
 from .contents import BlockContents
 from .metrics import EngineMetrics
 from .params import Request
@@ -141,41 +142,7 @@ class LLMEngine:
         swap: every block in the prefix cache holds exactly the tokens (after exactly
         the prefix) its name says, and every sequence's blocks hold its computed tokens.
         """
-        self.manager.check_invariants()
-        queues = {GroupStatus.WAITING: self.scheduler.waiting,
-                  GroupStatus.RUNNING: self.scheduler.running,
-                  GroupStatus.SWAPPED: self.scheduler.swapped}
-        for status, queue in queues.items():
-            for group in queue:
-                assert group.status is status, f"request {group.request.request_id} in the wrong queue"
-                assert self._groups.get(group.request.request_id) is group
-        assert sum(map(len, queues.values())) == len(self._groups), "a request is in no queue"
-        for group in self._groups.values():
-            held = group.status is not GroupStatus.WAITING
-            assert self.manager.holds(group.group_id) == held, (
-                f"request {group.request.request_id} is {group.status.value} but holds blocks: "
-                f"{self.manager.holds(group.group_id)}")
-            if held:
-                assert self.manager.is_swapped_out(group.group_id) == (
-                    group.status is GroupStatus.SWAPPED)
-                for seq in group.live_seqs:
-                    # The last token, chosen by the previous step, is placed by the next.
-                    assert seq.num_computed == len(seq.token_ids) - 1 == \
-                        self.manager.tables[seq.seq_id].num_tokens
-        if deep:
-            self._check_contents()
-
-    def _check_contents(self) -> None:
-        self.contents.check_named(self.manager.device.named_blocks())
-        for group in self._groups.values():
-            if group.status is GroupStatus.WAITING:
-                continue
-            pool = self.contents.host if group.status is GroupStatus.SWAPPED else self.contents.device
-            for seq in group.live_seqs:
-                held = self.contents.tokens(pool, self.manager.block_ids(seq.seq_id), seq.num_computed)
-                assert held == seq.token_ids[:seq.num_computed], (
-                    f"request {group.request.request_id}, sequence {seq.seq_id}: the cache holds "
-                    f"{held} for tokens {seq.token_ids[:seq.num_computed]}")
+        check_engine(self.manager, self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
         return {**self.metrics.report(self.manager), "config": asdict(self.config)}

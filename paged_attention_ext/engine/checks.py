@@ -1,0 +1,50 @@
+"""The engine's invariants: each request where its status says, and (deep) the cache's content."""
+
+from typing import Mapping, Optional
+
+from ..block_manager import BlockSpaceManager
+from .contents import BlockContents
+from .scheduler import Scheduler
+from .sequence import GroupStatus, SequenceGroup
+
+
+def check_engine(manager: BlockSpaceManager, scheduler: Scheduler,
+                 groups: Mapping[str, SequenceGroup], contents: Optional[BlockContents]) -> None:
+    """Raise AssertionError naming the first request found inconsistent.
+
+    ``contents``: also check every named block and every sequence's computed tokens
+    against the record of what was written (see :class:`BlockContents`).
+    """
+    manager.check_invariants()
+    queues = {GroupStatus.WAITING: scheduler.waiting, GroupStatus.RUNNING: scheduler.running,
+              GroupStatus.SWAPPED: scheduler.swapped}
+    for status, queue in queues.items():
+        for group in queue:
+            assert group.status is status, f"request {group.request.request_id} in the wrong queue"
+            assert groups.get(group.request.request_id) is group
+    assert sum(map(len, queues.values())) == len(groups), "a request is in no queue"
+    for group in groups.values():
+        held = group.status is not GroupStatus.WAITING
+        assert manager.holds(group.group_id) == held, (
+            f"request {group.request.request_id} is {group.status.value} but holds blocks: "
+            f"{manager.holds(group.group_id)}")
+        if held:
+            assert manager.is_swapped_out(group.group_id) == (group.status is GroupStatus.SWAPPED)
+            for seq in group.live_seqs:
+                # The last token, chosen by the previous step, is placed by the next.
+                assert seq.num_computed == len(seq.token_ids) - 1 == \
+                    manager.tables[seq.seq_id].num_tokens, (
+                        f"request {group.request.request_id}, sequence {seq.seq_id}: "
+                        f"{len(seq.token_ids)} tokens, {seq.num_computed} computed")
+    if contents is None:
+        return
+    contents.check_named(manager.device.named_blocks())
+    for group in groups.values():
+        if group.status is GroupStatus.WAITING:
+            continue
+        pool = contents.host if group.status is GroupStatus.SWAPPED else contents.device
+        for seq in group.live_seqs:
+            held = contents.tokens(pool, manager.block_ids(seq.seq_id), seq.num_computed)
+            assert held == seq.token_ids[:seq.num_computed], (
+                f"request {group.request.request_id}, sequence {seq.seq_id}: the cache holds "
+                f"{held} for tokens {seq.token_ids[:seq.num_computed]}")
