@@ -9,24 +9,30 @@ from typing import Optional
 import torch
 
 
+def _out_shape(query: torch.Tensor, value_cache: torch.Tensor):
+    """``[num_tokens, num_heads, head_size_v]``: the value cache's head size."""
+    return (query.shape[0], query.shape[1], value_cache.shape[-1])
+
+
 @torch.library.register_fake("paged::attention")
 def _attention_fake(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                    query_start_loc=None, alibi_slopes=None, sliding_window=-1, soft_cap=0.0):
-    return query.new_empty(query.shape)
+                    query_start_loc=None, alibi_slopes=None, sliding_window=-1, soft_cap=0.0,
+                    sinks=None):
+    return query.new_empty(_out_shape(query, value_cache))
 
 
 @torch.library.register_fake("paged::attention_with_lse")
 def _attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, scale,
                              query_start_loc=None, alibi_slopes=None, sliding_window=-1,
-                             soft_cap=0.0):
+                             soft_cap=0.0, sinks=None):
     lse = query.new_empty(query.shape[:2], dtype=torch.float32)
-    return query.new_empty(query.shape), lse
+    return query.new_empty(_out_shape(query, value_cache)), lse
 
 
 @torch.library.register_fake("paged::attention_out")
 def _attention_out_fake(out, lse: Optional[torch.Tensor], query, key_cache, value_cache,
                         block_tables, seq_lens, scale, query_start_loc=None, alibi_slopes=None,
-                        sliding_window=-1, soft_cap=0.0):
+                        sliding_window=-1, soft_cap=0.0, sinks=None):
     return None
 
 

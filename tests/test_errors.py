@@ -132,7 +132,7 @@ def test_copy_blocks_rejects_mismatched_layers():
     key, value = caches()
     with pytest.raises(ValueError, match="same number of layers"):
         pa.copy_blocks([key, key], [value], torch.tensor([[0, 1]]))
-    with pytest.raises(ValueError, match="same shape and dtype"):
+    with pytest.raises(ValueError, match="same dtype and shape"):
         pa.copy_blocks([key], [value[:2]], torch.tensor([[0, 1]]))
 
 

@@ -190,11 +190,14 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap) {
+                    double soft_cap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, &out,
+                                                sliding_window, soft_cap, sinks, &out,
                                                 lse.has_value() ? &*lse : nullptr);
+  TORCH_CHECK_VALUE(!sinks.has_value() && s.head_size_v == s.head_size, op,
+                    ": the CPU kernel does not support 'sinks' or a value head size that differs "
+                    "from the key head size yet");
   check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
   if (s.num_tokens == 0) return;
 
