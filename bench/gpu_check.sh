@@ -57,6 +57,7 @@ step() {
 # ERROR SUMMARY) fail the check; a tool that cannot run (no ERROR SUMMARY in its
 # log: device refused, tool error) is "unavailable" and a run past its time
 # "timeout", both reported in summary.json but not failures.
+REFUSED='not supported|internal sanitizer error|unable to (initialize|attach|load|find)|cannot (attach|find|load)|no attachable process|insufficient permissions|CUDA_ERROR_NOT_SUPPORTED'
 sanitize() {
   local name=$1 limit=$2 tool=$3 t0=$SECONDS rc status
   shift 3
@@ -80,10 +81,10 @@ sanitize() {
     status=timeout
   elif ((rc == 9)) || grep -Eq 'ERROR SUMMARY: [1-9]' "$OUT/$name.log"; then
     status=fail
-  elif ! grep -q 'ERROR SUMMARY' "$OUT/$name.log"; then
-    status=unavailable
-  elif ((rc == 0)); then
+  elif ((rc == 0)) && grep -q 'sanitizer scenario done' "$OUT/$name.log"; then
     status=pass
+  elif ! grep -q 'ERROR SUMMARY' "$OUT/$name.log" || grep -Eiq "$REFUSED" "$OUT/$name.log"; then
+    status=unavailable
   else
     status=fail  # the scenario itself failed under the tool
   fi
