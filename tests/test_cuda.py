@@ -217,6 +217,25 @@ def test_every_query_bucket(heads, kv_heads, multi_token):
                             alibi_slopes=torch.rand(heads))
 
 
+@parametrize("dtype", DTYPES)
+def test_cache_ops_with_value_head_size(dtype):
+    # write_kv and copy_blocks when value rows are shorter than key rows (192/128).
+    gen = torch.Generator().manual_seed(3)
+    key_cache = torch.randn(8, 2, 16, 192, generator=gen).to(dtype)
+    value_cache = torch.randn(8, 2, 16, 128, generator=gen).to(dtype)
+    key = torch.randn(5, 2, 192, generator=gen).to(dtype)
+    value = torch.randn(5, 2, 128, generator=gen).to(dtype)
+    slots = torch.tensor([3, -1, 40, 127, 64])
+    mapping = torch.tensor([[0, 5], [3, 1], [7, 6]])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    ref.copy_blocks([want_k], [want_v], mapping)
+    got_k, got_v = key_cache.to(CUDA), value_cache.to(CUDA)
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA))
+    pa.copy_blocks([got_k], [got_v], mapping)
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
 def test_swap_blocks_keeps_the_pinned_source_alive():
     # Issue 14 item 7: the pinned-memory allocator must not hand a host pool freed
     # right after swap_blocks to another tensor while the copy is still in flight.
