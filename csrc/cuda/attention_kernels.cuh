@@ -568,6 +568,9 @@ cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& 
   });
 }
 
+// The launches (CUDA syntax): nvcc only. tests/cuda_emulator.cpp compiles the kernels
+// above with the host compiler and runs them on emulated threads.
+#if defined(__CUDACC__)
 template <typename T>
 cudaError_t launch_attention_typed(const AttentionParams& p, cudaStream_t stream) {
   return with_instance(p.head_size, p.head_size_v, p.query_bucket, [&](auto k, auto v, auto q) {
@@ -587,6 +590,8 @@ cudaError_t occupancy_typed(int head_size, int head_size_v, int query_bucket, in
         ctas, attention_kernel<T, decltype(k)::value, decltype(v)::value, decltype(q)::value>, kThreads, 0);
   });
 }
+
+#endif  // __CUDACC__
 
 }  // namespace
 }  // namespace paged::cuda
