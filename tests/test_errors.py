@@ -69,6 +69,21 @@ def call(query, case, overrides):
     ("soft cap", lambda q, c: dict(soft_cap=-1.0), ValueError, "'soft_cap'"),
     ("scale", lambda q, c: dict(scale=float("nan")), ValueError, "'scale'"),
     ("window", lambda q, c: dict(sliding_window=-5), ValueError, "'sliding_window'"),
+    ("sinks dtype", lambda q, c: dict(sinks=torch.zeros(4, dtype=torch.bfloat16)), TypeError,
+     "'sinks' must have dtype Float"),
+    ("sinks length", lambda q, c: dict(sinks=torch.zeros(2)), ValueError,
+     r"'sinks' must have 4 entries \(num_heads\)"),
+    ("sinks rank", lambda q, c: dict(sinks=torch.zeros(1, 4)), ValueError, "'sinks' must be 1-D"),
+    ("value cache block size", lambda q, c: dict(value_cache=torch.zeros(8, 2, 8, 64)), ValueError,
+     "'value_cache' must have the num_blocks, num_kv_heads and block_size"),
+    ("value cache kv heads", lambda q, c: dict(value_cache=c.value_cache[:, :1].contiguous()),
+     ValueError, "'value_cache' must have the num_blocks"),
+    ("value head size unsupported", lambda q, c: dict(value_cache=c.value_cache[..., :12].contiguous()),
+     ValueError, "'value_cache' has head_size 12; supported head sizes are multiples of 8 up to 256"),
+    ("value head size too large", lambda q, c: dict(value_cache=torch.zeros(c.value_cache.shape[:3] + (264,))),
+     ValueError, "'value_cache' has head_size 264"),
+    ("value cache dtype", lambda q, c: dict(value_cache=c.value_cache.bfloat16()), TypeError,
+     "'value_cache'"),
 ])
 def test_attention_rejects(name, make, error, match, query, case):
     with pytest.raises(error, match=match):
@@ -85,6 +100,12 @@ def test_attention_out_rejects_wrong_buffers(query, case):
         pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 3))
     with pytest.raises(TypeError, match="'lse'"):
         pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 4, dtype=torch.float64))
+    # With a value head size of 32, out is [num_tokens, num_heads, 32].
+    narrow = case.value_cache[..., :32].contiguous()
+    narrow_args = args[:2] + (narrow,) + args[3:]
+    with pytest.raises(ValueError, match=r"'out' must be \[num_tokens, num_heads, head_size_v\] = \[2, 4, 32\]"):
+        pa.attention_out(torch.empty(2, 4, 64), *narrow_args)
+    pa.attention_out(torch.empty(2, 4, 32), *narrow_args)
 
 
 def caches():
@@ -99,6 +120,10 @@ def caches():
     (lambda k, v: dict(key=k[:, :1]), ValueError, "'key'"),
     (lambda k, v: dict(value=v.half()), TypeError, "'value'"),
     (lambda k, v: dict(key=k.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "'key' and 'value'"),
+    (lambda k, v: dict(value=torch.ones(2, 2, 32)), ValueError,
+     r"'value' must be \[num_tokens=2, num_kv_heads=2, head_size_v=64\]"),
+    (lambda k, v: dict(value_cache=torch.zeros(4, 2, 16, 64)), ValueError,
+     "'value_cache' must have the num_blocks, num_kv_heads and block_size of 'key_cache'"),
 ])
 def test_write_kv_rejects_and_leaves_cache_unchanged(make, error, match):
     key_cache, value_cache = caches()
@@ -134,6 +159,11 @@ def test_copy_blocks_rejects_mismatched_layers():
         pa.copy_blocks([key, key], [value], torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="same dtype and shape"):
         pa.copy_blocks([key], [value[:2]], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=r"the head size may differ\), got \[4, 2, 8, 64\] and \[4, 2, 4, 64\]"):
+        pa.copy_blocks([key], [torch.zeros(4, 2, 4, 64)], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="same dtype and shape"):
+        pa.copy_blocks([key], [value.half()], torch.tensor([[0, 1]]))
+    pa.copy_blocks([key], [torch.zeros(4, 2, 8, 16)], torch.tensor([[0, 1]]))  # head sizes differ
 
 
 def test_swap_blocks_rejects():
