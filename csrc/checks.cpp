@@ -67,10 +67,13 @@ void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorLis
                       op, ": key_caches[", l, "] and value_caches[", l,
                       "] must have the same dtype and shape (the head size may differ), got ",
                       key_caches[l].sizes(), " and ", value_caches[l].sizes());
-    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device() &&
-                          value_caches[l].device() == key_caches[0].device(),
-                      op, ": every cache must be on ", key_caches[0].device(), "; layer ", l,
-                      " is not");
+    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device(), op,
+                      ": argument 'key_caches[", l, "]' must be on the device of 'key_caches[0]' (",
+                      key_caches[0].device(), "), got ", key_caches[l].device());
+    TORCH_CHECK_VALUE(value_caches[l].device() == key_caches[0].device(), op,
+                      ": argument 'value_caches[", l, "]' must be on the device of "
+                      "'key_caches[0]' (", key_caches[0].device(), "), got ",
+                      value_caches[l].device());
     TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
                       ": every layer must have the same num_blocks");
   }
