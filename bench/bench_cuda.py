@@ -35,10 +35,16 @@ Method
   device, with random and with consecutive block ids (one copy per run of adjacent
   blocks). Bandwidth counts bytes read plus written for device-only ops, bytes moved for
   transfers; the transfers are also compared with one plain pinned copy of the same bytes.
+* Padded block tables (the CUDA-graph case, issue 14 item 2): the decode of ``paged`` at
+  batch 1 and 64, 32/8 heads, 4k real context, with block tables 128k keys wide (the
+  entries past the real blocks are padding), against the same call with a table of the
+  real width.
 * Timing: CUDA events around each call, the L2 cache flushed before each (a 256 MiB
   write), warm-up calls first, the median of the repetitions.
 
-Writes JSON (default ``bench/results/cuda.json``) and prints a table.
+Writes JSON (default ``bench/results/cuda.json``) after every phase and every decode
+configuration, so a run cut short keeps what it measured, and prints a table. A case
+that fails (a kernel error included) is recorded with its error, and the run goes on.
 """
 
 import argparse
@@ -195,8 +201,13 @@ def max_diff(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def bench_decode(timer, device, copy_gbps, configs, budget_s, reps):
-    results, start = [], time.monotonic()
+def error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def bench_decode(timer, device, copy_gbps, configs, budget_s, reps, results, save):
+    """Appends one entry per configuration to `results`, calling save() after each."""
+    start = time.monotonic()
     for kv_heads in KV_HEADS:
         for batch, context in configs:
             entry = {"num_heads": NUM_HEADS, "kv_heads": kv_heads, "batch": batch, "context": context}
@@ -210,9 +221,15 @@ def bench_decode(timer, device, copy_gbps, configs, budget_s, reps):
             if time.monotonic() - start > budget_s:
                 entry["skipped"] = "time budget"
                 continue
-            case = DecodeCase(batch, context, kv_heads, device)
-            want = case.paged()
-            entry["paged"] = summary(timer(case.paged, reps), kv_bytes, copy_gbps)
+            try:
+                case = DecodeCase(batch, context, kv_heads, device)
+                want = case.paged()
+                entry["paged"] = summary(timer(case.paged, reps), kv_bytes, copy_gbps)
+            except Exception as e:  # noqa: BLE001 (a failing case is recorded; the run goes on)
+                entry["paged"] = {"error": error_text(e)}
+                case = want = None
+                save()
+                continue
             if 2.5 * kv_bytes > budget:  # the gather's intermediates too
                 entry["sdpa"] = {"skipped": "a contiguous copy of the KV does not fit"}
             else:
@@ -222,8 +239,36 @@ def bench_decode(timer, device, copy_gbps, configs, budget_s, reps):
                     entry["sdpa"]["max_abs_diff_vs_paged"] = max_diff(run(), want)
                     del run, keep
                 except Exception as e:  # noqa: BLE001 (a baseline that fails is recorded, not fatal)
-                    entry["sdpa"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    entry["sdpa"] = {"error": error_text(e)}
             del case, want
+            save()
+    return results
+
+
+def bench_padded(timer, device, copy_gbps, quick, reps):
+    """Decode with block tables padded to 128k keys against tables of the real width."""
+    results = []
+    kv_heads, context, width = 8, 4096, 128 * 1024 // BLOCK_SIZE
+    batches = (1, 64)
+    if quick:
+        context, width, batches = 1024, 16 * 1024 // BLOCK_SIZE, (1, 4)
+    for batch in batches:
+        entry = {"num_heads": NUM_HEADS, "kv_heads": kv_heads, "batch": batch, "context": context,
+                 "table_keys": width * BLOCK_SIZE}
+        results.append(entry)
+        try:
+            case = DecodeCase(batch, context, kv_heads, device)
+            kv_bytes = case.kv_bytes
+            entry["exact_table"] = summary(timer(case.paged, reps), kv_bytes, copy_gbps)
+            want = case.paged()
+            padded = torch.zeros(batch, width, dtype=torch.int32, device=device)
+            padded[:, :case.block_tables.shape[1]] = case.block_tables
+            case.block_tables = padded
+            entry["padded_table"] = summary(timer(case.paged, reps), kv_bytes, copy_gbps)
+            entry["padded_table"]["max_abs_diff_vs_exact"] = max_diff(case.paged(), want)
+            del case, want, padded
+        except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+            entry["error"] = error_text(e)
     return results
 
 
@@ -258,7 +303,7 @@ def bench_flex(timer, device, copy_gbps, decode_results, order, budget_s, reps):
                     del run, keep, got
                     break
                 except Exception as e:  # noqa: BLE001 (recorded; the next page size is tried)
-                    errors.append(f"page_size {page_size}: {type(e).__name__}: {e}"[:300])
+                    errors.append(f"page_size {page_size}: " + error_text(e))
             if "flex_paged" not in entry:
                 entry["flex_paged"] = {"error": errors}
             del case, want
@@ -326,10 +371,11 @@ def print_table(report):
     print(f"device: {report['device']}, copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write)")
     print(f"{'heads':>7} {'batch':>5} {'ctx':>6} {'KV GB':>6} | {'paged GB/s':>10} {'%copy':>6} | "
           f"{'sdpa GB/s':>9} | {'flex GB/s':>9}")
-    for e in report["decode"]:
+    for e in report.get("decode", []):
         heads = f"{e['num_heads']}/{e['kv_heads']}"
-        if "skipped" in e:
-            print(f"{heads:>7} {e['batch']:>5} {e['context']:>6} {e['kv_bytes'] / 1e9:>6.1f} | skipped: {e['skipped']}")
+        if "skipped" in e or "gbps" not in e.get("paged", {}):
+            why = e.get("skipped") or e.get("paged", {}).get("error")
+            print(f"{heads:>7} {e['batch']:>5} {e['context']:>6} {e['kv_bytes'] / 1e9:>6.1f} | skipped: {why}")
             continue
 
         def gbps(key):
@@ -339,8 +385,12 @@ def print_table(report):
         p = e["paged"]
         print(f"{heads:>7} {e['batch']:>5} {e['context']:>6} {e['kv_bytes'] / 1e9:>6.1f} | {p['gbps']:>10.0f} "
               f"{p['pct_of_copy']:>5.0f}% | {gbps('sdpa')} | {gbps('flex_paged')}")
-    for name, r in report["cache_ops"].items():
-        if isinstance(r, dict):
+    for e in report.get("decode_padded", []):
+        if "padded_table" in e:
+            print(f"padded table, batch {e['batch']}: {e['padded_table']['gbps']:.0f} GB/s vs "
+                  f"{e['exact_table']['gbps']:.0f} GB/s with the exact table")
+    for name, r in report.get("cache_ops", {}).items():
+        if isinstance(r, dict) and "gbps" in r:
             extra = "".join(f", {k} {v:.0f}%" for k, v in r.items() if k.startswith("pct"))
             print(f"{name}: {r['gbps']:.1f} GB/s{extra}")
 
@@ -360,8 +410,6 @@ def main():
     timer = Timer(device)
     copy_gbps = copy_bandwidth(timer, device, (64 << 20) if args.quick else (2 << 30))
     configs = [(1, 1024), (8, 1024)] if args.quick else [(b, c) for b in BATCHES for c in CONTEXTS]
-    decode = bench_decode(timer, device, copy_gbps, configs, args.budget_s, reps)
-    bench_flex(timer, device, copy_gbps, decode, configs if args.quick else FLEX_ORDER, args.budget_s / 2, reps)
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
@@ -371,13 +419,37 @@ def main():
         "head_size": HEAD_SIZE,
         "block_size": BLOCK_SIZE,
         "copy_gbps": copy_gbps,
-        "decode": decode,
-        "cache_ops": bench_cache_ops(timer, device, copy_gbps, args.quick, reps),
+        "complete": False,
+        "decode": [],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    save()
+    bench_decode(timer, device, copy_gbps, configs, args.budget_s, reps, report["decode"], save)
+    try:
+        report["decode_padded"] = bench_padded(timer, device, copy_gbps, args.quick, reps)
+    except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+        report["decode_padded"] = {"error": error_text(e)}
+    save()
+    try:
+        report["cache_ops"] = bench_cache_ops(timer, device, copy_gbps, args.quick, reps)
+    except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+        report["cache_ops"] = {"error": error_text(e)}
+    save()
+    # FlexAttention last: it compiles per shape, the slowest and least essential phase.
+    try:
+        bench_flex(timer, device, copy_gbps, report["decode"], configs if args.quick else FLEX_ORDER,
+                   args.budget_s / 2, reps)
+    except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+        report["flex_error"] = error_text(e)
+    report["complete"] = True
+    save()
     print_table(report)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

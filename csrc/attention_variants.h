@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "scalar_kind.h"
 
@@ -21,13 +22,23 @@ inline ScalarKind scalar_kind(at::ScalarType t) {
   }
 }
 
+// [num_tokens, num_heads, head_size_v] of a result: the query's rows and heads, the value
+// cache's head size. A malformed query or cache is rejected by Into before the result is
+// used; until then the empty output only needs some valid shape.
+inline std::vector<int64_t> out_sizes(const at::Tensor& query, const at::Tensor& value_cache) {
+  std::vector<int64_t> sizes(query.sizes().begin(), query.sizes().end());
+  if (sizes.size() == 3 && value_cache.dim() == 4) sizes[2] = value_cache.size(3);
+  return sizes;
+}
+
 using AttentionIntoFn = void (*)(const char* op, at::Tensor& out,
                                  const std::optional<at::Tensor>& lse, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                  double scale, const std::optional<at::Tensor>& query_start_loc,
                                  const std::optional<at::Tensor>& alibi_slopes,
-                                 int64_t sliding_window, double soft_cap);
+                                 int64_t sliding_window, double soft_cap,
+                                 const std::optional<at::Tensor>& sinks);
 
 template <AttentionIntoFn Into>
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -35,10 +46,10 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& seq_lens, double scale,
                      const std::optional<at::Tensor>& query_start_loc,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double soft_cap) {
-  at::Tensor out = at::empty(query.sizes(), query.options());
+                     double soft_cap, const std::optional<at::Tensor>& sinks) {
+  at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
   Into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
-       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
   return out;
 }
 
@@ -47,15 +58,15 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
     const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window, double soft_cap) {
-  at::Tensor out = at::empty(query.sizes(), query.options());
+    int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks) {
+  at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
   // A malformed query is rejected by Into before the lse is used.
   std::optional<at::Tensor> lse;
   if (query.dim() == 3) {
     lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
   }
   Into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
-       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
   return {out, *lse};
 }
 
@@ -65,9 +76,9 @@ void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const 
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                    const std::optional<at::Tensor>& query_start_loc,
                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                   double soft_cap) {
+                   double soft_cap, const std::optional<at::Tensor>& sinks) {
   Into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables, seq_lens,
-       scale, query_start_loc, alibi_slopes, sliding_window, soft_cap);
+       scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
 }
 
 template <AttentionIntoFn Into>

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace paged {
@@ -31,6 +32,17 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
                     t.device());
 }
 
+// Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
+bool same_block_layout(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes().slice(0, 3) == b.sizes().slice(0, 3);
+}
+
+void check_head_size(const char* op, const char* name, int64_t head_size) {
+  TORCH_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxSupportedHeadSize, op,
+                    ": argument '", name, "' has head_size ", head_size,
+                    "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
+}
+
 int32_t read_i32(const at::Tensor& t, int64_t i) { return t.data_ptr<int32_t>()[i * t.stride(0)]; }
 
 }  // namespace
@@ -50,14 +62,18 @@ void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorLis
   for (size_t l = 0; l < key_caches.size(); ++l) {
     check_cache_tensor(op, "key_caches", key_caches[l]);
     check_cache_tensor(op, "value_caches", value_caches[l]);
-    TORCH_CHECK_VALUE(key_caches[l].sizes() == value_caches[l].sizes() &&
+    TORCH_CHECK_VALUE(same_block_layout(key_caches[l], value_caches[l]) &&
                           key_caches[l].scalar_type() == value_caches[l].scalar_type(),
                       op, ": key_caches[", l, "] and value_caches[", l,
-                      "] must have the same shape and dtype");
-    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device() &&
-                          value_caches[l].device() == key_caches[0].device(),
-                      op, ": every cache must be on ", key_caches[0].device(), "; layer ", l,
-                      " is not");
+                      "] must have the same dtype and shape (the head size may differ), got ",
+                      key_caches[l].sizes(), " and ", value_caches[l].sizes());
+    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device(), op,
+                      ": argument 'key_caches[", l, "]' must be on the device of 'key_caches[0]' (",
+                      key_caches[0].device(), "), got ", key_caches[l].device());
+    TORCH_CHECK_VALUE(value_caches[l].device() == key_caches[0].device(), op,
+                      ": argument 'value_caches[", l, "]' must be on the device of "
+                      "'key_caches[0]' (", key_caches[0].device(), "), got ",
+                      value_caches[l].device());
     TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
                       ": every layer must have the same num_blocks");
   }
@@ -81,6 +97,7 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     double scale, const std::optional<at::Tensor>& query_start_loc,
                                     const std::optional<at::Tensor>& alibi_slopes,
                                     int64_t sliding_window, double soft_cap,
+                                    const std::optional<at::Tensor>& sinks,
                                     const at::Tensor* out, const at::Tensor* lse) {
   check_rank(op, "query", query, 3, "[num_tokens, num_heads, head_size]");
   TORCH_CHECK_TYPE(is_supported_float(query.scalar_type()), op,
@@ -90,9 +107,9 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
   check_cache_tensor(op, "value_cache", value_cache);
   check_dtype(op, "key_cache", key_cache, query.scalar_type());
   check_dtype(op, "value_cache", value_cache, query.scalar_type());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op,
-                    ": argument 'value_cache' must have the shape of 'key_cache' ",
-                    key_cache.sizes(), ", got ", value_cache.sizes());
+  TORCH_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
+                    ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
+                    "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_same_device(op, "key_cache", key_cache, query);
   check_same_device(op, "value_cache", value_cache, query);
 
@@ -100,15 +117,15 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
   s.num_tokens = query.size(0);
   s.num_heads = query.size(1);
   s.head_size = query.size(2);
+  s.head_size_v = value_cache.size(3);
   s.num_blocks = key_cache.size(0);
   s.num_kv_heads = key_cache.size(1);
   s.block_size = key_cache.size(2);
 
   TORCH_CHECK_VALUE(key_cache.size(3) == s.head_size, op, ": argument 'key_cache' has head_size ",
                     key_cache.size(3), " but 'query' has head_size ", s.head_size);
-  TORCH_CHECK_VALUE(s.head_size > 0 && s.head_size % 8 == 0 && s.head_size <= kMaxSupportedHeadSize,
-                    op, ": argument 'query' has head_size ", s.head_size,
-                    "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
+  check_head_size(op, "query", s.head_size);
+  check_head_size(op, "value_cache", s.head_size_v);
   TORCH_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
   TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
                     ": num_heads of 'query' (", s.num_heads,
@@ -154,6 +171,14 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                       s.num_heads, " entries (num_heads), got ", slopes.size(0));
   }
 
+  if (sinks.has_value()) {
+    check_rank(op, "sinks", *sinks, 1, "[num_heads]");
+    check_dtype(op, "sinks", *sinks, at::kFloat);
+    check_same_device(op, "sinks", *sinks, query);
+    TORCH_CHECK_VALUE(sinks->size(0) == s.num_heads, op, ": argument 'sinks' must have ",
+                      s.num_heads, " entries (num_heads), got ", sinks->size(0));
+  }
+
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": argument 'scale' must be finite, got ", scale);
   TORCH_CHECK_VALUE(std::isfinite(soft_cap) && soft_cap >= 0.0, op,
                     ": argument 'soft_cap' must be >= 0 (0 disables it), got ", soft_cap);
@@ -162,8 +187,10 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                     sliding_window);
 
   if (out != nullptr) {
-    TORCH_CHECK_VALUE(out->sizes() == query.sizes(), op, ": argument 'out' must have the shape of ",
-                      "'query' ", query.sizes(), ", got ", out->sizes());
+    const auto want = std::vector<int64_t>{s.num_tokens, s.num_heads, s.head_size_v};
+    TORCH_CHECK_VALUE(out->sizes() == at::IntArrayRef(want), op,
+                      ": argument 'out' must be [num_tokens, num_heads, head_size_v] = ",
+                      at::IntArrayRef(want), ", got ", out->sizes());
     check_dtype(op, "out", *out, query.scalar_type());
     check_same_device(op, "out", *out, query);
     TORCH_CHECK_VALUE(out->stride(2) == 1, op,
@@ -224,30 +251,36 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& slot_mapping) {
   const char* op = "paged.write_kv";
   check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
-  check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size]");
+  check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size_v]");
   check_cache_tensor(op, "key_cache", key_cache);
   check_cache_tensor(op, "value_cache", value_cache);
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op,
-                    ": argument 'value_cache' must have the shape of 'key_cache' ",
-                    key_cache.sizes(), ", got ", value_cache.sizes());
+  TORCH_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
+                    ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
+                    "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
   check_dtype(op, "key", key, key_cache.scalar_type());
   check_dtype(op, "value", value, key_cache.scalar_type());
-  const auto want = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
-  TORCH_CHECK_VALUE(key.sizes() == at::IntArrayRef(want), op,
+  const auto want_k = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
+  TORCH_CHECK_VALUE(key.sizes() == at::IntArrayRef(want_k), op,
                     ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
                     ", head_size=", key_cache.size(3), "], got ", key.sizes());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": argument 'value' must have the shape of ",
-                    "'key' ", key.sizes(), ", got ", value.sizes());
+  const auto want_v = std::vector<int64_t>{key.size(0), value_cache.size(1), value_cache.size(3)};
+  TORCH_CHECK_VALUE(value.sizes() == at::IntArrayRef(want_v), op,
+                    ": argument 'value' must be [num_tokens=", key.size(0), ", num_kv_heads=",
+                    value_cache.size(1), ", head_size_v=", value_cache.size(3), "], got ",
+                    value.sizes());
   TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
                     ": arguments 'key' and 'value' must be contiguous in their last dimension");
   check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
   check_dtype(op, "slot_mapping", slot_mapping, at::kLong);
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": argument 'slot_mapping' has ",
                     slot_mapping.size(0), " entries but 'key' has ", key.size(0), " tokens");
-  for (const auto* t : {&value, &key_cache, &value_cache, &slot_mapping}) {
-    TORCH_CHECK_VALUE(t->device() == key.device(), op,
-                      ": all arguments must be on the device of 'key' (", key.device(), ")");
+  const std::pair<const char*, const at::Tensor*> others[] = {
+      {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+      {"slot_mapping", &slot_mapping}};
+  for (const auto& [name, t] : others) {
+    TORCH_CHECK_VALUE(t->device() == key.device(), op, ": argument '", name,
+                      "' must be on the device of 'key' (", key.device(), "), got ", t->device());
   }
 }
 

@@ -14,7 +14,8 @@ namespace paged {
 struct AttentionShape {
   int64_t num_tokens;
   int64_t num_heads;
-  int64_t head_size;
+  int64_t head_size;    // of query and key_cache
+  int64_t head_size_v;  // of value_cache and out
   int64_t num_blocks;
   int64_t num_kv_heads;
   int64_t block_size;
@@ -32,6 +33,7 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     double scale, const std::optional<at::Tensor>& query_start_loc,
                                     const std::optional<at::Tensor>& alibi_slopes,
                                     int64_t sliding_window, double soft_cap,
+                                    const std::optional<at::Tensor>& sinks,
                                     const at::Tensor* out, const at::Tensor* lse);
 
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
@@ -41,7 +43,8 @@ void check_attention_metadata(const char* op, const AttentionShape& shape,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const std::optional<at::Tensor>& query_start_loc);
 
-// key/value [num_tokens, num_kv_heads, head_size] against the caches.
+// key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
+// head_size_v] against their caches, which differ at most in head size.
 void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& slot_mapping);
@@ -60,8 +63,9 @@ void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
 
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
 
-// copy_blocks' per-layer caches: as many value as key caches, each pair of one shape
-// and dtype, every layer with the same num_blocks, all on one device.
+// copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
+// and one shape but for the head size, every layer with the same num_blocks, all on
+// one device.
 void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches);
 
 // swap_blocks' pools: one dtype, one block shape (any num_blocks), contiguous.

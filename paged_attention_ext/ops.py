@@ -2,8 +2,10 @@
 
 Layouts (see docs/ops.md):
 
-* KV cache, per layer, HND: ``key_cache`` and ``value_cache`` are
-  ``[num_blocks, num_kv_heads, block_size, head_size]``, contiguous.
+* KV cache, per layer, HND: ``key_cache`` is ``[num_blocks, num_kv_heads, block_size,
+  head_size]`` and ``value_cache`` ``[num_blocks, num_kv_heads, block_size, head_size_v]``,
+  contiguous; ``head_size_v`` is usually ``head_size`` (MLA models as transformers runs
+  them use e.g. 192 and 128).
 * ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]``: row i lists the
   physical blocks of sequence i in logical order; entries past the sequence's
   last block are never read.
@@ -41,14 +43,17 @@ def attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     sliding_window: int = -1,
     soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over each sequence's paged KV cache.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``, fp32/fp16/bf16, last dim contiguous.
-        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``,
-            same dtype as ``query``; ``num_heads % num_kv_heads == 0`` (GQA/MQA), query
-            head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, dtype of ``query``;
+            ``num_heads % num_kv_heads == 0`` (GQA/MQA), query head ``h`` reads KV head
+            ``h // (num_heads // num_kv_heads)``.
+        value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``, like
+            ``key_cache`` but for its head size. Head sizes are multiples of 8 up to 256.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         seq_lens: int32 ``[num_seqs]``; 0 marks a padded row (its output is zeros).
         scale: multiplies ``q . k`` (usually ``head_size ** -0.5``).
@@ -61,12 +66,16 @@ def attention(
         sliding_window: ``W > 0`` lets the query at ``p`` see keys ``p - W < j <= p``;
             -1 disables it.
         soft_cap: ``c > 0`` maps each score ``s`` to ``c * tanh(s / c)``; 0 disables it.
+        sinks: fp32 ``[num_heads]`` attention sinks (GPT-OSS): one more logit per head
+            in the softmax denominator that contributes no value, so
+            ``out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. None: no sink.
 
     Returns:
-        ``[num_tokens, num_heads, head_size]`` in the dtype of ``query``.
+        ``[num_tokens, num_heads, head_size_v]`` in the dtype of ``query``; zeros for a
+        row that sees no key.
     """
     return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                     query_start_loc, alibi_slopes, sliding_window, soft_cap)
+                                     query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks)
 
 
 def attention_with_lse(
@@ -80,18 +89,21 @@ def attention_with_lse(
     alibi_slopes: Optional[torch.Tensor] = None,
     sliding_window: int = -1,
     soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` plus the log-sum-exp of each row's scores.
 
     Returns:
         ``(out, lse)``: ``out`` as in :func:`attention`; ``lse`` fp32
-        ``[num_tokens, num_heads]``, natural log, ``-inf`` for rows that see no key.
-        Two partial attentions over disjoint keys merge exactly with it (cascade
-        attention, split prefill).
+        ``[num_tokens, num_heads]``, natural log of the softmax denominator: the
+        log-sum-exp of the row's visible scores and, when given, its head's sink. A row
+        that sees no key gets the sink (``-inf`` without sinks). Two partial attentions
+        over disjoint keys (without sinks) merge exactly with it (cascade attention,
+        split prefill).
     """
     return torch.ops.paged.attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
                                               scale, query_start_loc, alibi_slopes, sliding_window,
-                                              soft_cap)
+                                              soft_cap, sinks)
 
 
 def attention_out(
@@ -107,18 +119,22 @@ def attention_out(
     sliding_window: int = -1,
     soft_cap: float = 0.0,
     lse: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`attention` writing into caller-owned buffers (fixed addresses for CUDA graphs).
 
     Args:
-        out: ``[num_tokens, num_heads, head_size]``, dtype of ``query``, last dim contiguous.
-        lse: optional fp32 ``[num_tokens, num_heads]`` that receives the log-sum-exp.
+        out: ``[num_tokens, num_heads, head_size_v]``, dtype of ``query``, last dim contiguous.
+        lse: optional fp32 ``[num_tokens, num_heads]`` that receives the log-sum-exp
+            (as in :func:`attention_with_lse`).
+        The other arguments as in :func:`attention`.
 
     Returns:
         ``out``.
     """
     torch.ops.paged.attention_out(out, lse, query, key_cache, value_cache, block_tables, seq_lens,
-                                  scale, query_start_loc, alibi_slopes, sliding_window, soft_cap)
+                                  scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
+                                  sinks)
     return out
 
 
@@ -132,8 +148,9 @@ def write_kv(
     """Store each token's key and value into its cache slot, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]`` (last dim contiguous; e.g. a
-            view into a fused QKV projection), dtype of the caches.
+        key: ``[num_tokens, num_kv_heads, head_size]`` and value ``[num_tokens,
+            num_kv_heads, head_size_v]`` (last dims contiguous; e.g. views into a fused
+            QKV projection), dtype of the caches.
         key_cache, value_cache: the layer's caches, modified in place.
         slot_mapping: int64 ``[num_tokens]``; ``slot = block * block_size + offset``;
             negative slots are padding and are skipped. Slots must be distinct.
@@ -148,8 +165,11 @@ def copy_blocks(
 ) -> None:
     """For every layer, copy block ``src`` to block ``dst`` for each ``(src, dst)`` row.
 
-    One call serves copy-on-write and fork copies of all layers. ``block_mapping`` is int64
-    ``[num_pairs, 2]``; a destination may appear once and may not also be a source.
+    One call serves copy-on-write and fork copies of all layers. Layer ``l``'s
+    ``key_caches[l]`` and ``value_caches[l]`` have one dtype and one block layout but
+    may differ in head size; every layer has the same ``num_blocks``. ``block_mapping``
+    is int64 ``[num_pairs, 2]``; a destination may appear once and may not also be a
+    source.
     """
     torch.ops.paged.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
@@ -164,7 +184,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU attention kernel uses: ``avx512``, ``avx2`` or ``generic``.
+    """The instruction set the CPU attention kernel uses: ``avx512_bf16`` (AVX-512 with bf16
+    dot products), ``avx512``, ``avx2`` or ``generic``.
 
     ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every path).
     """

@@ -11,7 +11,7 @@ import torch
 
 
 def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's cached rows, ``[num_kv_heads, seq_len, head_size]``, in fp32.
+    """One sequence's cached rows, ``[num_kv_heads, seq_len, cache head size]``, in fp32.
 
     Only the blocks that hold the sequence's tokens are read.
     """
@@ -41,11 +41,16 @@ def attention_with_lse(
     alibi_slopes: Optional[torch.Tensor] = None,
     sliding_window: int = -1,
     soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, head_size = query.shape
+    num_tokens, num_heads, _ = query.shape
     group = num_heads // key_cache.shape[1]
-    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32, device=query.device)
-    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
+    head_size_v = value_cache.shape[3]
+    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=torch.float32, device=query.device)
+    # A row that sees no key: output 0, lse the sink (-inf without sinks).
+    no_sink = torch.full((num_heads,), float("-inf"), device=query.device)
+    sink = no_sink if sinks is None else sinks.float()
+    lse = sink.expand(num_tokens, num_heads).clone()
 
     for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
         kv_len = int(seq_lens[i])
@@ -67,7 +72,10 @@ def attention_with_lse(
             visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
 
-        row_lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees nothing
+        # The sink: one more logit per head in the denominator, with no value.
+        sink_column = sink[:, None, None].expand(num_heads, q_len, 1)
+        row_lse = torch.logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
+        # -inf where a row sees nothing and has no sink.
         probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
         out[row:row + q_len] = (probs @ values).transpose(0, 1)
         lse[row:row + q_len] = row_lse.transpose(0, 1)
@@ -85,9 +93,10 @@ def attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     sliding_window: int = -1,
     soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                              query_start_loc, alibi_slopes, sliding_window, soft_cap)[0]
+                              query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks)[0]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

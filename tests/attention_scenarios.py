@@ -79,7 +79,8 @@ def assert_matches_reference(device: str, query: torch.Tensor, case: PagedCase, 
     out, lse = attention_with_lse(device, query, case, scale, **kwargs)
     want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache,
                                             case.block_tables, case.seq_lens, scale, **kwargs)
-    assert out.dtype == query.dtype and out.shape == query.shape
+    assert out.dtype == query.dtype
+    assert out.shape == query.shape[:2] + case.value_cache.shape[3:], "out has the value head size"
     assert not out.isnan().any(), "NaN in output"
     torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
@@ -88,6 +89,17 @@ def assert_matches_reference(device: str, query: torch.Tensor, case: PagedCase, 
 
 def edge_lengths(block_size: int) -> List[int]:
     return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5})
+
+
+def random_sinks(num_heads: int, seed: int = 2) -> torch.Tensor:
+    """fp32 sinks of the size of the scores, so they visibly change every row."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_heads, generator=gen) * 2.0
+
+
+def alibi(num_heads: int) -> torch.Tensor:
+    return torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)],
+                        dtype=torch.float32)
 
 
 # ---- scenarios ----------------------------------------------------------------------------
@@ -160,7 +172,7 @@ def alibi_and_soft_cap(device, multi_token):
     case = make_case(lens, 2, 64, 16, torch.bfloat16)
     qsl = query_start_loc(q_lens) if multi_token else None
     query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)], dtype=torch.float32)
+    slopes = alibi(8)
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes)
     assert_matches_reference(device, query * 8, case, 0.125, query_start_loc=qsl, soft_cap=5.0)
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes,
@@ -238,3 +250,133 @@ def out_variant_writes_into_caller_buffers(device):
     torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(lse.cpu(), want_lse)
     assert (out[1] == 0).all() and math.isinf(lse[1, 0]) and lse[1, 0] < 0
+
+
+# ---- attention sinks ------------------------------------------------------------------------
+
+@scenario(dtype=DTYPES, heads=[(8, 8), (8, 2), (16, 1)], multi_token=[False, True])
+def sinks_mha_gqa_mqa(device, dtype, heads, multi_token):
+    # MHA, GQA and MQA; decode rows, prefill, chunked prefill and a padded sequence.
+    num_heads, num_kv_heads = heads
+    lens = [1, 15, 16, 17, 0, 100]
+    q_lens = [1, 4, 16, 2, 0, 33] if multi_token else None
+    case = make_case(lens, num_kv_heads, 64, 16, dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), num_heads, 64, dtype)
+    sinks = random_sinks(num_heads)
+    out = assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sinks=sinks)
+    without, _ = attention_with_lse(device, query, case, 0.125, query_start_loc=qsl)
+    assert not torch.allclose(out.float(), without.float()), "the sinks changed nothing"
+    if not multi_token:
+        # The padded row sees no key: output 0, lse the sink.
+        _, lse = attention_with_lse(device, query, case, 0.125, sinks=sinks)
+        assert (out[4] == 0).all() and torch.equal(lse[4], sinks)
+
+
+@scenario(multi_token=[False, True])
+def sinks_with_window_soft_cap_and_alibi(device, multi_token):
+    lens = [3, 17, 64, 129]
+    q_lens = [3, 4, 1, 20] if multi_token else None
+    case = make_case(lens, 2, 64, 16, torch.bfloat16)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+    sinks = random_sinks(8)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sinks=sinks,
+                             sliding_window=10)
+    assert_matches_reference(device, query * 8, case, 0.125, query_start_loc=qsl, sinks=sinks,
+                             soft_cap=5.0)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sinks=sinks,
+                             alibi_slopes=alibi(8), sliding_window=10, soft_cap=30.0)
+
+
+@scenario()
+def extreme_sinks(device):
+    # Per head: sinks that swamp every score (output 0, lse the sink), sinks no score
+    # notices (as if there were none), 0, and -inf (exactly no sink).
+    lens = [1, 40, 0, 300]
+    case = make_case(lens, 2, 64, 16, torch.float32)
+    query = random_query(4, 8, 64, torch.float32)
+    sinks = torch.tensor([1e30, -1e30, float("-inf"), 0.0, 60.0, -60.0, 1e4, -1e4])
+    out = assert_matches_reference(device, query, case, 0.125, sinks=sinks)
+    _, lse = attention_with_lse(device, query, case, 0.125, sinks=sinks)
+    plain, plain_lse = attention_with_lse(device, query, case, 0.125)
+    for h in (0, 4, 6):  # swamped
+        assert out[:, h].abs().max() < 1e-20 and torch.equal(lse[:, h], sinks[h].expand(4))
+    for h in (1, 2, 5, 7):  # unnoticed by rows that see a key
+        seen = [0, 1, 3]
+        torch.testing.assert_close(out[seen, h], plain[seen, h])
+        torch.testing.assert_close(lse[seen, h], plain_lse[seen, h])
+    assert torch.equal(lse[2], sinks), "a row that sees no key has the sink as its lse"
+
+
+@scenario(dtype=[torch.float32, torch.bfloat16])
+def sinks_split_kv_long_context(device, dtype):
+    # Partitions merged by their lse: the sink must count exactly once. Sinks near the
+    # lse of 20000 keys (about 10) matter.
+    lens = [20000, 777, 0]
+    case = make_case(lens, 1, 128, 16, dtype)
+    query = random_query(len(lens), 4, 128, dtype)
+    sinks = torch.tensor([10.0, -3.0, 8.0, 12.0])
+    assert_matches_reference(device, query, case, 128 ** -0.5, sinks=sinks)
+    assert_matches_reference(device, query, case, 128 ** -0.5, sinks=sinks, sliding_window=1500)
+    qsl = query_start_loc([40, 3, 0])
+    query = random_query(43, 4, 128, dtype)
+    assert_matches_reference(device, query, case, 128 ** -0.5, query_start_loc=qsl, sinks=sinks)
+
+
+# ---- value head size != key head size (MLA as transformers runs it) -----------------------
+
+@scenario(dtype=DTYPES, head_sizes=[(192, 128), (96, 64), (64, 128), (128, 64), (80, 64),
+                                    (64, 80), (40, 128), (256, 8)])
+def value_head_size_differs(device, dtype, head_sizes):
+    # Whole-vector, ragged and mixed rows (80 is not a whole number of AVX-512 vectors,
+    # nor 40 of any), with every feature.
+    head_size, head_size_v = head_sizes
+    lens = [1, 15, 16, 17, 0, 70]
+    case = make_case(lens, 2, head_size, 16, dtype, head_size_v=head_size_v)
+    scale = head_size ** -0.5
+    out = assert_matches_reference(device, random_query(len(lens), 8, head_size, dtype), case, scale)
+    assert (out[4] == 0).all(), "a padded row must yield zeros"
+    q_lens = [1, 3, 16, 17, 0, 40]
+    query = random_query(sum(q_lens), 8, head_size, dtype)
+    assert_matches_reference(device, query, case, scale, query_start_loc=query_start_loc(q_lens),
+                             alibi_slopes=alibi(8), sliding_window=20, soft_cap=30.0,
+                             sinks=random_sinks(8))
+
+
+@scenario(dtype=DTYPES, multi_token=[False, True], block_size=[16, 64])
+def deepseek_v3_mla_shapes(device, dtype, multi_token, block_size):
+    # DeepSeek-V3 attention as transformers runs it: MHA after the up-projections, key head
+    # 192 (128 no-RoPE + 64 RoPE), value head 128, scaled by 192 ** -0.5.
+    lens = [1, block_size - 1, block_size + 1, 300, 0]
+    q_lens = [1, 3, block_size + 1, 50, 0] if multi_token else None
+    case = make_case(lens, 16, 192, block_size, dtype, head_size_v=128)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 16, 192, dtype)
+    assert_matches_reference(device, query, case, 192 ** -0.5, query_start_loc=qsl)
+
+
+@scenario(dtype=[torch.float32, torch.bfloat16])
+def value_head_size_split_kv_long_context(device, dtype):
+    lens = [6000, 33]
+    case = make_case(lens, 1, 192, 16, dtype, head_size_v=128)
+    query = random_query(len(lens), 4, 192, dtype)
+    assert_matches_reference(device, query, case, 192 ** -0.5)
+    assert_matches_reference(device, query, case, 192 ** -0.5, sinks=random_sinks(4))
+
+
+@scenario()
+def out_variant_with_sinks_and_value_head_size(device):
+    case = make_case([5, 0, 40], 2, 96, 16, torch.bfloat16, head_size_v=64)
+    query = random_query(3, 4, 96, torch.bfloat16)
+    sinks = random_sinks(4)
+    dev = on_device(case, device)
+    out = torch.full((3, 4, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((3, 4), float("nan"), device=device)
+    pa.attention_out(out, query.to(device), dev.key_cache, dev.value_cache, dev.block_tables,
+                     dev.seq_lens, 0.125, lse=lse, sinks=sinks.to(device))
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125, sinks=sinks)
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse.cpu(), want_lse)
+    assert (out[1] == 0).all() and torch.equal(lse[1].cpu(), sinks)

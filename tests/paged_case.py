@@ -47,8 +47,11 @@ def make_case(
     spare_blocks: int = 3,
     seed: int = 0,
     poison: Optional[float] = float("nan"),
+    head_size_v: Optional[int] = None,
 ) -> PagedCase:
     """Random caches whose blocks are scattered in a random physical order.
+
+    The value cache's head size is ``head_size_v`` (default: ``head_size``).
 
     Every slot not holding a token is set to `poison` (NaN by default), and block
     table entries past each sequence's blocks hold an invalid id, so a kernel that
@@ -58,9 +61,9 @@ def make_case(
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     max_blocks = max([1] + blocks_per_seq) + 1
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    shape = (num_blocks, num_kv_heads, block_size)
+    key_cache = torch.randn(shape + (head_size,), generator=gen).to(dtype)
+    value_cache = torch.randn(shape + (head_size_v or head_size,), generator=gen).to(dtype)
 
     physical = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.full((len(seq_lens), max_blocks), UNUSED_TABLE_ENTRY, dtype=torch.int32)

@@ -10,6 +10,7 @@ import torch
 
 import attention_scenarios as scenarios
 import paged_attention_ext as pa
+from paged_attention_ext import reference as ref
 from paged_case import DTYPES, make_case, query_start_loc, random_query
 
 
@@ -32,15 +33,19 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
     assert pa.cpu_isa() == isa
     lens = [1, 15, 16, 17, 100, 0]
-    # 128 has its own compile of the kernel; 64 takes the general one, 72 its ragged path.
-    for head_size in (64, 72, 128):
-        case = make_case(lens, 2, head_size, 16, dtype)
+    sinks = scenarios.random_sinks(8)
+    # (key, value) head sizes: 128 has its own compile of the kernel; 64 and 192/128 take
+    # the general one, 72 and 40/128 its ragged path, and 80/64 reads rows in place with
+    # bf16 dot products (avx512_bf16) for the values only.
+    for head_size, head_size_v in ((64, 64), (72, 72), (128, 128), (192, 128), (40, 128), (80, 64)):
+        case = make_case(lens, 2, head_size, 16, dtype, head_size_v=head_size_v)
         query = random_query(len(lens), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5)
+        assert_matches_reference(query, case, head_size ** -0.5, sinks=sinks)
         qsl = query_start_loc([1, 3, 16, 17, 40, 0])
         query = random_query(int(qsl[-1]), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl,
-                                 soft_cap=20.0)
+                                 soft_cap=20.0, sinks=sinks)
 
 
 def test_unknown_instruction_set_is_rejected(monkeypatch):
@@ -56,20 +61,25 @@ def test_split_kv_long_context_on_one_thread(dtype):
     torch.set_num_threads(1)
     try:
         scenarios.split_kv_long_context("cpu", dtype)
+        scenarios.sinks_split_kv_long_context("cpu", dtype)
     finally:
         torch.set_num_threads(previous)
 
 
-def test_split_kv_is_exact_across_thread_counts():
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_split_kv_is_exact_across_thread_counts(with_sinks):
+    # One thread splits the keys into 4 partitions, two into 8; the sink must count once
+    # in either merge.
     case = make_case([6000], 1, 128, 16, torch.float32)
     query = random_query(1, 8, 128, torch.float32)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
+    sinks = torch.linspace(-2.0, 9.0, 8) if with_sinks else None
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = pa.attention(*args)
+        single = pa.attention_with_lse(*args, sinks=sinks)
         torch.set_num_threads(2)
-        split = pa.attention(*args)
+        split = pa.attention_with_lse(*args, sinks=sinks)
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-5)
@@ -86,12 +96,15 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
     case = make_case(lens, num_kv_heads, 128, 16, dtype)
     query = random_query(len(lens), num_kv_heads * group, 128, dtype)
     assert_matches_reference(query, case, 128 ** -0.5)
+    # Each row's sink is taken by exactly one of the items that share its keys.
+    assert_matches_reference(query, case, 128 ** -0.5,
+                             sinks=scenarios.random_sinks(num_kv_heads * group))
 
 
 def test_random_shapes_match_reference():
-    """Seeded random mixes of dtype, heads, head and block size, lengths, window and
-    multi-token rows: the traversal (spans of blocks, heads within them, ragged chunks)
-    must agree with the reference everywhere."""
+    """Seeded random mixes of dtype, heads, key and value head and block size, lengths,
+    window, sinks and multi-token rows: the traversal (spans of blocks, heads within them,
+    ragged chunks) must agree with the reference everywhere."""
     rng = torch.Generator().manual_seed(5)
 
     def pick(options):
@@ -101,11 +114,15 @@ def test_random_shapes_match_reference():
         dtype = pick(DTYPES)
         kv_heads, group = pick([1, 2, 3, 4, 8]), pick([1, 2, 4, 8])
         head_size, block_size = pick([16, 48, 64, 72, 128, 256]), pick([1, 5, 8, 16, 24, 32, 64])
+        head_size_v = pick([head_size, head_size, 8, 64, 128])
         lens = [pick([1, max(1, block_size - 1), block_size, block_size + 1,
                       int(torch.randint(1, 700, (1,), generator=rng))])
                 for _ in range(pick([1, 2, 3, 5, 16]))]
-        case = make_case(lens, kv_heads, head_size, block_size, dtype, seed=seed)
+        case = make_case(lens, kv_heads, head_size, block_size, dtype, seed=seed,
+                         head_size_v=head_size_v)
         kwargs = {"sliding_window": pick([0, 0, 7, 40])}
+        if seed % 2 == 0:
+            kwargs["sinks"] = scenarios.random_sinks(kv_heads * group, seed=seed)
         num_tokens = len(lens)
         if seed % 3 == 0:  # multi-token rows
             q_lens = [int(torch.randint(1, n + 1, (1,), generator=rng)) for n in lens]
@@ -113,3 +130,29 @@ def test_random_shapes_match_reference():
             num_tokens = sum(q_lens)
         query = random_query(num_tokens, kv_heads * group, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, **kwargs)
+
+
+def test_reference_sinks_equal_gpt_oss_eager():
+    """The reference's sinks are GPT-OSS's (transformers' eager attention: the sink
+    concatenated as a last column of the logits, softmax, the column dropped)."""
+    num_heads, num_kv_heads, head_size, n = 8, 2, 64, 37
+    case = make_case([n], num_kv_heads, head_size, 16, torch.float32, poison=None)
+    query = random_query(n, num_heads, head_size, torch.float32)
+    sinks = scenarios.random_sinks(num_heads)
+    got = ref.attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                        0.125, query_start_loc=query_start_loc([n]), sliding_window=9, sinks=sinks)
+
+    def dense(cache):  # [heads, n, head_size] in token order, each KV head repeated per group
+        rows = cache[case.block_tables[0, :-(-n // 16)].long()].permute(1, 0, 2, 3).reshape(
+            num_kv_heads, -1, head_size)[:, :n]
+        return rows.repeat_interleave(num_heads // num_kv_heads, dim=0)
+
+    logits = 0.125 * query.transpose(0, 1) @ dense(case.key_cache).transpose(1, 2)
+    pos = torch.arange(n)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 9)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    combined = torch.cat([logits, sinks.reshape(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    want = (probs @ dense(case.value_cache)).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -9,10 +9,11 @@ from paged_case import DTYPES
 
 
 def random_caches(num_blocks=12, num_kv_heads=2, block_size=16, head_size=64,
-                  dtype=torch.float32, seed=0):
+                  dtype=torch.float32, seed=0, head_size_v=None):
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    shape = (num_blocks, num_kv_heads, block_size)
+    return (torch.randn(shape + (head_size,), generator=gen).to(dtype),
+            torch.randn(shape + (head_size_v or head_size,), generator=gen).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,3 +99,36 @@ def test_write_kv_rows_shorter_than_or_not_a_multiple_of_a_cache_line(head_size)
     ref.write_kv(key, value, want_k, want_v, slots)
     pa.write_kv(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,head_size_v", [(192, 128), (64, 128), (24, 64), (64, 8)])
+def test_write_kv_value_head_size_differs(dtype, head_size, head_size_v):
+    # Rows of either cache may or may not take the streaming stores (whole cache lines).
+    key_cache, value_cache = random_caches(head_size=head_size, head_size_v=head_size_v,
+                                           dtype=dtype)
+    qkv = torch.randn(9, 8, 192 + 128).to(dtype)  # fused projection: strided views
+    key, value = qkv[:, 2:4, :head_size], qkv[:, 5:7, 192:192 + head_size_v]
+    slots = torch.tensor([0, 5, 17, 33, -1, 190, 191, 64, 100])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+def test_copy_and_swap_blocks_value_head_size_differs():
+    # Two layers, each with its own key and value head sizes.
+    layers = [random_caches(head_size=192, head_size_v=128, seed=0),
+              random_caches(head_size=64, head_size_v=8, dtype=torch.float32, seed=1)]
+    keys, values = [k for k, _ in layers], [v for _, v in layers]
+    mapping = torch.tensor([[0, 5], [3, 1], [11, 2]])
+    want_keys, want_values = [k.clone() for k in keys], [v.clone() for v in values]
+    ref.copy_blocks(want_keys, want_values, mapping)
+    pa.copy_blocks(keys, values, mapping)
+    for got, want in zip(keys + values, want_keys + want_values):
+        assert torch.equal(got, want)
+    # Swapping out: each pool to its own host pool.
+    for pool in (keys[0], values[0]):
+        host = torch.zeros((4,) + pool.shape[1:])
+        pa.swap_blocks(pool, host, torch.tensor([[7, 0], [2, 3]]))
+        assert torch.equal(host[0], pool[7]) and torch.equal(host[3], pool[2])

@@ -8,9 +8,10 @@ from paged_attention_ext import reference as ref
 from paged_case import make_case, query_start_loc, random_query
 
 
-def attention_args(dtype=torch.float32, multi_token=False):
+def attention_args(dtype=torch.float32, multi_token=False, head_size_v=64, sinks=False):
     lens = [5, 17, 0, 33]
-    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, poison=None)
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, poison=None,
+                     head_size_v=head_size_v)
     if multi_token:
         qsl = query_start_loc([5, 2, 0, 1])
         query = random_query(int(qsl[-1]), 4, 64, dtype)
@@ -18,31 +19,34 @@ def attention_args(dtype=torch.float32, multi_token=False):
         qsl = None
         query = random_query(len(lens), 4, 64, dtype)
     return (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, qsl,
-            torch.rand(4), 8, 10.0)
+            torch.rand(4), 8, 10.0, torch.randn(4) if sinks else None)
 
 
 @pytest.mark.parametrize("multi_token", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_attention(multi_token, dtype):
-    args = attention_args(dtype, multi_token)
+@pytest.mark.parametrize("head_size_v,sinks", [(64, False), (64, True), (128, False), (32, True)])
+def test_opcheck_attention(multi_token, dtype, head_size_v, sinks):
+    args = attention_args(dtype, multi_token, head_size_v, sinks)
     torch.library.opcheck(torch.ops.paged.attention.default, args)
     torch.library.opcheck(torch.ops.paged.attention_with_lse.default, args)
-    out = torch.empty_like(args[0])
+    out = args[0].new_empty(args[0].shape[:2] + (head_size_v,))
     lse = torch.empty(args[0].shape[:2])
     torch.library.opcheck(torch.ops.paged.attention_out.default, (out, lse) + args)
     torch.library.opcheck(torch.ops.paged.attention_out.default, (out, None) + args)
 
 
-def test_opcheck_write_kv():
-    key_cache, value_cache = torch.zeros(4, 2, 8, 64), torch.zeros(4, 2, 8, 64)
-    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+@pytest.mark.parametrize("head_size_v", [64, 32])
+def test_opcheck_write_kv(head_size_v):
+    key_cache, value_cache = torch.zeros(4, 2, 8, 64), torch.zeros(4, 2, 8, head_size_v)
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, head_size_v)
     torch.library.opcheck(torch.ops.paged.write_kv.default,
                           (key, value, key_cache, value_cache, torch.tensor([5, -1, 30])))
 
 
-def test_opcheck_copy_blocks():
+@pytest.mark.parametrize("head_size_v", [64, 32])
+def test_opcheck_copy_blocks(head_size_v):
     keys = [torch.randn(4, 2, 8, 64) for _ in range(2)]
-    values = [torch.randn(4, 2, 8, 64) for _ in range(2)]
+    values = [torch.randn(4, 2, 8, head_size_v) for _ in range(2)]
     torch.library.opcheck(torch.ops.paged.copy_blocks.default,
                           (keys, values, torch.tensor([[0, 2], [1, 3]])))
 
@@ -52,37 +56,41 @@ def test_opcheck_swap_blocks():
     torch.library.opcheck(torch.ops.paged.swap_blocks.default, (src, dst, torch.tensor([[3, 0]])))
 
 
-def decode_step(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens):
+def decode_step(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+                sinks=None):
     pa.write_kv(key, value, key_cache, value_cache, slot_mapping)
-    return pa.attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125) * 2.0
+    return pa.attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125,
+                        sinks=sinks) * 2.0
 
 
-def test_compile_fullgraph_write_then_attend_matches_eager():
+@pytest.mark.parametrize("head_size_v,with_sinks", [(64, False), (32, True)])
+def test_compile_fullgraph_write_then_attend_matches_eager(head_size_v, with_sinks):
     lens = [9, 16, 1]
     case = make_case(lens, num_kv_heads=2, head_size=64, block_size=8, dtype=torch.float32,
-                     poison=None)
+                     poison=None, head_size_v=head_size_v)
     # The step's new token of each sequence goes to its last position.
     slots = torch.tensor([int(case.block_tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8
                           for i, n in enumerate(lens)])
     query = random_query(3, 4, 64, torch.float32)
-    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, head_size_v)
+    sinks = torch.randn(4) if with_sinks else None
+    tables = (case.block_tables, case.seq_lens)
 
     eager_k, eager_v = case.key_cache.clone(), case.value_cache.clone()
-    want = decode_step(query, key, value, eager_k, eager_v, slots, case.block_tables, case.seq_lens)
+    want = decode_step(query, key, value, eager_k, eager_v, slots, *tables, sinks)
 
     torch._dynamo.reset()
     compiled = torch.compile(decode_step, fullgraph=True)
     got_k, got_v = case.key_cache.clone(), case.value_cache.clone()
-    got = compiled(query, key, value, got_k, got_v, slots, case.block_tables, case.seq_lens)
+    got = compiled(query, key, value, got_k, got_v, slots, *tables, sinks)
     torch.testing.assert_close(got, want)
     assert torch.equal(got_k, eager_k) and torch.equal(got_v, eager_v)
 
     oracle_k, oracle_v = case.key_cache.clone(), case.value_cache.clone()
     ref.write_kv(key, value, oracle_k, oracle_v, slots)
-    oracle = ref.attention(query, oracle_k, oracle_v, case.block_tables, case.seq_lens, 0.125) * 2
+    oracle = ref.attention(query, oracle_k, oracle_v, *tables, 0.125, sinks=sinks) * 2
     torch.testing.assert_close(got, oracle, atol=2e-5, rtol=2e-5)
 
     explanation = torch._dynamo.explain(decode_step)(
-        query, key, value, case.key_cache.clone(), case.value_cache.clone(), slots,
-        case.block_tables, case.seq_lens)
+        query, key, value, case.key_cache.clone(), case.value_cache.clone(), slots, *tables, sinks)
     assert explanation.graph_break_count == 0

@@ -2,10 +2,13 @@
 
 Skipped where no GPU is present. Runs under pytest, or as a plain script on a machine
 without pytest (``python tests/test_cuda.py [-k SUBSTRING]``, closing with
-``N passed, N failed``).
+``N passed, N failed``). ``python tests/test_cuda.py --scenario`` runs one small call of
+every kernel path instead (for compute-sanitizer). The planner's host-side tests, which
+need no GPU, are in test_cuda_plan.py.
 """
 
 import contextlib
+import dataclasses
 import os
 import sys
 import traceback
@@ -119,6 +122,135 @@ def test_ops_never_synchronize_the_host():
         pa.copy_blocks([case.key_cache], [case.value_cache], mapping)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ---- sinks and value head sizes (issue 12), split-KV planning (issue 14) ------------
+
+def with_value_head_size(case: PagedCase, head_size_v: int, seed: int = 5) -> PagedCase:
+    """``case`` with a value cache of another head size (unused slots NaN-poisoned)."""
+    gen = torch.Generator().manual_seed(seed)
+    value = torch.randn(case.key_cache.shape[:3] + (head_size_v,), generator=gen).to(case.key_cache.dtype)
+    value.permute(0, 2, 1, 3)[~case.used_slots] = float("nan")
+    return dataclasses.replace(case, value_cache=value)
+
+
+def check_against_reference(case, query, scale, *, atol_lse=1e-4, **kwargs):
+    """paged.attention_with_lse on the GPU against the fp32 reference on the CPU."""
+    gpu = on_cuda(case)
+    moved = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    out, lse = pa.attention_with_lse(query.to(CUDA), gpu.key_cache, gpu.value_cache, gpu.block_tables,
+                                     gpu.seq_lens, scale, **moved)
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, scale, **kwargs)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[query.dtype])
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=atol_lse, rtol=1e-5)
+    return out.cpu(), lse.cpu()
+
+
+@parametrize("dtype", DTYPES)
+@parametrize("multi_token", [False, True])
+@parametrize("lens", [[0, 5, 40, 1], [3000, 0, 17]])  # the second splits the keys (sinks in the merge)
+def test_sinks(dtype, multi_token, lens):
+    case = make_case(lens, 2, 64, 16, dtype)
+    sinks = torch.tensor([-1.0, 0.5, 3.0, -20.0, 2.0, 0.0, 1.5, -3.0])
+    q_lens = [min(n, 3) for n in lens] if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    for window in (-1, 7):
+        out, lse = check_against_reference(case, query, 0.125, query_start_loc=qsl, sinks=sinks,
+                                           sliding_window=window)
+    if not multi_token:
+        empty = lens.index(0)
+        assert (out[empty] == 0).all() and torch.equal(lse[empty], sinks), "no key: out 0, lse = sink"
+
+
+@parametrize("head_sizes", [(192, 128), (96, 64), (64, 128), (128, 64), (256, 256), (40, 24), (192, 192)])
+@parametrize("dtype", [torch.float32, torch.bfloat16])
+@parametrize("multi_token", [False, True])
+def test_value_head_size_differs(head_sizes, dtype, multi_token):
+    head_size, head_size_v = head_sizes
+    lens = [1, 33, 2500, 0] if not multi_token else [1, 33, 2500, 4]
+    case = with_value_head_size(make_case(lens, 2, head_size, 16, dtype), head_size_v)
+    q_lens = [1, 5, 9, 4] if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 16, head_size, dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    out, _ = check_against_reference(case, query, head_size ** -0.5, query_start_loc=qsl,
+                                     sinks=torch.linspace(-2, 2, 16), soft_cap=30.0)
+    assert out.shape[-1] == head_size_v
+
+
+def test_window_near_int32_max_equals_no_window():
+    # Issue 14 item 1: window + rows_per_tile - 1 was computed in int32 and wrapped, so a
+    # multi-token call with such a window got partitions of one key and wrong output.
+    case = make_case([900, 4100], 2, 64, 16, torch.float32)
+    q_lens = [7, 12]
+    query = random_query(sum(q_lens), 8, 64, torch.float32)
+    qsl = query_start_loc(q_lens)
+    for window in (2 ** 31 - 1, 2 ** 31 - 5):
+        check_against_reference(case, query, 0.125, query_start_loc=qsl, sliding_window=window)
+
+
+@parametrize("batch,real_len", [(1, 4096), (1, 70000), (3, 1), (64, 4000)])
+def test_padded_block_table(batch, real_len):
+    # Issue 14 items 2 and 3: tables padded far past the real lengths (CUDA-graph
+    # style), so most splits are empty and the merge weighs many partitions.
+    dtype = torch.bfloat16
+    bs, width = 16, 128 * 1024 // 16
+    lens = [max(0, real_len - 37 * i) for i in range(batch)]
+    case = make_case(lens, 2, 128, bs, dtype, poison=None)
+    tables = torch.full((batch, width), 2 ** 30, dtype=torch.int32)
+    tables[:, :case.block_tables.shape[1]] = case.block_tables
+    case = dataclasses.replace(case, block_tables=tables)
+    query = random_query(batch, 8, 128, dtype)
+    check_against_reference(case, query, 128 ** -0.5, sinks=torch.zeros(8))
+
+
+@parametrize("heads,kv_heads", [(8, 8), (8, 4), (12, 4), (8, 2), (16, 2), (40, 2)])
+@parametrize("multi_token", [False, True])
+def test_every_query_bucket(heads, kv_heads, multi_token):
+    # Issue 14 item 4: instances with 1, 2, 4 and 8 query vectors per CTA.
+    case = make_case([1, 700, 5000], kv_heads, 128, 16, torch.bfloat16)
+    q_lens = [1, 6, 11] if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else 3, heads, 128, torch.bfloat16)
+    check_against_reference(case, query, 0.08, query_start_loc=query_start_loc(q_lens) if multi_token else None,
+                            alibi_slopes=torch.rand(heads))
+
+
+@parametrize("dtype", DTYPES)
+def test_cache_ops_with_value_head_size(dtype):
+    # write_kv and copy_blocks when value rows are shorter than key rows (192/128).
+    gen = torch.Generator().manual_seed(3)
+    key_cache = torch.randn(8, 2, 16, 192, generator=gen).to(dtype)
+    value_cache = torch.randn(8, 2, 16, 128, generator=gen).to(dtype)
+    key = torch.randn(5, 2, 192, generator=gen).to(dtype)
+    value = torch.randn(5, 2, 128, generator=gen).to(dtype)
+    slots = torch.tensor([3, -1, 40, 127, 64])
+    mapping = torch.tensor([[0, 5], [3, 1], [7, 6]])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots)
+    ref.copy_blocks([want_k], [want_v], mapping)
+    got_k, got_v = key_cache.to(CUDA), value_cache.to(CUDA)
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA))
+    pa.copy_blocks([got_k], [got_v], mapping)
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+def test_swap_blocks_keeps_the_pinned_source_alive():
+    # Issue 14 item 7: the pinned-memory allocator must not hand a host pool freed
+    # right after swap_blocks to another tensor while the copy is still in flight.
+    pool = random_caches(num_blocks=16, head_size=128)[0]
+    host = pool.pin_memory()
+    device_pool = torch.zeros_like(pool, device=CUDA)
+    address = host.data_ptr()
+    torch.cuda._sleep(50_000_000)  # keeps the stream busy: the copy below waits behind it
+    pa.swap_blocks(host, device_pool, torch.tensor([[i, i] for i in range(16)]))
+    del host
+    other = torch.empty_like(pool).pin_memory()
+    assert other.data_ptr() != address, "the host pool was reused while its copy was pending"
+    other.fill_(float("nan"))
+    torch.cuda.synchronize()
+    assert torch.equal(device_pool.cpu(), pool)
 
 
 # ---- CUDA graphs -----------------------------------------------------------------
@@ -337,6 +469,39 @@ def raises(error, match):
         raise AssertionError(f"{error.__name__} not raised")
 
 
+# ---- compute-sanitizer scenario ----------------------------------------------------
+
+def sanitizer_scenario():
+    """One small call of every kernel path, for ``compute-sanitizer`` (memcheck,
+    racecheck, synccheck) in bench/gpu_check.sh: ``python tests/test_cuda.py --scenario``.
+    Small shapes, since the tools slow kernels down 10-100x; results are checked too."""
+    dtype = torch.bfloat16
+    lens = [0, 1, 37, 1500]
+    case = with_value_head_size(make_case(lens, 2, 96, 16, dtype), 64)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    # decode without and with a split (a wide, padded table), multi-token, a window
+    check_against_reference(case, random_query(4, 4, 96, dtype), 0.1, sinks=sinks)
+    wide = torch.full((4, 400), 2 ** 30, dtype=torch.int32)
+    wide[:, :case.block_tables.shape[1]] = case.block_tables
+    check_against_reference(dataclasses.replace(case, block_tables=wide), random_query(4, 4, 96, dtype), 0.1,
+                            sinks=sinks)
+    q_lens = [0, 1, 5, 9]
+    check_against_reference(case, random_query(15, 4, 96, dtype), 0.1, query_start_loc=query_start_loc(q_lens),
+                            sliding_window=20, sinks=sinks)
+    for multi_token in (False, True):  # out-of-range metadata, never faults
+        test_out_of_range_metadata_never_faults(multi_token)
+    # cache ops with key and value head sizes that differ
+    gpu = on_cuda(case)
+    slots = torch.tensor([3, -1, 40, 7], device=CUDA)
+    pa.write_kv(torch.randn(4, 2, 96, device=CUDA).to(dtype), torch.randn(4, 2, 64, device=CUDA).to(dtype),
+                gpu.key_cache, gpu.value_cache, slots)
+    pa.copy_blocks([gpu.key_cache], [gpu.value_cache], torch.tensor([[0, 2], [1, 3]], device=CUDA))
+    host = torch.zeros((4,) + tuple(gpu.value_cache.shape[1:]), dtype=dtype).pin_memory()
+    pa.swap_blocks(gpu.value_cache, host, torch.tensor([[1, 0], [2, 3]]))
+    pa.swap_blocks(host, gpu.value_cache, torch.tensor([[0, 5]]))
+    torch.cuda.synchronize()
+
+
 # ---- the script runner -------------------------------------------------------------
 
 def _cases(fn):
@@ -350,6 +515,10 @@ def _cases(fn):
 def main(argv):
     if not torch.cuda.is_available():
         print("no CUDA device: nothing run")
+        return 0
+    if "--scenario" in argv:
+        sanitizer_scenario()
+        print("sanitizer scenario done")
         return 0
     pattern = argv[argv.index("-k") + 1] if "-k" in argv else ""
     passed = failed = 0

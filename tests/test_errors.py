@@ -69,6 +69,21 @@ def call(query, case, overrides):
     ("soft cap", lambda q, c: dict(soft_cap=-1.0), ValueError, "'soft_cap'"),
     ("scale", lambda q, c: dict(scale=float("nan")), ValueError, "'scale'"),
     ("window", lambda q, c: dict(sliding_window=-5), ValueError, "'sliding_window'"),
+    ("sinks dtype", lambda q, c: dict(sinks=torch.zeros(4, dtype=torch.bfloat16)), TypeError,
+     "'sinks' must have dtype Float"),
+    ("sinks length", lambda q, c: dict(sinks=torch.zeros(2)), ValueError,
+     r"'sinks' must have 4 entries \(num_heads\)"),
+    ("sinks rank", lambda q, c: dict(sinks=torch.zeros(1, 4)), ValueError, "'sinks' must be 1-D"),
+    ("value cache block size", lambda q, c: dict(value_cache=torch.zeros(8, 2, 8, 64)), ValueError,
+     "'value_cache' must have the num_blocks, num_kv_heads and block_size"),
+    ("value cache kv heads", lambda q, c: dict(value_cache=c.value_cache[:, :1].contiguous()),
+     ValueError, "'value_cache' must have the num_blocks"),
+    ("value head size unsupported", lambda q, c: dict(value_cache=c.value_cache[..., :12].contiguous()),
+     ValueError, "'value_cache' has head_size 12; supported head sizes are multiples of 8 up to 256"),
+    ("value head size too large", lambda q, c: dict(value_cache=torch.zeros(c.value_cache.shape[:3] + (264,))),
+     ValueError, "'value_cache' has head_size 264"),
+    ("value cache dtype", lambda q, c: dict(value_cache=c.value_cache.bfloat16()), TypeError,
+     "'value_cache'"),
 ])
 def test_attention_rejects(name, make, error, match, query, case):
     with pytest.raises(error, match=match):
@@ -85,6 +100,12 @@ def test_attention_out_rejects_wrong_buffers(query, case):
         pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 3))
     with pytest.raises(TypeError, match="'lse'"):
         pa.attention_out(torch.empty(2, 4, 64), *args, lse=torch.empty(2, 4, dtype=torch.float64))
+    # With a value head size of 32, out is [num_tokens, num_heads, 32].
+    narrow = case.value_cache[..., :32].contiguous()
+    narrow_args = args[:2] + (narrow,) + args[3:]
+    with pytest.raises(ValueError, match=r"'out' must be \[num_tokens, num_heads, head_size_v\] = \[2, 4, 32\]"):
+        pa.attention_out(torch.empty(2, 4, 64), *narrow_args)
+    pa.attention_out(torch.empty(2, 4, 32), *narrow_args)
 
 
 def caches():
@@ -99,6 +120,10 @@ def caches():
     (lambda k, v: dict(key=k[:, :1]), ValueError, "'key'"),
     (lambda k, v: dict(value=v.half()), TypeError, "'value'"),
     (lambda k, v: dict(key=k.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "'key' and 'value'"),
+    (lambda k, v: dict(value=torch.ones(2, 2, 32)), ValueError,
+     r"'value' must be \[num_tokens=2, num_kv_heads=2, head_size_v=64\]"),
+    (lambda k, v: dict(value_cache=torch.zeros(4, 2, 16, 64)), ValueError,
+     "'value_cache' must have the num_blocks, num_kv_heads and block_size of 'key_cache'"),
 ])
 def test_write_kv_rejects_and_leaves_cache_unchanged(make, error, match):
     key_cache, value_cache = caches()
@@ -132,8 +157,13 @@ def test_copy_blocks_rejects_mismatched_layers():
     key, value = caches()
     with pytest.raises(ValueError, match="same number of layers"):
         pa.copy_blocks([key, key], [value], torch.tensor([[0, 1]]))
-    with pytest.raises(ValueError, match="same shape and dtype"):
+    with pytest.raises(ValueError, match="same dtype and shape"):
         pa.copy_blocks([key], [value[:2]], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=r"the head size may differ\), got \[4, 2, 8, 64\] and \[4, 2, 4, 64\]"):
+        pa.copy_blocks([key], [torch.zeros(4, 2, 4, 64)], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="same dtype and shape"):
+        pa.copy_blocks([key], [value.half()], torch.tensor([[0, 1]]))
+    pa.copy_blocks([key], [torch.zeros(4, 2, 8, 16)], torch.tensor([[0, 1]]))  # head sizes differ
 
 
 def test_swap_blocks_rejects():
@@ -147,3 +177,98 @@ def test_swap_blocks_rejects():
     with pytest.raises(ValueError, match="contiguous"):
         pa.swap_blocks(src, dst.transpose(2, 3).contiguous().transpose(2, 3), torch.tensor([[0, 1]]))
     assert (dst == 0).all()
+
+
+# ---- mixed devices: a meta tensor among CPU ones reaches the fake implementation --------
+
+ATTENTION_TENSORS = ["query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                     "query_start_loc", "alibi_slopes", "sinks"]
+
+
+def attention_kwargs(query, case):
+    return dict(query=query, key_cache=case.key_cache, value_cache=case.value_cache,
+                block_tables=case.block_tables, seq_lens=case.seq_lens, scale=0.125,
+                query_start_loc=query_start_loc([1, 1]), alibi_slopes=torch.ones(4),
+                sinks=torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", ATTENTION_TENSORS)
+@pytest.mark.parametrize("op", [pa.attention, pa.attention_with_lse])
+def test_attention_rejects_mixed_devices(op, name, query, case):
+    kwargs = attention_kwargs(query, case)
+    kwargs[name] = kwargs[name].to("meta")
+    # The error names the argument on the other device (the query when it is the odd one).
+    wanted = "key_cache" if name == "query" else name
+    with pytest.raises(ValueError, match=f"argument '{wanted}' must be on the same device"):
+        op(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_attention_out_rejects_buffers_on_another_device(name, query, case):
+    buffers = dict(out=torch.empty(2, 4, 64), lse=torch.empty(2, 4))
+    buffers[name] = buffers[name].to("meta")
+    with pytest.raises(ValueError, match=f"argument '{name}' must be on the same device"):
+        pa.attention_out(buffers["out"], **attention_kwargs(query, case), lse=buffers["lse"])
+
+
+@pytest.mark.parametrize("name", ["value", "key_cache", "value_cache", "slot_mapping"])
+def test_write_kv_rejects_mixed_devices(name):
+    key_cache, value_cache = caches()
+    args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64), key_cache=key_cache,
+                value_cache=value_cache, slot_mapping=torch.tensor([3, 9]))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"argument '{name}' must be on the same device as 'key'"):
+        pa.write_kv(**args)
+    assert (key_cache == 0).all() and (value_cache == 0).all()
+
+
+def test_cache_copies_reject_mixed_devices():
+    key, value = caches()
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match=r"argument 'value_caches\[1\]' must be on the same device"):
+        pa.copy_blocks([key, key.clone()], [value, value.to("meta")], mapping)
+    with pytest.raises(ValueError, match="argument 'block_mapping' must be on the same device"):
+        pa.copy_blocks([key], [value], mapping.to("meta"))
+    with pytest.raises(ValueError, match="argument 'dst' must be on the same device as 'src'"):
+        pa.swap_blocks(key.to("meta"), value, mapping)
+    with pytest.raises(ValueError, match="'block_mapping' must be a CPU tensor"):
+        pa.swap_blocks(key, value, mapping.to("meta"))
+
+
+# ---- no backward: arguments that require grad are refused in grad mode -------------------
+
+@pytest.mark.parametrize("name", ["query", "key_cache", "value_cache", "alibi_slopes", "sinks"])
+def test_attention_refuses_arguments_that_require_grad(name, query, case):
+    kwargs = attention_kwargs(query, case)
+    kwargs[name] = kwargs[name].clone().requires_grad_(True)
+    for op in (pa.attention, pa.attention_with_lse):
+        with pytest.raises(NotImplementedError,
+                           match=f"argument '{name}' requires grad, but the paged ops have no backward"):
+            op(**kwargs)
+    out = torch.zeros(2, 4, 64)
+    with pytest.raises(NotImplementedError, match=f"argument '{name}' requires grad"):
+        pa.attention_out(out, **kwargs)
+    assert (out == 0).all()
+    # Inference as before: under no_grad and inference_mode, and with detached tensors.
+    want = pa.attention(**{k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(pa.attention(**kwargs), want, atol=0, rtol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(pa.attention(**kwargs), want, atol=0, rtol=0)
+
+
+def test_cache_ops_refuse_arguments_that_require_grad():
+    key_cache, value_cache = caches()
+    key, value = torch.ones(2, 2, 64), torch.ones(2, 2, 64, requires_grad=True)
+    slots = torch.tensor([3, 9])
+    with pytest.raises(NotImplementedError, match="paged.write_kv: argument 'value' requires grad"):
+        pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert (value_cache == 0).all()
+    with torch.no_grad():
+        pa.write_kv(key, value, key_cache, value_cache, slots)
+    assert (value_cache[0, :, 3] == 1).all()
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(NotImplementedError, match="paged.copy_blocks: argument 'key_caches'"):
+        pa.copy_blocks([key_cache.clone().requires_grad_(True)], [value_cache], mapping)
+    with pytest.raises(NotImplementedError, match="paged.swap_blocks: argument 'src'"):
+        pa.swap_blocks(key_cache.clone().requires_grad_(True), value_cache, mapping)

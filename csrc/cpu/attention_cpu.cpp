@@ -73,7 +73,8 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
   }
 
   Plan plan;
-  const int64_t work = query_key_pairs * s.num_heads * s.head_size * 2;  // multiply-adds
+  // Multiply-adds: a dot product with each key and a weighted sum of each value.
+  const int64_t work = query_key_pairs * s.num_heads * (s.head_size + s.head_size_v);
   plan.num_threads = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, max_threads)));
   const int num_threads = plan.num_threads;
 
@@ -130,9 +131,9 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
   return plan;
 }
 
-void run_items(const AttentionParams& params, const Plan& plan, int head_size) {
+void run_items(const AttentionParams& params, const Plan& plan) {
   const AttentionKernelFn kernel = attention_kernel_for(params.kind);
-  const int64_t padded_head = (head_size + 15) / 16 * 16;
+  const int64_t padded_head = (std::max(params.head_size, params.head_size_v) + 15) / 16 * 16;
   const int64_t workspace_floats = kernel_workspace_floats(int(padded_head), plan.max_queries_per_item);
   const int64_t n = int64_t(plan.items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(plan.num_threads) if (plan.num_threads > 1)
@@ -190,16 +191,18 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap) {
+                    double soft_cap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, &out,
+                                                sliding_window, soft_cap, sinks, &out,
                                                 lse.has_value() ? &*lse : nullptr);
   check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
   if (s.num_tokens == 0) return;
 
   const std::optional<at::Tensor> slopes =
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> sink_logits =
+      sinks.has_value() ? std::optional<at::Tensor>(sinks->contiguous()) : std::nullopt;
   const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, max_threads);
 
@@ -214,9 +217,11 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   p.block_table_stride = block_tables.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
+  p.sinks = sink_logits.has_value() ? sink_logits->data_ptr<float>() : nullptr;
   p.num_heads = int(s.num_heads);
   p.num_kv_heads = int(s.num_kv_heads);
   p.head_size = int(s.head_size);
+  p.head_size_v = int(s.head_size_v);
   p.block_size = int(s.block_size);
   p.scale = float(scale);
   p.soft_cap = float(soft_cap);
@@ -233,17 +238,17 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
     p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
   } else {
     const auto f32 = query.options().dtype(at::kFloat);
-    part_out = at::empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size}, f32);
+    part_out = at::empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, f32);
     part_lse = at::empty({plan.max_parts, s.num_tokens, s.num_heads}, f32);
     p.out = part_out.data_ptr<float>();
-    p.out_part_stride = s.num_tokens * s.num_heads * s.head_size;
-    p.out_token_stride = s.num_heads * s.head_size;
-    p.out_head_stride = s.head_size;
+    p.out_part_stride = s.num_tokens * s.num_heads * s.head_size_v;
+    p.out_token_stride = s.num_heads * s.head_size_v;
+    p.out_head_stride = s.head_size_v;
     p.lse = part_lse.data_ptr<float>();
     p.lse_part_stride = s.num_tokens * s.num_heads;
     p.lse_token_stride = s.num_heads;
   }
-  run_items(p, plan, int(s.head_size));
+  run_items(p, plan);
   if (direct) return;
 
   float* lse_ptr = lse.has_value() ? lse->data_ptr<float>() : nullptr;

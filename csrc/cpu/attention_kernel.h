@@ -530,11 +530,12 @@ struct ItemState {
   int kv_head;
   int num_queries;  // query rows x GQA group
   int group;
-  int hsp;
+  int hsp;   // padded key head size
+  int hspv;  // padded value head size
   float* q;        // [num_queries, hsp] scaled queries, zero padded
   const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
   float scale;
-  float* acc;      // [num_queries, hsp] unnormalised outputs
+  float* acc;      // [num_queries, hspv] unnormalised outputs
   float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
   float* run_max;  // [num_queries]
   float* run_sum;  // [num_queries]
@@ -620,12 +621,12 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
       store(s + t, p);
       total += p;
     }
-    float* am = st.acc + int64_t(m) * st.hsp;
+    float* am = st.acc + int64_t(m) * st.hspv;
     if (new_max != st.run_max[m]) {
       const float alpha = std::exp(st.run_max[m] - new_max);
       st.run_sum[m] *= alpha;
       const vfloat av = splat(alpha);
-      for (int d = 0; d < st.hsp; d += VW) store(am + d, load(am + d) * av);
+      for (int d = 0; d < st.hspv; d += VW) store(am + d, load(am + d) * av);
       st.run_max[m] = new_max;
     }
     st.run_sum[m] += hsum(total);
@@ -638,11 +639,11 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
                                 const R* const* ahead) {
   const int full_queries = st.num_queries / QT * QT;
   for (int m = 0; m < full_queries; m += QT)
-    accumulate_tile(st.acc + int64_t(m) * st.hsp, st.hsp, st.scores + int64_t(m) * kKeyChunk,
+    accumulate_tile(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
                     v_rows, n, m == 0 ? ahead : nullptr);
   for (int m = full_queries; m < st.num_queries; ++m)
-    accumulate_values(st.acc + int64_t(m) * st.hsp, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
-                      st.hsp, m == 0 ? ahead : nullptr);
+    accumulate_values(st.acc + int64_t(m) * st.hspv, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
+                      st.hspv, m == 0 ? ahead : nullptr);
 }
 
 #if PAGED_ISA_AVX512_BF16
@@ -656,21 +657,24 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
   const int full_queries = st.num_queries / QT * QT;
   for (int m = 0; m < full_queries; m += QT) {
     probability_pairs<QT>(st.scores + int64_t(m) * kKeyChunk, pairs);
-    accumulate_pairs<QT>(st.acc + int64_t(m) * st.hsp, st.hsp, pairs, v_rows, n,
+    accumulate_pairs<QT>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
                          m == 0 ? ahead : nullptr);
   }
   for (int m = full_queries; m < st.num_queries; ++m) {
     probability_pairs<1>(st.scores + int64_t(m) * kKeyChunk, pairs);
-    accumulate_pairs<1>(st.acc + int64_t(m) * st.hsp, st.hsp, pairs, v_rows, n,
+    accumulate_pairs<1>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
                         m == 0 ? ahead : nullptr);
   }
 }
 #endif  // PAGED_ISA_AVX512_BF16
 
+// kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
   const int hs = kHeadSize > 0 ? kHeadSize : P.head_size;
+  const int hsv = kHeadSize > 0 ? kHeadSize : P.head_size_v;
   const int hsp = (hs + VW - 1) / VW * VW;
+  const int hspv = (hsv + VW - 1) / VW * VW;
   const int group = P.num_heads / P.num_kv_heads;
   const int num_rows = w.row_end - w.row_begin;
   const int num_heads = w.kv_head_end - w.kv_head_begin;
@@ -686,24 +690,30 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // sizes), then the unscaled bf16 queries (bf16 dot products).
   float* q_f = ws;
   float* acc = q_f + int64_t(num_queries) * hsp;
-  float* scores = acc + int64_t(num_queries) * hsp;
+  float* scores = acc + int64_t(num_queries) * hspv;
   float* run_max = scores + int64_t(num_queries) * kKeyChunk;
   float* run_sum = run_max + num_queries;
   float* k_f = run_sum + num_queries;
   float* v_f = k_f + int64_t(CH) * hsp;
-  uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hsp);
+  uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hspv);
   auto head_state = [&](int i) {
     const int64_t m0 = int64_t(i) * per_head;
-    return ItemState{w.kv_head_begin + i, per_head, group, hsp, q_f + m0 * hsp, q_bits + m0 * hsp,
-                     P.scale, acc + m0 * hsp, scores + m0 * kKeyChunk, run_max + m0, run_sum + m0};
+    return ItemState{w.kv_head_begin + i, per_head, group, hsp, hspv, q_f + m0 * hsp,
+                     q_bits + m0 * hsp, P.scale, acc + m0 * hspv, scores + m0 * kKeyChunk,
+                     run_max + m0, run_sum + m0};
   };
+  // Rows of whole vectors are read in place; others are converted to fp32 rows first.
+  const bool in_place = hsp == hs && hspv == hsv;
 #if PAGED_ISA_AVX512_BF16
-  // bf16 keys take vdpbf16ps when rows are whole 32-element steps.
+  // bf16 keys and values read in place take vdpbf16ps when their rows are whole
+  // 32-element steps.
   constexpr bool kBf16Dot = std::is_same_v<T, Bf16>;
-  const bool bf16_dot = kBf16Dot && hs % 32 == 0;
+  const bool bf16_dot = kBf16Dot && in_place && hs % 32 == 0;
+  const bool bf16_pairs = kBf16Dot && in_place && hsv % 32 == 0;
 #else
   constexpr bool kBf16Dot = false;
   constexpr bool bf16_dot = false;
+  constexpr bool bf16_pairs = false;
 #endif
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter.
@@ -723,27 +733,28 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
-  std::memset(acc, 0, sizeof(float) * num_queries * hsp);
+  std::memset(acc, 0, sizeof(float) * num_queries * hspv);
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
   const int bs = P.block_size;
-  const int64_t head_stride = int64_t(bs) * hs;
-  const int64_t block_stride = int64_t(P.num_kv_heads) * head_stride;
+  const int64_t block_rows = int64_t(P.num_kv_heads) * bs;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
-  const int row_bytes = hs * int(sizeof(T));
-  // Offsets of the rows of keys [j0, j0 + n) of one KV head: one division per chunk,
-  // then a walk through the block table.
+  const int k_row_bytes = hs * int(sizeof(T));
+  const int v_row_bytes = hsv * int(sizeof(T));
+  // Cache rows (in rows of either cache: key row r is at r * hs, value row r at r * hsv)
+  // of keys [j0, j0 + n) of one KV head: one division per chunk, then a walk through
+  // the block table.
   auto row_offsets = [&](int j0, int n, int kv_head, int64_t* offsets) {
     if (n == 0) return;
     int logical = j0 / bs, slot = j0 - logical * bs;
-    const int64_t head_offset = int64_t(kv_head) * head_stride;
-    int64_t block = int64_t(table[logical]) * block_stride + head_offset;
+    const int64_t head_offset = int64_t(kv_head) * bs;
+    int64_t block = int64_t(table[logical]) * block_rows + head_offset;
     for (int t = 0; t < n; ++t) {
-      offsets[t] = block + int64_t(slot) * hs;
+      offsets[t] = block + slot;
       if (++slot == bs && t + 1 < n) {
         slot = 0;
-        block = int64_t(table[++logical]) * block_stride + head_offset;
+        block = int64_t(table[++logical]) * block_rows + head_offset;
       }
     }
   };
@@ -775,7 +786,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 
   // The chunk loop is written out in both branches below: a shared generic lambda for it
   // measured 13% slower on bf16 GQA decode.
-  if (hsp == hs) {
+  if (in_place) {
     // Rows are whole vectors: read them in place. While a chunk's scores are computed
     // its values are prefetched, and while its values are accumulated, the next
     // chunk's keys, so one phase's arithmetic overlaps the other's cache misses.
@@ -791,12 +802,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const ItemState st = head_state(c.head);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        k_rows[t] = key_cache + offsets[t];
-        v_rows[t] = value_cache + offsets[t];
+        k_rows[t] = key_cache + offsets[t] * hs;
+        v_rows[t] = value_cache + offsets[t] * hsv;
       }
       // The next chunk may be shorter: its last row stands in for the missing ones.
       if (next.n > 0)
-        for (int t = 0; t < c.n; ++t) next_k[t] = key_cache + next_offsets[std::min(t, next.n - 1)];
+        for (int t = 0; t < c.n; ++t)
+          next_k[t] = key_cache + next_offsets[std::min(t, next.n - 1)] * hs;
       const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
       if constexpr (kBf16Dot) {
         if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, v_rows);
@@ -806,7 +818,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
       chunk_softmax(P, w, st, c.j0, c.n, CH);
       if constexpr (kBf16Dot) {
-        if (bf16_dot) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
+        if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
@@ -817,12 +829,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   } else {
     // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
-    std::memset(v_f, 0, sizeof(float) * CH * hsp);
+    std::memset(v_f, 0, sizeof(float) * CH * hspv);
     const float* k_rows[kKeyChunk];
     const float* v_rows[kKeyChunk];
     for (int t = 0; t < CH; ++t) {
       k_rows[t] = k_f + int64_t(t) * hsp;
-      v_rows[t] = v_f + int64_t(t) * hsp;
+      v_rows[t] = v_f + int64_t(t) * hspv;
     }
     const float* const* none = nullptr;
     int64_t* offsets = offset_buffers[0];
@@ -834,11 +846,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const ItemState st = head_state(c.head);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        row_to_float(key_cache + offsets[t], k_f + int64_t(t) * hsp, hs);
-        row_to_float(value_cache + offsets[t], v_f + int64_t(t) * hsp, hs);
+        row_to_float(key_cache + offsets[t] * hs, k_f + int64_t(t) * hsp, hs);
+        row_to_float(value_cache + offsets[t] * hsv, v_f + int64_t(t) * hspv, hsv);
         if (t < next.n) {
-          prefetch_row(key_cache + next_offsets[t], row_bytes);
-          prefetch_row(value_cache + next_offsets[t], row_bytes);
+          prefetch_row(key_cache + next_offsets[t] * hs, k_row_bytes);
+          prefetch_row(value_cache + next_offsets[t] * hsv, v_row_bytes);
         }
       }
       chunk_scores(st, st.q, k_rows, c.n, none);
@@ -855,17 +867,30 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const int head = kv * group + m % group;
     float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
                head * P.out_head_stride;
-    const float* am = acc + int64_t(m) * hsp;
-    const bool any = run_sum[m] > 0.0f;
-    const float inv = any ? 1.0f / run_sum[m] : 0.0f;
+    const float* am = acc + int64_t(m) * hspv;
+    float top = run_max[m], sum = run_sum[m], keep = 1.0f;
+    if (P.sinks && w.partition == 0) {
+      // The sink is one more logit without a value; partition 0 takes it, and the
+      // merge of partitions by their lse counts it once.
+      const float sink = P.sinks[head];
+      if (sink > top) {
+        keep = std::exp(top - sink);  // 0 when no key is visible (top = -inf)
+        sum = sum * keep + 1.0f;
+        top = sink;
+      } else if (top != -__builtin_inff()) {
+        sum += std::exp(sink - top);
+      }
+    }
+    const bool any = sum > 0.0f;
+    const float inv = any ? keep / sum : 0.0f;
 #if PAGED_ISA_AVX512_BF16
-    if (bf16_dot) unpermute_pairs(am, o, hsp, inv);
+    if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
     else
 #endif
-      for (int d = 0; d < hs; ++d) o[d] = am[d] * inv;
+      for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
     if (P.lse) {
       P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
-          any ? run_max[m] + std::log(run_sum[m]) : -__builtin_inff();
+          any ? top + std::log(sum) : -__builtin_inff();
     }
   }
 }
@@ -874,7 +899,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 // counts the compiler unrolls the row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  if (P.head_size == 128) attention_work_item_for<T, 128>(P, w, ws);
+  if (P.head_size == 128 && P.head_size_v == 128) attention_work_item_for<T, 128>(P, w, ws);
   else attention_work_item_for<T, 0>(P, w, ws);
 }
 

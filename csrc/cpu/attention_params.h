@@ -16,22 +16,25 @@ struct AttentionParams {
   const void* query;
   int64_t query_token_stride;
   int64_t query_head_stride;
-  // caches [num_blocks, num_kv_heads, block_size, head_size], contiguous.
+  // key cache [num_blocks, num_kv_heads, block_size, head_size] and value cache
+  // [num_blocks, num_kv_heads, block_size, head_size_v], contiguous.
   const void* key_cache;
   const void* value_cache;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int64_t block_table_stride;
   const int32_t* seq_lens;       // [num_seqs]
   const float* alibi_slopes;     // [num_heads] or nullptr
+  const float* sinks;            // [num_heads] or nullptr
   int num_heads;
   int num_kv_heads;
-  int head_size;
+  int head_size;    // of queries and keys
+  int head_size_v;  // of values and outputs
   int block_size;
   float scale;
   float soft_cap;      // <= 0: disabled
   int sliding_window;  // <= 0: disabled
 
-  // fp32 results, one slot per (partition, token, head):
+  // fp32 results ([head_size_v] rows), one slot per (partition, token, head):
   //   o   at out + part*out_part_stride + token*out_token_stride + head*out_head_stride
   //   lse at lse + part*lse_part_stride + token*lse_token_stride + head
   float* out;
@@ -46,7 +49,7 @@ struct AttentionParams {
 // One unit of parallel work: the query rows [row_begin, row_end) of one
 // sequence times all query heads of the KV heads [kv_head_begin, kv_head_end),
 // against the keys [kv_begin, kv_end). The row `row_begin` sits at sequence
-// position `first_pos`.
+// position `first_pos`. Each row's partition 0 also takes its head's sink, if any.
 struct WorkItem {
   int32_t seq;
   int32_t kv_head_begin;
@@ -65,7 +68,8 @@ constexpr int kKeyChunk = 32;
 // larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;
 
-// Floats of per-thread scratch a kernel needs.
+// Floats of per-thread scratch a kernel needs; head_size_padded is the larger of the key
+// and value head sizes rounded up to whole vectors (an upper bound when they differ).
 inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
   return int64_t(num_queries) * head_size_padded * 2   // scaled queries, accumulators
          + int64_t(num_queries) * (kKeyChunk + 2)      // scores, running max, running sum

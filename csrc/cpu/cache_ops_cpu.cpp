@@ -34,12 +34,12 @@ inline void store_row(char* dst, const char* src, int64_t bytes) {
 void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_write_kv_args(key, value, key_cache, value_cache, slot_mapping);
-  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2),
-                head_size = key_cache.size(3);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   check_slots_in_range(slot_mapping, key_cache.size(0) * block_size);
 
   const int64_t elem = key.element_size();
-  const int64_t row_bytes = head_size * elem;
+  // Key and value rows may differ in length (head_size, head_size_v).
+  const int64_t k_row_bytes = key_cache.size(3) * elem, v_row_bytes = value_cache.size(3) * elem;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0);
   const char* k_src = static_cast<const char*>(key.data_ptr());
@@ -53,10 +53,11 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         // HND: [block, head, offset, :]; int64 offsets throughout.
-        const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row_bytes;
-        store_row(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
-        store_row(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * elem,
-                  row_bytes);
+        const int64_t row = (block * num_kv_heads + h) * block_size + offset;
+        store_row(k_dst + row * k_row_bytes,
+                  k_src + (t * key.stride(0) + h * key.stride(1)) * elem, k_row_bytes);
+        store_row(v_dst + row * v_row_bytes,
+                  v_src + (t * value.stride(0) + h * value.stride(1)) * elem, v_row_bytes);
       }
     }
 #if defined(__x86_64__)

@@ -40,10 +40,10 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap) {
+                    double soft_cap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, &out,
+                                                sliding_window, soft_cap, sinks, &out,
                                                 lse.has_value() ? &*lse : nullptr);
   TORCH_CHECK_VALUE(query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
                     query.device());
@@ -54,6 +54,12 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   TORCH_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
   TORCH_CHECK_VALUE(s.num_tokens + s.num_seqs <= INT32_MAX, op,
                     ": too many query rows and sequences for one CUDA launch");
+  TORCH_CHECK_VALUE(s.num_tokens * s.num_heads <= INT32_MAX, op,
+                    ": too many query rows times heads for one CUDA launch");
+  // The kernels step through key positions in int32, a chunk past the last key.
+  TORCH_CHECK_VALUE(s.max_blocks_per_seq * s.block_size <= kMaxKeyPositions, op,
+                    ": 'block_tables' addresses ", s.max_blocks_per_seq * s.block_size,
+                    " keys per sequence; the CUDA kernel supports at most ", kMaxKeyPositions);
   if (s.num_tokens == 0 || s.num_heads == 0) return;
 
   const c10::cuda::CUDAGuard guard(query.device());
@@ -61,6 +67,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   const at::Tensor lens = seq_lens.contiguous();
   const at::Tensor starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
   const at::Tensor slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
+  const at::Tensor sink_logits = sinks.has_value() ? sinks->contiguous() : at::Tensor();
 
   AttentionParams p{};
   p.kind = scalar_kind(query.scalar_type());
@@ -74,33 +81,57 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   p.seq_lens = lens.data_ptr<int32_t>();
   p.query_start_loc = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
   p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  p.sinks = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
   p.num_tokens = int(s.num_tokens);
   p.num_seqs = int(s.num_seqs);
   p.num_heads = int(s.num_heads);
   p.num_kv_heads = int(s.num_kv_heads);
   p.head_size = int(s.head_size);
+  p.head_size_v = int(s.head_size_v);
   p.block_size = int(s.block_size);
   p.num_blocks = int(s.num_blocks);
   p.max_blocks_per_seq = int(s.max_blocks_per_seq);
   p.scale = float(scale);
   p.soft_cap = float(soft_cap);
-  p.sliding_window = int(sliding_window);
+  p.sliding_window = int(sliding_window);  // checked <= INT32_MAX
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
-  plan_attention(p, query_start_loc.has_value(), multiprocessor_count(query.device().index()));
-  TORCH_CHECK_VALUE(int64_t(p.num_kv_heads) * p.head_chunks <= kMaxGridY, op,
+
+  AttentionPlanInput in{};
+  in.num_tokens = s.num_tokens;
+  in.num_seqs = s.num_seqs;
+  in.num_heads = s.num_heads;
+  in.num_kv_heads = s.num_kv_heads;
+  in.block_size = s.block_size;
+  in.max_blocks_per_seq = s.max_blocks_per_seq;
+  in.sliding_window = sliding_window;
+  in.multi_token = query_start_loc.has_value();
+  in.multiprocessors = multiprocessor_count(query.device().index());
+  for (int b = 0; b < 4; ++b) {
+    C10_CUDA_CHECK(attention_ctas_per_sm(p.kind, p.head_size, p.head_size_v, b, &in.ctas_per_sm[b]));
+  }
+  const AttentionPlan plan = plan_attention(in);
+  TORCH_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,
                     ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
                     kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
+  TORCH_CHECK_VALUE(plan.num_tiles <= INT32_MAX, op, ": too many query tiles for one CUDA launch");
+  p.rows_per_tile = plan.rows_per_tile;
+  p.heads_per_cta = plan.heads_per_cta;
+  p.head_chunks = plan.head_chunks;
+  p.query_bucket = plan.query_bucket;
+  p.num_tiles = int(plan.num_tiles);
+  p.num_partitions = plan.num_partitions;
+  p.partition_size = plan.partition_size;
 
   // Partition results: from the caching allocator, which under CUDA graph
   // capture hands out the graph's private pool, fixed across replays.
   at::Tensor part_out, part_lse;
   if (p.num_partitions > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
-    part_out = at::empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size}, f32);
+    part_out = at::empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size_v}, f32);
     part_lse = at::empty({p.num_partitions, s.num_tokens, s.num_heads}, f32);
     p.part_out = part_out.data_ptr<float>();
     p.part_lse = part_lse.data_ptr<float>();

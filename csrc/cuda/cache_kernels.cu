@@ -33,22 +33,29 @@ void with_unit(int alignment, Launch&& launch) {
   }
 }
 
-// One CTA per token: all its KV heads, keys and values.
+// One CTA per token: all its KV heads, keys and values (whose rows may differ in
+// length: head_size != head_size_v).
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKvParams p) {
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token * p.slot_stride];
   if (slot < 0 || slot >= p.num_slots) return;  // padding; or out of range, never written
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-  const int row_units = static_cast<int>(p.row_bytes / sizeof(Unit));
+  const int64_t row_slot = (block * p.num_kv_heads) * p.block_size + offset;  // of head 0, in rows
+  const int key_units = static_cast<int>(p.key_row_bytes / static_cast<int64_t>(sizeof(Unit)));
+  const int value_units = static_cast<int>(p.value_row_bytes / static_cast<int64_t>(sizeof(Unit)));
   const char* key = static_cast<const char*>(p.key) + token * p.key_token_stride;
   const char* value = static_cast<const char*>(p.value) + token * p.value_token_stride;
   Unit* key_cache = static_cast<Unit*>(p.key_cache);
   Unit* value_cache = static_cast<Unit*>(p.value_cache);
-  for (int i = threadIdx.x; i < p.num_kv_heads * row_units; i += kThreads) {
-    const int head = i / row_units, u = i - head * row_units;
-    const int64_t dst = ((block * p.num_kv_heads + head) * p.block_size + offset) * row_units + u;
+  for (int i = threadIdx.x; i < p.num_kv_heads * key_units; i += kThreads) {
+    const int head = i / key_units, u = i - head * key_units;
+    const int64_t dst = (row_slot + int64_t(head) * p.block_size) * key_units + u;
     key_cache[dst] = reinterpret_cast<const Unit*>(key + head * p.key_head_stride)[u];
+  }
+  for (int i = threadIdx.x; i < p.num_kv_heads * value_units; i += kThreads) {
+    const int head = i / value_units, u = i - head * value_units;
+    const int64_t dst = (row_slot + int64_t(head) * p.block_size) * value_units + u;
     value_cache[dst] = reinterpret_cast<const Unit*>(value + head * p.value_head_stride)[u];
   }
 }
@@ -61,7 +68,8 @@ __global__ void __launch_bounds__(kThreads) copy_blocks_kernel(const __grid_cons
   const int64_t src = p.block_mapping[2 * pair], dst = p.block_mapping[2 * pair + 1];
   if (src < 0 || src >= p.num_blocks || dst < 0 || dst >= p.num_blocks) return;
   Unit* cache = static_cast<Unit*>(blockIdx.y % 2 == 0 ? p.key_caches[layer] : p.value_caches[layer]);
-  const int64_t units = p.block_bytes[layer] / static_cast<int64_t>(sizeof(Unit));
+  const int64_t block_bytes = blockIdx.y % 2 == 0 ? p.key_block_bytes[layer] : p.value_block_bytes[layer];
+  const int64_t units = block_bytes / static_cast<int64_t>(sizeof(Unit));
   const Unit* from = cache + src * units;
   Unit* to = cache + dst * units;
   for (int64_t i = threadIdx.x; i < units; i += kThreads * kUnitsInFlight) {
@@ -84,7 +92,8 @@ int64_t address(const void* p) { return static_cast<int64_t>(reinterpret_cast<ui
 cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
   const int alignment = common_alignment({address(p.key), address(p.value), address(p.key_cache),
                                           address(p.value_cache), p.key_token_stride, p.key_head_stride,
-                                          p.value_token_stride, p.value_head_stride, p.row_bytes});
+                                          p.value_token_stride, p.value_head_stride, p.key_row_bytes,
+                                          p.value_row_bytes});
   with_unit(alignment, [&](auto unit) {
     write_kv_kernel<decltype(unit)><<<static_cast<unsigned>(p.num_tokens), kThreads, 0, stream>>>(p);
   });
@@ -95,7 +104,7 @@ cudaError_t launch_copy_blocks(const CopyBlocksParams& p, cudaStream_t stream) {
   int alignment = 16;
   for (int l = 0; l < p.num_layers; ++l) {
     alignment = common_alignment({alignment, address(p.key_caches[l]), address(p.value_caches[l]),
-                                  p.block_bytes[l]});
+                                  p.key_block_bytes[l], p.value_block_bytes[l]});
   }
   const dim3 grid(static_cast<unsigned>(p.num_pairs), 2 * p.num_layers);
   with_unit(alignment, [&](auto unit) { copy_blocks_kernel<decltype(unit)><<<grid, kThreads, 0, stream>>>(p); });

@@ -3,6 +3,17 @@
 // Values that live on the device (slot ids, a device block mapping) are not
 // validated, since that would need a sync; the kernels skip out-of-range ones.
 #include <ATen/ATen.h>
+// at::getHostAllocator. The header sizes its structs with
+// std::hardware_destructive_interference_size, which GCC >= 12 warns about in every
+// file that includes it; the warning concerns torch's ABI, not this file.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#include <ATen/core/CachingHostAllocator.h>
+#pragma GCC diagnostic pop
+#else
+#include <ATen/core/CachingHostAllocator.h>
+#endif
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -42,7 +53,8 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.num_slots = key_cache.size(0) * key_cache.size(2);
   p.num_kv_heads = int(key_cache.size(1));
   p.block_size = int(key_cache.size(2));
-  p.row_bytes = key_cache.size(3) * elem;
+  p.key_row_bytes = key_cache.size(3) * elem;
+  p.value_row_bytes = value_cache.size(3) * elem;
   C10_CUDA_CHECK(launch_write_kv(p, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -86,12 +98,23 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
     p.num_layers = int(std::min<size_t>(kMaxCopyLayers, key_caches.size() - first));
     for (int l = 0; l < p.num_layers; ++l) {
       const at::Tensor& k = key_caches[first + l];
+      const at::Tensor& v = value_caches[first + l];
       p.key_caches[l] = k.data_ptr();
-      p.value_caches[l] = value_caches[first + l].data_ptr();
-      p.block_bytes[l] = k.stride(0) * k.element_size();
+      p.value_caches[l] = v.data_ptr();
+      p.key_block_bytes[l] = k.stride(0) * k.element_size();
+      p.value_block_bytes[l] = v.stride(0) * v.element_size();
     }
     C10_CUDA_CHECK(launch_copy_blocks(p, stream));
   }
+}
+
+// Tells PyTorch's pinned-memory allocator that `stream` uses the host pool, as
+// Tensor.copy_ does: a pinned block freed while the copies are in flight is then
+// not handed out again until they are done. A no-op for memory the allocator did
+// not allocate (pageable, or pinned by other means).
+void record_host_use(const at::Tensor& host, c10::cuda::CUDAStream stream) {
+  at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
+                                                stream.unwrap());
 }
 
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
@@ -120,13 +143,15 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   std::sort(pairs.begin(), pairs.end());
 
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   const int64_t block_bytes = src.stride(0) * src.element_size();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());
   // cudaMemcpyDefault: the direction follows from the (unified) addresses. With
   // pinned host memory the copy is asynchronous; with pageable memory the
-  // driver stages it and the call returns once the host side is done.
+  // driver stages it and the call returns once the host side is done. The
+  // mapping is read here, on the host: a CUDA graph that captures this call
+  // replays the block pairs of the capture, whatever the mapping later holds.
   for (size_t i = 0; i < pairs.size();) {
     size_t n = 1;
     while (i + n < pairs.size() && pairs[i + n].first == pairs[i].first + int64_t(n) &&
@@ -137,6 +162,8 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
                                    n * block_bytes, cudaMemcpyDefault, stream));
     i += n;
   }
+  if (src.is_cpu()) record_host_use(src, stream);
+  if (dst.is_cpu()) record_host_use(dst, stream);
 }
 
 }  // namespace

@@ -9,14 +9,9 @@
 #include <cstdint>
 
 #include "../scalar_kind.h"
+#include "attention_plan.h"
 
 namespace paged::cuda {
-
-// Query vectors (query rows x query heads of one GQA group) one CTA holds.
-constexpr int kMaxQueriesPerCta = 8;
-// Upper bound on split-KV partitions (the merge kernel keeps their weights in
-// shared memory).
-constexpr int kMaxPartitions = 512;
 
 struct AttentionParams {
   ScalarKind kind;
@@ -24,7 +19,8 @@ struct AttentionParams {
   const void* query;
   int64_t query_token_stride;
   int64_t query_head_stride;
-  // caches [num_blocks, num_kv_heads, block_size, head_size], contiguous, 16-byte aligned.
+  // key_cache [num_blocks, num_kv_heads, block_size, head_size] and value_cache
+  // [.., head_size_v], contiguous, 16-byte aligned.
   const void* key_cache;
   const void* value_cache;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
@@ -32,11 +28,13 @@ struct AttentionParams {
   const int32_t* seq_lens;         // [num_seqs]
   const int32_t* query_start_loc;  // [num_seqs + 1], or nullptr for decode
   const float* alibi_slopes;       // [num_heads], contiguous, or nullptr
+  const float* sinks;              // [num_heads], contiguous, or nullptr
   int num_tokens;
   int num_seqs;
   int num_heads;
   int num_kv_heads;
-  int head_size;
+  int head_size;    // of query and keys: the score phase
+  int head_size_v;  // of values and out
   int block_size;
   int num_blocks;
   int max_blocks_per_seq;
@@ -44,12 +42,14 @@ struct AttentionParams {
   float soft_cap;      // <= 0: disabled
   int sliding_window;  // <= 0: disabled
 
-  // Work decomposition (see attention_cuda.cpp: plan_attention). A CTA owns
+  // Work decomposition (attention_plan.h: plan_attention). A CTA owns
   // rows_per_tile query rows of one sequence times heads_per_cta query heads
-  // of one KV head, against one partition of partition_size keys.
+  // of one KV head, against split blockIdx.z of num_partitions: the chunks of
+  // partition_size keys blockIdx.z, blockIdx.z + num_partitions, ...
   int rows_per_tile;
   int heads_per_cta;
   int head_chunks;  // ceil(group / heads_per_cta)
+  int query_bucket; // kernel instance: kQueryBuckets[query_bucket] queries per CTA
   int num_tiles;    // grid.x: an upper bound on the query tiles
   int num_partitions;
   int partition_size;
@@ -61,21 +61,31 @@ struct AttentionParams {
   float* lse;
   int64_t lse_token_stride;
   // fp32 partition results when num_partitions > 1:
-  // part_out [num_partitions, num_tokens, num_heads, head_size], part_lse [.., num_heads].
+  // part_out [num_partitions, num_tokens, num_heads, head_size_v], part_lse [.., num_heads].
+  // The partition lse leaves the sinks out; the merge adds them.
   float* part_out;
   float* part_lse;
 };
 
-// Fills the work decomposition (rows_per_tile ... partition_size) from the
-// shapes in `params`; reads no tensor data, so a captured CUDA graph stays valid
-// for any metadata values.
-void plan_attention(AttentionParams& params, bool multi_token, int multiprocessors);
+// Resident CTAs per multiprocessor of the attention kernel instance for these
+// dtype and head sizes and kQueryBuckets[query_bucket] queries per CTA, on the
+// current device (cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached).
+cudaError_t attention_ctas_per_sm(ScalarKind kind, int head_size, int head_size_v, int query_bucket,
+                                  int* ctas);
 
 // Attention, plus the partition merge when num_partitions > 1, on `stream`.
 cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream);
 
+// Per-dtype halves of the above (attention_{f32,f16,bf16}.cu).
+cudaError_t launch_attention_f32(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_f16(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_bf16(const AttentionParams& params, cudaStream_t stream);
+cudaError_t occupancy_f32(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_f16(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_bf16(int head_size, int head_size_v, int query_bucket, int* ctas);
+
 struct WriteKvParams {
-  // key/value [num_tokens, num_kv_heads, row]; strides in bytes.
+  // key [num_tokens, num_kv_heads, head_size], value [.., head_size_v]; strides in bytes.
   const void* key;
   const void* value;
   int64_t key_token_stride;
@@ -90,18 +100,22 @@ struct WriteKvParams {
   int64_t num_slots;  // num_blocks * block_size
   int num_kv_heads;
   int block_size;
-  int64_t row_bytes;  // head_size * element size
+  int64_t key_row_bytes;    // head_size * element size
+  int64_t value_row_bytes;  // head_size_v * element size
 };
 
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
 
-// Layers one copy_blocks launch covers; its kernel parameters stay under 4 KB.
-constexpr int kMaxCopyLayers = 128;
+// Layers one copy_blocks launch covers; its kernel parameters stay under the
+// 4 KB every driver accepts (96 * 32 bytes + the rest).
+constexpr int kMaxCopyLayers = 96;
 
 struct CopyBlocksParams {
   void* key_caches[kMaxCopyLayers];
   void* value_caches[kMaxCopyLayers];
-  int64_t block_bytes[kMaxCopyLayers];
+  // A layer's key and value blocks may differ in size (head_size != head_size_v).
+  int64_t key_block_bytes[kMaxCopyLayers];
+  int64_t value_block_bytes[kMaxCopyLayers];
   const int64_t* block_mapping;  // [num_pairs, 2] (src, dst), contiguous, on the device
   int64_t num_pairs;
   int64_t num_blocks;
