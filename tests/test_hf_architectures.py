@@ -8,7 +8,6 @@ token-identical.
 """
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -23,44 +22,18 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 BLOCK_SIZE = 4
 
 
-def _ops_take_sinks() -> bool:
-    return "sinks" in inspect.signature(ops.attention).parameters
-
-
-def _ops_take_value_head_size() -> bool:
-    """Whether this build's write_kv and attention accept a value head size != key head size."""
-    key_cache = torch.zeros(1, 1, 4, 16)
-    value_cache = torch.zeros(1, 1, 4, 8)
-    try:
-        ops.write_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 8), key_cache, value_cache,
-                     torch.zeros(1, dtype=torch.int64))
-        out = ops.attention(torch.ones(1, 1, 16), key_cache, value_cache,
-                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.25)
-    except (RuntimeError, ValueError, TypeError):
-        return False
-    return tuple(out.shape) == (1, 1, 8)
-
-
-needs_sinks = pytest.mark.skipif(not _ops_take_sinks(),
-                                 reason="the paged ops of this build have no sinks argument "
-                                        "(kernel branch not merged yet)")
-needs_value_head_size = pytest.mark.skipif(not _ops_take_value_head_size(),
-                                           reason="the paged ops of this build need equal key and "
-                                                  "value head sizes (kernel branch not merged yet)")
-
 MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
            num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
            num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1)
-# name -> (config, mark). GPT-OSS: learned sinks, alternating sliding (window 6) and full
+# name -> config. GPT-OSS: learned sinks, alternating sliding (window 6) and full
 # layers. DeepSeek: key head 16 + 8 = 24, value head 16 (real models: 128 + 64 and 128).
 MODELS = {
-    "gpt_oss": (lambda: transformers.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16,
-                                                  num_local_experts=4, num_experts_per_tok=2,
-                                                  sliding_window=6), needs_sinks),
-    "deepseek_v3": (lambda: transformers.DeepseekV3Config(**COMMON, **MLA, q_lora_rank=48, n_group=1,
-                                                          topk_group=1), needs_value_head_size),
-    "deepseek_v2": (lambda: transformers.DeepseekV2Config(**COMMON, **MLA, q_lora_rank=None),
-                    needs_value_head_size),
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=6),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**COMMON, **MLA, q_lora_rank=48, n_group=1,
+                                                         topk_group=1),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(**COMMON, **MLA, q_lora_rank=None),
 }
 DECODING = {
     "greedy": dict(do_sample=False),
@@ -108,9 +81,9 @@ def generate_both(pair, max_new_tokens=12, seed=5, **kwargs):
     return outputs[0], outputs[1], cache
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=mark) for name, (_, mark) in MODELS.items()])
+@pytest.fixture(scope="module", params=sorted(MODELS))
 def special(request):
-    return request.param, build_pair(MODELS[request.param][0]())
+    return request.param, build_pair(MODELS[request.param]())
 
 
 @pytest.mark.parametrize("decoding", sorted(DECODING))
@@ -127,19 +100,10 @@ def test_sinks_and_latent_attention_equal_eager(special, decoding):
     assert cache.memory_usage()["blocks_used"] == 0
 
 
-@pytest.mark.skipif(_ops_take_sinks(), reason="this build's ops take sinks")
-def test_sinks_refused_while_the_ops_lack_them():
-    reference, paged = build_pair(MODELS["gpt_oss"][0]())
-    ids, mask = left_padded_prompts()
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        paged.generate(ids, attention_mask=mask, max_new_tokens=2,
-                       past_key_values=PagedCache(paged.config))
-
-
 def test_sinks_change_the_output():
     """The comparison above would catch sinks being dropped: eager with zeroed-out sink
     logits (a sink of -inf is no sink) generates differently."""
-    reference, _ = build_pair(MODELS["gpt_oss"][0]())
+    reference, _ = build_pair(MODELS["gpt_oss"]())
     ids, mask = left_padded_prompts()
     with torch.no_grad():
         with_sinks = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
@@ -229,10 +193,10 @@ def test_refused_at_cache_creation(name):
 # paged bf16 vs eager fp32 must be within 1.5x (plus 1% of the logit range) of eager bf16
 # vs eager fp32.
 BF16 = {
-    "llama": (lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2), None),
-    "qwen3": (SWEEP["qwen3"], None),
-    "deepseek_v3": (MODELS["deepseek_v3"][0], needs_value_head_size),
-    "gpt_oss": (MODELS["gpt_oss"][0], needs_sinks),
+    "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2),
+    "qwen3": SWEEP["qwen3"],
+    "deepseek_v3": MODELS["deepseek_v3"],
+    "gpt_oss": MODELS["gpt_oss"],
 }
 
 
@@ -241,9 +205,9 @@ def _logits(model, cache, inputs):
         return [model(step, past_key_values=cache).logits.float() for step in inputs]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=m) if m else n for n, (_, m) in BF16.items()])
+@pytest.mark.parametrize("name", sorted(BF16))
 def test_bf16_logits_close(name):
-    reference, paged = build_pair(BF16[name][0]())
+    reference, paged = build_pair(BF16[name]())
     reference_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
     paged.to(torch.bfloat16)
     ids = torch.randint(1, COMMON["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))

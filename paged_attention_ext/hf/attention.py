@@ -18,7 +18,6 @@ change the result (``position_ids``: positions are already in the rotary embeddi
 in the block tables); anything else raises instead of being ignored.
 """
 
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -32,13 +31,6 @@ IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_hidden_states",
                             "output_router_logits", "return_dict", "cache_position"})
 
 
-def _ops_take_sinks() -> bool:
-    try:
-        return "sinks" in inspect.signature(ops.attention).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _sinks(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:
     """The learned per-head sink logits as fp32 ``[heads]``, or None."""
     if s_aux is not None and sinks is not None:
@@ -50,9 +42,6 @@ def _sinks(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optiona
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"attention sinks (s_aux/sinks) of layer {getattr(module, 'layer_idx', '?')} "
                          f"must be one logit per query head ({heads}), got {shape}")
-    if not _ops_take_sinks():
-        raise NotImplementedError("this model uses attention sinks (s_aux), and this build of the "
-                                  "paged ops has no sinks argument")
     return value.detach().reshape(heads).to(device=device, dtype=torch.float32).contiguous()
 
 
@@ -127,9 +116,8 @@ def paged_attention_forward(
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    extra = {} if sink_logits is None else {"sinks": sink_logits}
     out = ops.attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale,
-                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, **extra)
+                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, sink_logits)
     if batch.query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)
