@@ -6,6 +6,10 @@ same tensors for a batch of one and applies the same operations in the same orde
 heuristic), so the engine returns the same beams, ties included. The engine owns the
 sequences: each step returns which running beam each new beam continues and with
 which token, and the engine forks/frees block tables to match.
+
+``step`` never changes a tensor or list in place, only rebinds attributes, so a shallow
+copy (``copy.copy``) can take a step while the original stays as it was: the engine
+adopts the copy only when its whole step succeeded.
 """
 
 from typing import List, Sequence, Tuple

@@ -194,7 +194,7 @@ class LLMEngine:
         """The group's next tokens, without changing the group: the request's generator
         and beam state advance on copies that the commit adopts."""
         if group.beam:
-            beam = copy.deepcopy(group.beam)
+            beam = copy.copy(group.beam)  # step() only rebinds its attributes (beam_search.py)
             return _Choice(beam.step(logits, [s.output_ids for s in group.seqs]), beam=beam)
         params = group.request.params
         live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
