@@ -58,7 +58,7 @@ def serve(model, requests, **config):
 
     Also returns the requests that were preempted (swapped out, or sent back to wait).
     """
-    engine = LLMEngine(model, EngineConfig(block_size=BLOCK, **config))
+    engine = LLMEngine(model, EngineConfig(block_size=BLOCK, record_block_contents=True, **config))
     for request in requests:
         engine.add_request(request)
     outputs, started, preempted = {}, set(), set()
@@ -125,7 +125,7 @@ def test_prefix_caching_does_not_change_output(models, requests, expected):
 
 def test_abort_releases_blocks_in_every_state(models, requests):
     engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=24,
-                                               num_host_blocks=64))
+                                               num_host_blocks=64, record_block_contents=True))
     for request in requests:
         engine.add_request(request)
     aborted = {}  # status -> request aborted in it

@@ -130,7 +130,7 @@ def assert_all_blocks_released(engine: LLMEngine) -> None:
 def test_faults_mid_step_damage_nothing(models, pool, expected, data):
     chosen = data.draw(st.lists(st.sampled_from(pool), min_size=2, max_size=5,
                                 unique_by=lambda r: r.request_id), label="requests")
-    config = EngineConfig(block_size=BLOCK, num_host_blocks=32,
+    config = EngineConfig(block_size=BLOCK, record_block_contents=True, num_host_blocks=32,
                           num_device_blocks=data.draw(st.sampled_from([14, 20, 64]), label="blocks"),
                           preemption_mode=data.draw(st.sampled_from(["swap", "recompute"])),
                           enable_prefix_caching=data.draw(st.booleans(), label="prefix caching"))
@@ -174,7 +174,8 @@ def test_faults_mid_step_damage_nothing(models, pool, expected, data):
 
 
 def test_a_failed_forward_changes_nothing_and_a_retry_completes(models, pool, expected):
-    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=64))
+    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=64,
+                                                record_block_contents=True))
     for request in pool[:4]:
         engine.add_request(request)
     outputs = {o.request_id: o.outputs for o in engine.step() if o.finished}  # the prefills
@@ -193,7 +194,8 @@ def test_a_failed_forward_changes_nothing_and_a_retry_completes(models, pool, ex
 
 
 def test_out_of_vocabulary_prompt_is_refused_by_name(models):
-    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=16))
+    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=16,
+                                                record_block_contents=True))
     engine.add_request(Request("fine", [1, 2, 3]))
     before = state(engine)
     with pytest.raises(ValueError, match=r"request bad: prompt\[1\] = 1000000 .*vocabulary"):
@@ -202,7 +204,8 @@ def test_out_of_vocabulary_prompt_is_refused_by_name(models):
 
 
 def test_deep_check_finds_a_cached_block_with_the_wrong_tokens(models, pool):
-    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=64))
+    engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=64,
+                                                record_block_contents=True))
     engine.add_request(pool[1])  # shares the system prompt: its first blocks get named
     engine.step()
     engine.check_invariants(deep=True)

@@ -183,7 +183,7 @@ REFUSED = {
 def test_refused_at_cache_creation(name):
     make_config, reason = REFUSED[name]
     config = make_config()
-    with pytest.raises(NotImplementedError, match=rf"PagedCache does not support the '[\w]+' "
+    with pytest.raises(NotImplementedError, match=rf"paged_attention_ext does not support the '[\w]+' "
                                                   rf"architecture: .*{reason}"):
         PagedCache(config)
 

@@ -11,6 +11,7 @@ import torch
 from ..block_manager import BlockSpaceManager
 from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
+from ..hf.support import check_config, mla_head_sizes
 from ..kv_cache import PagedKVCache
 from .beam_search import BeamSearch
 from .checks import check_engine
@@ -34,6 +35,9 @@ class EngineConfig:
     preemption_mode: str = "swap"
     max_num_batched_tokens: int = 4096  # tokens per step; prefills beyond decodes queue up
     watermark: float = 0.01             # pool share kept free at admission for decoding
+    # Keep a token-level shadow of every block for check_invariants(deep=True): a
+    # debugging aid that costs Python work per token, so off by default.
+    record_block_contents: bool = False
 
 
 @dataclass
@@ -64,20 +68,25 @@ class LLMEngine:
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
         text = model.config.get_text_config()
+        check_config(model.config, text)  # an architecture the ops cannot run raises here
         heads = text.num_attention_heads
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+        head_size_v = None
+        if mla_head_sizes(text) is not None:  # MLA: K/V expanded per head, sizes differ
+            head_size, head_size_v = mla_head_sizes(text)
         self.config = config
         self.kv_cache = PagedKVCache(
             text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-            getattr(text, "head_dim", None) or text.hidden_size // heads, config.block_size,
-            dtype=model.dtype, device=model.device, num_blocks=config.num_device_blocks,
-            num_host_blocks=config.num_host_blocks)
+            head_size, config.block_size, dtype=model.dtype, device=model.device,
+            num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
+            head_size_v=head_size_v)
         self.manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
                                          config.block_size, config.enable_prefix_caching,
                                          config.watermark)
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
-        self.contents = BlockContents(config.block_size)
+        self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
         self.vocab_size = text.vocab_size
         self._groups: Dict[str, SequenceGroup] = {}
@@ -142,6 +151,9 @@ class LLMEngine:
         swap: every block in the prefix cache holds exactly the tokens (after exactly
         the prefix) its name says, and every sequence's blocks hold its computed tokens.
         """
+        if deep and self.contents is None:
+            raise ValueError("check_invariants(deep=True) needs "
+                             "EngineConfig(record_block_contents=True)")
         check_engine(self.manager, self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
@@ -162,7 +174,8 @@ class LLMEngine:
         with self._transaction():
             preemption = self.scheduler.preempt()
             self.kv_cache.swap_out(preemption.swap_out)
-        self.contents.swap_out(preemption.swap_out)
+        if self.contents is not None:
+            self.contents.swap_out(preemption.swap_out)
         self.metrics.on_preempt(preemption.counts)
         with self._transaction():
             plan = self.scheduler.schedule(admit=not preemption.any)
@@ -208,13 +221,15 @@ class LLMEngine:
     def _commit(self, plan: SchedulerOutput, choices: List["_Choice"]) -> List[RequestOutput]:
         """Adopt a step that ran: record what was written, append the chosen tokens, stream."""
         self.metrics.on_step(self.manager, self.scheduler.running)
-        self.contents.swap_in(plan.swap_in)
-        self.contents.copy(plan.copies)
+        if self.contents is not None:
+            self.contents.swap_in(plan.swap_in)
+            self.contents.copy(plan.copies)
         for group in plan.groups:
             for seq in group.live_seqs:
                 end = len(seq.token_ids)
-                self.contents.write(plan.slots[seq.seq_id], seq.token_ids[seq.num_computed:],
-                                    range(seq.num_computed, end), seq.block_hashes)
+                if self.contents is not None:
+                    self.contents.write(plan.slots[seq.seq_id], seq.token_ids[seq.num_computed:],
+                                        range(seq.num_computed, end), seq.block_hashes)
                 seq.num_computed = end
         outputs = []
         for group, choice in zip(plan.groups, choices):

@@ -73,8 +73,8 @@ def check_config(config, text_config) -> List[str]:
     model_type = getattr(text_config, "model_type", "") or getattr(config, "model_type", "")
 
     def refuse(reason: str):
-        raise NotImplementedError(f"PagedCache does not support the {model_type!r} architecture: "
-                                  f"{reason}")
+        raise NotImplementedError(f"paged_attention_ext does not support the {model_type!r} "
+                                  f"architecture: {reason}")
 
     for kind in {getattr(config, "model_type", ""), model_type}:
         if kind in REFUSED:

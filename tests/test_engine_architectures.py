@@ -1,0 +1,69 @@
+"""The engine on architectures beyond Qwen2: attention sinks (GPT-OSS) and different key and
+value head sizes (DeepSeek-V3 multi-head latent attention) equal eager ``generate``; an
+architecture the ops cannot run is refused when the engine is created."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
+                                        generate_reference)
+from paged_attention_ext.hf import ATTN_IMPLEMENTATION
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
+              bos_token_id=None, eos_token_id=None, initializer_range=0.2)
+CONFIGS = {
+    # Learned sinks; sliding (window 6) and full layers alternate.
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=6),
+    # Key head 16 + 8 = 24, value head 16.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **COMMON, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=48, n_group=1, topk_group=1),
+}
+REQUESTS = [
+    Request("greedy", [5, 17, 99, 3, 41, 8, 60], SamplingParams(max_new_tokens=10)),
+    Request("sampled", [7, 7, 12, 90, 33], SamplingParams(max_new_tokens=8, temperature=0.8,
+                                                          top_k=30, n=2, seed=3)),
+    Request("beam", [2, 64, 31, 18, 5, 77, 9, 100, 4], SamplingParams(max_new_tokens=6, num_beams=3,
+                                                                      num_return_sequences=2)),
+]
+
+
+def pair(name):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    reference = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32).eval()
+    paged = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    paged.load_state_dict(reference.state_dict())
+    return paged, reference
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_equals_eager(name):
+    paged, reference = pair(name)
+    # A small pool, so requests also preempt and come back.
+    engine = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=10, num_host_blocks=32,
+                                           record_block_contents=True))
+    got = engine.generate(copy.deepcopy(REQUESTS))
+    for request in REQUESTS:
+        assert got[request.request_id] == generate_reference(reference, request), request.request_id
+    engine.check_invariants(deep=True)
+    if name == "deepseek_v3":
+        key_pool, value_pool = engine.kv_cache.layer(0)
+        assert key_pool.shape[-1] == 24 and value_pool.shape[-1] == 16
+
+
+def test_unsupported_architecture_refused_at_engine_creation():
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
+    model = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation=ATTN_IMPLEMENTATION)
+    with pytest.raises(NotImplementedError, match="'bloom' architecture"):
+        LLMEngine(model, EngineConfig(num_device_blocks=8, num_host_blocks=0))
