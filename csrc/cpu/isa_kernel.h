@@ -1,0 +1,54 @@
+// One instruction set's compile of the attention kernel and its entry point. An
+// isa_*.cpp defines these macros and includes this file, so adding an instruction set
+// is one new file (plus its choice in cpu_features.cpp):
+//   PAGED_ISA         names the namespace paged::cpu::<PAGED_ISA> and the entry point
+//                     paged::cpu::<PAGED_ISA>_attention_kernel
+//   PAGED_ISA_TARGET  the `#pragma GCC target` string: x86-64 only (elsewhere the entry
+//                     point returns nullptr); undefined for the baseline, which runs anywhere
+//   PAGED_VEC_WIDTH, PAGED_ISA_AVX512, PAGED_ISA_AVX512_BF16, PAGED_ISA_F16C: see vec.h
+// One file rather than a begin/end pair: the x86-64 condition must enclose the kernel,
+// and a preprocessor conditional cannot span files.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "attention_params.h"
+
+#define PAGED_CONCAT_TOKENS(a, b) a##b
+#define PAGED_CONCAT(a, b) PAGED_CONCAT_TOKENS(a, b)
+
+#if !defined(PAGED_ISA_TARGET) || defined(__x86_64__)
+#if PAGED_ISA_AVX512
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which trips this warning.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#pragma GCC push_options
+#if defined(PAGED_ISA_TARGET)
+// `#pragma GCC target` takes a literal string; _Pragma takes the macro's expansion.
+#define PAGED_PRAGMA(text) _Pragma(#text)
+#define PAGED_TARGET_PRAGMA(isa_target) PAGED_PRAGMA(GCC target(isa_target))
+PAGED_TARGET_PRAGMA(PAGED_ISA_TARGET)
+#endif
+
+// The kernel headers are included inside the namespace, after every system header they use.
+namespace paged::cpu::PAGED_ISA {
+#include "attention_kernel.h"
+}  // namespace paged::cpu::PAGED_ISA
+
+#pragma GCC pop_options
+
+namespace paged::cpu {
+AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind kind) {
+  return PAGED_ISA::kernel_for(kind);
+}
+}  // namespace paged::cpu
+#else
+namespace paged::cpu {
+AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind) { return nullptr; }
+}  // namespace paged::cpu
+#endif

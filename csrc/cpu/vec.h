@@ -1,0 +1,519 @@
+// Vector helpers of the CPU attention kernel (attention_kernel.h): GCC vector types of
+// PAGED_VEC_WIDTH floats, loads that widen fp16/bf16 to fp32, exp, horizontal sums,
+// prefetches, and the register-tile dot products and weighted sums (with vdpbf16ps
+// versions for AVX512_BF16). Compiled once per instruction set like the kernel
+// (isa_kernel.h), textually inside its ISA namespace, after attention_params.h; the
+// macros that select the instructions:
+//   PAGED_VEC_WIDTH        fp32 lanes per vector (16, 8)
+//   PAGED_ISA_AVX512       1 when AVX-512F intrinsics may be used
+//   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional)
+//   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
+
+constexpr int VW = PAGED_VEC_WIDTH;
+typedef float vfloat __attribute__((vector_size(VW * 4)));
+typedef int32_t vint __attribute__((vector_size(VW * 4)));
+typedef uint32_t vuint __attribute__((vector_size(VW * 4)));
+typedef uint16_t vhalfword __attribute__((vector_size(VW * 2)));
+
+struct Bf16 { uint16_t bits; };
+struct Fp16 { uint16_t bits; };
+
+static inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+// A broadcast. x - 0 is exactly x (for -0 too), so this folds to one broadcast; the
+// `vfloat{} + x` it replaces cost a scalar add first (0 + -0 is +0).
+static inline vfloat splat(float x) { return x - vfloat{}; }
+
+typedef float v8float __attribute__((vector_size(32)));
+typedef float v4float __attribute__((vector_size(16)));
+
+// The low half plus the high half, down to 8 lanes.
+static inline v8float fold8(vfloat v) {
+#if PAGED_VEC_WIDTH == 16
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v;
+#endif
+}
+
+static inline float hsum(vfloat v) {
+  const v8float a = fold8(v);
+  v4float c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c += __builtin_shufflevector(c, c, 2, 3, 0, 1);
+  c += __builtin_shufflevector(c, c, 1, 0, 3, 2);
+  return c[0];
+}
+
+template <typename V>
+static inline V vmax(V a, V b) { return a > b ? a : b; }
+
+static inline float hmax(vfloat v) {
+#if PAGED_VEC_WIDTH == 16
+  const v8float a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  const v8float a = v;
+#endif
+  v4float c = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  c = vmax(c, __builtin_shufflevector(c, c, 2, 3, 0, 1));
+  c = vmax(c, __builtin_shufflevector(c, c, 1, 0, 3, 2));
+  return c[0];
+}
+
+// Four horizontal sums at once (a shuffle tree instead of four separate ones).
+static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
+  const v8float a8 = fold8(a), b8 = fold8(b), c8 = fold8(c), d8 = fold8(d);
+  // [a0+a4 .. a3+a7, b0+b4 .. b3+b7] and the same for c, d.
+  const v8float ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8float cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                     __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  // Pairs: [a, a, c, c, b, b, d, d] partial sums.
+  const v8float pairs = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
+                        __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
+  const v4float sums = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
+                       __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);  // [a, c, b, d]
+  out[0] = sums[0];
+  out[1] = sums[2];
+  out[2] = sums[1];
+  out[3] = sums[3];
+}
+
+// ---- scalar conversions (tails and the generic fp16 path) -------------------
+static inline float to_float(float x) { return x; }
+static inline float to_float(Bf16 x) {
+  uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+static inline float to_float(Fp16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1f;
+  uint32_t mantissa = x.bits & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: renormalise
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400) == 0);
+    bits = sign | uint32_t(112 - e) << 23 | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- vector conversions: VW elements of the cache type -> VW floats ---------
+static inline vfloat load_as_float(const float* p) { return load(p); }
+static inline vfloat load_as_float(const Bf16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+#endif
+}
+static inline vfloat load_as_float(const Fp16* p) {
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  return (vfloat)_mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vfloat v;
+  for (int i = 0; i < VW; ++i) v[i] = to_float(p[i]);
+  return v;
+#endif
+}
+
+// Converts head_size elements into dst (the padded tail of dst is untouched).
+template <typename T>
+static inline void row_to_float(const T* src, float* dst, int head_size) {
+  int d = 0;
+  for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
+  for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+}
+
+// exp(x) for a vector: 0 for -inf and below the float range, NaN for NaN. Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2 / 2, then e^r by exp_reduced and a scale by 2^n.
+
+// e^r for |r| <= ln2 / 2: a degree-6 polynomial.
+static inline vfloat exp_reduced(vfloat r) {
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  return p * r * r + r + splat(1.0f);
+}
+
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+// AVX-512: n rounded by vrndscaleps, 2^n applied by vscalefps, which gives inf above the
+// float range and denormals, then 0, below it. The one clamp keeps -inf from becoming
+// NaN in the reduction; e^-104 is below the smallest denormal, so it still gives 0.
+static inline vfloat vexp(vfloat x) {
+  const vfloat lo = splat(-104.0f);
+  x = x < lo ? lo : x;  // NaN stays NaN
+  const __m512 t = (__m512)(x * splat(1.44269504088896341f));
+  const vfloat n = (vfloat)_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
+  vfloat r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  return (vfloat)_mm512_scalef_ps((__m512)exp_reduced(r), (__m512)n);
+}
+#else
+// Elsewhere: clamps, rounding by adding and subtracting 1.5 * 2^23, and 2^n built in the
+// exponent bits (0 below the normal range, the largest finite result above it).
+static inline vfloat vexp(vfloat x) {
+  const vfloat lo = splat(-87.33654f);
+  const vfloat xc = x < lo ? lo : (x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x);
+  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest
+  const vfloat n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  vfloat r = xc - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  const vint e = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vfloat result = exp_reduced(r) * (vfloat)e;
+  return x < lo ? vfloat{} : result;
+}
+#endif
+
+// GCC's dead-code elimination deletes a loop whose only effect is prefetching; the
+// empty volatile asm keeps such loops.
+static inline void prefetch(const void* p) {
+  __builtin_prefetch(p, 0, 3);
+  asm volatile("");
+}
+
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) prefetch(p + off);
+}
+
+// Prefetching mirrors the loads: while a phase reads bytes [x, x + 64) of its row t,
+// it prefetches the same bytes of row t of the next phase's rows (`ahead`, nullable).
+// Misses then stay in flight at the pace of the arithmetic instead of in bursts.
+template <typename R>
+static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
+  if (ahead && (element * int(sizeof(R))) % 64 == 0) prefetch(ahead[t] + element);
+}
+
+// The row loaders below take rows of R (float, or a 16-bit type read in place and
+// widened to fp32 in registers); every row holds hsp elements.
+
+// Dot products of one query with 4 keys.
+template <typename R>
+static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
+                        const R* const* ahead) {
+  // Two accumulators per key (even and odd steps): eight independent FMA chains. The
+  // loop takes two steps at a time so that both sets stay in registers (indexing them
+  // by step parity put them on the stack: a store-forwarding chain per FMA).
+  vfloat even[4] = {}, odd[4] = {};
+  int d = 0;
+  for (; d + 2 * VW <= hsp; d += 2 * VW) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d + VW);
+    const vfloat q0 = load(q + d), q1 = load(q + d + VW);
+    for (int i = 0; i < 4; ++i) {
+      even[i] += q0 * load_as_float(k[i] + d);
+      odd[i] += q1 * load_as_float(k[i] + d + VW);
+    }
+  }
+  if (d < hsp) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const vfloat q0 = load(q + d);
+    for (int i = 0; i < 4; ++i) even[i] += q0 * load_as_float(k[i] + d);
+  }
+  hsum4(even[0] + odd[0], even[1] + odd[1], even[2] + odd[2], even[3] + odd[3], out);
+}
+
+template <typename R>
+static inline float dot1(const float* q, const R* k, int hsp, const R* const* ahead) {
+  vfloat a{};
+  for (int d = 0; d < hsp; d += VW) {
+    prefetch_same_line(ahead, 0, d);
+    a += load(q + d) * load_as_float(k + d);
+  }
+  return hsum(a);
+}
+
+// acc[d:d + W*VW] += sum_t p[t] * v[t][d:d + W*VW]: W independent accumulator vectors.
+template <int W, typename R>
+static inline void accumulate_block(float* acc, const float* p, const R* const* v, int n, int d,
+                                   const R* const* ahead) {
+  vfloat a[W];
+  for (int i = 0; i < W; ++i) a[i] = load(acc + d + i * VW);
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < W; ++i) prefetch_same_line(ahead, t, d + i * VW);
+    if (p[t] == 0.0f) continue;
+    const vfloat pt = splat(p[t]);
+    for (int i = 0; i < W; ++i) a[i] += pt * load_as_float(v[t] + d + i * VW);
+  }
+  for (int i = 0; i < W; ++i) store(acc + d + i * VW, a[i]);
+}
+
+// acc[0:hsp] += sum_t p[t] * v[t][0:hsp], eight accumulator vectors at a time.
+template <typename R>
+static inline void accumulate_values(float* acc, const float* p, const R* const* v, int n, int hsp,
+                                     const R* const* ahead) {
+  int d = 0;
+  for (; d + 8 * VW <= hsp; d += 8 * VW) accumulate_block<8>(acc, p, v, n, d, ahead);
+  for (; d + 4 * VW <= hsp; d += 4 * VW) accumulate_block<4>(acc, p, v, n, d, ahead);
+  for (; d < hsp; d += VW) accumulate_block<1>(acc, p, v, n, d, ahead);
+}
+
+// Query rows per register tile: 4 x 4 accumulators fit AVX-512's 32 registers,
+// 2 x 4 fit the 16 of AVX2 and SSE.
+constexpr int QT = VW == 16 ? 4 : 2;
+
+// The QT x 4 accumulators of a score tile summed to QT x 4 scores by one transpose
+// tree (each level halves the lanes per accumulator and packs two vectors into one):
+// cheaper than QT separate four-way sums. Scores land in s[g * kKeyChunk + i].
+static inline void hsum_tile(const vfloat (&acc)[QT][4], float* s) {
+#if PAGED_VEC_WIDTH == 16
+  vfloat l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {
+    const vfloat a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const vfloat a = l1[2 * i], b = l1[2 * i + 1];
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vfloat a = l2[2 * i], b = l2[2 * i + 1];
+    l3[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  const vfloat r =
+      __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+      __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vfloat l1[4], l2[2];
+  for (int i = 0; i < 4; ++i) {
+    const vfloat a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vfloat a = l1[2 * i], b = l1[2 * i + 1];
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  const vfloat r = __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+  for (int g = 0; g < QT; ++g) std::memcpy(s + g * kKeyChunk, reinterpret_cast<const float*>(&r) + 4 * g, 16);
+}
+
+
+// Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
+// so every loaded key vector serves QT queries and every query vector 4 keys.
+template <typename R>
+static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s,
+                            const R* const* ahead) {
+  vfloat acc[QT][4];
+  for (int g = 0; g < QT; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = vfloat{};
+  for (int d = 0; d < hsp; d += VW) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const vfloat k0 = load_as_float(k[0] + d), k1 = load_as_float(k[1] + d),
+                 k2 = load_as_float(k[2] + d), k3 = load_as_float(k[3] + d);
+    for (int g = 0; g < QT; ++g) {
+      const vfloat qv = load(q + int64_t(g) * hsp + d);
+      acc[g][0] += qv * k0;
+      acc[g][1] += qv * k1;
+      acc[g][2] += qv * k2;
+      acc[g][3] += qv * k3;
+    }
+  }
+  hsum_tile(acc, s);
+}
+
+// acc[g] += sum_t p[g][t] * v[t] for QT queries: QT x 4 register accumulators per step,
+// so every loaded value vector serves QT queries.
+template <typename R>
+static inline void accumulate_tile(float* acc, int hsp, const float* p, const R* const* v, int n,
+                                   const R* const* ahead) {
+  int d = 0;
+  for (; d + 4 * VW <= hsp; d += 4 * VW) {
+    vfloat a[QT][4];
+    for (int g = 0; g < QT; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, t, d + i * VW);
+      const R* vr = v[t] + d;
+      const vfloat v0 = load_as_float(vr), v1 = load_as_float(vr + VW),
+                   v2 = load_as_float(vr + 2 * VW), v3 = load_as_float(vr + 3 * VW);
+      for (int g = 0; g < QT; ++g) {
+        const vfloat pg = splat(p[g * kKeyChunk + t]);
+        a[g][0] += pg * v0;
+        a[g][1] += pg * v1;
+        a[g][2] += pg * v2;
+        a[g][3] += pg * v3;
+      }
+    }
+    for (int g = 0; g < QT; ++g)
+      for (int i = 0; i < 4; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
+  }
+  for (; d < hsp; d += VW) {
+    vfloat a[QT];
+    for (int g = 0; g < QT; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
+    for (int t = 0; t < n; ++t) {
+      prefetch_same_line(ahead, t, d);
+      const vfloat vt = load_as_float(v[t] + d);
+      for (int g = 0; g < QT; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
+    }
+    for (int g = 0; g < QT; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
+  }
+}
+
+#if PAGED_ISA_AVX512_BF16
+// bf16 keys against bf16 queries with vdpbf16ps: pairs of products summed in fp32,
+// 32 elements a step, no widening. The query is the caller's unscaled bf16 (exact);
+// the softmax scale is applied to the scores afterwards.
+static inline __m512bh load_bf16x32(const void* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
+                            const Bf16* const* ahead) {
+  __m512 acc[QT][4];
+  for (int g = 0; g < QT; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const __m512bh k0 = load_bf16x32(k[0] + d), k1 = load_bf16x32(k[1] + d),
+                   k2 = load_bf16x32(k[2] + d), k3 = load_bf16x32(k[3] + d);
+    for (int g = 0; g < QT; ++g) {
+      const __m512bh qv = load_bf16x32(q + int64_t(g) * hsp + d);
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
+      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], qv, k2);
+      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
+    }
+  }
+  vfloat sums[QT][4];
+  for (int g = 0; g < QT; ++g)
+    for (int i = 0; i < 4; ++i) sums[g][i] = (vfloat)acc[g][i];
+  hsum_tile(sums, s);
+}
+
+static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out,
+                        const Bf16* const* ahead) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const __m512bh qv = load_bf16x32(q + d);
+    a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k[0] + d));
+    a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k[1] + d));
+    a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k[2] + d));
+    a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k[3] + d));
+  }
+  hsum4((vfloat)a0, (vfloat)a1, (vfloat)a2, (vfloat)a3, out);
+}
+
+static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* const* ahead) {
+  __m512 a = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) {
+    prefetch_same_line(ahead, 0, d);
+    a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), load_bf16x32(k + d));
+  }
+  return hsum((vfloat)a);
+}
+
+// Probability-weighted bf16 values with vdpbf16ps, two keys per instruction: the rows
+// of keys t and t+1 are interleaved (vpunpck{l,h}wd) and dotted with the pair
+// (p[t], p[t+1]) rounded to bf16, as flash-attention kernels do on GPUs.
+//
+// The interleave works within 128-bit lanes, so each 32-element step of a row leaves
+// its results in a fixed permutation (pair_lane): the accumulators stay permuted for
+// the whole item and unpermute_pairs restores the order at the end.
+static inline int pair_lane(int i) {  // element i of a 32-element step -> accumulator slot
+  const int lane = i / 8, j = i % 8;
+  return (j < 4 ? 0 : 16) + 4 * lane + j % 4;
+}
+
+static inline void unpermute_pairs(const float* acc, float* out, int hsp, float factor) {
+  for (int d = 0; d < hsp; d += 32)
+    for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
+}
+
+// acc[g] += sum_t p[g][t] v[t] for G queries; `pairs[g * kKeyChunk / 2 + t / 2]` holds
+// (p[g][t], p[g][t+1]) as two bf16. An odd last key is paired with a zero row.
+template <int G, int STEPS>
+static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint32_t* pairs,
+                                          const Bf16* const* v, int n, const Bf16* const* ahead) {
+  // STEPS 32-element steps of the rows at once: each broadcast pair serves them all.
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 lo[G][STEPS], hi[G][STEPS];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      lo[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k);
+      hi[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16);
+    }
+  for (int t = 0; t < n; t += 2) {
+    const bool odd = t + 1 == n;
+    __m512bh ab_lo[STEPS], ab_hi[STEPS];
+    for (int k = 0; k < STEPS; ++k) {
+      prefetch_same_line(ahead, t, d + 32 * k);
+      if (!odd) prefetch_same_line(ahead, t + 1, d + 32 * k);
+      const __m512i a = _mm512_loadu_si512(v[t] + d + 32 * k);
+      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d + 32 * k);
+      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
+      for (int k = 0; k < STEPS; ++k) {
+        lo[g][k] = _mm512_dpbf16_ps(lo[g][k], ab_lo[k], pp);
+        hi[g][k] = _mm512_dpbf16_ps(hi[g][k], ab_hi[k], pp);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k, lo[g][k]);
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16, hi[g][k]);
+    }
+}
+
+template <int G>
+static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const Bf16* const* v,
+                                    int n, const Bf16* const* ahead) {
+  int d = 0;
+  for (; d + 64 <= hsp; d += 64) accumulate_pairs_block<G, 2>(acc, hsp, d, pairs, v, n, ahead);
+  if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
+}
+
+// The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
+template <int G>
+static inline void probability_pairs(const float* scores, uint32_t* pairs) {
+  static_assert(kKeyChunk % 16 == 0, "whole fp32 vectors of probabilities per query");
+  for (int g = 0; g < G; ++g) {
+    for (int t = 0; t < kKeyChunk; t += 16) {
+      const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk + t));
+      std::memcpy(pairs + g * (kKeyChunk / 2) + t / 2, &p, sizeof(p));
+    }
+  }
+}
+#endif  // PAGED_ISA_AVX512_BF16
