@@ -1,20 +1,43 @@
-"""Typed wrappers over ``torch.ops.paged``.
+"""The paged ops: typed wrappers over ``torch.ops.paged.*`` and their reference documentation.
 
-Layouts (see docs/ops.md):
+These docstrings are the op reference (shapes, dtypes, semantics, errors, an example per
+op that the tests run); docs/ops.md tells the design story around them. Each wrapper is
+one op call, so ``torch.compile`` traces it without a graph break, and
+``torch.ops.paged.<name>`` takes the same arguments positionally.
 
-* KV cache, per layer, HND: ``key_cache`` is ``[num_blocks, num_kv_heads, block_size,
-  head_size]`` and ``value_cache`` ``[num_blocks, num_kv_heads, block_size, head_size_v]``,
-  contiguous; ``head_size_v`` is usually ``head_size`` (MLA models as transformers runs
-  them use e.g. 192 and 128).
-* ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]``: row i lists the
-  physical blocks of sequence i in logical order; entries past the sequence's
-  last block are never read.
-* ``seq_lens`` int32 ``[num_seqs]``: KV tokens of each sequence, including the
-  query tokens of this step (already written with :func:`write_kv`).
-* Slots: ``slot = block * block_size + offset_in_block`` (int64); negative = padding.
+Layouts
+-------
+* Per layer, a key cache ``[num_blocks, num_kv_heads, block_size, head_size]`` and a
+  value cache ``[num_blocks, num_kv_heads, block_size, head_size_v]`` (HND), contiguous,
+  fp32/fp16/bf16. ``head_size_v`` is usually ``head_size``; MLA models as transformers
+  runs them (DeepSeek-V2/V3) use key 192 and value 128. Otherwise the two caches match:
+  ``num_blocks``, ``num_kv_heads``, ``block_size``, dtype and device. Head sizes are
+  multiples of 8 up to 256; any ``block_size >= 1``.
+* Token ``t`` of sequence ``i`` lives in block ``block_tables[i, t // block_size]`` at
+  offset ``t % block_size``; its slot is ``block * block_size + offset`` (int64).
+* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, row ``i`` the physical blocks
+  of sequence ``i`` in logical order; entries past its last block are never read.
+* ``seq_lens``: int32 ``[num_seqs]``, KV tokens of each sequence *including* this step's
+  query tokens (already stored with :func:`write_kv`); 0 marks a padded row.
+* Block mappings: int64 ``[num_pairs, 2]`` rows ``(src, dst)``, on the host.
 
-The wrappers add no work: they exist for signatures, defaults and docs, and each
-is a single op call that ``torch.compile`` traces without a graph break.
+Errors
+------
+Every argument is checked before anything is written, so a rejected call changes nothing.
+Messages name the op and the argument (``paged.attention: block_tables[1, 0] = 99 is not
+a block of the cache (num_blocks = 8)``):
+
+* ``ValueError``: a wrong rank or shape, a non-contiguous cache, head counts that do not
+  divide, an unsupported head size, lengths beyond the block table, inconsistent
+  ``query_start_loc``, bad ``scale``/``soft_cap``/``sliding_window``, tensors on mixed
+  devices (a meta tensor among CPU ones included), a mapping that writes a block twice or
+  reads a block it writes.
+* ``TypeError``: a wrong dtype (query, caches and ``out`` of different float types,
+  metadata not int32/int64, ALiBi slopes or sinks not fp32).
+* ``IndexError``: a used block id, a slot or a mapping pair outside its pool.
+* ``NotImplementedError``: an argument that requires grad while grad mode is on. The ops
+  are for inference and have no backward; call them under ``torch.no_grad()`` or
+  ``torch.inference_mode()``, or pass detached tensors.
 """
 
 from typing import Optional, Sequence, Tuple
@@ -48,31 +71,56 @@ def attention(
     """Attention of ``query`` over each sequence's paged KV cache.
 
     Args:
-        query: ``[num_tokens, num_heads, head_size]``, fp32/fp16/bf16, last dim contiguous.
-        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, dtype of ``query``;
-            ``num_heads % num_kv_heads == 0`` (GQA/MQA), query head ``h`` reads KV head
-            ``h // (num_heads // num_kv_heads)``.
-        value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``, like
-            ``key_cache`` but for its head size. Head sizes are multiples of 8 up to 256.
+        query: ``[num_tokens, num_heads, head_size]``, dtype of the caches, last dim
+            contiguous (token and head strides are free: a view into a fused QKV works).
+        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``;
+            ``num_heads % num_kv_heads == 0`` (MHA, GQA, MQA): query head ``h`` reads KV
+            head ``h // (num_heads // num_kv_heads)``.
+        value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
-        seq_lens: int32 ``[num_seqs]``; 0 marks a padded row (its output is zeros).
+        seq_lens: int32 ``[num_seqs]``; 0 marks a padded row.
         scale: multiplies ``q . k`` (usually ``head_size ** -0.5``).
-        query_start_loc: None for decode (``num_tokens == num_seqs``, one query per
-            sequence at position ``seq_len - 1``). Otherwise int32 ``[num_seqs + 1]``,
-            cumulative: sequence i owns rows ``[qsl[i], qsl[i+1])``, its last ``q_len``
-            positions, with bottom-right aligned causal masking.
+        query_start_loc: None for decode: ``num_tokens == num_seqs``, row ``i`` is the query
+            of sequence ``i`` at position ``seq_lens[i] - 1``. Otherwise int32
+            ``[num_seqs + 1]``, cumulative: sequence ``i`` owns rows ``[qsl[i], qsl[i+1])``,
+            its *last* ``q_len`` positions, with bottom-right aligned causal masking. One
+            call serves prefill, chunked prefill, prefill after a prefix hit, recompute,
+            speculative verification, and mixes of these with decode rows and empty rows.
         alibi_slopes: fp32 ``[num_heads]``; adds ``slope[h] * (j - p)`` to the score of key
             position ``j`` for the query at position ``p``.
         sliding_window: ``W > 0`` lets the query at ``p`` see keys ``p - W < j <= p``;
             -1 disables it.
-        soft_cap: ``c > 0`` maps each score ``s`` to ``c * tanh(s / c)``; 0 disables it.
-        sinks: fp32 ``[num_heads]`` attention sinks (GPT-OSS): one more logit per head
-            in the softmax denominator that contributes no value, so
-            ``out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. None: no sink.
+        soft_cap: ``c > 0`` maps each score ``s`` to ``c * tanh(s / c)`` (before ALiBi);
+            0 disables it.
+        sinks: fp32 ``[num_heads]`` attention sinks (GPT-OSS's learned per-head logits): one
+            more logit per head in the softmax denominator that contributes no value. With
+            the visible scores ``s_j`` of a query of head ``h``,
+            ``out = sum_j e^(s_j) v_j / (e^sink[h] + sum_j e^(s_j))`` (computed with the
+            max subtracted); ``-inf`` is no sink. This equals transformers' eager GPT-OSS
+            attention. None: no sink.
+
+    Scores, softmax and accumulation are fp32; the result is rounded once to the output
+    dtype.
 
     Returns:
-        ``[num_tokens, num_heads, head_size_v]`` in the dtype of ``query``; zeros for a
-        row that sees no key.
+        A new ``[num_tokens, num_heads, head_size_v]`` tensor in the dtype of ``query``;
+        zeros for a row that sees no key (never NaN).
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> from paged_attention_ext import reference
+        >>> key_cache = torch.randn(4, 2, 16, 64)    # 4 blocks, 2 KV heads, 16 tokens each
+        >>> value_cache = torch.randn(4, 2, 16, 64)
+        >>> block_tables = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+        >>> seq_lens = torch.tensor([20, 5], dtype=torch.int32)
+        >>> query = torch.randn(2, 8, 64)            # decode: one query per sequence, GQA 4:1
+        >>> out = pa.attention(query, key_cache, value_cache, block_tables, seq_lens, 64 ** -0.5)
+        >>> out.shape
+        torch.Size([2, 8, 64])
+        >>> want = reference.attention(query, key_cache, value_cache, block_tables, seq_lens,
+        ...                            64 ** -0.5)
+        >>> torch.testing.assert_close(out, want)
     """
     return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                      query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks)
@@ -95,11 +143,29 @@ def attention_with_lse(
 
     Returns:
         ``(out, lse)``: ``out`` as in :func:`attention`; ``lse`` fp32
-        ``[num_tokens, num_heads]``, natural log of the softmax denominator: the
-        log-sum-exp of the row's visible scores and, when given, its head's sink. A row
-        that sees no key gets the sink (``-inf`` without sinks). Two partial attentions
-        over disjoint keys (without sinks) merge exactly with it (cascade attention,
-        split prefill).
+        ``[num_tokens, num_heads]``, the natural log of the softmax denominator:
+        ``log(sum_j e^(s_j))``, and with sinks ``log(e^sink[h] + sum_j e^(s_j))`` (the sink
+        is included). A row that sees no key gets ``sink[h]`` (``-inf`` without sinks).
+        Two results over disjoint keys merge exactly:
+        ``o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2)`` (cascade attention, split
+        prefill); give sinks to only one of the two calls, or the sink counts twice.
+
+    Example (a 40-token sequence attended in two halves, then merged)::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> key_cache, value_cache = torch.randn(3, 1, 16, 32), torch.randn(3, 1, 16, 32)
+        >>> query = torch.randn(1, 1, 32)
+        >>> whole = pa.attention(query, key_cache, value_cache,
+        ...                      torch.tensor([[0, 1, 2]], dtype=torch.int32),
+        ...                      torch.tensor([40], dtype=torch.int32), 0.2)
+        >>> def part(blocks, length):  # a decode query sees every key of its part
+        ...     return pa.attention_with_lse(query, key_cache, value_cache,
+        ...                                  torch.tensor([blocks], dtype=torch.int32),
+        ...                                  torch.tensor([length], dtype=torch.int32), 0.2)
+        >>> o1, lse1 = part([0, 1], 32)
+        >>> o2, lse2 = part([2], 8)
+        >>> w1, w2 = lse1.exp()[..., None], lse2.exp()[..., None]
+        >>> torch.testing.assert_close((o1 * w1 + o2 * w2) / (w1 + w2), whole)
     """
     return torch.ops.paged.attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
                                               scale, query_start_loc, alibi_slopes, sliding_window,
@@ -121,16 +187,32 @@ def attention_out(
     lse: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`attention` writing into caller-owned buffers (fixed addresses for CUDA graphs).
+    """:func:`attention` into caller-owned buffers (fixed addresses for CUDA graphs).
+
+    The op itself is ``torch.ops.paged.attention_out(out, lse, query, ...)``: both buffers
+    come first and are declared mutated (``Tensor(a!)``, ``Tensor(b!)?``).
 
     Args:
-        out: ``[num_tokens, num_heads, head_size_v]``, dtype of ``query``, last dim contiguous.
+        out: ``[num_tokens, num_heads, head_size_v]``, dtype of ``query``, last dim
+            contiguous; overwritten.
         lse: optional fp32 ``[num_tokens, num_heads]`` that receives the log-sum-exp
             (as in :func:`attention_with_lse`).
         The other arguments as in :func:`attention`.
 
     Returns:
         ``out``.
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> key_cache, value_cache = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 8, 16)
+        >>> tables = torch.tensor([[1, 0]], dtype=torch.int32)
+        >>> lens = torch.tensor([9], dtype=torch.int32)
+        >>> query, out = torch.randn(1, 2, 16), torch.empty(1, 2, 16)
+        >>> pa.attention_out(out, query, key_cache, value_cache, tables, lens, 0.25) is out
+        True
+        >>> want = pa.attention(query, key_cache, value_cache, tables, lens, 0.25)
+        >>> torch.testing.assert_close(out, want)
     """
     torch.ops.paged.attention_out(out, lse, query, key_cache, value_cache, block_tables, seq_lens,
                                   scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
@@ -148,12 +230,24 @@ def write_kv(
     """Store each token's key and value into its cache slot, in place.
 
     Args:
-        key: ``[num_tokens, num_kv_heads, head_size]`` and value ``[num_tokens,
-            num_kv_heads, head_size_v]`` (last dims contiguous; e.g. views into a fused
-            QKV projection), dtype of the caches.
+        key: ``[num_tokens, num_kv_heads, head_size]``, dtype of the caches, last dim
+            contiguous (e.g. a view into a fused QKV projection).
+        value: ``[num_tokens, num_kv_heads, head_size_v]``, likewise.
         key_cache, value_cache: the layer's caches, modified in place.
-        slot_mapping: int64 ``[num_tokens]``; ``slot = block * block_size + offset``;
-            negative slots are padding and are skipped. Slots must be distinct.
+        slot_mapping: int64 ``[num_tokens]``; token ``t`` goes to slot ``slot_mapping[t]``
+            (``block * block_size + offset``); negative slots are padding and are skipped.
+            Slots must be distinct (two tokens writing one slot leave either value).
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> key_cache, value_cache = torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8)
+        >>> key, value = torch.ones(3, 1, 8), torch.full((3, 1, 8), 2.0)
+        >>> pa.write_kv(key, value, key_cache, value_cache, torch.tensor([5, -1, 0]))
+        >>> key_cache[1, 0, 1].sum().item(), value_cache[0, 0, 0].sum().item()
+        (8.0, 16.0)
+        >>> key_cache.sum().item()  # the padding token (slot -1) was not stored
+        16.0
     """
     torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
@@ -163,30 +257,54 @@ def copy_blocks(
     value_caches: Sequence[torch.Tensor],
     block_mapping: torch.Tensor,
 ) -> None:
-    """For every layer, copy block ``src`` to block ``dst`` for each ``(src, dst)`` row.
+    """For every layer ``l`` and row ``(src, dst)``: ``caches[l][dst] = caches[l][src]``.
 
-    One call serves copy-on-write and fork copies of all layers. Layer ``l``'s
-    ``key_caches[l]`` and ``value_caches[l]`` have one dtype and one block layout but
-    may differ in head size; every layer has the same ``num_blocks``. ``block_mapping``
-    is int64 ``[num_pairs, 2]``; a destination may appear once and may not also be a
-    source.
+    One call serves the copy-on-write and fork copies of all layers. Layer ``l``'s
+    ``key_caches[l]`` and ``value_caches[l]`` have one dtype and block layout but may
+    differ in head size; every layer has the same ``num_blocks``. ``block_mapping`` is int64
+    ``[num_pairs, 2]``; the copies are independent, so a destination appears once and is
+    not also a source (checked).
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> keys = [torch.randn(4, 2, 8, 16) for _ in range(3)]       # 3 layers
+        >>> values = [torch.randn(4, 2, 8, 16) for _ in range(3)]
+        >>> pa.copy_blocks(keys, values, torch.tensor([[0, 3], [1, 2]]))
+        >>> all(torch.equal(c[3], c[0]) and torch.equal(c[2], c[1]) for c in keys + values)
+        True
     """
     torch.ops.paged.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy blocks ``src[s] -> dst[d]`` for each ``(s, d)`` row of int64 ``block_mapping``.
+    """``dst[d] = src[s]`` for each row ``(s, d)`` of int64 ``block_mapping`` ``[num_pairs, 2]``.
 
-    ``src`` and ``dst`` are pools with the same block shape and dtype (any leading
-    ``num_blocks``), e.g. a device cache and its host swap space.
+    ``src`` and ``dst`` are pools of one dtype and block shape and any number of blocks,
+    e.g. a device cache and its (pinned) host swap space; call it once per K and V pool.
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> device_pool, host_pool = torch.randn(8, 2, 16, 64), torch.zeros(2, 2, 16, 64)
+        >>> pa.swap_blocks(device_pool, host_pool, torch.tensor([[5, 0], [2, 1]]))
+        >>> torch.equal(host_pool[0], device_pool[5]) and torch.equal(host_pool[1], device_pool[2])
+        True
     """
     torch.ops.paged.swap_blocks(src, dst, block_mapping)
 
 
 def cpu_isa() -> str:
     """The instruction set the CPU attention kernel uses: ``avx512_bf16`` (AVX-512 with bf16
-    dot products), ``avx512``, ``avx2`` or ``generic``.
+    dot products), ``avx512``, ``avx2`` or ``generic``, chosen at run time.
 
-    ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every path).
+    The environment variable ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every
+    path).
+
+    Example::
+
+        >>> import paged_attention_ext as pa
+        >>> pa.cpu_isa() in ("avx512_bf16", "avx512", "avx2", "generic")
+        True
     """
     return torch.ops.paged.cpu_isa()

@@ -2,7 +2,8 @@
 
 Written for clarity, not speed: gather each sequence's keys and values through its
 block table, build the explicit mask, do the math in fp32. The signatures match
-``torch.ops.paged`` exactly.
+``torch.ops.paged`` exactly; shapes and semantics are documented once, in
+:mod:`paged_attention_ext.ops`.
 """
 
 from typing import List, Optional, Tuple
