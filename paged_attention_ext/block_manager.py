@@ -57,7 +57,7 @@ class BlockSpaceManager:
         self._groups: Dict[int, List[int]] = {}
         self._group_of: Dict[int, int] = {}
 
-    # ---- read-only views (inspection, tests) ------------------------------------------
+    # ---- read-only views, for tests and inspection (library code asks the questions below)
     @property
     def tables(self) -> Mapping[int, BlockTable]:
         return MappingProxyType(self._tables)
@@ -77,6 +77,39 @@ class BlockSpaceManager:
     def block_ids(self, seq_id: int) -> List[int]:
         """The sequence's physical blocks, in order (a copy)."""
         return list(self._tables[seq_id].blocks)
+
+    def has_seq(self, seq_id: int) -> bool:
+        """Whether the sequence has a block table here."""
+        return seq_id in self._tables
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens the sequence's blocks hold."""
+        return self._tables[seq_id].num_tokens
+
+    def group_of_seq(self, seq_id: int) -> int:
+        return self._group_of[seq_id]
+
+    def seq_append_cost(self, seq_id: int, num_tokens: int) -> int:
+        """New device blocks appending `num_tokens` to this one sequence takes."""
+        return self._tables[seq_id].blocks_needed(num_tokens)
+
+    def named_blocks(self) -> Dict[int, bytes]:
+        """The device blocks in the prefix cache (used or evictable) and their names."""
+        return self.device.named_blocks()
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def num_used_device_blocks(self) -> int:
+        """Device blocks referenced by some sequence (a shared block counts once)."""
+        return self.device.num_used_blocks
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        """Device blocks an allocation may take: free ones and evictable cached ones."""
+        return self.device.num_free_blocks
 
     # ---- questions ----------------------------------------------------------------
     def can_allocate(self, prompt: "int | Sequence[int]", extra_key: str = "",

@@ -33,12 +33,12 @@ def check_engine(manager: BlockSpaceManager, scheduler: Scheduler,
             for seq in group.live_seqs:
                 # The last token, chosen by the previous step, is placed by the next.
                 assert seq.num_computed == len(seq.token_ids) - 1 == \
-                    manager.tables[seq.seq_id].num_tokens, (
+                    manager.num_tokens(seq.seq_id), (
                         f"request {group.request.request_id}, sequence {seq.seq_id}: "
                         f"{len(seq.token_ids)} tokens, {seq.num_computed} computed")
     if contents is None:
         return
-    contents.check_named(manager.device.named_blocks())
+    contents.check_named(manager.named_blocks())
     for group in groups.values():
         if group.status is GroupStatus.WAITING:
             continue

@@ -272,7 +272,7 @@ class PagedCache(Cache):
         """Free every row's blocks and drop the pools: the cache is as new (always works)."""
         if self.manager is not None:
             for seq_id in self.rows:
-                if seq_id is not None and seq_id in self.manager.tables:
+                if seq_id is not None and self.manager.has_seq(seq_id):
                     self.manager.free_seq(seq_id)
         self._clear()
 
@@ -314,14 +314,14 @@ class PagedCache(Cache):
         """
         if self.manager is None:
             return {"pool_bytes": 0, "used_bytes": 0, "blocks_used": 0, "block_references": 0}
-        used = self.manager.device.num_used_blocks
+        used = self.manager.num_used_device_blocks
         block_bytes = self.kv.block_bytes if self.kv is not None else 0
         return {
             "pool_bytes": self.kv.num_blocks * block_bytes if self.kv is not None else 0,
             "used_bytes": used * block_bytes,
             "blocks_used": used,
-            "block_references": sum(len(self.manager.tables[s].blocks) for s in self.rows
-                                    if s is not None and s in self.manager.tables),
+            "block_references": sum(len(self.manager.block_ids(s)) for s in self.rows
+                                    if s is not None and self.manager.has_seq(s)),
         }
 
     # ---- consistency -----------------------------------------------------------------------
@@ -429,17 +429,16 @@ class PagedCache(Cache):
                 placed = self.manager.append(seq_id, count)
                 copies.extend(placed.copies)
             slots[row * q_len + pad:(row + 1) * q_len] = placed.slots
-        tables = [self.manager.tables[s] if s is not None else None for s in self.rows]
-        self._reserve(1 + max((max(t.blocks) for t in tables if t is not None and t.blocks),
-                              default=0))
+        tables = [self.manager.block_ids(s) if s is not None else None for s in self.rows]
+        self._reserve(1 + max((max(t) for t in tables if t), default=0))
         self.kv.apply_copies(copies)  # before any layer writes this step's tokens
         query_rows = None
         if sum(counts) != rows * q_len:
             query_rows = [row * q_len + i for row, count in enumerate(counts)
                           for i in range(q_len - count, q_len)]
         self._batch = PagedBatch.build(
-            self.kv, [t.blocks if t is not None else [] for t in tables],
-            [t.num_tokens if t is not None else 0 for t in tables], counts, slots,
+            self.kv, [t if t is not None else [] for t in tables],
+            [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows], counts, slots,
             write_kv=self._mla is not None, query_rows=query_rows)
 
     def _new_token_counts(self, rows: int, q_len: int) -> List[int]:
@@ -463,11 +462,10 @@ class PagedCache(Cache):
 
     def _check_room(self, counts: Sequence[int]) -> None:
         """Refuse a forward the pool cannot take, before any state changes."""
-        tables = [self.manager.tables[s] if s is not None else None for s in self.rows]
         if self.num_blocks is None:
             limit = self._row_limit()
-            for row, (table, count) in enumerate(zip(tables, counts)):
-                total = (table.num_tokens if table is not None else 0) + count
+            for row, (seq, count) in enumerate(zip(self.rows, counts)):
+                total = (self.manager.num_tokens(seq) if seq is not None else 0) + count
                 if total > limit:
                     source = ("max_seq_len" if self.max_seq_len is not None else
                               "the config's max_position_embeddings")
@@ -476,10 +474,10 @@ class PagedCache(Cache):
                         f"({source}), which sizes the default pool (num_blocks=None). To generate "
                         f"longer, pass PagedCache(config, max_seq_len=...) or a fixed num_blocks.")
             return
-        needed = sum(t.blocks_needed(c) if t is not None else -(-c // self.block_size)
-                     for t, c in zip(tables, counts))
-        free = self.manager.device.num_free_blocks
-        if needed > free and all(t is not None or c == 0 for t, c in zip(tables, counts)):
+        needed = sum(self.manager.seq_append_cost(s, c) if s is not None
+                     else -(-c // self.block_size) for s, c in zip(self.rows, counts))
+        free = self.manager.num_free_device_blocks
+        if needed > free and all(s is not None or c == 0 for s, c in zip(self.rows, counts)):
             # Exact for appends (new rows may need fewer blocks after prefix hits).
             raise NoFreeBlocksError(
                 f"PagedCache: this forward needs {needed} more blocks, the fixed pool "
@@ -517,7 +515,7 @@ class PagedCache(Cache):
         if self.kv is not None and num_blocks <= self.kv.num_blocks:
             return
         if self.kv is not None:
-            num_blocks = min(self.manager.device.num_blocks,
+            num_blocks = min(self.manager.num_device_blocks,
                              max(num_blocks, int(self.kv.num_blocks * _POOL_GROWTH)))
         pool = self._new_pool(num_blocks)
         if self.kv is not None:

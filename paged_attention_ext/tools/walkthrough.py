@@ -39,11 +39,11 @@ class Walkthrough:
                      *self.cache.layer(0), torch.tensor(slots, dtype=torch.int64))
 
     def metadata(self):
-        tables = [self.manager.tables[s] for s in self.seqs]
-        width = max(len(t.blocks) for t in tables)
-        block_tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables],
-                                    dtype=torch.int32)
-        return block_tables, torch.tensor([t.num_tokens for t in tables], dtype=torch.int32)
+        tables = [self.manager.block_ids(s) for s in self.seqs]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = [self.manager.num_tokens(s) for s in self.seqs]
+        return block_tables, torch.tensor(lens, dtype=torch.int32)
 
     def attend_and_check(self, name: str, query: torch.Tensor, query_start_loc=None) -> None:
         args = (query, *self.cache.layer(0), *self.metadata(), SCALE, query_start_loc)
@@ -83,12 +83,12 @@ class Walkthrough:
 
     def swap_round_trip(self, seq: int) -> None:
         key_cache = self.cache.key_caches[0]
-        before = torch.stack([key_cache[b] for b in self.manager.tables[seq].blocks])
-        out_map = self.manager.swap_out(self.manager.group_of[seq])
+        before = key_cache[self.manager.block_ids(seq)]
+        out_map = self.manager.swap_out(self.manager.group_of_seq(seq))
         self.cache.swap_out(out_map)
         key_cache[[device for device, _ in out_map]] = float("nan")  # reused meanwhile
-        self.cache.swap_in(self.manager.swap_in(self.manager.group_of[seq]))
-        after = torch.stack([key_cache[b] for b in self.manager.tables[seq].blocks])
+        self.cache.swap_in(self.manager.swap_in(self.manager.group_of_seq(seq)))
+        after = key_cache[self.manager.block_ids(seq)]
         self.checks["swap_blocks (out and back)"] = float((after - before).abs().max())
 
 
@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> Dict:
     walk.decode("decode after swap-in")
     walk.manager.check_invariants()
 
-    used = walk.manager.device.num_used_blocks  # shared blocks count once
-    tokens = sum(walk.manager.tables[s].num_tokens for s in walk.seqs)
+    used = walk.manager.num_used_device_blocks  # shared blocks count once
+    tokens = sum(walk.manager.num_tokens(s) for s in walk.seqs)
     print(f"sequences: {len(walk.seqs)}, tokens: {tokens}, blocks used: {used} "
           f"({tokens / (used * BLOCK_SIZE):.0%} of their slots hold tokens)")
     ok = True
