@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import AppendResult, BlockCopy, BlockTable, block_hashes
+from .block_table import AppendResult, BlockTable, block_hashes
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSpec"]

@@ -23,7 +23,7 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_si
     return num_layers * num_kv_heads * block_size * (head_size + head_size_v) * element
 
 
-def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+def check_int(name: str, value, minimum: int, optional: bool = False) -> None:
     """A ValueError/TypeError naming the argument unless ``value`` is an int >= ``minimum``."""
     if optional and value is None:
         return
@@ -46,14 +46,14 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float16, device: "str | torch.device" = "cpu",
                  num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
                  num_host_blocks: int = 0, head_size_v: Optional[int] = None) -> None:
-        _check_int("num_layers", num_layers, 1)
-        _check_int("num_kv_heads", num_kv_heads, 1)
-        _check_int("head_size", head_size, 1)
-        _check_int("head_size_v", head_size_v, 1, optional=True)
-        _check_int("block_size", block_size, 1)
-        _check_int("num_blocks", num_blocks, 1, optional=True)
-        _check_int("memory_bytes", memory_bytes, 0, optional=True)
-        _check_int("num_host_blocks", num_host_blocks, 0)
+        check_int("num_layers", num_layers, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("head_size", head_size, 1)
+        check_int("head_size_v", head_size_v, 1, optional=True)
+        check_int("block_size", block_size, 1)
+        check_int("num_blocks", num_blocks, 1, optional=True)
+        check_int("memory_bytes", memory_bytes, 0, optional=True)
+        check_int("num_host_blocks", num_host_blocks, 0)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         if dtype not in SUPPORTED_DTYPES:

@@ -5,11 +5,11 @@ architecture the ops cannot run is refused when the engine is created."""
 import copy
 
 import pytest
-import torch
 import transformers
 
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
+from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -35,20 +35,9 @@ REQUESTS = [
 ]
 
 
-def pair(name):
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    reference = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32).eval()
-    paged = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
-    paged.load_state_dict(reference.state_dict())
-    return paged, reference
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_engine_equals_eager(name):
-    paged, reference = pair(name)
+    paged, reference = random_pair(CONFIGS[name](), reference_attention="eager")
     # A small pool, so requests also preempt and come back.
     engine = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=10, num_host_blocks=32,
                                            record_block_contents=True))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from paged_attention_ext import ops
+from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -42,22 +42,12 @@ DECODING = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads (see test_hf_generate.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build_pair(config, reference_impl="eager"):
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=reference_impl, dtype=torch.float32).eval()
-    paged = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="paged_attention_ext", dtype=torch.float32).eval()
-    paged.load_state_dict(reference.state_dict())
+    """(reference model, paged model) with the same random weights."""
+    paged, reference = random_pair(config, reference_attention=reference_impl)
     return reference, paged
 
 

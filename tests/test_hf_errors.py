@@ -6,7 +6,6 @@ Each refusal is checked for its exception type and message, and after it the sam
 reference model generates.
 """
 
-import copy
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from paged_attention_ext.block_allocator import NoFreeBlocksError
+from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.hf.cache import publish_padding_mask
 from paged_attention_ext.kv_cache import PagedKVCache
@@ -26,25 +26,13 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads (see test_hf_generate.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def models():
     """(sdpa reference, paged model) with the same weights and separate config objects."""
-    config = transformers.LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32).eval()
-    paged = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="paged_attention_ext", dtype=torch.float32).eval()
-    paged.load_state_dict(reference.state_dict())
+    paged, reference = random_pair(transformers.LlamaConfig(**TINY))
     return reference, paged
 
 

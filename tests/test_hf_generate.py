@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
 # initializer_range 0.2 (not 0.02) makes scores large enough for the soft cap and the
@@ -39,26 +40,14 @@ ARCHS = {
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine OpenMP workers that
-    wait for a busy core make each op call orders of magnitude slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build_pair(arch: str):
     """(reference model, paged model) with the same random weights."""
     config_class, overrides, reference_impl = ARCHS[arch]
     config = config_class(**{**TINY, **overrides})
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=reference_impl, dtype=torch.float32).eval()
-    paged = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="paged_attention_ext", dtype=torch.float32).eval()
-    paged.load_state_dict(reference.state_dict())
+    paged, reference = random_pair(config, reference_attention=reference_impl)
     return reference, paged
 
 

@@ -6,13 +6,13 @@ model with ``sdpa`` run on each sequence alone: prefill, a decode step, and a pr
 after a prefix-cache hit.
 """
 
-import copy
 
 import pytest
 import torch
 import transformers
 
 from paged_attention_ext.block_manager import BlockSpaceManager
+from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedBatch
 from paged_attention_ext.kv_cache import PagedKVCache
 
@@ -22,13 +22,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads (see test_hf_generate.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
@@ -36,11 +30,7 @@ def engine(request):
     """Reference model, paged model, their KV pools and a prefix-caching block manager."""
     config = (transformers.LlamaConfig(**TINY) if request.param == "llama"
               else transformers.MistralConfig(**TINY, sliding_window=5))
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    paged = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="paged_attention_ext").eval()
-    paged.load_state_dict(reference.state_dict())
+    paged, reference = random_pair(config)
     kv = PagedKVCache(2, 2, 16, BLOCK_SIZE, torch.float32, num_blocks=NUM_BLOCKS)
     manager = BlockSpaceManager(NUM_BLOCKS, 0, BLOCK_SIZE, enable_prefix_caching=True)
     return reference, paged, kv, manager

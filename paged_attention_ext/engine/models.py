@@ -22,11 +22,13 @@ def tiny_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 
         bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=False)
 
 
-def random_pair(config: transformers.PretrainedConfig, seed: int = 0) -> Tuple[Model, Model]:
-    """(paged model, sdpa twin) with seeded random weights, float32, in eval mode."""
+def random_pair(config: transformers.PretrainedConfig, seed: int = 0,
+                reference_attention: str = "sdpa") -> Tuple[Model, Model]:
+    """(paged model, twin with ``reference_attention``) with seeded random weights, float32,
+    in eval mode."""
     torch.manual_seed(seed)
     reference = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float32).eval()
+        copy.deepcopy(config), attn_implementation=reference_attention, dtype=torch.float32).eval()
     # from_config sets config._attn_implementation, so each model gets its own copy.
     paged = transformers.AutoModelForCausalLM.from_config(
         copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()

@@ -19,4 +19,4 @@ ATTN_IMPLEMENTATION = "paged_attention_ext"
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, publish_padding_mask)
 
-__all__ = ["ATTN_IMPLEMENTATION", "PagedBatch", "PagedCache", "paged_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "PagedBatch", "PagedCache", "check_config", "paged_attention_forward"]

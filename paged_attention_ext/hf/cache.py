@@ -37,9 +37,9 @@ from transformers.masking_utils import causal_mask_function
 from .. import ops
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
-from ..kv_cache import PagedKVCache
+from ..kv_cache import PagedKVCache, check_int
 from .batch import PagedBatch, flat_tokens
-from .support import SUPPORTED_LAYER_TYPES, check_config, mla_head_sizes
+from .support import check_config, mla_head_sizes
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
@@ -128,16 +128,6 @@ def _fingerprints(keys: torch.Tensor, values: torch.Tensor) -> List[int]:
             for row in raw]
 
 
-def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"PagedCache: {name} must be {kind}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"PagedCache: {name} must be >= {minimum}, got {value}")
-
-
 class PagedCache(Cache):
     """A transformers ``Cache`` storing K/V in paged blocks with sharing and copy-on-write.
 
@@ -175,9 +165,9 @@ class PagedCache(Cache):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
                             f"model's config), got {type(config).__name__}")
-        _check_int("block_size", block_size, 1)
-        _check_int("num_blocks", num_blocks, 1, optional=True)
-        _check_int("max_seq_len", max_seq_len, 1, optional=True)
+        check_int("PagedCache: block_size", block_size, 1)
+        check_int("PagedCache: num_blocks", num_blocks, 1, optional=True)
+        check_int("PagedCache: max_seq_len", max_seq_len, 1, optional=True)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"PagedCache: enable_prefix_caching must be a bool, got "
                             f"{type(enable_prefix_caching).__name__}")
