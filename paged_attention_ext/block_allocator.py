@@ -122,6 +122,13 @@ class BlockAllocator:
         self._hash_of_block[block] = content_hash
         self._block_of_hash[content_hash] = block
 
+    def unregister(self, block: int) -> None:
+        """Take a block in use out of the prefix cache (its content is about to change)."""
+        self._check_id(block)
+        name = self._hash_of_block.pop(block, None)
+        if name is not None:
+            del self._block_of_hash[name]
+
     def named_blocks(self) -> Dict[int, bytes]:
         """Every block the prefix cache knows (used or evictable) and its content name."""
         return dict(self._hash_of_block)

@@ -226,6 +226,14 @@ class BlockSpaceManager:
         return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else ())
                 for seq_id, count in num_tokens.items()}
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Drop a sequence's tokens from position ``num_tokens`` on (rejected speculative
+        tokens): whole blocks past it are freed, the partial one kept."""
+        table = self._tables[seq_id]
+        if table.allocator is not self.device:
+            raise ValueError(f"sequence {seq_id} is swapped out")
+        table.truncate(num_tokens)
+
     def free_seq(self, seq_id: int) -> None:
         """Release one sequence (a finished sample, a dropped beam)."""
         self._tables.pop(seq_id).free()

@@ -150,6 +150,20 @@ class BlockTable:
         twin.block_hashes = list(self.block_hashes)
         return twin
 
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens: blocks past them are freed (tail
+        first). A block left partial will have its free slots written, so it leaves the
+        prefix cache if this table is its only holder (a shared one is copied on write)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot keep {num_tokens} of {self.num_tokens} tokens")
+        keep = -(-num_tokens // self.block_size)
+        self.allocator.free(reversed(self.blocks[keep:]))
+        del self.blocks[keep:]
+        del self.block_hashes[num_tokens // self.block_size:]
+        self.num_tokens = num_tokens
+        if num_tokens % self.block_size and self.allocator.ref_count(self.blocks[-1]) == 1:
+            self.allocator.unregister(self.blocks[-1])
+
     def free(self) -> None:
         # Tail first: the pool evicts the least recently freed block first, and names
         # chain from the head, so the head must be the last of this prompt to go.

@@ -94,6 +94,26 @@ def test_copy_on_write_of_shared_partial_block():
     check(alloc, parent, child)
 
 
+def test_truncate_frees_whole_blocks_and_copies_a_shared_partial_one_on_write():
+    alloc = BlockAllocator(8, 4)
+    parent = BlockTable(alloc)
+    parent.append_tokens(11)  # blocks of 4, 4, 3 tokens
+    child = parent.fork()
+    first, second, third = parent.blocks
+    child.truncate(6)  # drops the third block, leaves the second partial and shared
+    assert child.blocks == [first, second] and child.num_tokens == 6
+    assert alloc.ref_count(third) == 1 and alloc.ref_count(second) == 2
+    r = child.append_tokens(1)  # writes slot 6: the parent still reads the old block
+    assert r.copies == [(second, child.blocks[1])] and r.slots == [child.blocks[1] * 4 + 2]
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="cannot keep"):
+            child.truncate(bad)
+    assert child.num_tokens == 7
+    child.truncate(0)
+    assert child.blocks == [] and child.num_tokens == 0
+    check(alloc, parent, child)
+
+
 def test_shared_full_last_block_needs_no_copy():
     alloc = BlockAllocator(8, 4)
     parent = BlockTable(alloc)

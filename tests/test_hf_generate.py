@@ -193,8 +193,8 @@ def test_unsupported_uses_fail_clearly(llama):
             paged(ids, attention_mask=right_padded, past_key_values=PagedCache(paged.config))
         with pytest.raises(ValueError, match="has neither"):
             paged(ids, use_cache=False)
-    with pytest.raises(NotImplementedError, match="crop"):
-        PagedCache(paged.config).crop(1)
+    with pytest.raises(TypeError, match="tokens_to_remove must be an int"):
+        PagedCache(paged.config).crop(1.5)
     chunked = copy.deepcopy(paged.config)
     chunked.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(NotImplementedError, match="chunked_attention"):

@@ -267,7 +267,26 @@ class PagedCache(Cache):
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PagedCache cannot crop (assisted or speculative generation)")
+        """Drop the last tokens of every row (assisted and prompt-lookup decoding discard the
+        candidates the model rejected): blocks past the new end are freed, the partial one
+        is kept. ``tokens_to_remove <= 0`` removes that many; a positive value is
+        transformers' older form, the length to keep."""
+        if self._broken is not None:
+            raise RuntimeError(f"PagedCache cannot crop: {self._broken}. Call reset()")
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"PagedCache.crop: tokens_to_remove must be an int, got "
+                            f"{tokens_to_remove!r}")
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self._length - tokens_to_remove)
+        if remove > self._length:
+            raise ValueError(f"PagedCache.crop: cannot remove {remove} tokens, rows hold "
+                             f"{self._length} columns")
+        if remove == 0:
+            return
+        # Padding is on the left, so the last columns of every row that has tokens are real.
+        for seq_id in self.rows:
+            if seq_id is not None:
+                self.manager.truncate(seq_id, max(0, self.manager.num_tokens(seq_id) - remove))
+        self._length -= remove
 
     def early_initialization(self, *args, **kwargs) -> None:
         raise NotImplementedError("PagedCache allocates its pools on the first forward")
@@ -281,7 +300,7 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
 
     @property
     def is_initialized(self) -> bool:
