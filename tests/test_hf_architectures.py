@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from paged_attention_ext import ops
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
@@ -211,3 +212,35 @@ def test_bf16_logits_close(name):
     for step, (e, b, g) in enumerate(zip(exact, eager, got)):
         bound = 1.5 * (b - e).abs().max() + 0.01 * e.abs().max()
         assert (g - e).abs().max() <= bound, f"{name} step {step}"
+
+
+@pytest.mark.parametrize("failing_layer", [0, 1])
+@pytest.mark.parametrize("forward", ["prefill", "decode"])
+def test_mla_write_failure_is_never_silently_skipped(failing_layer, forward, monkeypatch):
+    """MLA: update() sees only latents and the attention function stores the expanded K/V.
+    If that store fails (out of memory, an interrupt), the cache must not carry on as if the
+    layer held its K/V: the next forward raises, and after reset() generation equals eager."""
+    reference, paged = build_pair(MODELS["deepseek_v3"]())
+    ids = torch.randint(1, COMMON["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    real, calls = ops.write_kv, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == failing_layer + 1:
+            raise RuntimeError("injected: out of memory")
+        return real(*args)
+
+    with torch.no_grad():
+        if forward == "decode":
+            paged(ids[:, :8], past_key_values=cache)
+        monkeypatch.setattr(ops, "write_kv", flaky)
+        step = ids[:, 8:] if forward == "decode" else ids[:, :8]
+        with pytest.raises(RuntimeError, match="injected"):
+            paged(step, past_key_values=cache)
+        monkeypatch.setattr(ops, "write_kv", real)
+        with pytest.raises(RuntimeError, match="stopped after"):
+            paged(ids[:, 8:], past_key_values=cache)
+        cache.reset()
+        got = paged(ids, past_key_values=cache).logits
+        torch.testing.assert_close(got, reference(ids).logits, atol=1e-4, rtol=1e-4)

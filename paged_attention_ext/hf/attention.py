@@ -109,6 +109,8 @@ def paged_attention_forward(
                 f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
         ops.write_kv(flat_tokens(key).to(key_cache.dtype), flat_tokens(value).to(value_cache.dtype),
                      key_cache, value_cache, batch.slot_mapping)
+        if batch.on_stored is not None:
+            batch.on_stored(module.layer_idx)
     elif head_size_v != value_cache.shape[-1]:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")

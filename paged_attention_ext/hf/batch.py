@@ -13,7 +13,7 @@ Two producers build a :class:`PagedBatch`:
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -43,11 +43,15 @@ class PagedBatch:
     # tokens, in packed order; None = all of them. Left padding leaves the others out (their
     # attention output is zero).
     query_rows: Optional[torch.Tensor] = None
+    # Called with the layer index once the attention function has stored a layer's K/V
+    # (a PagedCache of an MLA model, whose update() only sees the latents, counts on it).
+    on_stored: Optional[Callable[[int], None]] = None
 
     @classmethod
     def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[int]],
               seq_lens: Sequence[int], query_lens: Sequence[int], slots: Sequence[int],
-              write_kv: bool = True, query_rows: Optional[Sequence[int]] = None) -> "PagedBatch":
+              write_kv: bool = True, query_rows: Optional[Sequence[int]] = None,
+              on_stored: Optional[Callable[[int], None]] = None) -> "PagedBatch":
         """From plain lists: each sequence's blocks, KV length, new-token count and slots."""
         device = kv_cache.device
         width = max([1] + [len(t) for t in block_tables])
@@ -64,4 +68,5 @@ class PagedBatch:
                    query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                    write_kv=write_kv,
                    query_rows=(None if query_rows is None else
-                               torch.tensor(list(query_rows), dtype=torch.int64, device=device)))
+                               torch.tensor(list(query_rows), dtype=torch.int64, device=device)),
+                   on_stored=on_stored)

@@ -233,11 +233,17 @@ class PagedCache(Cache):
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
+        if self._mla is None:
+            self._count_stored(layer_idx)
+        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else key_states, self._batch))
+        return key_states, value_states
+
+    def _count_stored(self, layer_idx: int) -> None:
+        """Layer ``layer_idx`` of this forward holds its K/V (MLA: said by the attention
+        function after it wrote the expanded K/V, so a failure before that is seen)."""
         self._layers_stored += 1
         if self._layers_stored == len(self.layer_types):
             self._forwards_done += 1
-        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else key_states, self._batch))
-        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -448,7 +454,8 @@ class PagedCache(Cache):
         self._batch = PagedBatch.build(
             self.kv, [t if t is not None else [] for t in tables],
             [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows], counts, slots,
-            write_kv=self._mla is not None, query_rows=query_rows)
+            write_kv=self._mla is not None, query_rows=query_rows,
+            on_stored=self._count_stored if self._mla is not None else None)
 
     def _new_token_counts(self, rows: int, q_len: int) -> List[int]:
         """Real (non-padding) new tokens per row, from the published 2D attention mask."""
