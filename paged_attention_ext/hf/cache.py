@@ -152,8 +152,9 @@ class PagedCache(Cache):
 
     Errors: an unsupported architecture raises ``NotImplementedError`` here; a model whose
     attention is not ``paged_attention_ext`` raises ``ValueError`` here or ``RuntimeError``
-    at its next ``update``. An exception during the first forward leaves the cache as new;
-    one during a later forward (or a forward stopped by an exception elsewhere in the model)
+    at its next ``update``. An exception during the first forward leaves the cache as new
+    (one that struck between layers is reported once more by the next ``update``); one
+    during a later forward (or a forward stopped by an exception elsewhere in the model)
     makes every later ``update`` raise until ``reset()``, which always works, as do
     ``memory_usage()`` and ``get_seq_length()``.
     """
