@@ -282,6 +282,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
     ``src`` and ``dst`` are pools of one dtype and block shape and any number of blocks,
     e.g. a device cache and its (pinned) host swap space; call it once per K and V pool.
+    On CUDA, copies to or from pinned host memory run asynchronously on the current
+    stream: synchronise it (``torch.cuda.current_stream().synchronize()``) before the CPU
+    reads or writes a pinned pool. A captured CUDA graph replays the block pairs of the
+    capture and needs pinned host pools.
 
     Example::
 

@@ -132,3 +132,17 @@ def test_copy_and_swap_blocks_value_head_size_differs():
         host = torch.zeros((4,) + pool.shape[1:])
         pa.swap_blocks(pool, host, torch.tensor([[7, 0], [2, 3]]))
         assert torch.equal(host[0], pool[7]) and torch.equal(host[3], pool[2])
+
+
+def test_one_block_pools_with_any_leading_stride():
+    """A one-block pool counts as contiguous whatever its stride(0): the block size in bytes
+    must come from its shape, not from that stride."""
+    shape = (1, 2, 4, 8)
+    one = torch.randn(64).as_strided(shape, (5, 32, 8, 1))
+    assert one.is_contiguous()
+    host = torch.zeros(3, 2, 4, 8)
+    pa.swap_blocks(one, host, torch.tensor([[0, 2]]))
+    assert torch.equal(host[2], one[0]) and host[:2].abs().sum() == 0
+    back = torch.zeros(64).as_strided(shape, (7, 32, 8, 1))
+    pa.swap_blocks(host, back, torch.tensor([[2, 0]]))
+    assert torch.equal(back[0], one[0])

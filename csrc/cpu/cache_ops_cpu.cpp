@@ -87,7 +87,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
     for (int64_t i = begin; i < end; ++i) {
       const int64_t layer = i / (num_pairs * 2), pair = (i / 2) % num_pairs;
       const at::Tensor& cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
-      const int64_t block_bytes = cache.stride(0) * cache.element_size();
+      // numel / size(0), not stride(0): a one-block pool may have any stride(0).
+      const int64_t block_bytes = cache.numel() / cache.size(0) * cache.element_size();
       char* base = static_cast<char*>(cache.data_ptr());
       std::memcpy(base + p[2 * pair + 1] * block_bytes, base + p[2 * pair] * block_bytes,
                   block_bytes);
@@ -108,7 +109,7 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
 
   const at::Tensor pairs = block_mapping.contiguous();
   const int64_t* p = pairs.data_ptr<int64_t>();
-  const int64_t block_bytes = src.stride(0) * src.element_size();
+  const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();  // not stride(0)
   const char* s = static_cast<const char*>(src.data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
   at::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {

@@ -71,15 +71,16 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
   TORCH_CHECK_VALUE(num_pairs <= INT32_MAX, op, ": too many pairs for one CUDA launch");
   const c10::cuda::CUDAGuard guard(device);
 
-  // A host mapping is validated, then copied asynchronously from pinned memory
-  // (the caching host allocator keeps it alive until the copy is done). A
+  // A host mapping is validated, then copied asynchronously from a private pinned
+  // copy (the caching host allocator keeps it alive until the copy is done; the
+  // caller's tensor, even if pinned, may be rewritten as soon as we return). A
   // device mapping is used as it is: out-of-range pairs are skipped.
   at::Tensor mapping;
   if (block_mapping.device().is_cpu()) {
     check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
                                /*same_pool=*/true);
-    at::Tensor host = block_mapping.contiguous();
-    if (!host.is_pinned()) host = host.pin_memory();
+    at::Tensor host = at::empty(block_mapping.sizes(), block_mapping.options().pinned_memory(true));
+    host.copy_(block_mapping);
     mapping = host.to(device, /*non_blocking=*/true);
   } else {
     TORCH_CHECK_VALUE(block_mapping.device() == device, op,
@@ -87,6 +88,9 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
                       block_mapping.device());
     mapping = block_mapping.contiguous();
   }
+  // An empty pool: a host mapping was refused above, a device mapping's pairs are all
+  // out of range and skipped.
+  if (key_caches[0].size(0) == 0) return;
 
   CopyBlocksParams p{};
   p.block_mapping = mapping.data_ptr<int64_t>();
@@ -101,8 +105,9 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
       const at::Tensor& v = value_caches[first + l];
       p.key_caches[l] = k.data_ptr();
       p.value_caches[l] = v.data_ptr();
-      p.key_block_bytes[l] = k.stride(0) * k.element_size();
-      p.value_block_bytes[l] = v.stride(0) * v.element_size();
+      // numel / size(0), not stride(0): a one-block pool may have any stride(0).
+      p.key_block_bytes[l] = k.numel() / k.size(0) * k.element_size();
+      p.value_block_bytes[l] = v.numel() / v.size(0) * v.element_size();
     }
     C10_CUDA_CHECK(launch_copy_blocks(p, stream));
   }
@@ -144,14 +149,15 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
 
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t block_bytes = src.stride(0) * src.element_size();
+  const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());
   // cudaMemcpyDefault: the direction follows from the (unified) addresses. With
   // pinned host memory the copy is asynchronous; with pageable memory the
-  // driver stages it and the call returns once the host side is done. The
-  // mapping is read here, on the host: a CUDA graph that captures this call
-  // replays the block pairs of the capture, whatever the mapping later holds.
+  // driver stages it and the call returns once the host side is done (and such a
+  // copy cannot be graph-captured: capture needs pinned pools). The mapping is
+  // read here, on the host: a CUDA graph that captures this call replays the
+  // block pairs of the capture, whatever the mapping later holds.
   for (size_t i = 0; i < pairs.size();) {
     size_t n = 1;
     while (i + n < pairs.size() && pairs[i + n].first == pairs[i].first + int64_t(n) &&
