@@ -165,13 +165,18 @@ def sliding_window(device, window, multi_token):
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sliding_window=window)
 
 
-@scenario(multi_token=[False, True])
-def alibi_and_soft_cap(device, multi_token):
+def feature_case(multi_token):
+    """(case, query_start_loc, query): four bf16 sequences, GQA 8/2, for the feature scenarios."""
     lens = [3, 17, 64, 129]
     q_lens = [3, 4, 1, 20] if multi_token else None
     case = make_case(lens, 2, 64, 16, torch.bfloat16)
     qsl = query_start_loc(q_lens) if multi_token else None
-    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+    return case, qsl, random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+
+
+@scenario(multi_token=[False, True])
+def alibi_and_soft_cap(device, multi_token):
+    case, qsl, query = feature_case(multi_token)
     slopes = alibi(8)
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=slopes)
     assert_matches_reference(device, query * 8, case, 0.125, query_start_loc=qsl, soft_cap=5.0)
@@ -275,11 +280,7 @@ def sinks_mha_gqa_mqa(device, dtype, heads, multi_token):
 
 @scenario(multi_token=[False, True])
 def sinks_with_window_soft_cap_and_alibi(device, multi_token):
-    lens = [3, 17, 64, 129]
-    q_lens = [3, 4, 1, 20] if multi_token else None
-    case = make_case(lens, 2, 64, 16, torch.bfloat16)
-    qsl = query_start_loc(q_lens) if multi_token else None
-    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, torch.bfloat16)
+    case, qsl, query = feature_case(multi_token)
     sinks = random_sinks(8)
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sinks=sinks,
                              sliding_window=10)
