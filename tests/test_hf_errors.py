@@ -20,9 +20,9 @@ from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.hf.cache import publish_padding_mask
 from paged_attention_ext.kv_cache import PagedKVCache
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+from hf_tiny import TINY as TINY_256
+
+TINY = {**TINY_256, "max_position_embeddings": 64}  # small, so tests reach the position limit
 BLOCK_SIZE = 4
 
 
