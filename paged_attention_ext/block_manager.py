@@ -139,8 +139,7 @@ class BlockSpaceManager:
     def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
         """Whether the swapped-out group fits back above the watermark, together with the
         next `tokens_per_seq` tokens of each of its sequences."""
-        needed = self._swap_in_cost(group_id) + self._append_cost(
-            (self._tables[s], tokens_per_seq) for s in self._groups[group_id])
+        needed = self._swap_in_cost(group_id) + self.append_cost(group_id, tokens_per_seq)
         return self.device.num_free_blocks - needed >= self._watermark_blocks
 
     def can_swap_out(self, group_id: int) -> bool:
@@ -201,9 +200,7 @@ class BlockSpaceManager:
         sequence's full-block names after the append (:func:`block_hashes`); the
         blocks they name enter the prefix cache.
         """
-        table = self._tables[seq_id]
-        if table.allocator is not self.device:
-            raise ValueError(f"sequence {seq_id} is swapped out")
+        table = self._device_table(seq_id)
         return table.append_tokens(tokens if isinstance(tokens, int) else len(tokens), names)
 
     def append_group(self, group_id: int, num_tokens: Mapping[int, int],
@@ -229,10 +226,7 @@ class BlockSpaceManager:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Drop a sequence's tokens from position ``num_tokens`` on (rejected speculative
         tokens): whole blocks past it are freed, the partial one kept."""
-        table = self._tables[seq_id]
-        if table.allocator is not self.device:
-            raise ValueError(f"sequence {seq_id} is swapped out")
-        table.truncate(num_tokens)
+        self._device_table(seq_id).truncate(num_tokens)
 
     def free_seq(self, seq_id: int) -> None:
         """Release one sequence (a finished sample, a dropped beam)."""
@@ -345,6 +339,13 @@ class BlockSpaceManager:
                 raise ValueError(f"sequence {seq_id} already exists")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"sequence ids repeat: {list(seq_ids)}")
+
+    def _device_table(self, seq_id: int) -> BlockTable:
+        """The sequence's table, which must be on the device (its blocks are written)."""
+        table = self._tables[seq_id]
+        if table.allocator is not self.device:
+            raise ValueError(f"sequence {seq_id} is swapped out")
+        return table
 
     def _add(self, group_id: int, seq_id: int, table: BlockTable) -> None:
         self._tables[seq_id] = table

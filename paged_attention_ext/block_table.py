@@ -137,14 +137,11 @@ class BlockTable:
     def fork(self) -> "BlockTable":
         """A new table sharing every block (reference counts +1; never allocates)."""
         self.allocator.fork(self.blocks)
-        child = BlockTable(self.allocator)
-        child.blocks = list(self.blocks)
-        child.num_tokens = self.num_tokens
-        child.block_hashes = list(self.block_hashes)
-        return child
+        return self.copy(self.allocator)
 
     def copy(self, allocator: BlockAllocator) -> "BlockTable":
-        """An independent copy of this table over `allocator` (a copy of its pool)."""
+        """An independent copy of this table over `allocator` (its pool, or a copy of it);
+        reference counts are not touched."""
         twin = BlockTable(allocator)
         twin.blocks, twin.num_tokens = list(self.blocks), self.num_tokens
         twin.block_hashes = list(self.block_hashes)

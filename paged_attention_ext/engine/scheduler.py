@@ -102,7 +102,7 @@ class Scheduler:
             if not out.groups and self.has_unfinished():
                 group = (self.swapped or self.waiting)[0]
                 raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
-                                   f"({self.manager.usage()['device_blocks_total']} blocks) even alone")
+                                   f"({self.manager.num_device_blocks} blocks) even alone")
         return out
 
     # ---- the queues that wait --------------------------------------------------------
