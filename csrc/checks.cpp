@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,10 +27,10 @@ void check_dtype(const char* op, const char* name, const at::Tensor& t, at::Scal
 }
 
 void check_same_device(const char* op, const char* name, const at::Tensor& t,
-                       const at::Tensor& reference) {
+                       const at::Tensor& reference, const char* reference_name = "query") {
   TORCH_CHECK_VALUE(t.device() == reference.device(), op, ": argument '", name,
-                    "' must be on the same device as 'query' (", reference.device(), "), got ",
-                    t.device());
+                    "' must be on the same device as '", reference_name, "' (",
+                    reference.device(), "), got ", t.device());
 }
 
 // Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
@@ -67,13 +68,11 @@ void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorLis
                       op, ": key_caches[", l, "] and value_caches[", l,
                       "] must have the same dtype and shape (the head size may differ), got ",
                       key_caches[l].sizes(), " and ", value_caches[l].sizes());
-    TORCH_CHECK_VALUE(key_caches[l].device() == key_caches[0].device(), op,
-                      ": argument 'key_caches[", l, "]' must be on the device of 'key_caches[0]' (",
-                      key_caches[0].device(), "), got ", key_caches[l].device());
-    TORCH_CHECK_VALUE(value_caches[l].device() == key_caches[0].device(), op,
-                      ": argument 'value_caches[", l, "]' must be on the device of "
-                      "'key_caches[0]' (", key_caches[0].device(), "), got ",
-                      value_caches[l].device());
+    const std::string layer = "[" + std::to_string(l) + "]";
+    check_same_device(op, ("key_caches" + layer).c_str(), key_caches[l], key_caches[0],
+                      "key_caches[0]");
+    check_same_device(op, ("value_caches" + layer).c_str(), value_caches[l], key_caches[0],
+                      "key_caches[0]");
     TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
                       ": every layer must have the same num_blocks");
   }
@@ -278,10 +277,7 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
   const std::pair<const char*, const at::Tensor*> others[] = {
       {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
       {"slot_mapping", &slot_mapping}};
-  for (const auto& [name, t] : others) {
-    TORCH_CHECK_VALUE(t->device() == key.device(), op, ": argument '", name,
-                      "' must be on the device of 'key' (", key.device(), "), got ", t->device());
-  }
+  for (const auto& [name, t] : others) check_same_device(op, name, *t, key, "key");
 }
 
 void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots) {
