@@ -206,13 +206,7 @@ extern "C" int emu_attention(EmuArgs* a) {
   in.multiprocessors = int(a->multiprocessors);
   for (int& c : in.ctas_per_sm) c = int(a->ctas_per_sm);
   const AttentionPlan plan = plan_attention(in);
-  p.rows_per_tile = plan.rows_per_tile;
-  p.heads_per_cta = plan.heads_per_cta;
-  p.head_chunks = plan.head_chunks;
-  p.query_bucket = plan.query_bucket;
-  p.num_tiles = int(plan.num_tiles);
-  p.num_partitions = plan.num_partitions;
-  p.partition_size = plan.partition_size;
+  set_plan(p, plan);
   a->num_partitions = plan.num_partitions;
 
   // Split results start as NaN: a merge that used a row no split wrote would show.

@@ -118,13 +118,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                     ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
                     kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
   TORCH_CHECK_VALUE(plan.num_tiles <= INT32_MAX, op, ": too many query tiles for one CUDA launch");
-  p.rows_per_tile = plan.rows_per_tile;
-  p.heads_per_cta = plan.heads_per_cta;
-  p.head_chunks = plan.head_chunks;
-  p.query_bucket = plan.query_bucket;
-  p.num_tiles = int(plan.num_tiles);
-  p.num_partitions = plan.num_partitions;
-  p.partition_size = plan.partition_size;
+  set_plan(p, plan);
 
   // Partition results: from the caching allocator, which under CUDA graph
   // capture hands out the graph's private pool, fixed across replays.

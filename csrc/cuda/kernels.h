@@ -67,6 +67,17 @@ struct AttentionParams {
   float* part_lse;
 };
 
+// The plan's work decomposition, as the kernels read it (num_tiles checked to fit int).
+inline void set_plan(AttentionParams& p, const AttentionPlan& plan) {
+  p.rows_per_tile = plan.rows_per_tile;
+  p.heads_per_cta = plan.heads_per_cta;
+  p.head_chunks = plan.head_chunks;
+  p.query_bucket = plan.query_bucket;
+  p.num_tiles = int(plan.num_tiles);
+  p.num_partitions = plan.num_partitions;
+  p.partition_size = plan.partition_size;
+}
+
 // Resident CTAs per multiprocessor of the attention kernel instance for these
 // dtype and head sizes and kQueryBuckets[query_bucket] queries per CTA, on the
 // current device (cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached).
