@@ -134,7 +134,7 @@ if ! step build 240 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" "$PY" s
 fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-  step tests 190 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_plan.py \
+  step tests 190 "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests/test_cuda.py tests/test_cuda_plan.py \
     --junitxml="$OUT/tests.xml"
 else  # the test module is its own runner where pytest is missing
   step tests 190 "$PY" tests/test_cuda.py
@@ -151,7 +151,7 @@ step bench 150 "$PY" bench/bench_cuda.py --out "$OUT/bench_cuda.json" --budget-s
 # Issue 15: the engine's decode with CUDA graphs against eager (helper script, when present).
 if [ -f bench/bench_compiled_decode.py ]; then
   COMPILED_ARGS=(--device cuda)
-  if "$PY" bench/bench_compiled_decode.py --help 2>/dev/null | grep -q -- '--out'; then
+  if timeout 30 "$PY" bench/bench_compiled_decode.py --help 2>/dev/null | grep -q -- '--out'; then
     COMPILED_ARGS+=(--out "$OUT/compiled_decode.json")
   fi
   step compiled_decode 90 "$PY" bench/bench_compiled_decode.py "${COMPILED_ARGS[@]}"
