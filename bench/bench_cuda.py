@@ -32,7 +32,8 @@ Method
   is the K and V bytes one decode step must read (``batch * context * kv_heads * 128 * 2 *
   2``) over the median time, also given as a percentage of the copy bandwidth.
 * Cache ops (bf16, 8 KV heads, block size 16, head size 128): ``write_kv`` of 16384
-  tokens into random slots, also quantized into a float8_e4m3fn cache; ``copy_blocks`` of 1024 random pairs in 32 layers;
+  tokens into random slots, also quantized into a float8_e4m3fn cache; ``copy_blocks``
+  of 1024 random pairs in 32 layers;
   ``swap_blocks`` of 2048 blocks device to pinned host, host to device, and device to
   device, with random and with consecutive block ids (one copy per run of adjacent
   blocks). Bandwidth counts bytes read plus written for device-only ops, bytes moved for
