@@ -26,7 +26,11 @@ std::string best_supported_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return __builtin_cpu_supports("avx512bf16") ? "avx512_bf16" : "avx512";
+    // avx512_bf16 also uses AVX512_VBMI (fp8 -> bf16 lookups): every CPU with AVX512_BF16
+    // but Cooper Lake has it; Cooper Lake takes the avx512 kernel.
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")
+               ? "avx512_bf16"
+               : "avx512";
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
