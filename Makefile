@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-integration bench setup clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ demo: $(STAMP)
 	$(VENV)/bin/paged-attention demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not integration"
+
+# Slow tests of the optional integrations (marked `integration`); .ci/run runs them too.
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -m integration
 
 bench: $(STAMP)
 	$(PY) bench/bench_attention.py
