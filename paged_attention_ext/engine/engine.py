@@ -4,7 +4,7 @@ import contextlib
 import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -13,6 +13,7 @@ from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
 from ..hf.support import check_config, mla_head_sizes
 from ..kv_cache import PagedKVCache
+from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
 from .contents import BlockContents
@@ -38,6 +39,14 @@ class EngineConfig:
     # Keep a token-level shadow of every block for check_invariants(deep=True): a
     # debugging aid that costs Python work per token, so off by default.
     record_block_contents: bool = False
+    # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md).
+    kv_cache_dtype: str = "auto"
+    # fp8: fixed scales (numbers: one for every layer, or one entry per layer, each a number
+    # or a list of one per KV head). None: calibrated from the first forward's absolute maxima,
+    # per layer or, with kv_scale_calibration="per_head", per KV head.
+    k_scale: Optional[Union[float, Seq]] = None
+    v_scale: Optional[Union[float, Seq]] = None
+    kv_scale_calibration: str = "per_layer"
 
 
 @dataclass
@@ -77,9 +86,10 @@ class LLMEngine:
         self.config = config
         self.kv_cache = PagedKVCache(
             text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-            head_size, config.block_size, dtype=model.dtype, device=model.device,
-            num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
-            head_size_v=head_size_v)
+            head_size, config.block_size, dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
+            device=model.device, num_blocks=config.num_device_blocks,
+            num_host_blocks=config.num_host_blocks, head_size_v=head_size_v,
+            k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration)
         self.manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
                                          config.block_size, config.enable_prefix_caching,
                                          config.watermark)

@@ -34,10 +34,10 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.masking_utils import causal_mask_function
 
-from .. import ops
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
-from ..kv_cache import PagedKVCache, check_int
+from ..kv_cache import LayerScales, PagedKVCache, check_int
+from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from .batch import PagedBatch, flat_tokens
 from .support import check_config, mla_head_sizes
 
@@ -145,6 +145,15 @@ class PagedCache(Cache):
         max_seq_len: with ``num_blocks=None``, the most tokens (prompt and generated) a row
             may hold; ``None`` takes the config's ``max_position_embeddings``. A forward past
             it raises ``ValueError`` before anything changes.
+        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"fp8_e4m3"`` (also ``"fp8"``) or
+            ``"fp8_e5m2"``: store K/V in 8 bits (docs/fp8.md).
+        k_scale, v_scale: fp8 only: fixed scales (stored = K / k_scale), for every layer one
+            number or float tensor of 1 or ``num_kv_heads`` elements, or a sequence of one per
+            layer. None (both): calibrated from the first forward, per layer, as the absolute
+            maximum of the keys (values) that layer stores divided by the format's largest
+            value (``kv_scale_calibration="per_head"``: one per KV head). Later values beyond
+            that range saturate; pass fixed scales for generations whose prompt is not
+            representative.
 
     The pools take the dtype, device and head shapes (key and value head sizes may differ)
     of the first keys and values stored. One instance serves one ``generate`` call (or
@@ -160,7 +169,9 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None) -> None:
+                 enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None,
+                 kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
+                 v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer") -> None:
         if int(transformers.__version__.split(".")[0]) < 5:
             raise RuntimeError(f"PagedCache needs transformers 5.x, found {transformers.__version__}")
         if not isinstance(config, PretrainedConfig):
@@ -186,6 +197,12 @@ class PagedCache(Cache):
         # MLA (DeepSeek-V2/V3): update() gets compressed latents; the attention function
         # stores the keys and values transformers expands from them (these head sizes).
         self._mla: Optional[Tuple[int, int]] = mla_head_sizes(text_config)
+        self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                                calibration=kv_scale_calibration)
+        # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
+        kv_heads = (text_config.num_attention_heads if self._mla is not None else
+                    getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        self._new_pool(1, (kv_heads, 1, 1, torch.float32, torch.device("cpu")))
         self._clear()
 
     def _clear(self) -> None:
@@ -227,10 +244,8 @@ class PagedCache(Cache):
                 self._place(key_states, value_states, *plan)
             if self._mla is None:
                 self._check_layer_shapes(layer_idx, key_states, value_states)
-                key_cache, value_cache = self.kv.layer(layer_idx)
-                ops.write_kv(flat_tokens(key_states).to(key_cache.dtype),
-                             flat_tokens(value_states).to(value_cache.dtype),
-                             key_cache, value_cache, self._batch.slot_mapping)
+                self.kv.write(layer_idx, flat_tokens(key_states), flat_tokens(value_states),
+                              self._batch.slot_mapping)
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
@@ -516,12 +531,14 @@ class PagedCache(Cache):
         self.rows = [None] * rows
         self._pool_spec = pool_spec
         if self.num_blocks is not None:
-            self.kv = self._new_pool(self.num_blocks)
+            self.kv = self._new_pool(self.num_blocks, pool_spec)
 
-    def _new_pool(self, num_blocks: int) -> PagedKVCache:
-        kv_heads, head_size, head_size_v, dtype, device = self._pool_spec
+    def _new_pool(self, num_blocks: int, pool_spec) -> PagedKVCache:
+        kv_heads, head_size, head_size_v, dtype, device = pool_spec
+        options = dict(self._kv_options)
+        dtype = resolve_kv_cache_dtype(options.pop("kv_cache_dtype"), dtype)
         return PagedKVCache(len(self.layer_types), kv_heads, head_size, self.block_size, dtype,
-                            device, num_blocks=num_blocks, head_size_v=head_size_v)
+                            device, num_blocks=num_blocks, head_size_v=head_size_v, **options)
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size).
@@ -531,15 +548,12 @@ class PagedCache(Cache):
         """
         if self.kv is not None and num_blocks <= self.kv.num_blocks:
             return
-        if self.kv is not None:
-            num_blocks = min(self.manager.num_device_blocks,
-                             max(num_blocks, int(self.kv.num_blocks * _POOL_GROWTH)))
-        pool = self._new_pool(num_blocks)
-        if self.kv is not None:
-            for old, new in zip(self.kv.key_caches + self.kv.value_caches,
-                                pool.key_caches + pool.value_caches):
-                new[:old.shape[0]].copy_(old)
-        self.kv = pool
+        if self.kv is None:
+            self.kv = self._new_pool(num_blocks, self._pool_spec)
+            return
+        num_blocks = min(self.manager.num_device_blocks,
+                         max(num_blocks, int(self.kv.num_blocks * _POOL_GROWTH)))
+        self.kv = self.kv.with_blocks(num_blocks)  # contents and (calibrated) scales
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         """Row i becomes a fork of old row ``indices[i]``; the old rows are freed."""
