@@ -4,7 +4,7 @@ import contextlib
 import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence as Seq, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Sequence as Seq, Union
 
 import torch
 
@@ -16,6 +16,7 @@ from ..kv_cache import PagedKVCache
 from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
+from .compiled import CompiledDecode
 from .contents import BlockContents
 from .metrics import EngineMetrics
 from .params import Request
@@ -39,6 +40,15 @@ class EngineConfig:
     # Keep a token-level shadow of every block for check_invariants(deep=True): a
     # debugging aid that costs Python work per token, so off by default.
     record_block_contents: bool = False
+    # Decode steps (one token per sequence) through a compiled forward: torch.compile with
+    # `compile_backend` on CPU, plus CUDA graphs per padded batch size on CUDA. Compiled
+    # at engine creation; prefill and mixed steps stay eager (docs/engine.md).
+    compile_decode: bool = False
+    compile_backend: str = "inductor"
+    max_decode_batch: int = 256  # larger decode batches run eager
+    # Padded batch sizes; None: every size on CPU (dynamic shapes), vLLM's 1, 2, 4, 8, 16,
+    # ... (multiples of 8) up to max_decode_batch on CUDA, one CUDA graph each.
+    decode_batch_sizes: Optional[Tuple[int, ...]] = None
     # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md).
     kv_cache_dtype: str = "auto"
     # fp8: fixed scales (numbers: one for every layer, or one entry per layer, each a number
@@ -95,7 +105,14 @@ class LLMEngine:
                                          config.watermark)
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
+        decode = None
+        if config.compile_decode:
+            # The longest table a sequence can have: the pool, or the model's positions.
+            width = min(config.num_device_blocks,
+                        -(-getattr(text, "max_position_embeddings", 1 << 30) // config.block_size))
+            decode = CompiledDecode(model, self.kv_cache, width, config.max_decode_batch,
+                                    config.compile_backend, config.decode_batch_sizes)
+        self.runner = ModelRunner(model, self.kv_cache, decode)
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
         self.vocab_size = text.vocab_size
