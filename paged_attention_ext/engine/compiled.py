@@ -45,8 +45,8 @@ class CompiledDecode:
         self.sizes = sorted(set(sizes))  # empty: no padding (CPU)
         self.max_batch = self.sizes[-1] if self.sizes else max_batch
         n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
-        self.ids = torch.zeros(1, n, **longs)
-        self.positions = torch.zeros(1, n, **longs)
+        self.ids = torch.zeros(n, **longs)
+        self.positions = torch.zeros(n, **longs)
         self.slots = torch.full((n,), -1, **longs)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, table_width, dtype=torch.int32, device=device)
@@ -57,6 +57,7 @@ class CompiledDecode:
         self._masks = {kind: None for kind in {"full_attention", *layer_types}}
         self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
         self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
+        self.calls = 0  # decode steps run here
         start = time.perf_counter()
         self._warm_up()
         self.warmup_s = time.perf_counter() - start  # compile (and capture) time
@@ -70,6 +71,7 @@ class CompiledDecode:
             tables: List[List[int]], seq_lens: List[int]) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
         rows = len(ids)
+        self.calls += 1
         size = self._padded(rows)
         pad = size - rows
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
@@ -79,8 +81,8 @@ class CompiledDecode:
         for table in tables:
             flat += table
             flat += [0] * (width - len(table))
-        self.ids[0, :size].copy_(meta[0], non_blocking=True)
-        self.positions[0, :size].copy_(meta[1], non_blocking=True)
+        self.ids[:size].copy_(meta[0], non_blocking=True)
+        self.positions[:size].copy_(meta[1], non_blocking=True)
         self.slots[:size].copy_(meta[2], non_blocking=True)
         self.seq_lens[:size].copy_(meta[3], non_blocking=True)
         self.tables[:rows, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(rows, width),
@@ -101,12 +103,14 @@ class CompiledDecode:
         # query_start_loc None: one query token per sequence (the decode form of the op).
         batch = PagedBatch(self.kv_cache, slot_mapping=slots, block_tables=tables,
                            seq_lens=seq_lens, query_start_loc=None)
+        masks = {} if self._masks is None else {"attention_mask": self._masks}
         return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
-                          attention_mask=self._masks, use_cache=False).logits[0]
+                          use_cache=False, **masks).logits[0]
 
     def _call(self, size: int) -> torch.Tensor:
-        args = (self.ids[:, :size], self.positions[:, :size], self.slots[:size],
-                self.tables[:size], self.seq_lens[:size])
+        # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
+        args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size),
+                self.slots[:size], self.tables[:size], self.seq_lens[:size])
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
             for tensor, dim in zip(args, (1, 1, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
@@ -114,9 +118,30 @@ class CompiledDecode:
 
     @torch.no_grad()
     def _warm_up(self) -> None:
-        """Compile (and on CUDA capture) on all-padding buffers: nothing is written or read."""
+        """Compile (and on CUDA capture) on all-padding buffers: nothing is written or read.
+
+        Models whose forward takes no ready mask mapping (it has no such argument) trace
+        transformers' mask construction instead; if that does not trace either, raise.
+        """
+        try:
+            self._warm_up_sizes()
+            return
+        except Exception as error:  # the model refused the mask mapping
+            first = error
+        self._masks = None
+        try:
+            self._warm_up_sizes()
+        except Exception as error:
+            raise NotImplementedError(
+                f"compile_decode: {type(self.model).__name__}'s forward does not compile "
+                f"(with a ready mask mapping: {type(first).__name__}: {str(first)[:200]}; "
+                f"without: {type(error).__name__}: {str(error)[:200]})") from error
+
+    def _warm_up_sizes(self) -> None:
         if not self.cuda_graphs:
-            for size in sorted({1, min(2, self.max_batch)}):
+            # The smallest size (1 has a graph of its own) and the largest (the rest).
+            smallest = self.sizes[0] if self.sizes else 1
+            for size in sorted({smallest, self.max_batch}):
                 self._call(size)
             return
         pool = None
