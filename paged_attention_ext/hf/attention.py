@@ -109,8 +109,8 @@ def paged_attention_forward(
                 f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
         batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value),
                              batch.slot_mapping)
-        if batch.on_stored is not None:
-            batch.on_stored(module.layer_idx)
+        if batch.on_stored is not None and not torch.compiler.is_compiling():
+            batch.on_stored(module.layer_idx)  # eager bookkeeping; a compiled step has none
     elif head_size_v != value_cache.shape[-1]:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
