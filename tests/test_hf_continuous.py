@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from paged_attention_ext import ops, reference
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION
@@ -89,12 +90,17 @@ ARCHITECTURES = {
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_greedy_tokens_equal_paged_sdpa(architecture, counted_ops):
+def test_greedy_tokens_equal_paged_sdpa(architecture, counted_ops, monkeypatch):
     torch.manual_seed(0)
     model = ARCHITECTURES[architecture]().eval()
     rows = prompts(model.config.vocab_size)
     want = generate(model, "paged|sdpa", rows)
+    prefix_hits = []
+    search = PagedAttentionCache.search_prefix_match
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match", lambda self, *args: (
+        prefix_hits.append(search(self, *args)) or prefix_hits[-1]))
     got = generate(model, CB_ATTN_IMPLEMENTATION, rows)
+    assert max(prefix_hits) >= PAGE  # a request started on another's cached pages
     assert [o.error for o in got] == [None] * len(rows)
     assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
     assert all(len(o.generated_tokens) == 5 for o in got)
