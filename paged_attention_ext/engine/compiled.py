@@ -72,6 +72,18 @@ class CompiledDecode:
         """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
         rows = len(ids)
         self.calls += 1
+        size = self._stage(ids, positions, slots, tables, seq_lens)
+        if self.cuda_graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+            return logits[:rows]
+        return self._call(size)[:rows]
+
+    # ---- internals -------------------------------------------------------------------
+    def _stage(self, ids: List[int], positions: List[int], slots: List[int],
+               tables: List[List[int]], seq_lens: List[int]) -> int:
+        """Copy the metadata into the buffers' first rows, padding to the next size (returned)."""
+        rows = len(ids)
         size = self._padded(rows)
         pad = size - rows
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
@@ -87,13 +99,8 @@ class CompiledDecode:
         self.seq_lens[:size].copy_(meta[3], non_blocking=True)
         self.tables[:rows, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(rows, width),
                                          non_blocking=True)
-        if self.cuda_graphs:
-            graph, logits = self._graphs[size]
-            graph.replay()
-            return logits[:rows]
-        return self._call(size)[:rows]
+        return size
 
-    # ---- internals -------------------------------------------------------------------
     def _padded(self, rows: int) -> int:
         if not self.sizes:
             return rows

@@ -22,7 +22,7 @@ from .metrics import EngineMetrics
 from .params import Request
 from .runner import ModelRunner
 from .sampler import next_tokens
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Preemption, Scheduler, SchedulerOutput
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 
@@ -198,18 +198,21 @@ class LLMEngine:
         their memory may have been written). A failure in the second part keeps the
         first part's preemptions, whose blocks may already have been reused.
         """
-        with self._transaction():
-            preemption = self.scheduler.preempt()
-            self.kv_cache.swap_out(preemption.swap_out)
-        if self.contents is not None:
-            self.contents.swap_out(preemption.swap_out)
-        self.metrics.on_preempt(preemption.counts)
+        # Most steps preempt nothing: they skip the first transaction (and its checkpoint).
+        preemption = Preemption()
+        if self.scheduler.must_preempt():
+            with self._transaction():
+                preemption = self.scheduler.preempt()
+                self.kv_cache.swap_out(preemption.swap_out)
+            if self.contents is not None:
+                self.contents.swap_out(preemption.swap_out)
+            self.metrics.on_preempt(preemption.counts)
         with self._transaction():
             plan = self.scheduler.schedule(admit=not preemption.any)
             self.kv_cache.swap_in(plan.swap_in)
             self.kv_cache.apply_copies(plan.copies)
             logits = self.runner.forward(plan.groups, plan.slots, self.manager) if plan.groups else []
-            choices = [self._choose(group, rows) for group, rows in zip(plan.groups, logits)]
+            choices = self._choose_all(plan.groups, logits)
         return self._commit(plan, choices)
 
     @contextlib.contextmanager
@@ -229,6 +232,18 @@ class LLMEngine:
                 for seq, num_computed in seqs:
                     seq.num_computed = num_computed
             raise
+
+    def _choose_all(self, groups: List[SequenceGroup], logits: List[torch.Tensor]) -> List[_Choice]:
+        """Every group's choice; the greedy single-sequence groups by one argmax for all."""
+        simple = [i for i, g in enumerate(groups)
+                  if not g.beam and g.generator is None and len(g.seqs) == 1]
+        if len(simple) > 1:
+            rows = torch.cat([logits[i] for i in simple]).argmax(dim=-1).tolist()
+            greedy = {i: _Choice([token]) for i, token in zip(simple, rows)}
+        else:
+            greedy = {}
+        return [greedy[i] if i in greedy else self._choose(g, logits[i])
+                for i, g in enumerate(groups)]
 
     def _choose(self, group: SequenceGroup, logits: torch.Tensor) -> _Choice:
         """The group's next tokens, without changing the group: the request's generator

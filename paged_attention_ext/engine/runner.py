@@ -11,7 +11,7 @@ A step in which every sequence computes one token (a decode step) goes through t
 one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +65,15 @@ class ModelRunner:
     def _packed(self, ids: List[int], positions: List[int], slots: List[int],
                 tables: List[List[int]], seq_lens: List[int], query_lens: List[int]) -> torch.Tensor:
         """The eager packed forward: logits of each sequence's last token."""
+        batch, last_rows = self._packed_batch(slots, tables, seq_lens, query_lens)
+        device = self.kv_cache.device
+        return self.model(input_ids=torch.tensor([ids]).to(device),
+                          position_ids=torch.tensor([positions]).to(device),
+                          paged_batch=batch, use_cache=False, logits_to_keep=last_rows).logits[0]
+
+    def _packed_batch(self, slots: List[int], tables: List[List[int]], seq_lens: List[int],
+                      query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
+        """The batch's tensors from the lists (one tensor per field, tables padded flat)."""
         device = self.kv_cache.device
         width = max(len(t) for t in tables)
         flat: List[int] = []
@@ -79,8 +88,4 @@ class ModelRunner:
             block_tables=torch.tensor(flat, dtype=torch.int32).view(len(tables), width).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device))
-        last_rows = torch.tensor(starts[1:]) - 1
-        return self.model(input_ids=torch.tensor([ids]).to(device),
-                          position_ids=torch.tensor([positions]).to(device),
-                          paged_batch=batch, use_cache=False,
-                          logits_to_keep=last_rows.to(device)).logits[0]
+        return batch, (torch.tensor(starts[1:]) - 1).to(device)
