@@ -25,7 +25,9 @@ Method
    the baseline; for each format and calibration: the fraction of greedy tokens equal to
    the baseline run (free-running, and the number of tokens before the first difference),
    and teacher-forced over the baseline's tokens: the fraction of positions whose argmax
-   is unchanged and the logit error (max, mean; relative to the logits' std).
+   is unchanged and the logit error (max, mean; relative to the logits' std). Controls:
+   the same numbers for an fp16 and an fp32 cache, i.e. how far these random models'
+   tokens move under any small change of K/V.
 
 3. **Capacity**: an ``LLMEngine`` per cache dtype over the same pool bytes (the bytes of
    ``--pool-blocks`` bf16 blocks of the bench model): tokens the pool holds, from the
@@ -199,24 +201,28 @@ def model_accuracy(arch: str, rows: int, prompt_len: int, new_tokens: int, dtype
         base = model.generate(ids, past_key_values=PagedCache(model.config, block_size=16), **greedy)
     base_logits = teacher_forced(model, base, prompt_len)
     result = {}
-    for name in FORMATS:
-        for calibration in CALIBRATIONS:
-            options = dict(kv_cache_dtype=name, kv_scale_calibration=calibration)
-            with torch.no_grad():
-                run = model.generate(ids, past_key_values=PagedCache(model.config, block_size=16,
-                                                                    **options), **greedy)
-            same = run[:, prompt_len:] == base[:, prompt_len:]
-            first_diff = [int(row.logical_not().nonzero()[0]) if not row.all() else new_tokens
-                          for row in same]
-            logits = teacher_forced(model, base, prompt_len, **options)
-            err = (logits - base_logits).abs()
-            result[f"{name}/{calibration}"] = {
-                "greedy_tokens_equal": same.float().mean().item(),
-                "tokens_before_first_difference": first_diff,
-                "teacher_forced_argmax_equal": (logits.argmax(-1) == base_logits.argmax(-1)).float().mean().item(),
-                "logit_abs_err_max": err.max().item(), "logit_abs_err_mean": err.mean().item(),
-                "logit_err_mean_over_std": (err.mean() / base_logits.std()).item(),
-            }
+    # Controls: a cache of another 16-bit (fp16) or of a wider float (fp32) shows how much
+    # these random models' greedy tokens move under any small change of K/V.
+    runs = {f"{name}/{calibration}": dict(kv_cache_dtype=name, kv_scale_calibration=calibration)
+            for name in FORMATS for calibration in CALIBRATIONS}
+    runs.update({"float16 (control)": dict(kv_cache_dtype=torch.float16),
+                 "float32 (control)": dict(kv_cache_dtype=torch.float32)})
+    for run_name, options in runs.items():
+        with torch.no_grad():
+            run = model.generate(ids, past_key_values=PagedCache(model.config, block_size=16,
+                                                                **options), **greedy)
+        same = run[:, prompt_len:] == base[:, prompt_len:]
+        first_diff = [int(row.logical_not().nonzero()[0]) if not row.all() else new_tokens
+                      for row in same]
+        logits = teacher_forced(model, base, prompt_len, **options)
+        err = (logits - base_logits).abs()
+        result[run_name] = {
+            "greedy_tokens_equal": same.float().mean().item(),
+            "tokens_before_first_difference": first_diff,
+            "teacher_forced_argmax_equal": (logits.argmax(-1) == base_logits.argmax(-1)).float().mean().item(),
+            "logit_abs_err_max": err.max().item(), "logit_abs_err_mean": err.mean().item(),
+            "logit_err_mean_over_std": (err.mean() / base_logits.std()).item(),
+        }
     return result
 
 
