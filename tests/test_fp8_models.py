@@ -252,3 +252,21 @@ def test_fp8_stays_close_to_the_float_cache(pair):
     assert 0 < error[torch.bfloat16] < error["fp8_e4m3"] < error["fp8_e5m2"]
     assert error["fp8_e4m3"] <= 1.5 * 16 * error[torch.bfloat16]
     assert error["fp8_e5m2"] <= 1.5 * 32 * error[torch.bfloat16]
+
+
+def test_scales_calibrated_once_pass_to_an_engine(engine_pair):
+    """docs/fp8.md's recipe: calibrate on representative text, pass the scales as lists."""
+    paged = engine_pair[0]
+    probe = PagedCache(paged.config, kv_cache_dtype="fp8_e4m3", kv_scale_calibration="per_head")
+    with torch.no_grad():
+        paged(torch.arange(3, 40).view(1, -1), past_key_values=probe)
+    k_scale = [s.tolist() for s in probe.kv.k_scales]
+    v_scale = [s.tolist() for s in probe.kv.v_scales]
+    engine = LLMEngine(paged, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=16,
+                                           kv_cache_dtype="fp8_e4m3", k_scale=k_scale, v_scale=v_scale))
+    assert engine.kv_cache.calibrated and engine.kv_cache.calibration is None
+    for given, kept in zip(probe.kv.k_scales + probe.kv.v_scales,
+                           engine.kv_cache.k_scales + engine.kv_cache.v_scales):
+        assert torch.equal(given, kept) and kept.shape == (2,)
+    engine.generate([Request("a", [5, 6, 7], SamplingParams(max_new_tokens=3))])
+    assert torch.equal(engine.kv_cache.k_scales[0], probe.kv.k_scales[0])  # not recalibrated
