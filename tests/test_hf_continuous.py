@@ -134,3 +134,18 @@ def test_layout_refuses_indices_block_tables_cannot_reproduce():
         cb.derive_layout(scattered, scattered, cu, cu, 4)
     with pytest.raises(ValueError, match="empty read index with cached keys"):
         cb.derive_layout(torch.empty(0, dtype=torch.int64), rows[:2], torch.tensor([0, 2]), cu, 4)
+
+
+def test_arguments_that_would_change_the_result_are_refused():
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    cb._refuse_unsupported(layer, None, 0.0, None, {"position_ids": torch.zeros(1),
+                                                    "output_attentions": False, "s_aux": None})
+    for mask, dropout, block_table, kwargs, match in [
+            (torch.zeros(1), 0.0, None, {}, "attention mask"),
+            (None, 0.1, None, {}, "dropout"),
+            (None, 0.0, torch.zeros(1, 1, 1), {}, "decode block_table"),
+            (None, 0.0, None, {"s_aux": torch.zeros(4)}, r"\['s_aux'\]"),
+            (None, 0.0, None, {"output_attentions": True}, "output_attentions")]:
+        with pytest.raises(NotImplementedError, match=match):
+            cb._refuse_unsupported(layer, mask, dropout, block_table, kwargs)

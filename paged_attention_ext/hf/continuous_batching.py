@@ -42,7 +42,7 @@ ATTN_IMPLEMENTATION = "paged|paged_attention_ext"
 # Arguments continuous batching passes to every attention call that do not change the
 # result here (positions are already in the rotary embeddings and the indices).
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "max_seqlen_q", "max_seqlen_k",
-                            "logits_indices", "logits_processor_args", "input_ids", "output_attentions", "output_hidden_states", "return_dict"})
+                            "logits_indices", "logits_processor_args"})
 
 
 class BatchLayout:
@@ -150,8 +150,9 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float,
         raise NotImplementedError(
             f"paged|paged_attention_ext: {layer} got a decode block_table (transformers' flash "
             "decode fast path); set ContinuousBatchingConfig(max_blocks_per_request=0)")
+    # None and False (output_attentions=False, ...) ask for nothing.
     unknown = sorted(name for name, value in kwargs.items()
-                     if name not in IGNORED_KWARGS and value is not None)
+                     if name not in IGNORED_KWARGS and value is not None and value is not False)
     if unknown:
         raise NotImplementedError(
             f"paged|paged_attention_ext: {layer} passed attention arguments {unknown}, which this "
