@@ -160,6 +160,8 @@ def test_own_loop_with_prepare(models):
     assert torch.equal(tokens[:, :-1], want[:, :-1])
     assert len(GRAPHS) == 1
     assert_no_graph_breaks()
+    with pytest.raises(RuntimeError, match="without cache.prepare"), torch.no_grad():
+        step(next_token, position_ids=positions + 1, past_key_values=cache)  # not prepared
 
 
 def test_inductor(models):

@@ -814,6 +814,10 @@ class PagedCache(Cache):
                                    "cache.prepare(batch_size, num_new_tokens, attention_mask, dtype, "
                                    "device) before each compiled forward of your own loop")
             if layer_idx == 0:
+                # Run twice on one preparation (a loop that forgot prepare()), it would write
+                # over the last step's slots: refuse at run time instead.
+                torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
+                                    "cache.prepare(...) since the previous one")
                 self._consumed.fill_(True)
             if self._mla is None:
                 self._check_layer_shapes(layer_idx, keys, values)
