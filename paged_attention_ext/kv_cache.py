@@ -127,7 +127,8 @@ class PagedKVCache:
         given = [name for name, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
         if not self.is_quantized:
             if given:
-                raise ValueError(f"{' and '.join(given)} apply to fp8 caches only; this cache is "
+                verb = "apply" if len(given) == 2 else "applies"
+                raise ValueError(f"{' and '.join(given)} {verb} to fp8 caches only; this cache is "
                                  f"{self.dtype} (pass no scales, or an fp8 dtype)")
             return [None] * self.num_layers, [None] * self.num_layers, None
         if len(given) == 1:
