@@ -16,7 +16,7 @@ is split by the function each cumulative share is charged to:
 The time per step is the process's CPU time (less sensitive to a loaded machine than wall
 time; the forward runs on one thread), best of three runs without the profiler.
 
-Usage: python bench/bench_engine_step.py [--quick] [--compile-decode] [--out FILE]
+Usage: python bench/bench_engine_step.py [--quick] [--compile-decode] [--stub-forward] [--out FILE]
 """
 
 import argparse
@@ -76,11 +76,26 @@ def decode_run(engine: LLMEngine, reqs, profile: "cProfile.Profile | None") -> "
     return steps, time.process_time() - start
 
 
+class StubModel(torch.nn.Module):
+    """Constant logits for the rows asked for: the step without any model work."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int) -> None:
+        super().__init__()
+        self.config, self.dtype, self.device = model.config, model.dtype, model.device
+        self.logits = torch.randn(1, 4096, vocab)
+
+    def forward(self, input_ids, logits_to_keep=None, **kwargs):
+        rows = input_ids.shape[1] if logits_to_keep is None else logits_to_keep.numel()
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.logits[:, :rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 requests, 16 decode steps")
     parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument("--blocks", type=int, default=12288)
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="constant logits instead of the model: the engine's own cost per step")
     parser.add_argument("--out", default=None, help="JSON file for the breakdown")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -89,6 +104,8 @@ def main() -> None:
     count, prompt_len, new_tokens = (8, 32, 16) if args.quick else (32, 128, 64)
     config = tiny_config(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2)
     model, _ = random_pair(config, seed=0)
+    if args.stub_forward:
+        model = StubModel(model, config.vocab_size)
     extra = dict(compile_decode=True) if args.compile_decode else {}
     engine = LLMEngine(model, EngineConfig(num_device_blocks=args.blocks, num_host_blocks=0, **extra))
     engine.generate(requests(2, 8, 4, 1024))  # warm-up
@@ -103,7 +120,7 @@ def main() -> None:
     parts["other"] = step_total - sum(parts.values())
     per_step_ms = {k: 1e3 * v / steps for k, v in parts.items()}
     report = {"steps": steps, "batch": count, "blocks": args.blocks,
-              "compile_decode": args.compile_decode, "step_ms_cpu": 1e3 * best / steps,
+              "compile_decode": args.compile_decode, "stub_forward": args.stub_forward, "step_ms_cpu": 1e3 * best / steps,
               "step_ms_profiled": 1e3 * step_total / steps, "per_step_ms_profiled": per_step_ms}
     print(f"{steps} decode steps of {count} sequences, pool {args.blocks} blocks: "
           f"{report['step_ms_cpu']:.2f} ms CPU/step (best of 3), "
