@@ -1,7 +1,9 @@
 """GPU benchmark of the CUDA kernels: decode attention and the cache ops against the
-device's copy bandwidth, SDPA on contiguous K/V, and FlexAttention's paged attention.
+device's copy bandwidth, SDPA on contiguous K/V, and FlexAttention's paged attention;
+fp8 against bf16 caches and NHD against HND layouts.
 
-Usage: ``python bench/bench_cuda.py [--out PATH] [--quick] [--budget-s S] [--device cpu]``
+Usage: ``python bench/bench_cuda.py [--out PATH] [--quick] [--budget-s S] [--device cpu]
+[--only kv_formats]``
 (``bench/gpu_check.sh`` runs it; ``--device cpu --quick`` is a smoke test of the script
 itself on machines without a GPU, its numbers mean nothing).
 
@@ -39,6 +41,16 @@ Method
   batch 1 and 64, 32/8 heads, 4k real context, with block tables 128k keys wide (the
   entries past the real blocks are padding), against the same call with a table of the
   real width.
+* KV formats (issues 16 and 17.1), first in the run: decode at head size 128, block size
+  16, bf16 queries, on configurations of the fp8 target (batch >= 64, context >= 4k;
+  32/8 and 32/32 heads): the bf16 cache (HND) against the same values quantized to
+  float8_e4m3fn and float8_e5m2 with per-head scales (absmax / format max), and against
+  NHD views (``cache.transpose(1, 2)`` of an NHD tensor) of the bf16 and the e4m3 cache.
+  Each entry gives the median time, the effective bandwidth (bytes of the cache as
+  stored), ``speedup_vs_bf16`` (bf16 HND time over this time) and, for NHD,
+  ``time_vs_hnd`` (over the same format's HND time). ``fp8_target`` says whether every
+  fp8 row reached issue 16's 1.7x. fp8 outputs are compared with bf16's (the quantization
+  error, for information).
 * Timing: CUDA events around each call, the L2 cache flushed before each (a 256 MiB
   write), warm-up calls first, the median of the repetitions.
 
@@ -245,6 +257,76 @@ def bench_decode(timer, device, copy_gbps, configs, budget_s, reps, results, sav
     return results
 
 
+# (kv_heads, batch, context): issue 16's GPU target, B >= 64 and context >= 4k.
+FORMAT_CONFIGS = [(8, 64, 4096), (8, 256, 4096), (8, 64, 16384), (32, 64, 4096), (32, 128, 8192)]
+FP8_TARGET = 1.7
+
+
+def quantize_per_head(cache, dtype):
+    """(fp8 cache, per-head fp32 scales): each KV head's absmax mapped to the format's max."""
+    amax = cache.float().abs().amax(dim=(0, 2, 3)).clamp_min(1e-6)
+    scale = amax / torch.finfo(dtype).max
+    return (cache.float() / scale.view(1, -1, 1, 1)).to(dtype), scale
+
+
+def nhd_view(cache):
+    """The same values in an NHD tensor, as the HND-shaped view the ops take."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def bench_kv_formats(timer, device, copy_gbps, quick, reps, save, results):
+    """fp8 vs bf16 caches and NHD vs HND views on the same decode configurations."""
+    configs = [(8, 4, 1024), (32, 2, 1024)] if quick else FORMAT_CONFIGS
+    for kv_heads, batch, context in configs:
+        entry = {"num_heads": NUM_HEADS, "kv_heads": kv_heads, "batch": batch, "context": context}
+        results.append(entry)
+        if 2.2 * batch * context * kv_heads * HEAD_SIZE * 2 * 2 > 0.85 * free_bytes(device):
+            entry["skipped"] = "bf16, fp8 and NHD copies of the KV do not fit"
+            continue
+        try:
+            case = DecodeCase(batch, context, kv_heads, device)
+            k_bf16, v_bf16 = case.key_cache, case.value_cache
+            want = case.paged()
+
+            def run(name, key, value, scales=None, base=None):
+                case.key_cache, case.value_cache = key, value
+                call = (lambda: pa.attention(case.query, key, value, case.block_tables, case.seq_lens, case.scale,
+                                             k_scale=scales[0], v_scale=scales[1])) if scales else case.paged
+                nbytes = 2 * key.numel() * key.element_size()
+                seconds = timer(call, reps)
+                result = summary(seconds, nbytes, copy_gbps)
+                result["max_abs_diff_vs_bf16"] = max_diff(call(), want)
+                if "bf16_hnd" in entry:
+                    result["speedup_vs_bf16"] = entry["bf16_hnd"]["median_ms"] / result["median_ms"]
+                if base is not None:
+                    result["time_vs_hnd"] = result["median_ms"] / entry[base]["median_ms"]
+                entry[name] = result
+                save()
+
+            run("bf16_hnd", k_bf16, v_bf16)
+            for dtype, tag in ((torch.float8_e4m3fn, "fp8_e4m3"), (torch.float8_e5m2, "fp8_e5m2")):
+                (k8, ks), (v8, vs) = quantize_per_head(k_bf16, dtype), quantize_per_head(v_bf16, dtype)
+                run(f"{tag}_hnd", k8, v8, (ks, vs))
+                if tag == "fp8_e4m3":
+                    run(f"{tag}_nhd", nhd_view(k8), nhd_view(v8), (ks, vs), base=f"{tag}_hnd")
+                del k8, v8
+            run("bf16_nhd", nhd_view(k_bf16), nhd_view(v_bf16), base="bf16_hnd")
+            del case, want, k_bf16, v_bf16
+        except Exception as e:  # noqa: BLE001 (a failing case is recorded; the run goes on)
+            entry["error"] = error_text(e)
+        save()
+    return results
+
+
+def fp8_target(results):
+    """Issue 16's GPU target over the measured rows: every fp8 HND row >= FP8_TARGET x bf16."""
+    speedups = [e[f]["speedup_vs_bf16"] for e in results for f in ("fp8_e4m3_hnd", "fp8_e5m2_hnd")
+                if "speedup_vs_bf16" in e.get(f, {}) and e["batch"] >= 64 and e["context"] >= 4096]
+    return {"rule": f"fp8 decode >= {FP8_TARGET}x bf16 at batch >= 64, context >= 4k", "rows": len(speedups),
+            "min_speedup": min(speedups) if speedups else None,
+            "met": bool(speedups) and min(speedups) >= FP8_TARGET}
+
+
 def bench_padded(timer, device, copy_gbps, quick, reps):
     """Decode with block tables padded to 128k keys against tables of the real width."""
     results = []
@@ -369,6 +451,23 @@ def bench_cache_ops(timer, device, copy_gbps, quick, reps):
 
 def print_table(report):
     print(f"device: {report['device']}, copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write)")
+    formats = ("bf16_hnd", "fp8_e4m3_hnd", "fp8_e5m2_hnd", "bf16_nhd", "fp8_e4m3_nhd")
+    if report.get("kv_formats"):
+        print(f"{'heads':>7} {'batch':>5} {'ctx':>6} | " + " | ".join(f"{f:>14}" for f in formats)
+              + "   (ms; fp8: x bf16; nhd: x hnd)")
+    for e in report.get("kv_formats", []):
+        cells = []
+        for f in formats:
+            r = e.get(f, {})
+            if "median_ms" not in r:
+                cells.append(f"{'-':>14}")
+                continue
+            ratio = r.get("time_vs_hnd", r.get("speedup_vs_bf16"))
+            cells.append(f"{r['median_ms']:>7.3f}" + (f" {ratio:>5.2f}x" if ratio else " " * 7))
+        why = e.get("skipped") or e.get("error") or ""
+        print(f"{NUM_HEADS}/{e['kv_heads']:<4} {e['batch']:>5} {e['context']:>6} | " + " | ".join(cells) + f" {why}")
+    if "fp8_target" in report:
+        print(f"fp8 target: {report['fp8_target']}")
     print(f"{'heads':>7} {'batch':>5} {'ctx':>6} {'KV GB':>6} | {'paged GB/s':>10} {'%copy':>6} | "
           f"{'sdpa GB/s':>9} | {'flex GB/s':>9}")
     for e in report.get("decode", []):
@@ -402,6 +501,7 @@ def main():
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds for the decode sweep; FlexAttention gets another half of it")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", choices=["kv_formats"], help="run this phase alone")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -429,6 +529,17 @@ def main():
         out.write_text(json.dumps(report, indent=2) + "\n")
 
     save()
+    # The fp8 / layout rows first: the issue-16 target, and the phase a short run must not lose.
+    report["kv_formats"] = []
+    bench_kv_formats(timer, device, copy_gbps, args.quick, reps, save, report["kv_formats"])
+    report["fp8_target"] = fp8_target(report["kv_formats"])
+    save()
+    if args.only == "kv_formats":
+        report["complete"] = True
+        save()
+        print_table(report)
+        print(f"wrote {out}")
+        return
     bench_decode(timer, device, copy_gbps, configs, args.budget_s, reps, report["decode"], save)
     try:
         report["decode_padded"] = bench_padded(timer, device, copy_gbps, args.quick, reps)

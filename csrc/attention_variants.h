@@ -18,6 +18,8 @@ inline ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
     case at::kHalf: return ScalarKind::kFloat16;
     case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kFloat8_e4m3fn: return ScalarKind::kFloat8E4M3;
+    case at::kFloat8_e5m2: return ScalarKind::kFloat8E5M2;
     default: return ScalarKind::kFloat32;
   }
 }
@@ -38,7 +40,9 @@ using AttentionIntoFn = void (*)(const char* op, at::Tensor& out,
                                  double scale, const std::optional<at::Tensor>& query_start_loc,
                                  const std::optional<at::Tensor>& alibi_slopes,
                                  int64_t sliding_window, double soft_cap,
-                                 const std::optional<at::Tensor>& sinks);
+                                 const std::optional<at::Tensor>& sinks,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale);
 
 template <AttentionIntoFn Into>
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -46,10 +50,11 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& seq_lens, double scale,
                      const std::optional<at::Tensor>& query_start_loc,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double soft_cap, const std::optional<at::Tensor>& sinks) {
+                     double soft_cap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
   Into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
-       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
   return out;
 }
 
@@ -58,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
     const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks) {
+    int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
   // A malformed query is rejected by Into before the lse is used.
   std::optional<at::Tensor> lse;
@@ -66,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
     lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
   }
   Into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
-       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
+       seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
   return {out, *lse};
 }
 
@@ -76,9 +82,10 @@ void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const 
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                    const std::optional<at::Tensor>& query_start_loc,
                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                   double soft_cap, const std::optional<at::Tensor>& sinks) {
+                   double soft_cap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   Into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables, seq_lens,
-       scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks);
+       scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
 }
 
 template <AttentionIntoFn Into>

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -13,6 +14,25 @@ namespace {
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool is_cache_dtype(at::ScalarType t) { return is_supported_float(t) || is_fp8(t); }
+
+// Dims of size > 1 sorted by stride; each stride must pass the farthest element of
+// the smaller ones (a sufficient condition that no two indices share an address).
+bool overlaps_itself(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return false;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // largest offset the smaller dims address
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
 }
 
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
@@ -48,12 +68,59 @@ int32_t read_i32(const at::Tensor& t, int64_t i) { return t.data_ptr<int32_t>()[
 
 }  // namespace
 
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+bool block_is_dense(const at::Tensor& cache) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) within one block
+  for (int64_t d = 1; d < cache.dim(); ++d) {
+    if (cache.size(d) > 1) dims.emplace_back(cache.stride(d), cache.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
   check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]");
-  TORCH_CHECK_TYPE(is_supported_float(cache.scalar_type()), op, ": argument '", name,
-                   "' must be float32, float16 or bfloat16, got ", cache.scalar_type());
-  TORCH_CHECK_VALUE(cache.is_contiguous(), op, ": argument '", name,
-                    "' must be contiguous (HND layout), got strides ", cache.strides());
+  TORCH_CHECK_TYPE(is_cache_dtype(cache.scalar_type()), op, ": argument '", name,
+                   "' must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
+                   cache.scalar_type());
+  TORCH_CHECK_VALUE(cache.stride(3) == 1 || cache.size(3) <= 1, op, ": argument '", name,
+                    "' must be contiguous in its last dimension (head_size), got strides ",
+                    cache.strides());
+  TORCH_CHECK_VALUE(!overlaps_itself(cache), op, ": argument '", name,
+                    "' is a view that overlaps itself (strides ", cache.strides(), " for shape ",
+                    cache.sizes(), "); two cache slots would share memory");
+}
+
+void check_kv_scales(const char* op, at::ScalarType cache_dtype, int64_t num_kv_heads,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Tensor& reference,
+                     const char* reference_name) {
+  const std::pair<const char*, const std::optional<at::Tensor>*> scales[] = {
+      {"k_scale", &k_scale}, {"v_scale", &v_scale}};
+  for (const auto& [name, scale] : scales) {
+    if (!is_fp8(cache_dtype)) {
+      TORCH_CHECK_VALUE(!scale->has_value(), op, ": argument '", name, "' is only for fp8 "
+                        "caches (float8_e4m3fn, float8_e5m2), but the caches are ", cache_dtype,
+                        "; pass None");
+      continue;
+    }
+    TORCH_CHECK_VALUE(scale->has_value(), op, ": the caches are ", cache_dtype,
+                      ", which needs argument '", name, "' (a float32 tensor of shape [], [1] "
+                      "or [num_kv_heads]); got None");
+    const at::Tensor& t = **scale;
+    check_dtype(op, name, t, at::kFloat);
+    check_same_device(op, name, t, reference, reference_name);
+    const bool per_layer = t.numel() == 1 && t.dim() <= 1;
+    const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
+    TORCH_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
+                      "or [num_kv_heads] = [", num_kv_heads, "], got ", t.sizes());
+  }
 }
 
 void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches) {
@@ -86,8 +153,8 @@ void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& d
                         src.sizes().slice(1) == dst.sizes().slice(1),
                     op, ": arguments 'src' and 'dst' must have the same block shape, got ",
                     src.sizes(), " and ", dst.sizes());
-  TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), op,
-                    ": arguments 'src' and 'dst' must be contiguous");
+  TORCH_CHECK_VALUE(!overlaps_itself(dst), op, ": argument 'dst' is a view that overlaps itself "
+                    "(strides ", dst.strides(), " for shape ", dst.sizes(), ")");
 }
 
 AttentionShape check_attention_args(const char* op, const at::Tensor& query,
@@ -97,6 +164,8 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     const std::optional<at::Tensor>& alibi_slopes,
                                     int64_t sliding_window, double soft_cap,
                                     const std::optional<at::Tensor>& sinks,
+                                    const std::optional<at::Tensor>& k_scale,
+                                    const std::optional<at::Tensor>& v_scale,
                                     const at::Tensor* out, const at::Tensor* lse) {
   check_rank(op, "query", query, 3, "[num_tokens, num_heads, head_size]");
   TORCH_CHECK_TYPE(is_supported_float(query.scalar_type()), op,
@@ -104,13 +173,15 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                    query.scalar_type());
   check_cache_tensor(op, "key_cache", key_cache);
   check_cache_tensor(op, "value_cache", value_cache);
-  check_dtype(op, "key_cache", key_cache, query.scalar_type());
-  check_dtype(op, "value_cache", value_cache, query.scalar_type());
+  // A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
+  if (!is_fp8(key_cache.scalar_type())) check_dtype(op, "key_cache", key_cache, query.scalar_type());
+  check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
   TORCH_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_same_device(op, "key_cache", key_cache, query);
   check_same_device(op, "value_cache", value_cache, query);
+  check_kv_scales(op, key_cache.scalar_type(), key_cache.size(1), k_scale, v_scale, query, "query");
 
   AttentionShape s{};
   s.num_tokens = query.size(0);
@@ -247,7 +318,8 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
 
 void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& slot_mapping) {
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged.write_kv";
   check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
   check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size_v]");
@@ -257,8 +329,15 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
-  check_dtype(op, "key", key, key_cache.scalar_type());
-  check_dtype(op, "value", value, key_cache.scalar_type());
+  if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
+    TORCH_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
+                     ": argument 'key' must be float32, float16 or bfloat16, got ",
+                     key.scalar_type());
+    check_dtype(op, "value", value, key.scalar_type());
+  } else {
+    check_dtype(op, "key", key, key_cache.scalar_type());
+    check_dtype(op, "value", value, key_cache.scalar_type());
+  }
   const auto want_k = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
   TORCH_CHECK_VALUE(key.sizes() == at::IntArrayRef(want_k), op,
                     ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
@@ -278,6 +357,7 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
       {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
       {"slot_mapping", &slot_mapping}};
   for (const auto& [name, t] : others) check_same_device(op, name, *t, key, "key");
+  check_kv_scales(op, key_cache.scalar_type(), key_cache.size(1), k_scale, v_scale, key, "key");
 }
 
 void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots) {

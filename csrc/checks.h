@@ -34,6 +34,8 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     const std::optional<at::Tensor>& alibi_slopes,
                                     int64_t sliding_window, double soft_cap,
                                     const std::optional<at::Tensor>& sinks,
+                                    const std::optional<at::Tensor>& k_scale,
+                                    const std::optional<at::Tensor>& v_scale,
                                     const at::Tensor* out, const at::Tensor* lse);
 
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
@@ -45,9 +47,12 @@ void check_attention_metadata(const char* op, const AttentionShape& shape,
 
 // key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
 // head_size_v] against their caches, which differ at most in head size.
+// With an fp8 cache, key and value may be any float dtype (one for both) and the scales
+// are required.
 void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& slot_mapping);
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale);
 
 // Every slot is padding (< 0) or inside the pool.
 void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots);
@@ -61,14 +66,31 @@ void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
                                 int64_t num_src_blocks, int64_t num_dst_blocks,
                                 bool same_pool);
 
+// A 4-D cache [num_blocks, num_kv_heads, block_size, head_size] of a cache dtype, with any
+// strides but stride(3) == 1 and no two elements at one address (NHD views and views into
+// a joint K/V tensor pass; write_kv into an overlapping view would corrupt it).
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
+
+bool is_fp8(at::ScalarType t);
+
+// One block of `cache` (dims 1..) is one dense chunk of numel / size(0) elements starting
+// at block * stride(0): blocks then move with one memcpy each.
+bool block_is_dense(const at::Tensor& cache);
+
+// k_scale / v_scale: required for fp8 caches, refused for float ones; fp32, shape [],
+// [1] or [num_kv_heads], on the device of `reference`.
+void check_kv_scales(const char* op, at::ScalarType cache_dtype, int64_t num_kv_heads,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Tensor& reference,
+                     const char* reference_name);
 
 // copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
 // and one shape but for the head size, every layer with the same num_blocks, all on
 // one device.
 void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches);
 
-// swap_blocks' pools: one dtype, one block shape (any num_blocks), contiguous.
+// swap_blocks' pools: one dtype, one block shape (any num_blocks), any strides; 'dst'
+// does not overlap itself.
 void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& dst);
 
 }  // namespace paged

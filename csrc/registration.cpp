@@ -57,20 +57,20 @@ TORCH_LIBRARY(paged, m) {
   m.def(
       "attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, Tensor? query_start_loc=None, Tensor? alibi_slopes=None, "
-      "int sliding_window=-1, float soft_cap=0.0, Tensor? sinks=None) -> Tensor");
+      "int sliding_window=-1, float soft_cap=0.0, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def(
       "attention_with_lse(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, Tensor? query_start_loc=None, "
-      "Tensor? alibi_slopes=None, int sliding_window=-1, float soft_cap=0.0, Tensor? sinks=None) "
-      "-> (Tensor, Tensor)");
+      "Tensor? alibi_slopes=None, int sliding_window=-1, float soft_cap=0.0, Tensor? sinks=None, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor(a!) out, Tensor(b!)? lse, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
       "Tensor? query_start_loc=None, Tensor? alibi_slopes=None, int sliding_window=-1, "
-      "float soft_cap=0.0, Tensor? sinks=None) -> ()");
+      "float soft_cap=0.0, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");

@@ -5,6 +5,14 @@
 
 namespace paged {
 
-enum class ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Queries and outputs are one of the first three; caches any of the five (fp8 caches
+// take a query of any float kind).
+enum class ScalarKind : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat8E4M3 = 3,  // torch.float8_e4m3fn: no infinities, NaN is S.1111.111, max 448
+  kFloat8E5M2 = 4,  // torch.float8_e5m2: the top byte of an fp16, max 57344
+};
 
 }  // namespace paged

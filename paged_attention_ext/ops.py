@@ -8,11 +8,28 @@ one op call, so ``torch.compile`` traces it without a graph break, and
 Layouts
 -------
 * Per layer, a key cache ``[num_blocks, num_kv_heads, block_size, head_size]`` and a
-  value cache ``[num_blocks, num_kv_heads, block_size, head_size_v]`` (HND), contiguous,
-  fp32/fp16/bf16. ``head_size_v`` is usually ``head_size``; MLA models as transformers
-  runs them (DeepSeek-V2/V3) use key 192 and value 128. Otherwise the two caches match:
+  value cache ``[num_blocks, num_kv_heads, block_size, head_size_v]`` (HND), of dtype
+  fp32/fp16/bf16 or fp8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, see below).
+  ``head_size_v`` is usually ``head_size``; MLA models as transformers runs them
+  (DeepSeek-V2/V3) use key 192 and value 128. Otherwise the two caches match:
   ``num_blocks``, ``num_kv_heads``, ``block_size``, dtype and device. Head sizes are
   multiples of 8 up to 256; any ``block_size >= 1``.
+* Strides: a cache may be any view of that logical shape whose head dimension is
+  contiguous (``stride(3) == 1``) and which does not overlap itself, so an NHD cache
+  ``[num_blocks, block_size, num_kv_heads, head_size]`` is passed as ``c.transpose(1, 2)``
+  and vLLM's joint ``kv[2, num_blocks, block_size, num_kv_heads, head_size]`` as
+  ``kv[0].transpose(1, 2)``, ``kv[1].transpose(1, 2)``, without copies
+  (:mod:`paged_attention_ext.layouts` builds these views). Key and value caches may have
+  different strides. The kernels address blocks, heads and tokens by stride; the
+  contiguous HND layout is the fastest.
+* fp8 caches (``float8_e4m3fn``: max 448, 3 mantissa bits; ``float8_e5m2``: max 57344,
+  2 mantissa bits) take fp32 scales ``k_scale`` and ``v_scale`` of shape ``[]``/``[1]``
+  (one per layer, vLLM's convention) or ``[num_kv_heads]`` (one per KV head), on the
+  device of the other tensors; both are required with fp8 caches and refused with float
+  ones. :func:`write_kv` stores ``fp8(saturate(x.float() / scale[h]))``: round to nearest
+  even, finite values and infinities beyond the format's largest finite value saturate to
+  it, NaN stays NaN. The attention ops read ``float(stored) * scale[h]`` and compute in
+  fp32 as with float caches; their query (and output) may be fp32, fp16 or bf16.
 * Token ``t`` of sequence ``i`` lives in block ``block_tables[i, t // block_size]`` at
   offset ``t % block_size``; its slot is ``block * block_size + offset`` (int64).
 * ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, row ``i`` the physical blocks
@@ -27,13 +44,16 @@ Every argument is checked before anything is written, so a rejected call changes
 Messages name the op and the argument (``paged.attention: block_tables[1, 0] = 99 is not
 a block of the cache (num_blocks = 8)``):
 
-* ``ValueError``: a wrong rank or shape, a non-contiguous cache, head counts that do not
+* ``ValueError``: a wrong rank or shape, a cache whose head dimension is not contiguous or
+  that overlaps itself, a missing scale with an fp8 cache or a scale with a float one, a
+  scale of a wrong shape, head counts that do not
   divide, an unsupported head size, lengths beyond the block table, inconsistent
   ``query_start_loc``, bad ``scale``/``soft_cap``/``sliding_window``, tensors on mixed
   devices (a meta tensor among CPU ones included), a mapping that writes a block twice or
   reads a block it writes.
-* ``TypeError``: a wrong dtype (query, caches and ``out`` of different float types,
-  metadata not int32/int64, ALiBi slopes or sinks not fp32).
+* ``TypeError``: a wrong dtype (query, float caches and ``out`` of different float types,
+  key and value caches of different dtypes, metadata not int32/int64, ALiBi slopes, sinks
+  or scales not fp32).
 * ``IndexError``: a used block id, a slot or a mapping pair outside its pool.
 * ``NotImplementedError``: an argument that requires grad while grad mode is on. The ops
   are for inference and have no backward; call them under ``torch.no_grad()`` or
@@ -67,16 +87,20 @@ def attention(
     sliding_window: int = -1,
     soft_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over each sequence's paged KV cache.
 
     Args:
-        query: ``[num_tokens, num_heads, head_size]``, dtype of the caches, last dim
-            contiguous (token and head strides are free: a view into a fused QKV works).
-        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``;
-            ``num_heads % num_kv_heads == 0`` (MHA, GQA, MQA): query head ``h`` reads KV
-            head ``h // (num_heads // num_kv_heads)``.
-        value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``.
+        query: ``[num_tokens, num_heads, head_size]``, dtype of the caches (fp32, fp16 or
+            bf16 with fp8 caches), last dim contiguous (token and head strides are free: a
+            view into a fused QKV works).
+        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, any strides with
+            ``stride(3) == 1`` (see Layouts); ``num_heads % num_kv_heads == 0`` (MHA, GQA,
+            MQA): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+        value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``, dtype of
+            ``key_cache``.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         seq_lens: int32 ``[num_seqs]``; 0 marks a padded row.
         scale: multiplies ``q . k`` (usually ``head_size ** -0.5``).
@@ -98,6 +122,9 @@ def attention(
             ``out = sum_j e^(s_j) v_j / (e^sink[h] + sum_j e^(s_j))`` (computed with the
             max subtracted); ``-inf`` is no sink. This equals transformers' eager GPT-OSS
             attention. None: no sink.
+        k_scale, v_scale: fp32 ``[]``, ``[1]`` or ``[num_kv_heads]``, required with fp8
+            caches, None otherwise: key (value) ``x`` stored for KV head ``h`` means
+            ``float(x) * k_scale[h]`` (``v_scale[h]``).
 
     Scores, softmax and accumulation are fp32; the result is rounded once to the output
     dtype.
@@ -121,9 +148,26 @@ def attention(
         >>> want = reference.attention(query, key_cache, value_cache, block_tables, seq_lens,
         ...                            64 ** -0.5)
         >>> torch.testing.assert_close(out, want)
+
+    With an fp8 cache (written by :func:`write_kv`, which quantizes) and per-layer scales::
+
+        >>> k8 = torch.empty(4, 2, 16, 64, dtype=torch.float8_e4m3fn)
+        >>> v8 = torch.empty_like(k8)
+        >>> k_scale, v_scale = torch.tensor(0.02), torch.tensor(0.02)
+        >>> slots = torch.arange(4 * 16)
+        >>> pa.write_kv(key_cache.transpose(1, 2).reshape(64, 2, 64),
+        ...             value_cache.transpose(1, 2).reshape(64, 2, 64), k8, v8, slots, k_scale, v_scale)
+        >>> out8 = pa.attention(query, k8, v8, block_tables, seq_lens, 64 ** -0.5,
+        ...                     k_scale=k_scale, v_scale=v_scale)
+        >>> want8 = reference.attention(query, k8, v8, block_tables, seq_lens, 64 ** -0.5,
+        ...                             k_scale=k_scale, v_scale=v_scale)
+        >>> torch.testing.assert_close(out8, want8)
+        >>> (out8 - out).abs().max().item() < 0.1  # 3 mantissa bits: close to the float cache
+        True
     """
     return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                     query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks)
+                                     query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
+                                     k_scale, v_scale)
 
 
 def attention_with_lse(
@@ -138,6 +182,8 @@ def attention_with_lse(
     sliding_window: int = -1,
     soft_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` plus the log-sum-exp of each row's scores.
 
@@ -169,7 +215,7 @@ def attention_with_lse(
     """
     return torch.ops.paged.attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
                                               scale, query_start_loc, alibi_slopes, sliding_window,
-                                              soft_cap, sinks)
+                                              soft_cap, sinks, k_scale, v_scale)
 
 
 def attention_out(
@@ -186,6 +232,8 @@ def attention_out(
     soft_cap: float = 0.0,
     lse: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`attention` into caller-owned buffers (fixed addresses for CUDA graphs).
 
@@ -216,7 +264,7 @@ def attention_out(
     """
     torch.ops.paged.attention_out(out, lse, query, key_cache, value_cache, block_tables, seq_lens,
                                   scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
-                                  sinks)
+                                  sinks, k_scale, v_scale)
     return out
 
 
@@ -226,17 +274,26 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Store each token's key and value into its cache slot, in place.
 
     Args:
-        key: ``[num_tokens, num_kv_heads, head_size]``, dtype of the caches, last dim
-            contiguous (e.g. a view into a fused QKV projection).
-        value: ``[num_tokens, num_kv_heads, head_size_v]``, likewise.
-        key_cache, value_cache: the layer's caches, modified in place.
+        key: ``[num_tokens, num_kv_heads, head_size]``, dtype of the caches (fp32, fp16 or
+            bf16 with fp8 caches), last dim contiguous (e.g. a view into a fused QKV
+            projection).
+        value: ``[num_tokens, num_kv_heads, head_size_v]``, dtype of ``key``.
+        key_cache, value_cache: the layer's caches (any view of the Layouts), modified in
+            place.
         slot_mapping: int64 ``[num_tokens]``; token ``t`` goes to slot ``slot_mapping[t]``
             (``block * block_size + offset``); negative slots are padding and are skipped.
             Slots must be distinct (two tokens writing one slot leave either value).
+        k_scale, v_scale: fp32 ``[]``, ``[1]`` or ``[num_kv_heads]``, required with fp8
+            caches, None otherwise: the cache stores ``fp8(saturate(key / k_scale[h]))``
+            per KV head ``h`` (round to nearest even; beyond the largest finite value,
+            infinities included, the largest finite value; NaN stays NaN), the same for
+            values.
 
     Example::
 
@@ -248,8 +305,21 @@ def write_kv(
         (8.0, 16.0)
         >>> key_cache.sum().item()  # the padding token (slot -1) was not stored
         16.0
+
+    Quantizing into an fp8 cache, one scale per KV head, through an NHD view::
+
+        >>> k8 = torch.zeros(2, 4, 2, 8, dtype=torch.float8_e4m3fn)   # NHD: [blocks, 4, 2 heads, 8]
+        >>> v8 = torch.zeros_like(k8)
+        >>> scales = torch.tensor([0.5, 2.0])
+        >>> key = torch.tensor([1.0, 3.0, 1000.0, float("nan")]).repeat(1, 2, 2)   # [1, 2, 8]
+        >>> pa.write_kv(key, key, k8.transpose(1, 2), v8.transpose(1, 2), torch.tensor([6]),
+        ...             scales, scales)
+        >>> k8[1, 2, 0, :4].float().tolist()   # head 0: x / 0.5, 2000 saturates to 448
+        [2.0, 6.0, 448.0, nan]
+        >>> k8[1, 2, 1, :4].float().tolist()   # head 1: x / 2.0
+        [0.5, 1.5, 448.0, nan]
     """
-    torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(
@@ -260,8 +330,9 @@ def copy_blocks(
     """For every layer ``l`` and row ``(src, dst)``: ``caches[l][dst] = caches[l][src]``.
 
     One call serves the copy-on-write and fork copies of all layers. Layer ``l``'s
-    ``key_caches[l]`` and ``value_caches[l]`` have one dtype and block layout but may
-    differ in head size; every layer has the same ``num_blocks``. ``block_mapping`` is int64
+    ``key_caches[l]`` and ``value_caches[l]`` have one dtype (fp8 included: blocks move as
+    bytes, their scales are the layer's) and block layout but may differ in head size and
+    strides (any view of the Layouts); every layer has the same ``num_blocks``. ``block_mapping`` is int64
     ``[num_pairs, 2]``; the copies are independent, so a destination appears once and is
     not also a source (checked).
 
@@ -280,8 +351,10 @@ def copy_blocks(
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """``dst[d] = src[s]`` for each row ``(s, d)`` of int64 ``block_mapping`` ``[num_pairs, 2]``.
 
-    ``src`` and ``dst`` are pools of one dtype and block shape and any number of blocks,
-    e.g. a device cache and its (pinned) host swap space; call it once per K and V pool.
+    ``src`` and ``dst`` are pools of one dtype (fp8 included) and block shape and any
+    number of blocks, e.g. a device cache and its (pinned) host swap space; call it once
+    per K and V pool. Either may be a strided view (see Layouts; ``dst`` must not overlap
+    itself); blocks that are one dense chunk of the same layout in both move as one copy.
     On CUDA, copies to or from pinned host memory run asynchronously on the current
     stream: synchronise it (``torch.cuda.current_stream().synchronize()``) before the CPU
     reads or writes a pinned pool. A captured CUDA graph replays the block pairs of the

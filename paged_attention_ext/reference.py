@@ -1,18 +1,39 @@
 """Plain-PyTorch reference of every op: the test oracle and executable documentation.
 
 Written for clarity, not speed: gather each sequence's keys and values through its
-block table, build the explicit mask, do the math in fp32. The signatures match
-``torch.ops.paged`` exactly; shapes and semantics are documented once, in
-:mod:`paged_attention_ext.ops`.
+block table, build the explicit mask, do the math in fp32 (in fp64 for a float64 query
+and caches, which the ops do not take: a test oracle one rounding level finer). The
+signatures match ``torch.ops.paged`` exactly; shapes and semantics are documented once,
+in :mod:`paged_attention_ext.ops`. Caches are read through indexing, so any strided view
+(NHD, a joint K/V tensor, see :mod:`paged_attention_ext.layouts`) works as it is.
 """
 
 from typing import List, Optional, Tuple
 
 import torch
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize(cache: torch.Tensor, scale: Optional[torch.Tensor],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values an fp8 cache holds: ``cache.float() * scale`` per KV head (``scale`` of
+    shape [], [1] or [num_kv_heads]); a float cache (``scale`` None) as it is, in ``dtype``."""
+    if cache.dtype not in FP8_DTYPES:
+        return cache.to(dtype)
+    return cache.to(dtype) * scale.to(dtype).view(1, -1, 1, 1)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` [..., num_kv_heads, head_size] stored in fp8 ``dtype``: ``x.float() / scale``
+    per head, saturated to the format's largest finite value (NaN stays NaN), rounded to
+    nearest even."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale.float().view(-1, 1)).clamp(-limit, limit).to(dtype)
+
 
 def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's cached rows, ``[num_kv_heads, seq_len, cache head size]``, in fp32.
+    """One sequence's cached rows, ``[num_kv_heads, seq_len, cache head size]``.
 
     Only the blocks that hold the sequence's tokens are read.
     """
@@ -20,7 +41,7 @@ def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
     num_used = -(-seq_len // block_size)
     blocks = cache[block_table[:num_used].long()]  # [used, kv_heads, block_size, head_size]
     rows = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], num_used * block_size, cache.shape[3])
-    return rows[:, :seq_len].float()
+    return rows[:, :seq_len]
 
 
 def query_rows(seq_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor]) -> List[Tuple[int, int]]:
@@ -43,14 +64,19 @@ def attention_with_lse(
     sliding_window: int = -1,
     soft_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    key_cache = dequantize(key_cache, k_scale, compute)
+    value_cache = dequantize(value_cache, v_scale, compute)
     num_tokens, num_heads, _ = query.shape
     group = num_heads // key_cache.shape[1]
     head_size_v = value_cache.shape[3]
-    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=torch.float32, device=query.device)
+    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=compute, device=query.device)
     # A row that sees no key: output 0, lse the sink (-inf without sinks).
-    no_sink = torch.full((num_heads,), float("-inf"), device=query.device)
-    sink = no_sink if sinks is None else sinks.float()
+    no_sink = torch.full((num_heads,), float("-inf"), dtype=compute, device=query.device)
+    sink = no_sink if sinks is None else sinks.to(compute)
     lse = sink.expand(num_tokens, num_heads).clone()
 
     for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
@@ -59,7 +85,7 @@ def attention_with_lse(
             continue
         keys = gather_sequence_kv(key_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
         values = gather_sequence_kv(value_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
-        q = query[row:row + q_len].float().transpose(0, 1)  # [heads, q_len, head_size]
+        q = query[row:row + q_len].to(compute).transpose(0, 1)  # [heads, q_len, head_size]
 
         scores = scale * (q @ keys.transpose(1, 2))  # [heads, q_len, kv_len]
         if soft_cap > 0:
@@ -67,7 +93,7 @@ def attention_with_lse(
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(kv_len, device=query.device)[None, :]
         if alibi_slopes is not None:
-            scores = scores + alibi_slopes.float()[:, None, None] * (k_pos - q_pos)
+            scores = scores + alibi_slopes.to(compute)[:, None, None] * (k_pos - q_pos)
         visible = k_pos <= q_pos
         if sliding_window > 0:
             visible &= k_pos > q_pos - sliding_window
@@ -77,7 +103,7 @@ def attention_with_lse(
         sink_column = sink[:, None, None].expand(num_heads, q_len, 1)
         row_lse = torch.logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
         # -inf where a row sees nothing and has no sink.
-        probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
+        probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(compute).min))
         out[row:row + q_len] = (probs @ values).transpose(0, 1)
         lse[row:row + q_len] = row_lse.transpose(0, 1)
     return out.to(query.dtype), lse
@@ -95,14 +121,20 @@ def attention(
     sliding_window: int = -1,
     soft_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                              query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks)[0]
+                              query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
+                              k_scale, v_scale)[0]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     block_size = key_cache.shape[2]
+    if key_cache.dtype in FP8_DTYPES:
+        key, value = quantize(key, k_scale, key_cache.dtype), quantize(value, v_scale, key_cache.dtype)
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue

@@ -4,12 +4,18 @@ on the given device and checks the result against the fp32 reference on the CPU.
 
 Plain functions and parameter grids (no pytest), so test_cuda.py can also run them as a
 script on a machine without pytest.
+
+KV formats (issue 16, 17.1): :class:`KVFormat` names a cache dtype (fp8 with per-layer or
+per-head scales) and a layout (HND, NHD, a view into a joint K/V tensor, padded rows);
+:func:`with_format` turns a float HND case into it. The kv_format_* scenarios sample the
+formats across the adversarial cases; fp8 results are checked against a float64
+reference computed from the dequantized cache.
 """
 
 import dataclasses
 import itertools
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,10 +62,20 @@ def scenario_cases() -> List[ScenarioCase]:
 
 # ---- running the op on a device -------------------------------------------------------
 
+def strided_to(t: torch.Tensor, device: str) -> torch.Tensor:
+    """``t`` on ``device`` with the same strides (``.to`` would make a padded view dense)."""
+    if t.device == torch.device(device) or t.is_contiguous():
+        return t.to(device)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    flat = torch.as_strided(t, (span,), (1,), t.storage_offset()).to(device)
+    return torch.as_strided(flat, t.shape, t.stride(), 0)
+
+
 def on_device(case: PagedCase, device: str) -> PagedCase:
-    """``case`` with its tensors on ``device`` (the same tensors when already there)."""
-    return dataclasses.replace(case, key_cache=case.key_cache.to(device),
-                               value_cache=case.value_cache.to(device),
+    """``case`` with its tensors on ``device`` (the same tensors when already there); cache
+    views keep their strides."""
+    return dataclasses.replace(case, key_cache=strided_to(case.key_cache, device),
+                               value_cache=strided_to(case.value_cache, device),
                                block_tables=case.block_tables.to(device),
                                seq_lens=case.seq_lens.to(device))
 
@@ -76,9 +92,14 @@ def attention_with_lse(device: str, query: torch.Tensor, case: PagedCase, scale:
 
 def assert_matches_reference(device: str, query: torch.Tensor, case: PagedCase, scale: float,
                              **kwargs) -> torch.Tensor:
+    """The op against the reference: fp32 for float caches; for fp8 caches (kwargs with
+    k_scale / v_scale) float64 from the dequantized cache, which the op must match to fp32
+    rounding (then the output dtype's)."""
     out, lse = attention_with_lse(device, query, case, scale, **kwargs)
-    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache,
+    oracle_query = query.double() if case.key_cache.dtype in FP8_DTYPES else query
+    want, want_lse = ref.attention_with_lse(oracle_query, case.key_cache, case.value_cache,
                                             case.block_tables, case.seq_lens, scale, **kwargs)
+    want, want_lse = want.to(query.dtype), want_lse.float()
     assert out.dtype == query.dtype
     assert out.shape == query.shape[:2] + case.value_cache.shape[3:], "out has the value head size"
     assert not out.isnan().any(), "NaN in output"
@@ -100,6 +121,115 @@ def random_sinks(num_heads: int, seed: int = 2) -> torch.Tensor:
 def alibi(num_heads: int) -> torch.Tensor:
     return torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)],
                         dtype=torch.float32)
+
+
+# ---- KV formats: fp8 caches and strided layouts ---------------------------------------------
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# HND: contiguous. NHD: [blocks, block_size, heads, head] transposed. joint: vLLM's
+# kv[2, blocks, block_size, heads, max head size] (K and V heads sliced when they differ).
+# padded: one spare row per block and 8 spare lanes per row. odd: rows hs + 1 apart
+# (unaligned rows; the CPU tests use it, a GPU kernel may refuse it).
+LAYOUTS = ("HND", "NHD", "joint", "padded", "odd")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """A cache dtype (None: the scenario's float dtype) with its scales, and a layout."""
+
+    cache_dtype: Optional[torch.dtype] = None
+    per_head_scales: bool = False
+    layout: str = "HND"
+
+    def __str__(self) -> str:
+        if self.cache_dtype is None:
+            return self.layout
+        fmt = str(self.cache_dtype).replace("torch.float8_", "")
+        return f"{fmt}-{'head' if self.per_head_scales else 'layer'}-{self.layout}"
+
+
+HND = KVFormat()
+# Every fp8 format and scale kind in every shared layout, and the float layouts.
+FP8_FORMATS = [KVFormat(d, per_head, layout) for layout in LAYOUTS[:4] for d in FP8_DTYPES
+               for per_head in (False, True)]
+FLOAT_LAYOUTS = [KVFormat(layout=layout) for layout in LAYOUTS[1:4]]
+
+
+def fp8_scales(cache: torch.Tensor, used: torch.Tensor, dtype: torch.dtype,
+               per_head: bool) -> torch.Tensor:
+    """Scales that map the used slots' largest magnitude to about half the format's range
+    (per head: each head's own, times 1 + h / 2, so every head's scale differs)."""
+    rows = cache.permute(0, 2, 1, 3)[used].float()  # [used slots, heads, head size]
+    amax = rows.abs().amax(dim=(0, 2)).clamp_min(1e-3)
+    target = torch.finfo(dtype).max / 2
+    if not per_head:
+        return (amax.max() / target).reshape(())
+    return amax / target * (1 + torch.arange(cache.shape[1]) / 2)
+
+
+def _filled(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A NaN-filled buffer (the padding of strided layouts must never be read)."""
+    if dtype in FP8_DTYPES:
+        return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)  # NaN in both formats
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def relayout(key_cache: torch.Tensor, value_cache: torch.Tensor,
+             layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous HND caches copied into ``layout``, returned as HND-shaped views."""
+    if layout == "HND":
+        return key_cache, value_cache
+    if layout == "joint":
+        nb, kvh, bs, hs = key_cache.shape
+        hsv = value_cache.shape[3]
+        kv = _filled((2, nb, bs, kvh, max(hs, hsv)), key_cache.dtype)
+        kv[0, ..., :hs] = key_cache.transpose(1, 2)
+        kv[1, ..., :hsv] = value_cache.transpose(1, 2)
+        return kv[0, ..., :hs].transpose(1, 2), kv[1, ..., :hsv].transpose(1, 2)
+
+    def one(cache: torch.Tensor) -> torch.Tensor:
+        nb, kvh, bs, hs = cache.shape
+        if layout == "NHD":
+            return cache.transpose(1, 2).contiguous().transpose(1, 2)
+        extra_rows, extra_lanes = {"padded": (1, 8), "odd": (0, 1)}[layout]
+        buf = _filled((nb, kvh, bs + extra_rows, hs + extra_lanes), cache.dtype)
+        buf[:, :, :bs, :hs] = cache
+        return buf[:, :, :bs, :hs]
+
+    return one(key_cache), one(value_cache)
+
+
+def with_format(case: PagedCase, fmt: KVFormat) -> Tuple[PagedCase, Dict[str, torch.Tensor]]:
+    """``case`` (float, HND) in ``fmt``, and the op's extra arguments (the fp8 scales).
+    Poisoned unused slots stay poisoned: NaN quantizes to NaN, huge values saturate."""
+    key_cache, value_cache = case.key_cache, case.value_cache
+    extra: Dict[str, torch.Tensor] = {}
+    if fmt.cache_dtype is not None:
+        k_scale = fp8_scales(key_cache, case.used_slots, fmt.cache_dtype, fmt.per_head_scales)
+        v_scale = fp8_scales(value_cache, case.used_slots, fmt.cache_dtype, fmt.per_head_scales)
+        key_cache = ref.quantize(key_cache.transpose(1, 2), k_scale, fmt.cache_dtype).transpose(1, 2)
+        value_cache = ref.quantize(value_cache.transpose(1, 2), v_scale, fmt.cache_dtype).transpose(1, 2)
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+        extra = {"k_scale": k_scale, "v_scale": v_scale}
+    key_cache, value_cache = relayout(key_cache, value_cache, fmt.layout)
+    return dataclasses.replace(case, key_cache=key_cache, value_cache=value_cache), extra
+
+
+def poison_unused(case: PagedCase, value: float) -> None:
+    """PagedCase.poison_unused for any cache dtype and layout (fp8: ``value`` saturated)."""
+    for cache in (case.key_cache, case.value_cache):
+        if cache.dtype in FP8_DTYPES:
+            limit = torch.finfo(cache.dtype).max
+            byte = torch.tensor(value).clamp(-limit, limit).to(cache.dtype).view(torch.uint8)
+            cache.view(torch.uint8).permute(0, 2, 1, 3)[~case.used_slots] = byte
+        else:
+            cache.permute(0, 2, 1, 3)[~case.used_slots] = value
+
+
+def sample_formats(formats: Sequence[KVFormat], count: int, offset: int) -> List[KVFormat]:
+    """``count`` of ``formats`` from ``offset`` on, cyclically: the kv_format scenarios
+    cover every format across their features without the full cross product."""
+    return [formats[(offset + i) % len(formats)] for i in range(count)]
 
 
 # ---- scenarios ----------------------------------------------------------------------------
@@ -381,3 +511,114 @@ def out_variant_with_sinks_and_value_head_size(device):
     torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(lse.cpu(), want_lse)
     assert (out[1] == 0).all() and torch.equal(lse[1].cpu(), sinks)
+
+
+# ---- KV formats (fp8 caches, strided layouts) across the adversarial cases ------------------
+
+ALL_FORMATS = FP8_FORMATS + FLOAT_LAYOUTS
+
+
+@scenario(kv=ALL_FORMATS, block_size=[1, 16, 32])
+def kv_format_edge_lengths(device, kv, block_size):
+    # Random block order, lengths 1, bs-1, bs, bs+1, a padded row, NaN in unused slots;
+    # fp8 formats take a query of each float dtype in turn.
+    lens = edge_lengths(block_size) + [0]
+    dtype = DTYPES[(ALL_FORMATS.index(kv) + block_size) % 3] if kv.cache_dtype else torch.bfloat16
+    case, extra = with_format(make_case(lens, 2, 64, block_size, dtype=torch.float32 if kv.cache_dtype
+                                        else dtype), kv)
+    out = assert_matches_reference(device, random_query(len(lens), 8, 64, dtype), case, 0.125, **extra)
+    assert (out[-1] == 0).all(), "a padded row must yield zeros"
+
+
+def _feature_gqa_multi_token(device, case_of, dtype):
+    lens, q_lens = [5, 33, 64, 100], [5, 2, 1, 9]
+    case, extra = case_of(make_case(lens, 2, 64, 16, torch.float32))
+    qsl = query_start_loc(q_lens)
+    query = random_query(int(qsl[-1]), 16, 64, dtype)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, **extra)
+
+
+def _feature_head_sizes(device, case_of, dtype):
+    # 128 (its own compile), a ragged size (80) and differing K/V head sizes (192/128, 40/128).
+    lens = [1, 15, 16, 17, 0, 70]
+    for head_size, head_size_v in ((128, 128), (80, 80), (192, 128), (40, 128)):
+        case, extra = case_of(make_case(lens, 2, head_size, 16, torch.float32, head_size_v=head_size_v))
+        query = random_query(len(lens), 4, head_size, dtype)
+        assert_matches_reference(device, query, case, head_size ** -0.5, **extra)
+
+
+def _feature_window_alibi_soft_cap(device, case_of, dtype):
+    lens, q_lens = [1, 16, 17, 90, 300], [1, 16, 5, 40, 33]
+    case, extra = case_of(make_case(lens, 2, 64, 16, torch.float32))
+    qsl = query_start_loc(q_lens)
+    query = random_query(sum(q_lens), 8, 64, dtype)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sliding_window=7, **extra)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, alibi_slopes=alibi(8),
+                             soft_cap=5.0, **extra)
+
+
+def _feature_sinks_and_lse(device, case_of, dtype):
+    lens = [1, 15, 16, 17, 0, 100]
+    case, extra = case_of(make_case(lens, 1, 64, 16, torch.float32))
+    query = random_query(len(lens), 8, 64, dtype)
+    sinks = random_sinks(8)
+    assert_matches_reference(device, query, case, 0.125, sinks=sinks, **extra)
+    _, lse = attention_with_lse(device, query, case, 0.125, sinks=sinks, **extra)
+    assert torch.equal(lse[4], sinks), "a padded row's lse is its sink"
+
+
+def _feature_split_kv_long_context(device, case_of, dtype):
+    lens = [5000, 777, 0]
+    case, extra = case_of(make_case(lens, 2, 128, 16, torch.float32))
+    query = random_query(len(lens), 8, 128, dtype)
+    assert_matches_reference(device, query, case, 128 ** -0.5, sinks=random_sinks(8), **extra)
+    qsl = query_start_loc([40, 3, 0])
+    query = random_query(43, 8, 128, dtype)
+    assert_matches_reference(device, query, case, 128 ** -0.5, query_start_loc=qsl,
+                             sliding_window=1500, **extra)
+
+
+def _feature_mha_block_size_1(device, case_of, dtype):
+    lens = [1, 2, 3, 40]
+    case, extra = case_of(make_case(lens, 4, 64, 1, torch.float32))
+    query = random_query(len(lens), 4, 64, dtype)
+    assert_matches_reference(device, query, case, 0.125, **extra)
+
+
+KV_FEATURES = {
+    "gqa_multi_token": _feature_gqa_multi_token,
+    "head_sizes": _feature_head_sizes,
+    "window_alibi_soft_cap": _feature_window_alibi_soft_cap,
+    "sinks_and_lse": _feature_sinks_and_lse,
+    "split_kv_long_context": _feature_split_kv_long_context,
+    "mha_block_size_1": _feature_mha_block_size_1,
+}
+
+
+@scenario(feature=list(KV_FEATURES), sample=range(4))
+def kv_format_features(device, feature, sample):
+    # Each feature in 4 formats, rotating through ALL_FORMATS so that every format meets
+    # several features; the query dtype rotates too.
+    offset = 4 * list(KV_FEATURES).index(feature) + sample
+    kv = sample_formats(ALL_FORMATS, 1, offset)[0]
+    dtype = DTYPES[offset % 3]
+    if kv.cache_dtype is None:  # float layouts: the cache has the query's dtype
+        def case_of(case):
+            as_dtype = dataclasses.replace(case, key_cache=case.key_cache.to(dtype),
+                                           value_cache=case.value_cache.to(dtype))
+            return with_format(as_dtype, kv)
+    else:
+        def case_of(case):
+            return with_format(case, kv)
+    KV_FEATURES[feature](device, case_of, dtype)
+
+
+@scenario(kv=sample_formats(ALL_FORMATS, 6, 3), poison=[float("nan"), 1e30])
+def kv_format_unused_slots_do_not_change_output(device, kv, poison):
+    lens = [1, 15, 16, 17, 0, 40]
+    case, extra = with_format(make_case(lens, 2, 64, 16, torch.float32, poison=None), kv)
+    query = random_query(len(lens), 4, 64, torch.float32)
+    before, _ = attention_with_lse(device, query, case, 0.125, **extra)
+    poison_unused(case, poison)
+    after, _ = attention_with_lse(device, query, case, 0.125, **extra)
+    assert torch.equal(before, after)

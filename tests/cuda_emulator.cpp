@@ -1,4 +1,4 @@
-// Runs the CUDA attention kernels (csrc/cuda/attention_kernels.cuh) on the CPU.
+// Runs the CUDA kernels (csrc/cuda/attention_kernels.cuh, cache_kernels.cuh) on the CPU.
 //
 // The kernel source is compiled by the host compiler with the CUDA keywords and
 // intrinsics it uses defined here: each CTA runs on 128 host threads, __shared__
@@ -6,7 +6,9 @@
 // __syncwarp are barriers, and warp shuffles exchange values through a per-warp
 // buffer between two barriers. Slow, but it executes the kernels' own code:
 // planner, key schedule, score and value phases, warp merge, sinks, the split
-// results and the merge kernel. Built and driven by tests/test_cuda_emulated.py
+// results and the merge kernel; write_kv (copying and fp8-quantizing) and copy_blocks;
+// the fp8 conversions (fp8.cuh's software path, the one sm_80 runs: the hardware
+// conversion of sm_89+ is not emulated). Built and driven by tests/test_cuda_emulated.py
 // (ctypes); needs the CUDA headers (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h), not
 // a GPU or the CUDA runtime library.
 #include <cuda_bf16.h>
@@ -37,6 +39,7 @@
 #define __shared__ static
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
 
 struct Index3 {
   unsigned x, y, z;
@@ -96,6 +99,7 @@ using std::max;
 using std::min;
 
 #include "attention_kernels.cuh"
+#include "cache_kernels.cuh"
 
 // ---- the driver --------------------------------------------------------------------------
 namespace paged::cuda {
@@ -122,13 +126,13 @@ void run_grid(dim3 grid, Kernel kernel) {
   emu::cta = nullptr;
 }
 
-template <typename T>
+template <typename Q, typename C>
 void run_attention(const AttentionParams& p) {
   with_instance(p.head_size, p.head_size_v, p.query_bucket, [&](auto k, auto v, auto q) {
     const dim3 grid(p.num_tiles, p.num_kv_heads * p.head_chunks, p.num_partitions);
-    run_grid(grid, [&] { attention_kernel<T, decltype(k)::value, decltype(v)::value, decltype(q)::value>(p); });
+    run_grid(grid, [&] { attention_kernel<Q, C, decltype(k)::value, decltype(v)::value, decltype(q)::value>(p); });
     if (p.num_partitions > 1) {
-      run_grid(dim3(unsigned(int64_t(p.num_tokens) * p.num_heads)), [&] { merge_partitions_kernel<T>(p); });
+      run_grid(dim3(unsigned(int64_t(p.num_tokens) * p.num_heads)), [&] { merge_partitions_kernel<Q>(p); });
     }
     return cudaSuccess;
   });
@@ -139,11 +143,16 @@ void run_attention(const AttentionParams& p) {
 
 // Flat arguments, filled by ctypes (tests/test_cuda_emulated.py mirrors the layout).
 struct EmuArgs {
-  int64_t kind;  // 0 fp32, 1 fp16, 2 bf16
+  int64_t kind;        // of the query: 0 fp32, 1 fp16, 2 bf16
+  int64_t cache_kind;  // the query's, or 3 float8_e4m3fn, 4 float8_e5m2
   void* query;
   int64_t query_token_stride, query_head_stride;
   void* key_cache;
   void* value_cache;
+  int64_t key_strides[3], value_strides[3];  // block, head, token (elements)
+  float* k_scale;
+  float* v_scale;
+  int64_t k_scale_stride, v_scale_stride;
   int32_t* block_tables;
   int64_t block_table_stride;
   int32_t* seq_lens;
@@ -165,11 +174,18 @@ extern "C" int emu_attention(EmuArgs* a) {
   using namespace paged::cuda;
   AttentionParams p{};
   p.kind = paged::ScalarKind(a->kind);
+  p.cache_kind = paged::ScalarKind(a->cache_kind);
   p.query = a->query;
   p.query_token_stride = a->query_token_stride;
   p.query_head_stride = a->query_head_stride;
   p.key_cache = a->key_cache;
   p.value_cache = a->value_cache;
+  p.key_layout = {a->key_strides[0], a->key_strides[1], a->key_strides[2]};
+  p.value_layout = {a->value_strides[0], a->value_strides[1], a->value_strides[2]};
+  p.k_scale = a->k_scale;
+  p.v_scale = a->v_scale;
+  p.k_scale_stride = a->k_scale_stride;
+  p.v_scale_stride = a->v_scale_stride;
   p.block_tables = a->block_tables;
   p.block_table_stride = a->block_table_stride;
   p.seq_lens = a->seq_lens;
@@ -217,10 +233,115 @@ extern "C" int emu_attention(EmuArgs* a) {
     p.part_out = part_out.data();
     p.part_lse = part_lse.data();
   }
-  switch (p.kind) {
-    case paged::ScalarKind::kFloat32: run_attention<float>(p); break;
-    case paged::ScalarKind::kFloat16: run_attention<__half>(p); break;
-    case paged::ScalarKind::kBFloat16: run_attention<__nv_bfloat16>(p); break;
+  switch (p.cache_kind) {
+    case paged::ScalarKind::kFloat32: run_attention<float, float>(p); break;
+    case paged::ScalarKind::kFloat16: run_attention<__half, __half>(p); break;
+    case paged::ScalarKind::kBFloat16: run_attention<__nv_bfloat16, __nv_bfloat16>(p); break;
+    case paged::ScalarKind::kFloat8E4M3: run_attention<AnyFloat, Fp8E4M3>(p); break;
+    case paged::ScalarKind::kFloat8E5M2: run_attention<AnyFloat, Fp8E5M2>(p); break;
   }
   return 0;
+}
+
+// ---- cache ops ---------------------------------------------------------------------------
+
+// write_kv with every stride in bytes (WriteKvParams' layout), as launch_write_kv runs it
+// (its copy unit fixed to 2 bytes here, the fp8 store width chosen by the caller: the
+// emulator checks indexing, not alignment).
+struct EmuWriteKv {
+  int64_t kind, cache_kind;
+  void* key;
+  void* value;
+  int64_t key_token_stride, key_head_stride, value_token_stride, value_head_stride;
+  void* key_cache;
+  void* value_cache;
+  int64_t key_strides[3], value_strides[3];
+  int64_t* slot_mapping;
+  int64_t num_tokens, num_slots, num_kv_heads, block_size, key_row_bytes, value_row_bytes;
+  float* k_scale;
+  float* v_scale;
+  int64_t k_scale_stride, v_scale_stride;
+  int64_t wide;  // fp8: 8-byte stores (rows aligned) or byte stores
+};
+
+extern "C" int emu_write_kv(EmuWriteKv* a) {
+  using namespace paged::cuda;
+  WriteKvParams p{};
+  p.key = a->key;
+  p.value = a->value;
+  p.key_token_stride = a->key_token_stride;
+  p.key_head_stride = a->key_head_stride;
+  p.value_token_stride = a->value_token_stride;
+  p.value_head_stride = a->value_head_stride;
+  p.key_cache = a->key_cache;
+  p.value_cache = a->value_cache;
+  p.key_layout = {a->key_strides[0], a->key_strides[1], a->key_strides[2]};
+  p.value_layout = {a->value_strides[0], a->value_strides[1], a->value_strides[2]};
+  p.slot_mapping = a->slot_mapping;
+  p.slot_stride = 1;
+  p.num_tokens = a->num_tokens;
+  p.num_slots = a->num_slots;
+  p.num_kv_heads = int(a->num_kv_heads);
+  p.block_size = int(a->block_size);
+  p.key_row_bytes = a->key_row_bytes;
+  p.value_row_bytes = a->value_row_bytes;
+  p.kind = paged::ScalarKind(a->kind);
+  p.cache_kind = paged::ScalarKind(a->cache_kind);
+  p.k_scale = a->k_scale;
+  p.v_scale = a->v_scale;
+  p.k_scale_stride = a->k_scale_stride;
+  p.v_scale_stride = a->v_scale_stride;
+  const dim3 grid(unsigned(p.num_tokens));
+  switch (p.cache_kind) {
+    case paged::ScalarKind::kFloat8E4M3:
+      if (a->wide) run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E4M3, true>(p); });
+      else run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E4M3, false>(p); });
+      break;
+    case paged::ScalarKind::kFloat8E5M2:
+      if (a->wide) run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E5M2, true>(p); });
+      else run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E5M2, false>(p); });
+      break;
+    default: run_grid(grid, [&] { write_kv_kernel<uint16_t>(p); }); break;
+  }
+  return 0;
+}
+
+// copy_blocks of one layer (key and value caches as CopyCache rows, strides in bytes).
+extern "C" int emu_copy_blocks(const paged::cuda::CopyCache* key, const paged::cuda::CopyCache* value, const int64_t* mapping,
+                               int64_t num_pairs, int64_t num_blocks) {
+  using namespace paged::cuda;
+  CopyBlocksParams p{};
+  p.keys[0] = *key;
+  p.values[0] = *value;
+  p.block_mapping = mapping;
+  p.num_pairs = num_pairs;
+  p.num_blocks = num_blocks;
+  p.num_layers = 1;
+  run_grid(dim3(unsigned(num_pairs), 2), [&] { copy_blocks_kernel<uint16_t>(p); });
+  return 0;
+}
+
+// fp8.cuh's conversions on n values: quantize (format 3 e4m3, 4 e5m2) x / scale, and
+// unpack n bytes (a multiple of 4) to their values (unpack_scale applied).
+extern "C" void emu_quantize(int64_t format, const float* x, float scale, uint8_t* out, int64_t n) {
+  using namespace paged::cuda;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t sign = (float_bits(x[i]) >> 24) & 0x80u;
+    out[i] = format == 3 ? quantize_scaled<Fp8E4M3>(x[i], sign, scale) : quantize_scaled<Fp8E5M2>(x[i], sign, scale);
+  }
+}
+
+extern "C" void emu_unpack(int64_t format, const uint8_t* in, float* out, int64_t n) {
+  using namespace paged::cuda;
+  for (int64_t i = 0; i + 4 <= n; i += 4) {
+    uint32_t w;
+    std::memcpy(&w, in + i, 4);
+    if (format == 3) {
+      unpack_fp8x4<Fp8E4M3>(w, out + i);
+      for (int e = 0; e < 4; ++e) out[i + e] *= unpack_scale<Fp8E4M3>();
+    } else {
+      unpack_fp8x4<Fp8E5M2>(w, out + i);
+      for (int e = 0; e < 4; ++e) out[i + e] *= unpack_scale<Fp8E5M2>();
+    }
+  }
 }

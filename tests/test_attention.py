@@ -48,6 +48,92 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
                                  soft_cap=20.0, sinks=sinks)
 
 
+ISAS = ["generic", "avx2", "avx512", "avx512_bf16"]
+
+
+def select_isa(isa, monkeypatch):
+    best = pa.cpu_isa()
+    if ISAS.index(isa) > ISAS.index(best):
+        pytest.skip(f"this CPU supports up to {best}")
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
+    assert pa.cpu_isa() == isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
+def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
+    """fp8 caches on each ISA's conversion (F16C / AVX-512 / scalar), with each query dtype,
+    per-layer and per-head scales, whole-vector, ragged and mixed head sizes, and
+    special stored values (NaN in a visible row must reach the output, as in the
+    reference; subnormals and the largest values convert exactly)."""
+    select_isa(isa, monkeypatch)
+    lens = [1, 15, 16, 17, 100, 0]
+    for i, (head_size, head_size_v) in enumerate(((64, 64), (72, 72), (128, 128), (192, 128),
+                                                  (40, 128), (80, 64))):
+        dtype = DTYPES[i % 3]
+        kv = scenarios.KVFormat(fp8, per_head_scales=i % 2 == 1, layout=["HND", "NHD"][i // 3 % 2])
+        case, extra = scenarios.with_format(make_case(lens, 2, head_size, 16, torch.float32,
+                                                      head_size_v=head_size_v), kv)
+        query = random_query(len(lens), 8, head_size, dtype)
+        assert_matches_reference(query, case, head_size ** -0.5, **extra)
+        qsl = query_start_loc([1, 3, 16, 17, 40, 0])
+        query = random_query(int(qsl[-1]), 8, head_size, dtype)
+        assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl,
+                                 soft_cap=20.0, sinks=scenarios.random_sinks(8), **extra)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
+def test_fp8_conversion_of_every_byte(isa, fp8, monkeypatch):
+    """Each of the 256 bytes dequantizes as torch converts it, times the scale: as a key
+    (finite bytes; the lse of one visible key is its score) and as a value (every byte,
+    infinities and NaN included; the output of one visible key is its value)."""
+    select_isa(isa, monkeypatch)
+    every = torch.arange(256, dtype=torch.uint8)
+    want = every.view(fp8).float() * 0.75
+    head_size = 64
+    key_cache = torch.zeros(16, 1, 16, head_size, dtype=fp8)
+    value_cache = torch.zeros_like(key_cache)
+    # Key / value j (block j // 16, slot j % 16) holds byte j in lane 0, zeros elsewhere.
+    finite_bytes = torch.where(want.isfinite(), every, torch.zeros_like(every))
+    key_cache.view(torch.uint8)[:, 0, :, 0] = finite_bytes.view(16, 16)
+    value_cache.view(torch.uint8)[:, 0, :, 0] = every.view(16, 16)
+    query = torch.zeros(256, 1, head_size)
+    query[:, 0, 0] = 1.0  # one-hot: the score is lane 0 of the key
+    tables = torch.arange(16, dtype=torch.int32).expand(256, 16).contiguous()
+    lens = torch.arange(1, 257, dtype=torch.int32)  # row j's query sits at position j
+    scale = torch.tensor(0.75)
+    # Window 1: row j sees key j alone.
+    out, lse = pa.attention_with_lse(query, key_cache, value_cache, tables, lens, 1.0,
+                                     sliding_window=1, k_scale=scale, v_scale=scale)
+    finite = want.isfinite()
+    assert torch.equal(lse[finite, 0], want[finite])
+    assert torch.equal(out[:, 0, 0].isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan(), 0, 0], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "joint", "padded", "odd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_layouts_on_every_instruction_set(layout, dtype, monkeypatch):
+    """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
+    each ISA: float caches of each dtype and an fp8 cache per layout."""
+    lens = [1, 15, 16, 17, 100, 0]
+    for isa in ISAS:
+        if ISAS.index(isa) > ISAS.index(pa.cpu_isa()):
+            continue
+        monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
+        for head_size, head_size_v in ((128, 128), (72, 40)):
+            case, extra = scenarios.with_format(
+                make_case(lens, 2, head_size, 16, dtype, head_size_v=head_size_v),
+                scenarios.KVFormat(layout=layout))
+            query = random_query(len(lens), 4, head_size, dtype)
+            assert_matches_reference(query, case, head_size ** -0.5, **extra)
+        fp8 = scenarios.FP8_DTYPES[DTYPES.index(dtype) % 2]
+        case, extra = scenarios.with_format(make_case(lens, 2, 64, 16, torch.float32),
+                                            scenarios.KVFormat(fp8, True, layout))
+        assert_matches_reference(random_query(len(lens), 4, 64, dtype), case, 0.125, **extra)
+
+
 def test_unknown_instruction_set_is_rejected(monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="PAGED_ATTENTION_CPU_ISA"):

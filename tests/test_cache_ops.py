@@ -5,6 +5,7 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext.layouts import from_nhd, split_kv
 from paged_case import DTYPES
 
 
@@ -146,3 +147,128 @@ def test_one_block_pools_with_any_leading_stride():
     back = torch.zeros(64).as_strided(shape, (7, 32, 8, 1))
     pa.swap_blocks(host, back, torch.tensor([[2, 0]]))
     assert torch.equal(back[0], one[0])
+
+
+# ---- fp8 caches (issue 16) and strided layouts (issue 17.1) --------------------------------
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor: compares NaN payloads and fp8 (whose == torch lacks) exactly."""
+    return t.contiguous().view(torch.uint8)
+
+
+def special_values(fp8: torch.dtype) -> torch.Tensor:
+    """Values at every edge of the format: ties at each exponent (round to nearest even),
+    subnormals, the largest finite value and just beyond it, infinities, NaN, -0."""
+    finfo = torch.finfo(fp8)
+    every = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    finite = every[every.isfinite()].unique()
+    ties = (finite[:-1] + finite[1:]) / 2  # halfway between neighbours
+    beyond = torch.tensor([finfo.max * 1.0625, finfo.max * 1.2, 1e30, float("inf"), -float("inf"),
+                           float("nan"), -0.0, finfo.tiny / 3, -finfo.tiny / 3])
+    return torch.cat([finite, ties, ties + ties.abs() * 1e-3, -ties, beyond, torch.randn(300) * 20])
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_write_kv_fp8_is_bit_exact_against_torch(fp8, in_dtype, per_head):
+    """Each stored byte equals torch's own conversion after the clamp: round to nearest
+    even, saturation to the largest finite value, NaN preserved."""
+    values = special_values(fp8)
+    head_size = 64
+    num_tokens = -(-values.numel() // (2 * head_size))
+    flat = torch.cat([values, torch.zeros(num_tokens * 2 * head_size - values.numel())])
+    key = flat.view(num_tokens, 2, head_size).to(in_dtype)
+    value = key.flip(0)
+    k_scale = torch.tensor([0.5, 3.0]) if per_head else torch.tensor([1.0])
+    v_scale = torch.tensor([2.0, 0.25]) if per_head else torch.tensor(0.75)
+    block_size = 16
+    num_blocks = -(-num_tokens // block_size) + 1
+    key_cache = torch.zeros(num_blocks, 2, block_size, head_size, dtype=fp8)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[3] = -1
+    pa.write_kv(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        limit = torch.finfo(fp8).max
+        want = (x.float() / scale.view(-1, 1)).clamp(-limit, limit).to(fp8)  # torch's conversion
+        blocks, offsets = slots.div(block_size, rounding_mode="floor"), slots % block_size
+        stored = cache[blocks, :, offsets]  # [num_tokens, heads, head_size]
+        keep = slots >= 0
+        assert torch.equal(bits(stored)[keep], bits(want)[keep])
+    want_k, want_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    ref.write_kv(key, value, want_k, want_v, slots, k_scale, v_scale)
+    assert torch.equal(bits(key_cache), bits(want_k)) and torch.equal(bits(value_cache), bits(want_v))
+
+
+def nhd_view(cache: torch.Tensor) -> torch.Tensor:
+    return from_nhd(cache.transpose(1, 2).contiguous())
+
+
+def padded_view(cache: torch.Tensor) -> torch.Tensor:
+    nb, kvh, bs, hs = cache.shape
+    buf = torch.zeros(nb + 1, kvh + 1, bs + 3, hs + 1, dtype=cache.dtype)
+    view = buf[1:, 1:, 2:bs + 2, :hs]
+    view.copy_(cache)
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES + FP8_DTYPES)
+@pytest.mark.parametrize("layout", ["NHD", "joint", "padded"])
+def test_write_kv_into_strided_views(dtype, layout):
+    key_cache, value_cache = random_caches(num_blocks=6, head_size=64, head_size_v=32)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    if layout == "NHD":
+        key_view, value_view = nhd_view(key_cache), nhd_view(value_cache)
+    elif layout == "joint":
+        kv = torch.zeros(2, 6, 16, 2, 64, dtype=dtype)
+        key_view, value_view = split_kv(kv)
+        value_view = value_view[..., :32]
+        key_view.copy_(key_cache), value_view.copy_(value_cache)
+    else:
+        key_view, value_view = padded_view(key_cache), padded_view(value_cache)
+    scales = ({"k_scale": torch.tensor([0.5, 2.0]), "v_scale": torch.tensor(0.1)}
+              if dtype in FP8_DTYPES else {})
+    in_dtype = torch.bfloat16 if dtype in FP8_DTYPES else dtype
+    key, value = torch.randn(9, 2, 64).to(in_dtype), torch.randn(9, 2, 32).to(in_dtype)
+    slots = torch.tensor([0, 5, 17, 33, -1, 90, 95, 64, 48])
+    ref.write_kv(key, value, key_cache, value_cache, slots, **scales)
+    pa.write_kv(key, value, key_view, value_view, slots, **scales)
+    assert torch.equal(bits(key_view), bits(key_cache)) and torch.equal(bits(value_view), bits(value_cache))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16] + FP8_DTYPES)
+@pytest.mark.parametrize("layout", ["HND", "NHD", "joint", "padded"])
+def test_copy_and_swap_blocks_fp8_and_strided_views(dtype, layout):
+    keys, values = [], []
+    for seed in range(2):
+        key_cache, value_cache = random_caches(num_blocks=8, seed=seed)
+        key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+        if layout == "NHD":
+            key_cache, value_cache = nhd_view(key_cache), nhd_view(value_cache)
+        elif layout == "joint":
+            kv = torch.empty((2,) + key_cache.transpose(1, 2).shape, dtype=dtype)
+            kv[0], kv[1] = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+            key_cache, value_cache = split_kv(kv)
+        elif layout == "padded":
+            key_cache, value_cache = padded_view(key_cache), padded_view(value_cache)
+        keys.append(key_cache), values.append(value_cache)
+    mapping = torch.tensor([[0, 5], [3, 1], [7, 2]])
+    want = [c.contiguous() for c in keys + values]
+    for c in want:
+        for src, dst in mapping.tolist():
+            c[dst] = c[src]
+    pa.copy_blocks(keys, values, mapping)
+    for got, expected in zip(keys + values, want):
+        assert torch.equal(bits(got), bits(expected))
+    # Swapping out to a contiguous host pool and back into the view.
+    host = torch.zeros((4,) + keys[0].shape[1:], dtype=dtype)
+    pa.swap_blocks(keys[0], host, torch.tensor([[7, 0], [2, 3]]))
+    assert torch.equal(bits(host[0]), bits(keys[0][7])) and torch.equal(bits(host[3]), bits(keys[0][2]))
+    before = bits(keys[0]).clone()
+    pa.swap_blocks(host, keys[0], torch.tensor([[0, 4]]))
+    after = bits(keys[0])
+    assert torch.equal(after[4], bits(host[0])) and torch.equal(after[:4], before[:4])

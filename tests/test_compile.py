@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext.layouts import from_nhd
 from paged_case import make_case, query_start_loc, random_query
 
 
@@ -93,4 +95,92 @@ def test_compile_fullgraph_write_then_attend_matches_eager(head_size_v, with_sin
 
     explanation = torch._dynamo.explain(decode_step)(
         query, key, value, case.key_cache.clone(), case.value_cache.clone(), slots, *tables, sinks)
+    assert explanation.graph_break_count == 0
+
+
+# ---- fp8 caches with scales, strided views ------------------------------------------------
+
+def fp8_attention_args(fp8, per_head, layout):
+    lens = [5, 17, 0, 33]
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
+                     poison=None)
+    kv = scenarios.KVFormat(fp8, per_head, layout)
+    case, extra = scenarios.with_format(case, kv)
+    query = random_query(len(lens), 4, 64, torch.bfloat16)
+    return (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, None,
+            None, -1, 0.0, torch.randn(4), extra["k_scale"], extra["v_scale"])
+
+
+# opcheck's test_schema compares inputs with allclose, which torch lacks for fp8; the
+# schemas' aliasing is the float caches' (checked above).
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("fp8,per_head,layout", [
+    (torch.float8_e4m3fn, False, "HND"), (torch.float8_e5m2, True, "NHD"),
+    (torch.float8_e4m3fn, True, "joint")])
+def test_opcheck_attention_fp8(fp8, per_head, layout):
+    args = fp8_attention_args(fp8, per_head, layout)
+    torch.library.opcheck(torch.ops.paged.attention.default, args, test_utils=FP8_OPCHECKS)
+    torch.library.opcheck(torch.ops.paged.attention_with_lse.default, args, test_utils=FP8_OPCHECKS)
+    out = args[0].new_empty(args[0].shape)
+    torch.library.opcheck(torch.ops.paged.attention_out.default, (out, torch.empty(4, 4)) + args,
+                          test_utils=FP8_OPCHECKS)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "joint"])
+def test_opcheck_float_caches_in_strided_views(layout):
+    lens = [5, 17, 0, 33]
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
+                     poison=None)
+    case, _ = scenarios.with_format(case, scenarios.KVFormat(layout=layout))
+    args = (random_query(4, 4, 64, torch.bfloat16), case.key_cache, case.value_cache,
+            case.block_tables, case.seq_lens, 0.125)
+    torch.library.opcheck(torch.ops.paged.attention.default, args)
+    torch.library.opcheck(torch.ops.paged.write_kv.default,
+                          (torch.randn(2, 2, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16(),
+                           case.key_cache, case.value_cache, torch.tensor([3, 40])))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_opcheck_write_kv_fp8_into_nhd_views(fp8):
+    key_cache = from_nhd(torch.zeros(4, 8, 2, 64, dtype=fp8))
+    value_cache = from_nhd(torch.zeros(4, 8, 2, 32, dtype=fp8))
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 32)
+    torch.library.opcheck(torch.ops.paged.write_kv.default,
+                          (key, value, key_cache, value_cache, torch.tensor([5, -1, 30]),
+                           torch.tensor([0.5, 0.25]), torch.tensor(0.1)), test_utils=FP8_OPCHECKS)
+
+
+def fp8_decode_step(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+                    k_scale, v_scale):
+    pa.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return pa.attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125,
+                        k_scale=k_scale, v_scale=v_scale) * 2.0
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_compile_fullgraph_fp8_write_then_attend_matches_eager(per_head):
+    lens = [9, 16, 1]
+    base = make_case(lens, num_kv_heads=2, head_size=64, block_size=8, dtype=torch.float32,
+                     poison=None)
+    case, extra = scenarios.with_format(base, scenarios.KVFormat(torch.float8_e4m3fn, per_head, "NHD"))
+    slots = torch.tensor([int(case.block_tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8
+                          for i, n in enumerate(lens)])
+    query = random_query(3, 4, 64, torch.float16)
+    key, value = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+    args = (case.block_tables, case.seq_lens, extra["k_scale"], extra["v_scale"])
+
+    def fresh():  # the NHD views over copies of the case's storage
+        return scenarios.relayout(case.key_cache.contiguous(), case.value_cache.contiguous(), "NHD")
+
+    eager_k, eager_v = fresh()
+    want = fp8_decode_step(query, key, value, eager_k, eager_v, slots, *args)
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_decode_step, fullgraph=True)
+    got_k, got_v = fresh()
+    got = compiled(query, key, value, got_k, got_v, slots, *args)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_k.view(torch.uint8), eager_k.view(torch.uint8))
+    explanation = torch._dynamo.explain(fp8_decode_step)(query, key, value, *fresh(), slots, *args)
     assert explanation.graph_break_count == 0

@@ -27,7 +27,7 @@ if not torch.cuda.is_available() and pytest is not None and __name__ != "__main_
 
 import paged_attention_ext as pa  # noqa: E402
 from paged_attention_ext import reference as ref  # noqa: E402
-from attention_scenarios import on_device, scenario_cases  # noqa: E402
+from attention_scenarios import FP8_DTYPES, on_device, relayout, scenario_cases, strided_to  # noqa: E402
 from paged_case import DTYPES, TOLERANCES, PagedCase, make_case, query_start_loc, random_query  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -251,6 +251,200 @@ def test_swap_blocks_keeps_the_pinned_source_alive():
     other.fill_(float("nan"))
     torch.cuda.synchronize()
     assert torch.equal(device_pool.cpu(), pool)
+
+
+# ---- fp8 caches (issue 16) and strided layouts (issue 17 part 1) --------------------
+# The attention scenarios cover fp8 and the layouts across features (attention_scenarios.py,
+# kv_format_*); these check what they do not: the device's fp8 conversion of every byte,
+# write_kv's bytes, the cache ops on fp8 and strided views, graphs with fp8 scales.
+
+@parametrize("dtype", FP8_DTYPES)
+@parametrize("query_dtype", DTYPES)
+def test_fp8_every_byte_dequantizes_exactly(dtype, query_dtype):
+    # One key per sequence: out = its value row * v_scale. The value rows hold all 256
+    # byte values, so the device's conversion (hardware on sm_89+, software below) is
+    # checked value by value, NaN included, through the fp32 output.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    value = torch.zeros(1, 2, 16, 256, dtype=torch.uint8)
+    value[0, :, 0] = codes
+    value = value.view(dtype)
+    key = torch.zeros(1, 2, 16, 256, dtype=dtype)
+    v_scale = torch.tensor([1.0, 0.25])
+    query = torch.randn(1, 2, 256).to(query_dtype)
+    out = pa.attention(query.to(CUDA), key.to(CUDA), value.to(CUDA), torch.zeros(1, 1, dtype=torch.int32, device=CUDA),
+                       torch.ones(1, dtype=torch.int32, device=CUDA), 0.1, k_scale=torch.ones(2, device=CUDA),
+                       v_scale=v_scale.to(CUDA)).cpu()
+    want = (codes.view(dtype).float()[None, :] * v_scale[:, None]).to(query_dtype)
+    torch.testing.assert_close(out[0], want, rtol=0, atol=0, equal_nan=True)
+
+
+def fp8_write_inputs(input_dtype, num_tokens, kv_heads, head_size, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(num_tokens, 2 * kv_heads + 1, head_size, generator=gen) * 300
+    fused[1, 1, :6] = torch.tensor([float("nan"), -float("nan"), float("inf"), float("-inf"), 1e9, -1e-30])
+    fused = fused.to(input_dtype)
+    return fused[:, 1:1 + kv_heads], fused[:, 1 + kv_heads:]  # strided views, as from a fused projection
+
+
+@parametrize("dtype", FP8_DTYPES)
+@parametrize("input_dtype", DTYPES)
+@parametrize("per_head", [False, True])
+@parametrize("layout", ["HND", "NHD", "joint", "padded"])
+def test_write_kv_fp8_bit_identical(dtype, input_dtype, per_head, layout):
+    # Quantization, saturation (inf, 1e9) and NaN with its sign, byte for byte against the
+    # reference, into every layout the attention scenarios use.
+    num_blocks, kv_heads, block_size, head_size = 6, 2, 16, 64
+    gen = torch.Generator().manual_seed(1)
+    key_cache = torch.randn(num_blocks, kv_heads, block_size, head_size, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, kv_heads, block_size, head_size, generator=gen).to(dtype)
+    key, value = fp8_write_inputs(input_dtype, 40, kv_heads, head_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:40]
+    slots[::7] = -1
+    shape = (kv_heads,) if per_head else ()
+    k_scale, v_scale = torch.rand(shape, generator=gen) + 0.1, torch.rand(shape, generator=gen) + 0.1
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots, k_scale=k_scale, v_scale=v_scale)
+    got_k, got_v = (strided_to(c, CUDA) for c in relayout(key_cache, value_cache, layout))
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA), k_scale=k_scale.to(CUDA),
+                v_scale=v_scale.to(CUDA))
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+@parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@parametrize("layout", ["NHD", "joint", "padded"])
+def test_write_kv_strided_caches(dtype, layout):
+    key_cache, value_cache = random_caches(num_blocks=6, dtype=torch.float32)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    input_dtype = torch.bfloat16
+    key, value = fp8_write_inputs(input_dtype if dtype in FP8_DTYPES else dtype, 30, 2, 64)
+    slots = torch.randperm(6 * 16)[:30]
+    scales = dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0)) if dtype in FP8_DTYPES else {}
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots, **scales)
+    got_k, got_v = (strided_to(c, CUDA) for c in relayout(key_cache, value_cache, layout))
+    assert not got_k.is_contiguous()
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA),
+                **{k: v.to(CUDA) for k, v in scales.items()})
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+def interleaved(key_cache, value_cache):
+    """K and V rows alternating per token, [blocks, block_size, 2, heads, head]: blocks that
+    are no dense chunk (copied row by row)."""
+    kv = torch.stack([key_cache.transpose(1, 2), value_cache.transpose(1, 2)], 2).contiguous()
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
+@parametrize("dtype", [torch.float16, torch.float8_e5m2])
+@parametrize("layout", ["NHD", "joint", "padded", "interleaved"])
+@parametrize("mapping_device", ["cpu", "cuda"])
+def test_copy_blocks_fp8_and_strided(dtype, layout, mapping_device):
+    layers = [tuple(c.to(dtype) for c in random_caches(seed=s)) for s in range(3)]
+    mapping = torch.tensor([[0, 5], [0, 6], [3, 1], [11, 2]])
+    want_keys, want_values = [k.clone() for k, _ in layers], [v.clone() for _, v in layers]
+    ref.copy_blocks(want_keys, want_values, mapping)
+    views = [interleaved(k, v) if layout == "interleaved" else relayout(k, v, layout) for k, v in layers]
+    keys = [strided_to(k, CUDA) for k, _ in views]
+    values = [strided_to(v, CUDA) for _, v in views]
+    pa.copy_blocks(keys, values, mapping.to(mapping_device))
+    for got, want in zip(keys + values, want_keys + want_values):
+        assert torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+@parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@parametrize("layouts", [("NHD", "NHD"), ("HND", "NHD"), ("joint", "HND"), ("interleaved", "padded")])
+def test_swap_blocks_strided(dtype, layouts):
+    # Same dense layout on both sides: block (or run) copies; different or non-dense
+    # layouts: 2-D copies per block and head. Device to pinned host and back.
+    src_layout, dst_layout = layouts
+    key, value = (c.to(dtype) for c in random_caches(num_blocks=10))
+
+    def view(layout, k, v):
+        return (interleaved(k, v) if layout == "interleaved" else relayout(k, v, layout))[0]
+
+    device_pool = strided_to(view(src_layout, key, value), CUDA)
+    host_pool = view(dst_layout, torch.zeros_like(key[:6]), torch.zeros_like(value[:6]))  # pageable
+    out_map = torch.tensor([[7, 0], [2, 3], [9, 5], [8, 1]])
+    pa.swap_blocks(device_pool, host_pool, out_map)
+    torch.cuda.synchronize()
+    for s, d in out_map.tolist():
+        assert torch.equal(host_pool[d].contiguous().view(torch.uint8), key[s].view(torch.uint8))
+    back = strided_to(view(src_layout, torch.zeros_like(key), torch.zeros_like(value)), CUDA)
+    pa.swap_blocks(host_pool, back, out_map.flip(1))
+    torch.cuda.synchronize()
+    for s, _ in out_map.tolist():
+        assert torch.equal(back[s].cpu().contiguous().view(torch.uint8), key[s].view(torch.uint8))
+
+
+@parametrize("dtype", FP8_DTYPES)
+def test_cuda_graph_with_fp8_scales(dtype):
+    # write_kv + attention with fp8 caches captured once; the replay reads the scale tensors'
+    # new values (a recalibration), new lengths and new data.
+    gen = torch.Generator().manual_seed(2)
+    num_seqs, width, bs, kv_heads, heads, hs = 4, 16, 16, 2, 8, 64
+    num_blocks = num_seqs * width
+    cache_shape = (num_blocks, kv_heads, bs, hs)
+    key_cache = torch.zeros(cache_shape, dtype=dtype)
+    value_cache = torch.zeros(cache_shape, dtype=dtype)
+    g_key, g_value = key_cache.to(CUDA), value_cache.to(CUDA)
+    g_k_scale, g_v_scale = torch.ones(kv_heads, device=CUDA), torch.ones(kv_heads, device=CUDA)
+    g_query = torch.zeros(num_seqs, heads, hs, dtype=torch.bfloat16, device=CUDA)
+    g_new = torch.zeros(2, num_seqs, kv_heads, hs, dtype=torch.bfloat16, device=CUDA)
+    g_slots = torch.full((num_seqs,), -1, dtype=torch.int64, device=CUDA)
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(num_seqs, width)
+    g_tables = tables.to(CUDA)
+    g_lens = torch.zeros(num_seqs, dtype=torch.int32, device=CUDA)
+    out = torch.empty_like(g_query)
+
+    def step():
+        pa.write_kv(g_new[0], g_new[1], g_key, g_value, g_slots, k_scale=g_k_scale, v_scale=g_v_scale)
+        pa.attention_out(out, g_query, g_key, g_value, g_tables, g_lens, 0.125, k_scale=g_k_scale,
+                         v_scale=g_v_scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        lens = torch.randint(1, width * bs + 1, (num_seqs,), generator=gen).int()
+        k_scale, v_scale = torch.rand(kv_heads, generator=gen) + 0.01, torch.rand(kv_heads, generator=gen) + 0.01
+        rows = torch.randn(2, num_blocks, kv_heads, bs, hs, generator=gen)
+        key_cache.copy_(ref.quantize(rows[0].transpose(1, 2), k_scale, dtype).transpose(1, 2))
+        value_cache.copy_(ref.quantize(rows[1].transpose(1, 2), v_scale, dtype).transpose(1, 2))
+        query = torch.randn(num_seqs, heads, hs, generator=gen).to(torch.bfloat16)
+        new = torch.randn(2, num_seqs, kv_heads, hs, generator=gen).to(torch.bfloat16)
+        slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens.tolist())])
+        for dst, src in ((g_key, key_cache), (g_value, value_cache), (g_k_scale, k_scale), (g_v_scale, v_scale),
+                         (g_query, query), (g_new, new), (g_slots, slots), (g_lens, lens)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref.write_kv(new[0], new[1], key_cache, value_cache, slots, k_scale=k_scale, v_scale=v_scale)
+        want = ref.attention(query, key_cache, value_cache, tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(g_key.cpu().view(torch.uint8), key_cache.view(torch.uint8))
+        torch.testing.assert_close(out.cpu().float(), want.float(), **TOLERANCES[torch.bfloat16])
+
+
+def test_fp8_and_layout_errors_on_cuda():
+    case = on_cuda(make_case([5, 20], 2, 64, 16, torch.float32))
+    query = torch.randn(2, 4, 64, device=CUDA)
+    fp8 = case.key_cache.to(torch.float8_e4m3fn)
+    one = torch.ones(1, device=CUDA)
+    # Rows hs + 1 elements apart cannot be read in 8-byte (fp8) or 16-byte vectors.
+    for cache in (fp8, case.key_cache):
+        buf = torch.zeros(cache.shape[:3] + (65,), dtype=cache.dtype, device=CUDA)
+        odd = buf[..., :64]
+        scales = dict(k_scale=one, v_scale=one) if cache.dtype == torch.float8_e4m3fn else {}
+        with raises(ValueError, "multiples of"):
+            pa.attention(query, odd, odd, case.block_tables, case.seq_lens, 0.1, **scales)
+    with raises(ValueError, "k_scale"):
+        pa.attention(query, fp8, fp8, case.block_tables, case.seq_lens, 0.1)
 
 
 # ---- CUDA graphs -----------------------------------------------------------------
@@ -499,6 +693,17 @@ def sanitizer_scenario():
     host = torch.zeros((4,) + tuple(gpu.value_cache.shape[1:]), dtype=dtype).pin_memory()
     pa.swap_blocks(gpu.value_cache, host, torch.tensor([[1, 0], [2, 3]]))
     pa.swap_blocks(host, gpu.value_cache, torch.tensor([[0, 5]]))
+    # fp8 caches in an NHD layout: attention with a split, write_kv, copy_blocks
+    fp8 = make_case([0, 3, 900], 2, 64, 16, torch.float32)
+    key, value = (c.to(torch.float8_e4m3fn) for c in relayout(fp8.key_cache, fp8.value_cache, "NHD"))
+    fp8 = dataclasses.replace(fp8, key_cache=key, value_cache=value)
+    scales = dict(k_scale=torch.tensor([0.5, 1.0]), v_scale=torch.tensor(2.0))
+    check_against_reference(fp8, random_query(3, 4, 64, dtype), 0.1, **scales)
+    gpu = on_cuda(fp8)
+    scales = {k: v.to(CUDA) for k, v in scales.items()}
+    pa.write_kv(torch.randn(3, 2, 64, device=CUDA).to(dtype), torch.randn(3, 2, 64, device=CUDA).to(dtype),
+                gpu.key_cache, gpu.value_cache, torch.tensor([3, -1, 40], device=CUDA), **scales)
+    pa.copy_blocks([gpu.key_cache], [gpu.value_cache], torch.tensor([[0, 2]], device=CUDA))
     torch.cuda.synchronize()
 
 

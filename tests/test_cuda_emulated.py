@@ -1,13 +1,15 @@
-"""The CUDA attention kernels' own source, run on the CPU (tests/cuda_emulator.cpp).
+"""The CUDA kernels' own source, run on the CPU (tests/cuda_emulator.cpp).
 
-The kernels of csrc/cuda/attention_kernels.cuh are compiled by the host C++ compiler
-with the CUDA keywords, barriers and warp shuffles emulated on host threads (128 per
-CTA), and driven here through ctypes against the fp32 reference. This checks the
-kernels' logic (planner, key schedule and splits, score and value phases, warp merge,
-sinks, value head sizes, the split merge) on machines without a GPU; it says nothing
-about timing, memory-model or hardware-specific behaviour (tests/test_cuda.py and
-compute-sanitizer on a GPU do). Needs g++ (C++20) and the CUDA headers
-(``$CUDA_HOME/include``); skipped without them.
+The kernels of csrc/cuda/attention_kernels.cuh and cache_kernels.cuh are compiled by the
+host C++ compiler with the CUDA keywords, barriers and warp shuffles emulated on host
+threads (128 per CTA), and driven here through ctypes against the reference. This checks
+the kernels' logic (planner, key schedule and splits, score and value phases, warp merge,
+sinks, value head sizes, the split merge, fp8 caches and their scales, strided cache
+layouts, write_kv and copy_blocks) on machines without a GPU; it says nothing about
+timing, memory-model or hardware-specific behaviour (tests/test_cuda.py and
+compute-sanitizer on a GPU do). The fp8 conversions run fp8.cuh's software path (the one
+sm_80 uses); the hardware conversion of sm_89+ runs only on a device. Needs g++ (C++20)
+and the CUDA headers (``$CUDA_HOME/include``); skipped without them.
 """
 
 import ctypes
@@ -22,16 +24,22 @@ import pytest
 import torch
 
 from paged_attention_ext import reference as ref
+from paged_attention_ext.layouts import from_nhd, split_kv
 from paged_case import TOLERANCES, make_case, query_start_loc, random_query
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+Strides = ctypes.c_int64 * 3
 
 
 class EmuArgs(ctypes.Structure):
     _fields_ = (
-        [("kind", ctypes.c_int64), ("query", ctypes.c_void_p), ("query_token_stride", ctypes.c_int64),
-         ("query_head_stride", ctypes.c_int64), ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p),
+        [("kind", ctypes.c_int64), ("cache_kind", ctypes.c_int64), ("query", ctypes.c_void_p),
+         ("query_token_stride", ctypes.c_int64), ("query_head_stride", ctypes.c_int64),
+         ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("key_strides", Strides),
+         ("value_strides", Strides), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+         ("k_scale_stride", ctypes.c_int64), ("v_scale_stride", ctypes.c_int64),
          ("block_tables", ctypes.c_void_p), ("block_table_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
          ("query_start_loc", ctypes.c_void_p), ("alibi_slopes", ctypes.c_void_p), ("sinks", ctypes.c_void_p)]
         + [(n, ctypes.c_int64) for n in ("num_tokens", "num_seqs", "num_heads", "num_kv_heads", "head_size",
@@ -42,6 +50,27 @@ class EmuArgs(ctypes.Structure):
            ("lse_token_stride", ctypes.c_int64), ("multiprocessors", ctypes.c_int64),
            ("ctas_per_sm", ctypes.c_int64), ("num_partitions", ctypes.c_int64)]
     )
+
+
+class EmuWriteKv(ctypes.Structure):
+    _fields_ = (
+        [("kind", ctypes.c_int64), ("cache_kind", ctypes.c_int64), ("key", ctypes.c_void_p),
+         ("value", ctypes.c_void_p)]
+        + [(n, ctypes.c_int64) for n in ("key_token_stride", "key_head_stride", "value_token_stride",
+                                          "value_head_stride")]
+        + [("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("key_strides", Strides),
+           ("value_strides", Strides), ("slot_mapping", ctypes.c_void_p)]
+        + [(n, ctypes.c_int64) for n in ("num_tokens", "num_slots", "num_kv_heads", "block_size", "key_row_bytes",
+                                          "value_row_bytes")]
+        + [("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("k_scale_stride", ctypes.c_int64),
+           ("v_scale_stride", ctypes.c_int64), ("wide", ctypes.c_int64)]
+    )
+
+
+class CopyCache(ctypes.Structure):
+    _fields_ = ([("base", ctypes.c_void_p)]
+                + [(n, ctypes.c_int64) for n in ("block_stride", "head_stride", "token_stride", "row_bytes")]
+                + [("heads", ctypes.c_int32), ("tokens", ctypes.c_int32)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +87,12 @@ def emulator():
                     os.path.join(ROOT, "csrc", "cuda", "attention_plan.cpp"), "-o", lib], check=True)
     library = ctypes.CDLL(lib)
     library.emu_attention.argtypes = [ctypes.POINTER(EmuArgs)]
+    library.emu_write_kv.argtypes = [ctypes.POINTER(EmuWriteKv)]
+    library.emu_copy_blocks.argtypes = [ctypes.POINTER(CopyCache), ctypes.POINTER(CopyCache), ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64]
+    library.emu_quantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                                     ctypes.c_int64]
+    library.emu_unpack.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return library
 
 
@@ -65,10 +100,15 @@ def ptr(t):
     return None if t is None else t.data_ptr()
 
 
+def scale_stride(scale):
+    return 0 if scale is None or scale.numel() == 1 else scale.stride(0)
+
+
 def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc=None,
-                       alibi_slopes=None, sliding_window=-1, soft_cap=0.0, sinks=None, ctas_per_sm=3,
-                       multiprocessors=132):
-    """The CUDA kernels' answer (out, lse, number of splits), computed on the CPU."""
+                       alibi_slopes=None, sliding_window=-1, soft_cap=0.0, sinks=None, k_scale=None,
+                       v_scale=None, ctas_per_sm=3, multiprocessors=132):
+    """The CUDA kernels' answer (out, lse, number of splits), computed on the CPU. The caches
+    may be strided views (as the host code passes their strides)."""
     lib = emulator()
     num_tokens, num_heads, _ = query.shape
     keep = [t.contiguous() if t is not None else None
@@ -76,8 +116,11 @@ def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, sc
     tables, lens, qsl, slopes, sink = keep
     out = torch.full((num_tokens, num_heads, value_cache.shape[3]), float("nan"), dtype=query.dtype)
     lse = torch.full((num_tokens, num_heads), float("nan"))
-    a = EmuArgs(kind=KINDS[query.dtype], query=ptr(query), query_token_stride=query.stride(0),
-                query_head_stride=query.stride(1), key_cache=ptr(key_cache), value_cache=ptr(value_cache),
+    a = EmuArgs(kind=KINDS[query.dtype], cache_kind=KINDS[key_cache.dtype], query=ptr(query),
+                query_token_stride=query.stride(0), query_head_stride=query.stride(1), key_cache=ptr(key_cache),
+                value_cache=ptr(value_cache), key_strides=Strides(*key_cache.stride()[:3]),
+                value_strides=Strides(*value_cache.stride()[:3]), k_scale=ptr(k_scale), v_scale=ptr(v_scale),
+                k_scale_stride=scale_stride(k_scale), v_scale_stride=scale_stride(v_scale),
                 block_tables=ptr(tables), block_table_stride=tables.stride(0), seq_lens=ptr(lens),
                 query_start_loc=ptr(qsl), alibi_slopes=ptr(slopes), sinks=ptr(sink), num_tokens=num_tokens,
                 num_seqs=lens.shape[0], num_heads=num_heads, num_kv_heads=key_cache.shape[1],
@@ -178,3 +221,285 @@ def test_occupancy_changes_split_not_result():
         torch.testing.assert_close(out, ref.attention(query, case.key_cache, case.value_cache, case.block_tables,
                                                       case.seq_lens, 0.125), **TOLERANCES[torch.float32])
     assert len(splits) > 1
+
+
+# ---- fp8 caches (issue 16) -------------------------------------------------------------
+
+def fp8_max(dtype):
+    return torch.finfo(dtype).max
+
+
+def quantize_cache(cache, scale, dtype):
+    """The reference's quantization of a whole [blocks, kv_heads, block_size, head] cache."""
+    limit = fp8_max(dtype)
+    return (cache.float() / scale.float().view(1, -1, 1, 1)).clamp(-limit, limit).to(dtype)
+
+
+def random_scales(cache, dtype, per_head, seed):
+    """Per-head (or one per-layer) scales near absmax / fp8 max, so that a few values saturate."""
+    gen = torch.Generator().manual_seed(seed)
+    amax = torch.nan_to_num(cache.float(), nan=0.0).abs().amax(dim=(0, 2, 3))
+    scale = amax / fp8_max(dtype) * (0.6 + 0.8 * torch.rand(amax.shape, generator=gen))
+    return scale if per_head else scale.max()
+
+
+def fp8_case(case, dtype, scales="head", seed=11):
+    """(case with fp8 caches, k_scale, v_scale); scales: "head" [kv_heads], "layer" [], "layer1" [1]."""
+    per_head = scales == "head"
+    k_scale = random_scales(case.key_cache, dtype, per_head, seed)
+    v_scale = random_scales(case.value_cache, dtype, per_head, seed + 1)
+    if scales == "layer1":
+        k_scale, v_scale = k_scale.reshape(1), v_scale.reshape(1)
+    quantized = dataclasses.replace(case, key_cache=quantize_cache(case.key_cache, k_scale, dtype),
+                                    value_cache=quantize_cache(case.value_cache, v_scale, dtype))
+    return quantized, k_scale, v_scale
+
+
+def test_fp8_unpack_every_byte():
+    lib = emulator()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for dtype in FP8:
+        got = torch.empty(256)
+        lib.emu_unpack(KINDS[dtype], codes.data_ptr(), got.data_ptr(), 256)
+        torch.testing.assert_close(got, codes.view(dtype).float(), rtol=0, atol=0, equal_nan=True)
+
+
+def quantization_inputs(dtype):
+    """Every fp8 value, the midpoints between neighbours (ties) and one fp32 ulp either side,
+    a sweep over all fp32 bit patterns, and the special values."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = values[values.isfinite()].unique()
+    mids = (finite[1:].double() + finite[:-1].double()) / 2
+    mids = mids.float()
+    near = torch.cat([torch.nextafter(mids, torch.tensor(float("inf"))),
+                      torch.nextafter(mids, torch.tensor(float("-inf")))])
+    sweep = torch.arange(0, 2 ** 32, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45,
+                            fp8_max(dtype), -fp8_max(dtype), 2 * fp8_max(dtype), 3.4e38, -3.4e38])
+    return torch.cat([finite, mids, near, sweep, special])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("scale", [1.0, 0.0078125, 3.7, 1e-3])
+def test_fp8_quantize_bit_identical_to_reference(dtype, scale):
+    # write_kv's conversion against the reference's (x / s).clamp(-max, max).to(fp8),
+    # byte for byte: rounding to nearest even, saturation, NaN keeping its sign.
+    lib = emulator()
+    x = quantization_inputs(dtype) * scale
+    got = torch.empty(x.shape, dtype=torch.uint8)
+    lib.emu_quantize(KINDS[dtype], x.data_ptr(), scale, got.data_ptr(), x.numel())
+    want = (x / torch.tensor(scale)).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:5]]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["head", "layer", "layer1"])
+def test_fp8_attention(dtype, query_dtype, scales):
+    case, k_scale, v_scale = fp8_case(make_case([1, 17, 40, 0], 2, 64, 16, torch.float32), dtype, scales)
+    q_lens = [1, 5, 3, 0]
+    for multi_token in (False, True):
+        query = random_query(sum(q_lens) if multi_token else 4, 8, 64, query_dtype)
+        check(case, query, 0.125, query_start_loc=query_start_loc(q_lens) if multi_token else None,
+              k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_split_sinks_features_and_value_head_size(dtype):
+    # Splits (the scales must apply before the merge), sinks, window, ALiBi, soft cap, and a
+    # value head size of its own (192/128, both 8-byte-vector buckets).
+    base = with_value_head_size(make_case([1300, 3, 0, 2100], 2, 192, 16, torch.float32), 128)
+    case, k_scale, v_scale = fp8_case(base, dtype)
+    q_lens = [4, 3, 0, 2]
+    sinks = torch.tensor([0.5, -2.0, 4.0, 0.0])
+    for multi_token in (False, True):
+        query = random_query(sum(q_lens) if multi_token else 4, 4, 192, torch.bfloat16)
+        check(case, query, 192 ** -0.5, query_start_loc=query_start_loc(q_lens) if multi_token else None,
+              sliding_window=700, alibi_slopes=torch.rand(4), soft_cap=20.0, sinks=sinks, k_scale=k_scale,
+              v_scale=v_scale, want_split=True)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_fp8_nan_in_a_used_slot_reaches_the_output(dtype, which):
+    # A NaN stored in a visible row is no padding: the rows that see it must be NaN, as in
+    # the reference (e4m3fn's NaN bytes 0x7f / 0xff are patched in the software conversion;
+    # a NaN score used to end as 0 through a `total > 0` test).
+    case, k_scale, v_scale = fp8_case(make_case([9, 9], 1, 64, 16, torch.float32), dtype, "layer")
+    block = int(case.block_tables[0, 0])
+    cache = case.key_cache if which == "key" else case.value_cache
+    cache.view(torch.uint8)[block, 0, 3, 5] = 0xff
+    query = random_query(2, 2, 64, torch.float32)
+    out, lse, _ = emulated_attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                     0.125, k_scale=k_scale, v_scale=v_scale)
+    want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125, k_scale=k_scale, v_scale=v_scale)
+    assert not out[1].isnan().any()
+    assert out[0].isnan().all() if which == "key" else out[0, :, 5].isnan().all()
+    torch.testing.assert_close(out, want, equal_nan=True, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(lse, want_lse, equal_nan=True, atol=1e-4, rtol=1e-5)
+
+
+# ---- strided cache layouts (issue 17 part 1) ---------------------------------------------
+
+def nhd_views(case):
+    """case with its caches copied into NHD tensors and passed as HND-shaped views."""
+    return dataclasses.replace(case, key_cache=from_nhd(case.key_cache.transpose(1, 2).contiguous()),
+                               value_cache=from_nhd(case.value_cache.transpose(1, 2).contiguous()))
+
+
+def joint_views(case, layout="NHD"):
+    """case with K and V in one joint tensor, vLLM's [2, blocks, block_size, kv_heads, head]
+    (or [2, blocks, kv_heads, block_size, head]), passed as the views split_kv makes."""
+    if layout == "NHD":
+        kv = torch.stack([case.key_cache.transpose(1, 2), case.value_cache.transpose(1, 2)])
+    else:
+        kv = torch.stack([case.key_cache, case.value_cache])
+    key, value = split_kv(kv, layout)
+    return dataclasses.replace(case, key_cache=key, value_cache=value)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "joint_NHD", "joint_HND", "mixed"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_strided_layouts(layout, cache_dtype):
+    dtype = torch.float32 if cache_dtype in FP8 else cache_dtype
+    case = make_case([1, 17, 40, 0, 33], 2, 64, 16, dtype)
+    k_scale = v_scale = None
+    if cache_dtype in FP8:
+        case, k_scale, v_scale = fp8_case(case, cache_dtype)
+    if layout == "NHD":
+        case = nhd_views(case)
+    elif layout.startswith("joint"):
+        case = joint_views(case, layout[-3:])
+    else:  # K contiguous HND, V an NHD view: the two caches' strides differ
+        case = dataclasses.replace(case, value_cache=nhd_views(case).value_cache)
+    if layout != "joint_HND":
+        assert not case.key_cache.is_contiguous() or not case.value_cache.is_contiguous()
+    q_lens = [1, 4, 9, 0, 2]
+    for multi_token in (False, True):
+        query = random_query(sum(q_lens) if multi_token else 5, 8, 64, dtype)
+        check(case, query, 0.125, query_start_loc=query_start_loc(q_lens) if multi_token else None,
+              sinks=torch.linspace(-1, 1, 8), k_scale=k_scale, v_scale=v_scale)
+
+
+def test_strided_value_head_size_with_split():
+    case = nhd_views(with_value_head_size(make_case([1500, 7], 2, 96, 16, torch.bfloat16), 64))
+    check(case, random_query(2, 4, 96, torch.bfloat16), 96 ** -0.5, want_split=True)
+
+
+# ---- write_kv and copy_blocks ------------------------------------------------------------
+
+def in_layout(cache, layout):
+    """(view of `cache`'s values in `layout`, the tensor that owns the memory)."""
+    if layout == "HND":
+        owner = cache.clone()
+        return owner, owner
+    owner = cache.transpose(1, 2).contiguous()
+    return from_nhd(owner), owner
+
+
+def emulated_write_kv(key, value, key_cache, value_cache, slots, k_scale=None, v_scale=None, wide=True):
+    lib = emulator()
+    elem = key.element_size()
+    cache_elem = key_cache.element_size()
+    a = EmuWriteKv(kind=KINDS[key.dtype], cache_kind=KINDS[key_cache.dtype], key=ptr(key), value=ptr(value),
+                   key_token_stride=key.stride(0) * elem, key_head_stride=key.stride(1) * elem,
+                   value_token_stride=value.stride(0) * elem, value_head_stride=value.stride(1) * elem,
+                   key_cache=ptr(key_cache), value_cache=ptr(value_cache),
+                   key_strides=Strides(*[s * cache_elem for s in key_cache.stride()[:3]]),
+                   value_strides=Strides(*[s * cache_elem for s in value_cache.stride()[:3]]),
+                   slot_mapping=ptr(slots), num_tokens=slots.numel(),
+                   num_slots=key_cache.shape[0] * key_cache.shape[2], num_kv_heads=key_cache.shape[1],
+                   block_size=key_cache.shape[2], key_row_bytes=key_cache.shape[3] * cache_elem,
+                   value_row_bytes=value_cache.shape[3] * cache_elem, k_scale=ptr(k_scale), v_scale=ptr(v_scale),
+                   k_scale_stride=scale_stride(k_scale), v_scale_stride=scale_stride(v_scale), wide=int(wide))
+    lib.emu_write_kv(ctypes.byref(a))
+
+
+@pytest.mark.parametrize("cache_dtype,input_dtype,scales", [(torch.bfloat16, torch.bfloat16, None),
+                                                            (torch.float8_e4m3fn, torch.float32, "head"),
+                                                            (torch.float8_e4m3fn, torch.bfloat16, "layer"),
+                                                            (torch.float8_e5m2, torch.float16, "head"),
+                                                            (torch.float8_e5m2, torch.float32, "layer")])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_write_kv(cache_dtype, input_dtype, scales, layout):
+    # Scattered slots and padding (-1), rows of keys 64 and values 32 wide, inputs as strided
+    # views of a fused projection, and values that saturate, overflow or are NaN: the bytes
+    # must equal the reference's.
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, kv_heads, block_size = 5, 2, 8
+    key_cache = torch.randn(num_blocks, kv_heads, block_size, 64, generator=gen).to(cache_dtype)
+    value_cache = torch.randn(num_blocks, kv_heads, block_size, 32, generator=gen).to(cache_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:20]
+    slots[::6] = -1
+    fused = torch.randn(20, 5, 64, generator=gen) * 300
+    fused[3, 1, :4] = torch.tensor([float("nan"), -float("nan"), float("inf"), float("-inf")])
+    fused[7, 4, 10:12] = torch.tensor([1e9, -1e-30])
+    fused = fused.to(input_dtype)
+    key, value = fused[:, 1:3], fused[:, 3:5, :32]
+    k_scale = v_scale = None
+    if scales is not None:
+        shape = (kv_heads,) if scales == "head" else ()
+        k_scale, v_scale = torch.rand(shape, generator=gen) + 0.05, torch.rand(shape, generator=gen) + 0.05
+    got_k, own_k = in_layout(key_cache, layout)
+    got_v, own_v = in_layout(value_cache, layout)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, want_k, want_v, slots, k_scale=k_scale, v_scale=v_scale)
+    emulated_write_kv(key, value, got_k, got_v, slots, k_scale, v_scale)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_write_kv_fp8_unaligned_rows(dtype):
+    # Rows 12 bytes long (12 = not a multiple of the 8-byte words): the byte-store path.
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.zeros(3, 2, 4, 12, dtype=dtype)
+    key = torch.randn(5, 2, 12, generator=gen) * 50
+    slots = torch.tensor([0, 11, -1, 5, 6])
+    scale = torch.tensor([0.5, 2.0])
+    want_k, want_v = cache.clone(), cache.clone()
+    ref.write_kv(key, key, want_k, want_v, slots, k_scale=scale, v_scale=scale)
+    got_k, got_v = cache.clone(), cache.clone()
+    emulated_write_kv(key, key, got_k, got_v, slots, scale, scale, wide=False)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def copy_rows(cache):
+    """The CopyCache the host code builds: one row per block when it is one dense chunk."""
+    elem = cache.element_size()
+    dims = sorted((cache.stride(d), cache.shape[d]) for d in (1, 2, 3) if cache.shape[d] > 1)
+    expected, dense = 1, True
+    for stride, size in dims:
+        dense &= stride == expected
+        expected *= size
+    if dense:
+        return CopyCache(ptr(cache), cache.stride(0) * elem, 0, 0, cache[0].numel() * elem, 1, 1)
+    return CopyCache(ptr(cache), cache.stride(0) * elem, cache.stride(1) * elem, cache.stride(2) * elem,
+                     cache.shape[3] * elem, cache.shape[1], cache.shape[2])
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2])
+def test_copy_blocks(layout, dtype):
+    gen = torch.Generator().manual_seed(9)
+    num_blocks, kv_heads, block_size, head = 6, 2, 4, 16
+    if layout == "interleaved":  # K and V rows alternate per token: blocks are not dense
+        owner = torch.randn(num_blocks, block_size, 2, kv_heads, head, generator=gen).to(dtype)
+        key, value = owner[:, :, 0].transpose(1, 2), owner[:, :, 1].transpose(1, 2)
+    else:
+        owner = torch.randn(2, num_blocks, kv_heads, block_size, head, generator=gen).to(dtype)
+        key, value = owner[0], owner[1]
+        if layout == "NHD":
+            owner = owner.transpose(2, 3).contiguous()
+            key, value = from_nhd(owner[0]), from_nhd(owner[1])
+    mapping = torch.tensor([[0, 5], [0, 3], [4, 1]])
+    want_k, want_v = key.clone(), value.clone()
+    ref.copy_blocks([want_k], [want_v], mapping)
+    k_rows, v_rows = copy_rows(key), copy_rows(value)
+    assert (k_rows.heads == 1) == (layout != "interleaved")
+    emulator().emu_copy_blocks(ctypes.byref(k_rows), ctypes.byref(v_rows), mapping.data_ptr(), 3, num_blocks)
+    assert torch.equal(key.contiguous().view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(value.contiguous().view(torch.uint8), want_v.view(torch.uint8))

@@ -30,8 +30,12 @@ def call(query, case, overrides):
     ("cache dtype", lambda q, c: dict(key_cache=c.key_cache.half()), TypeError, "'key_cache'"),
     ("cache rank", lambda q, c: dict(value_cache=c.value_cache[0]), ValueError, "'value_cache'"),
     ("cache shapes", lambda q, c: dict(value_cache=c.value_cache[:-1]), ValueError, "'value_cache'"),
-    ("non-contiguous cache", lambda q, c: dict(key_cache=c.key_cache.transpose(1, 2)),
-     ValueError, "'key_cache' must be contiguous"),
+    ("head dim not contiguous", lambda q, c: dict(
+        key_cache=c.key_cache.transpose(2, 3).contiguous().transpose(2, 3)),
+     ValueError, "'key_cache' must be contiguous in its last dimension"),
+    ("overlapping cache view", lambda q, c: dict(
+        value_cache=torch.as_strided(c.value_cache, c.value_cache.shape, (64, 64, 64, 1))),
+     ValueError, "'value_cache' is a view that overlaps itself"),
     ("head size mismatch", lambda q, c: dict(query=torch.randn(2, 4, 32)), ValueError, "head_size"),
     ("head size unsupported", lambda q, c: dict(
         query=torch.randn(2, 4, 12), key_cache=torch.randn(8, 2, 16, 12),
@@ -166,6 +170,74 @@ def test_copy_blocks_rejects_mismatched_layers():
     pa.copy_blocks([key], [torch.zeros(4, 2, 8, 16)], torch.tensor([[0, 1]]))  # head sizes differ
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_case(case):
+    """The case's caches as fp8 e4m3 bytes (values do not matter for the checks)."""
+    return case.key_cache.to(FP8), case.value_cache.to(FP8)
+
+
+@pytest.mark.parametrize("name,make,error,match", [
+    ("missing k_scale", lambda s: dict(k_scale=None), ValueError,
+     "(?i)float8_e4m3fn, which needs argument 'k_scale'"),
+    ("missing v_scale", lambda s: dict(v_scale=None), ValueError, "needs argument 'v_scale'"),
+    ("scale dtype", lambda s: dict(k_scale=s.double()), TypeError, "'k_scale' must have dtype Float"),
+    ("scale shape", lambda s: dict(v_scale=torch.ones(3)), ValueError,
+     r"'v_scale' must have shape \[\], \[1\] or \[num_kv_heads\] = \[2\], got \[3\]"),
+    ("scale rank", lambda s: dict(k_scale=torch.ones(2, 1)), ValueError, "'k_scale' must have shape"),
+    ("scale device", lambda s: dict(k_scale=s.to("meta")), ValueError,
+     "argument 'k_scale' must be on the same device"),
+    ("caches of two dtypes", lambda s: dict(value_cache=torch.zeros(8, 2, 16, 64,
+                                                                    dtype=torch.float8_e5m2)),
+     TypeError, "'value_cache' must have dtype"),
+    ("int8 cache", lambda s: dict(key_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int8),
+                                  value_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int8)),
+     TypeError, "'key_cache' must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"),
+    ("fp8 query", lambda s: dict(query=torch.zeros(2, 4, 64, dtype=FP8)), TypeError, "'query'"),
+])
+def test_attention_rejects_fp8_arguments(name, make, error, match, query, case):
+    key_cache, value_cache = fp8_case(case)
+    overrides = dict(key_cache=key_cache, value_cache=value_cache, k_scale=torch.tensor(0.5),
+                     v_scale=torch.ones(2))
+    overrides.update(make(torch.tensor(0.5)))
+    with pytest.raises(error, match=match):
+        call(query, case, overrides)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_scale_with_a_float_cache_is_refused(name, query, case):
+    with pytest.raises(ValueError, match=f"argument '{name}' is only for fp8 caches"):
+        call(query, case, {name: torch.tensor(1.0)})
+    key_cache, value_cache = caches()
+    with pytest.raises(ValueError, match=f"paged.write_kv: argument '{name}' is only for fp8"):
+        pa.write_kv(torch.ones(2, 2, 64), torch.ones(2, 2, 64), key_cache, value_cache,
+                    torch.tensor([3, 9]), **{name: torch.tensor(1.0)})
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: dict(k_scale=None), ValueError, "needs argument 'k_scale'"),
+    (lambda: dict(v_scale=torch.ones(3)), ValueError, "'v_scale' must have shape"),
+    (lambda: dict(k_scale=torch.ones(2).to("meta")), ValueError,
+     "argument 'k_scale' must be on the same device as 'key'"),
+    (lambda: dict(key=torch.ones(2, 2, 64, dtype=torch.float64)), TypeError, "'key'"),
+    (lambda: dict(value=torch.ones(2, 2, 64, dtype=torch.bfloat16)), TypeError, "'value'"),
+    (lambda: dict(value_cache=torch.zeros(4, 2, 8, 64, dtype=torch.float8_e5m2)), TypeError,
+     "'value_cache'"),
+    (lambda: dict(key_cache=torch.zeros(4, 2, 1, 64, dtype=FP8).expand(4, 2, 8, 64)), ValueError,
+     "'key_cache' is a view that overlaps itself"),
+])
+def test_write_kv_rejects_fp8_arguments_and_leaves_cache_unchanged(make, error, match):
+    key_cache, value_cache = torch.zeros(4, 2, 8, 64, dtype=FP8), torch.zeros(4, 2, 8, 64, dtype=FP8)
+    args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64), key_cache=key_cache,
+                value_cache=value_cache, slot_mapping=torch.tensor([3, 9]),
+                k_scale=torch.tensor(0.5), v_scale=torch.ones(2))
+    args.update(make())
+    with pytest.raises(error, match=match):
+        pa.write_kv(**args)
+    assert (key_cache.view(torch.uint8) == 0).all() and (value_cache.view(torch.uint8) == 0).all()
+
+
 def test_swap_blocks_rejects():
     src, dst = torch.zeros(4, 2, 8, 64), torch.zeros(2, 2, 8, 64)
     with pytest.raises(IndexError, match="destination"):
@@ -174,8 +246,8 @@ def test_swap_blocks_rejects():
         pa.swap_blocks(src, dst.half(), torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="same block shape"):
         pa.swap_blocks(src, torch.zeros(2, 2, 8, 32), torch.tensor([[0, 1]]))
-    with pytest.raises(ValueError, match="contiguous"):
-        pa.swap_blocks(src, dst.transpose(2, 3).contiguous().transpose(2, 3), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="'dst' is a view that overlaps itself"):
+        pa.swap_blocks(src, dst[:, :1].expand(2, 2, 8, 64), torch.tensor([[0, 1]]))
     assert (dst == 0).all()
 
 

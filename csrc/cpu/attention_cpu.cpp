@@ -191,11 +191,13 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap, const std::optional<at::Tensor>& sinks) {
+                    double soft_cap, const std::optional<at::Tensor>& sinks,
+                    const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale) {
   const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, sinks, &out,
-                                                lse.has_value() ? &*lse : nullptr);
+                                                sliding_window, soft_cap, sinks, k_scale, v_scale,
+                                                &out, lse.has_value() ? &*lse : nullptr);
   check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
   if (s.num_tokens == 0) return;
 
@@ -203,16 +205,32 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> sink_logits =
       sinks.has_value() ? std::optional<at::Tensor>(sinks->contiguous()) : std::nullopt;
+  // [] / [1] / [num_kv_heads] scales as one contiguous row (read at kv_head * stride).
+  const auto scale_row = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? std::optional<at::Tensor>(t->reshape(-1).contiguous()) : std::nullopt;
+  };
+  const std::optional<at::Tensor> k_scales = scale_row(k_scale), v_scales = scale_row(v_scale);
   const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, max_threads);
 
   AttentionParams p{};
-  p.kind = scalar_kind(query.scalar_type());
+  p.kind = scalar_kind(key_cache.scalar_type());
+  p.query_kind = scalar_kind(query.scalar_type());
   p.query = query.data_ptr();
   p.query_token_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.k_block_stride = key_cache.stride(0);
+  p.k_head_stride = key_cache.stride(1);
+  p.k_token_stride = key_cache.stride(2);
+  p.v_block_stride = value_cache.stride(0);
+  p.v_head_stride = value_cache.stride(1);
+  p.v_token_stride = value_cache.stride(2);
+  p.k_scale = k_scales.has_value() ? k_scales->data_ptr<float>() : nullptr;
+  p.v_scale = v_scales.has_value() ? v_scales->data_ptr<float>() : nullptr;
+  p.k_scale_stride = k_scales.has_value() && k_scales->numel() > 1 ? 1 : 0;
+  p.v_scale_stride = v_scales.has_value() && v_scales->numel() > 1 ? 1 : 0;
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.block_table_stride = block_tables.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();

@@ -12,6 +12,15 @@
 
 #include "vec.h"
 
+// One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
+static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {
+  switch (kind) {
+    case ScalarKind::kFloat16: row_to_float(reinterpret_cast<const Fp16*>(row), dst, n); break;
+    case ScalarKind::kBFloat16: row_to_float(reinterpret_cast<const Bf16*>(row), dst, n); break;
+    default: row_to_float(reinterpret_cast<const float*>(row), dst, n); break;
+  }
+}
+
 // One KV head's queries and online-softmax state within a work item.
 struct ItemState {
   int kv_head;
@@ -203,20 +212,22 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   constexpr bool bf16_pairs = false;
 #endif
 
-  // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter.
-  const T* query = static_cast<const T*>(P.query);
+  // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
+  // key scale (and e4m3's unit, see StoredUnit) is folded in: q.(k s) = (q s).k.
+  const char* query = static_cast<const char*>(P.query);
+  const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
+  constexpr float kUnit = StoredUnit<T>::value;
   for (int m = 0; m < num_queries; ++m) {
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
     const int head = kv * group + m % group;
     float* qm = q_f + int64_t(m) * hsp;
+    const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem;
     std::memset(qm, 0, sizeof(float) * hsp);
-    row_to_float(query + token * P.query_token_stride + head * P.query_head_stride, qm, hs);
-    for (int d = 0; d < hs; ++d) qm[d] *= P.scale;
-    if (bf16_dot) {
-      std::memcpy(q_bits + int64_t(m) * hsp,
-                  query + token * P.query_token_stride + head * P.query_head_stride, 2 * hs);
-    }
+    query_row_to_float(P.query_kind, q_row, qm, hs);
+    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
+    for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
+    if (bf16_dot) std::memcpy(q_bits + int64_t(m) * hsp, q_row, 2 * hs);
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
@@ -225,29 +236,34 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
   const int bs = P.block_size;
-  const int64_t block_rows = int64_t(P.num_kv_heads) * bs;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const int k_row_bytes = hs * int(sizeof(T));
   const int v_row_bytes = hsv * int(sizeof(T));
-  // Cache rows (in rows of either cache: key row r is at r * hs, value row r at r * hsv)
-  // of keys [j0, j0 + n) of one KV head: one division per chunk, then a walk through
-  // the block table.
-  auto row_offsets = [&](int j0, int n, int kv_head, int64_t* offsets) {
+  // Element offsets of the key and value rows of keys [j0, j0 + n) of one KV head, by
+  // the caches' strides: one division per chunk, then a walk through the block table.
+  struct RowOffsets {
+    int64_t k[kKeyChunk], v[kKeyChunk];
+  };
+  auto row_offsets = [&](int j0, int n, int kv_head, RowOffsets* o) {
     if (n == 0) return;
     int logical = j0 / bs, slot = j0 - logical * bs;
-    const int64_t head_offset = int64_t(kv_head) * bs;
-    int64_t block = int64_t(table[logical]) * block_rows + head_offset;
+    const int64_t k_head = kv_head * P.k_head_stride, v_head = kv_head * P.v_head_stride;
+    int64_t block = table[logical];
+    int64_t k_base = block * P.k_block_stride + k_head, v_base = block * P.v_block_stride + v_head;
     for (int t = 0; t < n; ++t) {
-      offsets[t] = block + slot;
+      o->k[t] = k_base + slot * P.k_token_stride;
+      o->v[t] = v_base + slot * P.v_token_stride;
       if (++slot == bs && t + 1 < n) {
         slot = 0;
-        block = int64_t(table[++logical]) * block_rows + head_offset;
+        block = table[++logical];
+        k_base = block * P.k_block_stride + k_head;
+        v_base = block * P.v_block_stride + v_head;
       }
     }
   };
   // Row offsets of the current and the next chunk; the next chunk's become the current
   // ones one step later (each chunk's table walk is done once).
-  int64_t offset_buffers[2][kKeyChunk];
+  RowOffsets offset_buffers[2];
 
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
@@ -280,8 +296,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const T* k_rows[kKeyChunk];
     const T* v_rows[kKeyChunk];
     const T* next_k[kKeyChunk];
-    int64_t* offsets = offset_buffers[0];
-    int64_t* next_offsets = offset_buffers[1];
+    RowOffsets* offsets = &offset_buffers[0];
+    RowOffsets* next_offsets = &offset_buffers[1];
     Chunk c = first_chunk();
     row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
     while (c.n > 0) {
@@ -289,13 +305,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const ItemState st = head_state(c.head);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        k_rows[t] = key_cache + offsets[t] * hs;
-        v_rows[t] = value_cache + offsets[t] * hsv;
+        k_rows[t] = key_cache + offsets->k[t];
+        v_rows[t] = value_cache + offsets->v[t];
       }
       // The next chunk may be shorter: its last row stands in for the missing ones.
       if (next.n > 0)
         for (int t = 0; t < c.n; ++t)
-          next_k[t] = key_cache + next_offsets[std::min(t, next.n - 1)] * hs;
+          next_k[t] = key_cache + next_offsets->k[std::min(t, next.n - 1)];
       const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
       if constexpr (kBf16Dot) {
         if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, v_rows);
@@ -324,8 +340,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       v_rows[t] = v_f + int64_t(t) * hspv;
     }
     const float* const* none = nullptr;
-    int64_t* offsets = offset_buffers[0];
-    int64_t* next_offsets = offset_buffers[1];
+    RowOffsets* offsets = &offset_buffers[0];
+    RowOffsets* next_offsets = &offset_buffers[1];
     Chunk c = first_chunk();
     row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
     while (c.n > 0) {
@@ -333,11 +349,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const ItemState st = head_state(c.head);
       row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
       for (int t = 0; t < c.n; ++t) {
-        row_to_float(key_cache + offsets[t] * hs, k_f + int64_t(t) * hsp, hs);
-        row_to_float(value_cache + offsets[t] * hsv, v_f + int64_t(t) * hspv, hsv);
+        row_to_float(key_cache + offsets->k[t], k_f + int64_t(t) * hsp, hs);
+        row_to_float(value_cache + offsets->v[t], v_f + int64_t(t) * hspv, hsv);
         if (t < next.n) {
-          prefetch_row(key_cache + next_offsets[t] * hs, k_row_bytes);
-          prefetch_row(value_cache + next_offsets[t] * hsv, v_row_bytes);
+          prefetch_row(key_cache + next_offsets->k[t], k_row_bytes);
+          prefetch_row(value_cache + next_offsets->v[t], v_row_bytes);
         }
       }
       chunk_scores(st, st.q, k_rows, c.n, none);
@@ -369,7 +385,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
     }
     const bool any = sum > 0.0f;
-    const float inv = any ? keep / sum : 0.0f;
+    // An fp8 value scale (and e4m3's unit) applies to the weighted sum once.
+    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * kUnit : 1.0f;
+    const float inv = any ? keep / sum * v_factor : 0.0f;
 #if PAGED_ISA_AVX512_BF16
     if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
     else
@@ -395,6 +413,8 @@ inline AttentionKernelFn kernel_for(ScalarKind kind) {
     case ScalarKind::kFloat32: return &attention_work_item<float>;
     case ScalarKind::kFloat16: return &attention_work_item<Fp16>;
     case ScalarKind::kBFloat16: return &attention_work_item<Bf16>;
+    case ScalarKind::kFloat8E4M3: return &attention_work_item<Fp8E4M3>;
+    case ScalarKind::kFloat8E5M2: return &attention_work_item<Fp8E5M2>;
   }
   return nullptr;
 }

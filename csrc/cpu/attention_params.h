@@ -11,15 +11,24 @@
 namespace paged::cpu {
 
 struct AttentionParams {
-  ScalarKind kind;
+  ScalarKind kind;        // of the caches: selects the kernel
+  ScalarKind query_kind;  // of query: the cache's, or any float kind for fp8 caches
   // query [num_tokens, num_heads, head_size], last dim contiguous.
   const void* query;
   int64_t query_token_stride;
   int64_t query_head_stride;
   // key cache [num_blocks, num_kv_heads, block_size, head_size] and value cache
-  // [num_blocks, num_kv_heads, block_size, head_size_v], contiguous.
+  // [num_blocks, num_kv_heads, block_size, head_size_v], last dim contiguous, the others
+  // at these strides (elements): HND, NHD views, views into a joint K/V tensor.
   const void* key_cache;
   const void* value_cache;
+  int64_t k_block_stride, k_head_stride, k_token_stride;
+  int64_t v_block_stride, v_head_stride, v_token_stride;
+  // fp8 caches: the value of a stored x is float(x) * scale[kv_head * stride] (stride 0:
+  // one scale per layer). nullptr for float caches.
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_stride, v_scale_stride;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int64_t block_table_stride;
   const int32_t* seq_lens;       // [num_seqs]

@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <limits>
+#include <utility>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -31,11 +33,81 @@ inline void store_row(char* dst, const char* src, int64_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
+// A key or value row quantized to fp8: x / scale saturated to the format's largest finite
+// value (NaN stays NaN: both comparisons are false), then c10's round-to-nearest-even
+// conversion, the one torch's .to(float8) uses.
+template <typename In, typename Fp8>
+void quantize_row(Fp8* dst, const In* src, int64_t n, float scale) {
+  const float max = float(std::numeric_limits<Fp8>::max());
+  for (int64_t d = 0; d < n; ++d) {
+    float x = float(src[d]) / scale;
+    x = x > max ? max : (x < -max ? -max : x);
+    dst[d] = Fp8(x);
+  }
+}
+
+// Element offset of (block, head, offset) in a cache of any strides.
+inline int64_t row_offset(const at::Tensor& cache, int64_t block, int64_t head, int64_t offset) {
+  return block * cache.stride(0) + head * cache.stride(1) + offset * cache.stride(2);
+}
+
+// [] / [1] / [num_kv_heads] scales as a contiguous row and the stride of a head in it.
+std::pair<at::Tensor, int64_t> scale_row(const std::optional<at::Tensor>& scale) {
+  at::Tensor row = scale->reshape(-1).contiguous();
+  const int64_t stride = row.numel() > 1 ? 1 : 0;
+  return {row, stride};
+}
+
+template <typename In, typename Fp8>
+void write_kv_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t hs = key_cache.size(3), hsv = value_cache.size(3);
+  const auto [k_scales, k_stride] = scale_row(k_scale);
+  const auto [v_scales, v_stride] = scale_row(v_scale);
+  const float* ks = k_scales.data_ptr<float>();
+  const float* vs = v_scales.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  const In* k_src = key.data_ptr<In>();
+  const In* v_src = value.data_ptr<In>();
+  Fp8* k_dst = key_cache.data_ptr<Fp8>();
+  Fp8* v_dst = value_cache.data_ptr<Fp8>();
+  at::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        quantize_row(k_dst + row_offset(key_cache, block, h, offset),
+                     k_src + t * key.stride(0) + h * key.stride(1), hs, ks[h * k_stride]);
+        quantize_row(v_dst + row_offset(value_cache, block, h, offset),
+                     v_src + t * value.stride(0) + h * value.stride(1), hsv, vs[h * v_stride]);
+      }
+    }
+  });
+}
+
 void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                  at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping);
+                  at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   check_slots_in_range(slot_mapping, key_cache.size(0) * block_size);
+
+  if (is_fp8(key_cache.scalar_type())) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "write_kv_fp8", [&] {
+      if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
+        write_kv_fp8<scalar_t, c10::Float8_e4m3fn>(key, value, key_cache, value_cache,
+                                                   slot_mapping, k_scale, v_scale);
+      } else {
+        write_kv_fp8<scalar_t, c10::Float8_e5m2>(key, value, key_cache, value_cache,
+                                                 slot_mapping, k_scale, v_scale);
+      }
+    });
+    return;
+  }
 
   const int64_t elem = key.element_size();
   // Key and value rows may differ in length (head_size, head_size_v).
@@ -52,11 +124,10 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        // HND: [block, head, offset, :]; int64 offsets throughout.
-        const int64_t row = (block * num_kv_heads + h) * block_size + offset;
-        store_row(k_dst + row * k_row_bytes,
+        // [block, head, offset, :] at the caches' strides; int64 offsets throughout.
+        store_row(k_dst + row_offset(key_cache, block, h, offset) * elem,
                   k_src + (t * key.stride(0) + h * key.stride(1)) * elem, k_row_bytes);
-        store_row(v_dst + row * v_row_bytes,
+        store_row(v_dst + row_offset(value_cache, block, h, offset) * elem,
                   v_src + (t * value.stride(0) + h * value.stride(1)) * elem, v_row_bytes);
       }
     }
@@ -64,6 +135,30 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
     _mm_sfence();  // streaming stores are visible before the op returns
 #endif
   });
+}
+
+// dst[d] = src[s] for each pair of one pool (copy_blocks) or two (swap_blocks). Blocks that
+// are one dense chunk with the same layout in both pools move with one memcpy; others
+// (e.g. NHD views into a joint K/V tensor of another block layout) row by row.
+void copy_block_pairs(const at::Tensor& src, at::Tensor& dst, const int64_t* pairs, int64_t begin,
+                      int64_t end) {
+  const int64_t elem = src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const bool dense = block_is_dense(src) && block_is_dense(dst) &&
+                     src.strides().slice(1) == dst.strides().slice(1);
+  if (dense) {
+    // numel / size(0), not stride(0), for the bytes: a one-block pool may have any stride(0).
+    const int64_t block_bytes = src.numel() / src.size(0) * elem;
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(d + pairs[2 * i + 1] * dst.stride(0) * elem,
+                  s + pairs[2 * i] * src.stride(0) * elem, block_bytes);
+    }
+    return;
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    dst.select(0, pairs[2 * i + 1]).copy_(src.select(0, pairs[2 * i]));
+  }
 }
 
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
@@ -86,12 +181,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
   at::parallel_for(0, num_layers * num_pairs * 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t layer = i / (num_pairs * 2), pair = (i / 2) % num_pairs;
-      const at::Tensor& cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
-      // numel / size(0), not stride(0): a one-block pool may have any stride(0).
-      const int64_t block_bytes = cache.numel() / cache.size(0) * cache.element_size();
-      char* base = static_cast<char*>(cache.data_ptr());
-      std::memcpy(base + p[2 * pair + 1] * block_bytes, base + p[2 * pair] * block_bytes,
-                  block_bytes);
+      at::Tensor cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
+      copy_block_pairs(cache, cache, p, pair, pair + 1);
     }
   });
 }
@@ -109,13 +200,8 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
 
   const at::Tensor pairs = block_mapping.contiguous();
   const int64_t* p = pairs.data_ptr<int64_t>();
-  const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();  // not stride(0)
-  const char* s = static_cast<const char*>(src.data_ptr());
-  char* d = static_cast<char*>(dst.data_ptr());
   at::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(d + p[2 * i + 1] * block_bytes, s + p[2 * i] * block_bytes, block_bytes);
-    }
+    copy_block_pairs(src, dst, p, begin, end);
   });
 }
 

@@ -17,6 +17,15 @@ typedef uint16_t vhalfword __attribute__((vector_size(VW * 2)));
 
 struct Bf16 { uint16_t bits; };
 struct Fp16 { uint16_t bits; };
+struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
+struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
+
+// The loaders below return a stored element divided by its type's unit: e4m3 is widened
+// to fp16 by moving its bits into place without rebiasing the exponent (bias 7 read as
+// fp16's 15), which divides every value by 2^8 exactly; the kernel folds the 2^8 into
+// the fp8 scales. 1 for every other type.
+template <typename T> struct StoredUnit { static constexpr float value = 1.0f; };
+template <> struct StoredUnit<Fp8E4M3> { static constexpr float value = 256.0f; };
 
 static inline vfloat load(const float* p) {
   vfloat v;
@@ -116,6 +125,17 @@ static inline float to_float(Fp16 x) {
   return f;
 }
 
+// fp8 -> fp16 bits. e5m2 is the top byte of an fp16 (exact, inf and NaN included).
+// e4m3fn: sign to bit 15, exponent and mantissa to bits 13..7 (value / 2^8, subnormals
+// included); its NaN (S.1111.111) would land on 1.875, so it gets fp16 NaN bits.
+static inline uint16_t half_bits(Fp8E5M2 x) { return uint16_t(x.bits << 8); }
+static inline uint16_t half_bits(Fp8E4M3 x) {
+  const uint16_t h = uint16_t(((x.bits & 0x80) << 8) | ((x.bits & 0x7f) << 7));
+  return (x.bits & 0x7f) == 0x7f ? uint16_t(h | 0x7e00) : h;
+}
+static inline float to_float(Fp8E5M2 x) { return to_float(Fp16{half_bits(x)}); }
+static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
+
 // ---- vector conversions: VW elements of the cache type -> VW floats ---------
 static inline vfloat load_as_float(const float* p) { return load(p); }
 static inline vfloat load_as_float(const Bf16* p) {
@@ -143,6 +163,52 @@ static inline vfloat load_as_float(const Fp16* p) {
   return v;
 #endif
 }
+
+#if PAGED_ISA_F16C
+// VW fp8 bytes sign-extended to VW 16-bit lanes (AVX2: 8 in an __m128i; AVX-512: 16 in an
+// __m256i), the bit operations on them, and their conversion as fp16 to VW floats.
+#if PAGED_VEC_WIDTH == 16
+typedef __m256i vhalf_bits;
+static inline vhalf_bits fp8_lanes(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vhalf_bits h_and(vhalf_bits a, vhalf_bits b) { return _mm256_and_si256(a, b); }
+static inline vhalf_bits h_or(vhalf_bits a, vhalf_bits b) { return _mm256_or_si256(a, b); }
+static inline vhalf_bits h_eq(vhalf_bits a, vhalf_bits b) { return _mm256_cmpeq_epi16(a, b); }
+static inline vhalf_bits h_splat(uint16_t x) { return _mm256_set1_epi16(short(x)); }
+template <int N> static inline vhalf_bits h_shl(vhalf_bits a) { return _mm256_slli_epi16(a, N); }
+static inline vfloat halves_to_float(vhalf_bits h) { return (vfloat)_mm512_cvtph_ps(h); }
+#else
+typedef __m128i vhalf_bits;
+static inline vhalf_bits fp8_lanes(const void* p) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vhalf_bits h_and(vhalf_bits a, vhalf_bits b) { return _mm_and_si128(a, b); }
+static inline vhalf_bits h_or(vhalf_bits a, vhalf_bits b) { return _mm_or_si128(a, b); }
+static inline vhalf_bits h_eq(vhalf_bits a, vhalf_bits b) { return _mm_cmpeq_epi16(a, b); }
+static inline vhalf_bits h_splat(uint16_t x) { return _mm_set1_epi16(short(x)); }
+template <int N> static inline vhalf_bits h_shl(vhalf_bits a) { return _mm_slli_epi16(a, N); }
+static inline vfloat halves_to_float(vhalf_bits h) { return (vfloat)_mm256_cvtph_ps(h); }
+#endif
+// The lanes are sign-extended bytes, so a shift puts the sign in bit 15: e5m2 by 8 is
+// exactly its fp16; e4m3 by 7, then bit 14 (a copy of the sign) cleared, is half_bits'
+// placement, and NaN lanes (magnitude bits 0x3f80) get fp16 NaN bits.
+static inline vfloat load_as_float(const Fp8E5M2* p) { return halves_to_float(h_shl<8>(fp8_lanes(p))); }
+static inline vfloat load_as_float(const Fp8E4M3* p) {
+  const vhalf_bits h = h_and(h_shl<7>(fp8_lanes(p)), h_splat(0xbf80));
+  const vhalf_bits nan = h_eq(h_and(h, h_splat(0x7fff)), h_splat(0x3f80));
+  return halves_to_float(h_or(h, h_and(nan, h_splat(0x7e00))));
+}
+#else
+template <typename T>
+static inline vfloat load_fp8_scalar(const T* p) {
+  vfloat v;
+  for (int i = 0; i < VW; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+static inline vfloat load_as_float(const Fp8E5M2* p) { return load_fp8_scalar(p); }
+static inline vfloat load_as_float(const Fp8E4M3* p) { return load_fp8_scalar(p); }
+#endif
 
 // Converts head_size elements into dst (the padded tail of dst is untouched).
 template <typename T>

@@ -5,11 +5,11 @@
 namespace paged::cuda {
 
 cudaError_t launch_attention_bf16(const AttentionParams& params, cudaStream_t stream) {
-  return launch_attention_typed<__nv_bfloat16>(params, stream);
+  return launch_attention_typed<__nv_bfloat16, __nv_bfloat16>(params, stream);
 }
 
 cudaError_t occupancy_bf16(int head_size, int head_size_v, int query_bucket, int* ctas) {
-  return occupancy_typed<__nv_bfloat16>(head_size, head_size_v, query_bucket, ctas);
+  return occupancy_typed<__nv_bfloat16, __nv_bfloat16>(head_size, head_size_v, query_bucket, ctas);
 }
 
 }  // namespace paged::cuda

@@ -16,6 +16,7 @@
 
 #include "../attention_variants.h"
 #include "../checks.h"
+#include "cuda_checks.h"
 #include "kernels.h"
 
 namespace paged::cuda {
@@ -29,26 +30,22 @@ int multiprocessor_count(int device) {
   return count;
 }
 
-void check_aligned(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": argument '", name,
-                    "' must start at a 16-byte aligned address on CUDA (it is read in 16-byte vectors)");
-}
-
 void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
                     const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
                     const std::optional<at::Tensor>& query_start_loc,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap, const std::optional<at::Tensor>& sinks) {
+                    double soft_cap, const std::optional<at::Tensor>& sinks,
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, sinks, &out,
+                                                sliding_window, soft_cap, sinks, k_scale, v_scale, &out,
                                                 lse.has_value() ? &*lse : nullptr);
   TORCH_CHECK_VALUE(query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
                     query.device());
-  check_aligned(op, "key_cache", key_cache);
-  check_aligned(op, "value_cache", value_cache);
+  check_row_alignment(op, "key_cache", key_cache);
+  check_row_alignment(op, "value_cache", value_cache);
   TORCH_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
                     " rows but there are no sequences");
   TORCH_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
@@ -71,11 +68,16 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
 
   AttentionParams p{};
   p.kind = scalar_kind(query.scalar_type());
+  p.cache_kind = scalar_kind(key_cache.scalar_type());
   p.query = query.data_ptr();
   p.query_token_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.key_layout = layout_of(key_cache, 1);  // in elements
+  p.value_layout = layout_of(value_cache, 1);
+  p.k_scale = scale_ptr(k_scale, &p.k_scale_stride);
+  p.v_scale = scale_ptr(v_scale, &p.v_scale_stride);
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.block_table_stride = block_tables.stride(0);
   p.seq_lens = lens.data_ptr<int32_t>();
@@ -111,7 +113,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   in.multi_token = query_start_loc.has_value();
   in.multiprocessors = multiprocessor_count(query.device().index());
   for (int b = 0; b < 4; ++b) {
-    C10_CUDA_CHECK(attention_ctas_per_sm(p.kind, p.head_size, p.head_size_v, b, &in.ctas_per_sm[b]));
+    C10_CUDA_CHECK(attention_ctas_per_sm(p.cache_kind, p.head_size, p.head_size_v, b, &in.ctas_per_sm[b]));
   }
   const AttentionPlan plan = plan_attention(in);
   TORCH_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,

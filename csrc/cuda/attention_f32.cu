@@ -5,11 +5,11 @@
 namespace paged::cuda {
 
 cudaError_t launch_attention_f32(const AttentionParams& params, cudaStream_t stream) {
-  return launch_attention_typed<float>(params, stream);
+  return launch_attention_typed<float, float>(params, stream);
 }
 
 cudaError_t occupancy_f32(int head_size, int head_size_v, int query_bucket, int* ctas) {
-  return occupancy_typed<float>(head_size, head_size_v, query_bucket, ctas);
+  return occupancy_typed<float, float>(head_size, head_size_v, query_bucket, ctas);
 }
 
 }  // namespace paged::cuda

@@ -1,6 +1,14 @@
 // CUDA paged-attention kernels: the attention kernel proper and the merge of
-// split-KV partitions (flash-decoding). Included by attention_{f32,f16,bf16}.cu,
-// one element type each, so nvcc compiles the instances in parallel.
+// split-KV partitions (flash-decoding). Included by attention_{f32,f16,bf16,
+// fp8_e4m3,fp8_e5m2}.cu, one cache element type each, so nvcc compiles the instances
+// in parallel.
+//
+// Caches (issue 17 part 1): rows are addressed by the block, head and token strides
+// of CacheLayout (HND, NHD, vLLM's joint views; K and V may differ), the head
+// dimension contiguous. fp8 caches (issue 16): rows are read as 8-byte vectors and
+// dequantized in registers (fp8.cuh); the per-head scales are folded in once per CTA,
+// k_scale into the scaled queries (q . (k * s) = (q * s) . k) and v_scale into the
+// final output, so the loop over keys does no extra multiply.
 //
 // One CTA owns one query tile (up to kQ query vectors: the rows of one sequence
 // times the query heads of one GQA group), one KV head and one split of the
@@ -48,8 +56,9 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStep = 32;  // keys per warp step: one per lane in the score phase
 static_assert(kWarps * kStep == kCtaStepKeys, "the key schedule's step is the CTA's");
-// 16-byte vectors of each of its two key rows a lane loads before using the first.
-constexpr int kKeyVecsInFlight = 2;
+// Bytes of each of its two key rows a lane loads before using the first: two
+// 16-byte vectors (32/16-bit caches), four 8-byte ones (fp8).
+constexpr int kKeyBytesInFlight = 32;
 
 // Registers are capped so that this many CTAs fit on a multiprocessor: 168
 // registers for 8 queries per CTA, 128 for fewer (their accumulators are smaller).
@@ -135,12 +144,15 @@ __device__ __forceinline__ void load_probs(const float* src, float* prob) {
   }
 }
 
-// kKCap / kVCap: the key and value head-size buckets the shared memory and the
-// accumulators are sized for; kQ: query vectors per CTA (1, 2, 4 or 8).
-template <typename T, int kKCap, int kVCap, int kQ>
+// Q: the query/out type (AnyFloat: p.kind); C: the cache element type. kKCap / kVCap:
+// the key and value head-size buckets the shared memory and the accumulators are
+// sized for; kQ: query vectors per CTA (1, 2, 4 or 8).
+template <typename Q, typename C, int kKCap, int kVCap, int kQ>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_kernel(const AttentionParams p) {
-  using E = Elem<T>;
+  using E = Elem<C>;
+  using Vec = typename E::Vec;
   constexpr int kPerVec = E::kPerVec;
+  constexpr int kKeyVecsInFlight = kKeyBytesInFlight / int(sizeof(Vec));
   constexpr int kRowVecs = kVCap / kPerVec;  // 16-byte vectors in a value row at the cap
   // Value phase: kLanesPerRow lanes share a row, kRowsPerStep rows per warp instruction.
   constexpr int kLanesPerRow = kRowVecs < 32 ? kRowVecs : 32;
@@ -193,12 +205,18 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
     return;
   }
 
-  const T* query = static_cast<const T*>(p.query);
+  // fp8: the KV head's scales, and the unpacking's own factor (fp8.cuh).
+  float k_factor = 1.0f, v_factor = 1.0f;
+  if constexpr (kIsFp8<C>) {
+    k_factor = p.k_scale[kv_head * p.k_scale_stride] * E::unpack_scale();
+    v_factor = p.v_scale[kv_head * p.v_scale_stride] * E::unpack_scale();
+  }
   for (int i = threadIdx.x; i < num_q * p.head_size; i += kThreads) {
     const int m = i / p.head_size, d = i - m * p.head_size;
     const int64_t row = tile.row_begin + m / num_cta_heads;
     const int64_t head = head_begin + m % num_cta_heads;
-    smem.loop.q[m][d] = E::to_float(query[row * p.query_token_stride + head * p.query_head_stride + d]) * p.scale;
+    const float q = load_float<Q>(p.query, row * p.query_token_stride + head * p.query_head_stride + d, p.kind);
+    smem.loop.q[m][d] = q * p.scale * k_factor;
   }
   if (threadIdx.x < kQ) {
     const int m = threadIdx.x;
@@ -211,12 +229,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int num_vecs = p.head_size / kPerVec;
   const int num_vecs_v = p.head_size_v / kPerVec;
-  const int64_t head_elems = int64_t(p.block_size) * p.head_size;
-  const int64_t head_elems_v = int64_t(p.block_size) * p.head_size_v;
-  const int64_t block_elems = head_elems * p.num_kv_heads;
-  const int64_t block_elems_v = head_elems_v * p.num_kv_heads;
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * head_elems;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * head_elems_v;
+  const CacheLayout kl = p.key_layout, vl = p.value_layout;
+  const C* key_cache = static_cast<const C*>(p.key_cache) + kv_head * kl.head_stride;
+  const C* value_cache = static_cast<const C*>(p.value_cache) + kv_head * vl.head_stride;
   const int32_t* table = p.block_tables + int64_t(tile.seq) * p.block_table_stride;
   const bool soft_cap = p.soft_cap > 0.0f;
   const float inv_soft_cap = soft_cap ? 1.0f / p.soft_cap : 0.0f;
@@ -253,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
     const int j = t0 + own;
     const bool valid = j < kv_end;
     const int in_block = j % p.block_size;
-    const int64_t row_offset = int64_t(next_block) * block_elems + int64_t(in_block) * p.head_size;
-    const int64_t v_row_offset = int64_t(next_block) * block_elems_v + int64_t(in_block) * p.head_size_v;
+    const int64_t row_offset = int64_t(next_block) * kl.block_stride + int64_t(in_block) * kl.token_stride;
+    const int64_t v_row_offset = int64_t(next_block) * vl.block_stride + int64_t(in_block) * vl.token_stride;
     const int next_t0 = schedule.next(t0, &chunk_offset);
     next_block = load_block(next_t0 + own);
     const int64_t partner_offset = __shfl_xor_sync(kFullMask, row_offset, 1);  // key own ^ 16
@@ -265,10 +280,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
     for (int m = 0; m < kQ; ++m) s_lo[m] = s_hi[m] = 0.0f;
     const bool lo_valid = t0 + lo < kv_end, hi_valid = t0 + hi < kv_end;
     if (lo_valid) {
-      const uint4* k_lo = reinterpret_cast<const uint4*>(key_cache + (parity ? partner_offset : row_offset));
-      const uint4* k_hi = reinterpret_cast<const uint4*>(key_cache + (parity ? row_offset : partner_offset));
+      const Vec* k_lo = reinterpret_cast<const Vec*>(key_cache + (parity ? partner_offset : row_offset));
+      const Vec* k_hi = reinterpret_cast<const Vec*>(key_cache + (parity ? row_offset : partner_offset));
       for (int v0 = parity; v0 < num_vecs; v0 += 2 * kKeyVecsInFlight) {
-        uint4 a[kKeyVecsInFlight], b[kKeyVecsInFlight];
+        Vec a[kKeyVecsInFlight], b[kKeyVecsInFlight];
 #pragma unroll
         for (int u = 0; u < kKeyVecsInFlight; ++u) {
           const int v = v0 + 2 * u;
@@ -283,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
           if (v >= num_vecs) break;
           float fa[kPerVec], fb[kPerVec];
           E::unpack(a[u], fa);
-          E::unpack(hi_valid ? b[u] : make_uint4(0, 0, 0, 0), fb);
+          E::unpack(hi_valid ? b[u] : Vec{}, fb);
 #pragma unroll
           for (int m = 0; m < kQ; ++m) {
             if (m >= num_q) break;
@@ -343,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
       if (t < rows) {
         float prob[kQ];
         load_probs<kQ>(&smem.loop.prob[warp][t][0], prob);
-        const uint4* v_row = reinterpret_cast<const uint4*>(value_cache + v_offset);
+        const Vec* v_row = reinterpret_cast<const Vec*>(value_cache + v_offset);
 #pragma unroll
         for (int k = 0; k < kVecsPerLane; ++k) {
           const int vec = sub_lane + k * kLanesPerRow;
@@ -421,14 +436,16 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
     }
     // A query that sees no key (a padded row) yields zeros and lse = sink (-inf
     // without sinks).
-    const float value = total > 0.0f ? o / total : 0.0f;
-    const float lse = total > 0.0f ? top + __logf(total) : -INFINITY;
+    // total is 0 exactly when the row sees no key (else >= 1); != 0, not > 0, so that a
+    // NaN score (a NaN stored in a visible key) gives NaN, as in the reference, not 0.
+    const float value = total != 0.0f ? o / total * v_factor : 0.0f;
+    const float lse = total != 0.0f ? top + __logf(total) : -INFINITY;
     if (split) {
       const int64_t slot = (int64_t(blockIdx.z) * p.num_tokens + token) * p.num_heads + head;
       p.part_out[slot * p.head_size_v + d] = value;
       if (d == 0) p.part_lse[slot] = lse;
     } else {
-      static_cast<T*>(p.out)[token * p.out_token_stride + head * p.out_head_stride + d] = E::from_float(value);
+      store_float<Q>(p.out, token * p.out_token_stride + head * p.out_head_stride + d, value, p.kind);
       if (d == 0 && p.lse != nullptr) p.lse[token * p.lse_token_stride + head] = lse;
     }
   }
@@ -462,9 +479,8 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
 // is unconditional (an empty split, weight 0, reads split 0's row instead, which
 // any row with keys has written, and a select drops it). The sink joins the
 // denominator.
-template <typename T>
+template <typename Q>
 __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const AttentionParams p) {
-  using E = Elem<T>;
   __shared__ float scratch[kWarps];
   __shared__ float4 partial[kThreads];
   const int64_t index = blockIdx.x;  // token * num_heads + head
@@ -527,15 +543,15 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
       sum.z += x.z;
       sum.w += x.w;
     }
-    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-    T* out = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride + 4 * threadIdx.x;
-    out[0] = E::from_float(sum.x * inv_total);
-    out[1] = E::from_float(sum.y * inv_total);
-    out[2] = E::from_float(sum.z * inv_total);
-    out[3] = E::from_float(sum.w * inv_total);
+    const float inv_total = total != 0.0f ? 1.0f / total : 0.0f;  // NaN stays NaN
+    const int64_t out = token * p.out_token_stride + head * p.out_head_stride + 4 * threadIdx.x;
+    store_float<Q>(p.out, out, sum.x * inv_total, p.kind);
+    store_float<Q>(p.out, out + 1, sum.y * inv_total, p.kind);
+    store_float<Q>(p.out, out + 2, sum.z * inv_total, p.kind);
+    store_float<Q>(p.out, out + 3, sum.w * inv_total, p.kind);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
-    p.lse[token * p.lse_token_stride + head] = total > 0.0f ? top + __logf(total) : -INFINITY;
+    p.lse[token * p.lse_token_stride + head] = total != 0.0f ? top + __logf(total) : -INFINITY;
   }
 }
 
@@ -571,23 +587,25 @@ cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& 
 // The launches (CUDA syntax): nvcc only. tests/cuda_emulator.cpp compiles the kernels
 // above with the host compiler and runs them on emulated threads.
 #if defined(__CUDACC__)
-template <typename T>
+// Q: the query/out type, C: the cache's (for float caches Q = C; fp8: Q = AnyFloat).
+template <typename Q, typename C>
 cudaError_t launch_attention_typed(const AttentionParams& p, cudaStream_t stream) {
   return with_instance(p.head_size, p.head_size_v, p.query_bucket, [&](auto k, auto v, auto q) {
     const dim3 grid(p.num_tiles, p.num_kv_heads * p.head_chunks, p.num_partitions);
-    attention_kernel<T, decltype(k)::value, decltype(v)::value, decltype(q)::value><<<grid, kThreads, 0, stream>>>(p);
+    attention_kernel<Q, C, decltype(k)::value, decltype(v)::value, decltype(q)::value>
+        <<<grid, kThreads, 0, stream>>>(p);
     if (p.num_partitions > 1) {
-      merge_partitions_kernel<T><<<unsigned(int64_t(p.num_tokens) * p.num_heads), kThreads, 0, stream>>>(p);
+      merge_partitions_kernel<Q><<<unsigned(int64_t(p.num_tokens) * p.num_heads), kThreads, 0, stream>>>(p);
     }
     return cudaGetLastError();
   });
 }
 
-template <typename T>
+template <typename Q, typename C>
 cudaError_t occupancy_typed(int head_size, int head_size_v, int query_bucket, int* ctas) {
   return with_instance(head_size, head_size_v, query_bucket, [&](auto k, auto v, auto q) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctas, attention_kernel<T, decltype(k)::value, decltype(v)::value, decltype(q)::value>, kThreads, 0);
+        ctas, attention_kernel<Q, C, decltype(k)::value, decltype(v)::value, decltype(q)::value>, kThreads, 0);
   });
 }
 

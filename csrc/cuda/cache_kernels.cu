@@ -1,19 +1,14 @@
-// CUDA kernels of the cache ops: write_kv scatters new key/value rows into
-// their slots; copy_blocks copies blocks of every layer in one launch. Both
-// move data in the widest unit (16, 8, 4 or 2 bytes) that every address and
-// stride allows, and skip (never follow) an index outside the cache.
+// Launches of the cache-op kernels (cache_kernels.cuh): the copy unit each launch
+// uses, and the fp8 format of a quantizing write_kv.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <initializer_list>
 
-#include "kernels.h"
+#include "cache_kernels.cuh"
 
 namespace paged::cuda {
 namespace {
-
-constexpr int kThreads = 128;
-constexpr int kUnitsInFlight = 4;  // loads a thread issues before its first store
 
 // The largest power of two, at most 16, that divides every value.
 int common_alignment(std::initializer_list<int64_t> values) {
@@ -29,59 +24,8 @@ void with_unit(int alignment, Launch&& launch) {
     case 16: launch(uint4{}); break;
     case 8: launch(uint2{}); break;
     case 4: launch(uint32_t{}); break;
-    default: launch(uint16_t{}); break;
-  }
-}
-
-// One CTA per token: all its KV heads, keys and values (whose rows may differ in
-// length: head_size != head_size_v).
-template <typename Unit>
-__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKvParams p) {
-  const int64_t token = blockIdx.x;
-  const int64_t slot = p.slot_mapping[token * p.slot_stride];
-  if (slot < 0 || slot >= p.num_slots) return;  // padding; or out of range, never written
-  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-  const int64_t row_slot = (block * p.num_kv_heads) * p.block_size + offset;  // of head 0, in rows
-  const int key_units = static_cast<int>(p.key_row_bytes / static_cast<int64_t>(sizeof(Unit)));
-  const int value_units = static_cast<int>(p.value_row_bytes / static_cast<int64_t>(sizeof(Unit)));
-  const char* key = static_cast<const char*>(p.key) + token * p.key_token_stride;
-  const char* value = static_cast<const char*>(p.value) + token * p.value_token_stride;
-  Unit* key_cache = static_cast<Unit*>(p.key_cache);
-  Unit* value_cache = static_cast<Unit*>(p.value_cache);
-  for (int i = threadIdx.x; i < p.num_kv_heads * key_units; i += kThreads) {
-    const int head = i / key_units, u = i - head * key_units;
-    const int64_t dst = (row_slot + int64_t(head) * p.block_size) * key_units + u;
-    key_cache[dst] = reinterpret_cast<const Unit*>(key + head * p.key_head_stride)[u];
-  }
-  for (int i = threadIdx.x; i < p.num_kv_heads * value_units; i += kThreads) {
-    const int head = i / value_units, u = i - head * value_units;
-    const int64_t dst = (row_slot + int64_t(head) * p.block_size) * value_units + u;
-    value_cache[dst] = reinterpret_cast<const Unit*>(value + head * p.value_head_stride)[u];
-  }
-}
-
-// grid (pair, 2 * layer + {0: keys, 1: values}): one block copy per CTA.
-template <typename Unit>
-__global__ void __launch_bounds__(kThreads) copy_blocks_kernel(const __grid_constant__ CopyBlocksParams p) {
-  const int64_t pair = blockIdx.x;
-  const int layer = blockIdx.y / 2;
-  const int64_t src = p.block_mapping[2 * pair], dst = p.block_mapping[2 * pair + 1];
-  if (src < 0 || src >= p.num_blocks || dst < 0 || dst >= p.num_blocks) return;
-  Unit* cache = static_cast<Unit*>(blockIdx.y % 2 == 0 ? p.key_caches[layer] : p.value_caches[layer]);
-  const int64_t block_bytes = blockIdx.y % 2 == 0 ? p.key_block_bytes[layer] : p.value_block_bytes[layer];
-  const int64_t units = block_bytes / static_cast<int64_t>(sizeof(Unit));
-  const Unit* from = cache + src * units;
-  Unit* to = cache + dst * units;
-  for (int64_t i = threadIdx.x; i < units; i += kThreads * kUnitsInFlight) {
-    Unit v[kUnitsInFlight];
-#pragma unroll
-    for (int k = 0; k < kUnitsInFlight; ++k) {
-      if (i + k * kThreads < units) v[k] = from[i + k * kThreads];
-    }
-#pragma unroll
-    for (int k = 0; k < kUnitsInFlight; ++k) {
-      if (i + k * kThreads < units) to[i + k * kThreads] = v[k];
-    }
+    case 2: launch(uint16_t{}); break;
+    default: launch(uint8_t{}); break;
   }
 }
 
@@ -89,25 +33,49 @@ int64_t address(const void* p) { return static_cast<int64_t>(reinterpret_cast<ui
 
 }  // namespace
 
+template <typename F>
+void launch_write_kv_fp8(const WriteKvParams& p, bool wide, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(p.num_tokens);
+  if (wide) {
+    write_kv_fp8_kernel<F, true><<<grid, kCacheThreads, 0, stream>>>(p);
+  } else {
+    write_kv_fp8_kernel<F, false><<<grid, kCacheThreads, 0, stream>>>(p);
+  }
+}
+
 cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
-  const int alignment = common_alignment({address(p.key), address(p.value), address(p.key_cache),
-                                          address(p.value_cache), p.key_token_stride, p.key_head_stride,
-                                          p.value_token_stride, p.value_head_stride, p.key_row_bytes,
-                                          p.value_row_bytes});
-  with_unit(alignment, [&](auto unit) {
-    write_kv_kernel<decltype(unit)><<<static_cast<unsigned>(p.num_tokens), kThreads, 0, stream>>>(p);
-  });
+  const CacheLayout& k = p.key_layout;
+  const CacheLayout& v = p.value_layout;
+  // Every cache row's start and length, in bytes (the caches' strides are in bytes here).
+  const int cache_alignment = common_alignment({address(p.key_cache), address(p.value_cache), p.key_row_bytes,
+                                                p.value_row_bytes, k.block_stride, k.head_stride, k.token_stride,
+                                                v.block_stride, v.head_stride, v.token_stride});
+  if (p.cache_kind == ScalarKind::kFloat8E4M3) {
+    launch_write_kv_fp8<Fp8E4M3>(p, cache_alignment >= 8, stream);
+  } else if (p.cache_kind == ScalarKind::kFloat8E5M2) {
+    launch_write_kv_fp8<Fp8E5M2>(p, cache_alignment >= 8, stream);
+  } else {
+    const int alignment = common_alignment({cache_alignment, address(p.key), address(p.value), p.key_token_stride,
+                                            p.key_head_stride, p.value_token_stride, p.value_head_stride});
+    with_unit(alignment, [&](auto unit) {
+      write_kv_kernel<decltype(unit)><<<static_cast<unsigned>(p.num_tokens), kCacheThreads, 0, stream>>>(p);
+    });
+  }
   return cudaGetLastError();
 }
 
 cudaError_t launch_copy_blocks(const CopyBlocksParams& p, cudaStream_t stream) {
   int alignment = 16;
   for (int l = 0; l < p.num_layers; ++l) {
-    alignment = common_alignment({alignment, address(p.key_caches[l]), address(p.value_caches[l]),
-                                  p.key_block_bytes[l], p.value_block_bytes[l]});
+    for (const CopyCache& c : {p.keys[l], p.values[l]}) {
+      alignment = common_alignment({alignment, address(c.base), c.block_stride, c.head_stride, c.token_stride,
+                                    c.row_bytes});
+    }
   }
   const dim3 grid(static_cast<unsigned>(p.num_pairs), 2 * p.num_layers);
-  with_unit(alignment, [&](auto unit) { copy_blocks_kernel<decltype(unit)><<<grid, kThreads, 0, stream>>>(p); });
+  with_unit(alignment, [&](auto unit) {
+    copy_blocks_kernel<decltype(unit)><<<grid, kCacheThreads, 0, stream>>>(p);
+  });
   return cudaGetLastError();
 }
 

@@ -24,20 +24,23 @@
 #include <vector>
 
 #include "../checks.h"
+#include "cuda_checks.h"
 #include "kernels.h"
 
 namespace paged::cuda {
 namespace {
 
 void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping);
-  TORCH_CHECK_VALUE(key.is_cuda(), "paged.write_kv: argument 'key' must be a CUDA tensor, got ",
-                    key.device());
-  TORCH_CHECK_VALUE(key.size(0) <= INT32_MAX, "paged.write_kv: too many tokens for one CUDA launch");
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const char* op = "paged.write_kv";
+  check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  TORCH_CHECK_VALUE(key.is_cuda(), op, ": argument 'key' must be a CUDA tensor, got ", key.device());
+  TORCH_CHECK_VALUE(key.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
   if (key.size(0) == 0 || key.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
   const int64_t elem = key.element_size();
+  const int64_t cache_elem = key_cache.element_size();
   WriteKvParams p{};
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -47,14 +50,20 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.value_head_stride = value.stride(1) * elem;
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.key_layout = layout_of(key_cache, cache_elem);  // in bytes
+  p.value_layout = layout_of(value_cache, cache_elem);
+  p.kind = scalar_kind(key.scalar_type());
+  p.cache_kind = scalar_kind(key_cache.scalar_type());
+  p.k_scale = scale_ptr(k_scale, &p.k_scale_stride);
+  p.v_scale = scale_ptr(v_scale, &p.v_scale_stride);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.slot_stride = slot_mapping.stride(0);
   p.num_tokens = key.size(0);
   p.num_slots = key_cache.size(0) * key_cache.size(2);
   p.num_kv_heads = int(key_cache.size(1));
   p.block_size = int(key_cache.size(2));
-  p.key_row_bytes = key_cache.size(3) * elem;
-  p.value_row_bytes = value_cache.size(3) * elem;
+  p.key_row_bytes = key_cache.size(3) * cache_elem;
+  p.value_row_bytes = value_cache.size(3) * cache_elem;
   C10_CUDA_CHECK(launch_write_kv(p, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -92,6 +101,17 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
   // out of range and skipped.
   if (key_caches[0].size(0) == 0) return;
 
+  // A block that is one dense chunk is one row of all its bytes; other views (K and V
+  // interleaved per token, say) are copied row by row.
+  auto rows_of = [](const at::Tensor& t) {
+    const int64_t elem = t.element_size();
+    if (block_is_dense(t)) {
+      // numel / size(0), not stride(0): a one-block pool may have any stride(0).
+      return CopyCache{t.data_ptr(), t.stride(0) * elem, 0, 0, t.numel() / t.size(0) * elem, 1, 1};
+    }
+    return CopyCache{t.data_ptr(), t.stride(0) * elem, t.stride(1) * elem, t.stride(2) * elem,
+                     t.size(3) * elem, int32_t(t.size(1)), int32_t(t.size(2))};
+  };
   CopyBlocksParams p{};
   p.block_mapping = mapping.data_ptr<int64_t>();
   p.num_pairs = num_pairs;
@@ -101,16 +121,20 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
   for (size_t first = 0; first < key_caches.size(); first += kMaxCopyLayers) {
     p.num_layers = int(std::min<size_t>(kMaxCopyLayers, key_caches.size() - first));
     for (int l = 0; l < p.num_layers; ++l) {
-      const at::Tensor& k = key_caches[first + l];
-      const at::Tensor& v = value_caches[first + l];
-      p.key_caches[l] = k.data_ptr();
-      p.value_caches[l] = v.data_ptr();
-      // numel / size(0), not stride(0): a one-block pool may have any stride(0).
-      p.key_block_bytes[l] = k.numel() / k.size(0) * k.element_size();
-      p.value_block_bytes[l] = v.numel() / v.size(0) * v.element_size();
+      p.keys[l] = rows_of(key_caches[first + l]);
+      p.values[l] = rows_of(value_caches[first + l]);
     }
     C10_CUDA_CHECK(launch_copy_blocks(p, stream));
   }
+}
+
+// Blocks of `a` and `b` lay out their elements alike (the strides of the dimensions
+// below the block one, where they matter).
+bool same_block_strides(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 1; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
 }
 
 // Tells PyTorch's pinned-memory allocator that `stream` uses the host pool, as
@@ -149,7 +173,7 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
 
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();
+  const int64_t elem = src.element_size();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());
   // cudaMemcpyDefault: the direction follows from the (unified) addresses. With
@@ -158,15 +182,35 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   // copy cannot be graph-captured: capture needs pinned pools). The mapping is
   // read here, on the host: a CUDA graph that captures this call replays the
   // block pairs of the capture, whatever the mapping later holds.
-  for (size_t i = 0; i < pairs.size();) {
-    size_t n = 1;
-    while (i + n < pairs.size() && pairs[i + n].first == pairs[i].first + int64_t(n) &&
-           pairs[i + n].second == pairs[i].second + int64_t(n)) {
-      ++n;
+  if (block_is_dense(src) && block_is_dense(dst) && same_block_strides(src, dst)) {
+    // Each block one chunk of the same layout in both pools: one copy per block, or
+    // per run of adjacent blocks where both pools store blocks back to back.
+    const int64_t block_bytes = src.numel() / src.size(0) * elem;
+    const int64_t src_stride = src.stride(0) * elem, dst_stride = dst.stride(0) * elem;
+    const bool runs = (src.size(0) <= 1 || src_stride == block_bytes) && (dst.size(0) <= 1 || dst_stride == block_bytes);
+    for (size_t i = 0; i < pairs.size();) {
+      size_t n = 1;
+      while (runs && i + n < pairs.size() && pairs[i + n].first == pairs[i].first + int64_t(n) &&
+             pairs[i + n].second == pairs[i].second + int64_t(n)) {
+        ++n;
+      }
+      C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[i].second * dst_stride, from + pairs[i].first * src_stride,
+                                     n * block_bytes, cudaMemcpyDefault, stream));
+      i += n;
     }
-    C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[i].second * block_bytes, from + pairs[i].first * block_bytes,
-                                   n * block_bytes, cudaMemcpyDefault, stream));
-    i += n;
+  } else {
+    // Row by row: per block and KV head, one 2-D copy of block_size rows of head_size
+    // elements (the row pitch is each pool's token stride).
+    const int64_t row_bytes = src.size(3) * elem, tokens = src.size(2);
+    const auto pitch = [&](const at::Tensor& t) { return tokens > 1 ? t.stride(2) * elem : row_bytes; };
+    const int64_t src_pitch = pitch(src), dst_pitch = pitch(dst);
+    for (const auto& [s, d] : pairs) {
+      for (int64_t h = 0; h < src.size(1); ++h) {
+        C10_CUDA_CHECK(cudaMemcpy2DAsync(to + (d * dst.stride(0) + h * dst.stride(1)) * elem, dst_pitch,
+                                         from + (s * src.stride(0) + h * src.stride(1)) * elem, src_pitch,
+                                         row_bytes, tokens, cudaMemcpyDefault, stream));
+      }
+    }
   }
   if (src.is_cpu()) record_host_use(src, stream);
   if (dst.is_cpu()) record_host_use(dst, stream);

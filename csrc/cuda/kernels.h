@@ -13,16 +13,41 @@
 
 namespace paged::cuda {
 
+inline constexpr bool is_fp8_kind(ScalarKind k) { return k == ScalarKind::kFloat8E4M3 || k == ScalarKind::kFloat8E5M2; }
+
+// Bytes of the vectors the kernels read cache rows in: 16 for 32/16-bit caches, 8 for
+// fp8 (8 elements, like bf16, so every head size that is a multiple of 8 works). Cache
+// addresses and strides must be multiples of it (checked on the host).
+inline constexpr int cache_vector_bytes(ScalarKind cache_kind) { return is_fp8_kind(cache_kind) ? 8 : 16; }
+
+// One cache's layout: the logical shape is [num_blocks, num_kv_heads, block_size,
+// head_size] (HND), any strides on the first three dimensions (in elements), the head
+// dimension contiguous (issue 17 part 1: NHD views, vLLM's joint [2, ...] tensor).
+struct CacheLayout {
+  int64_t block_stride;
+  int64_t head_stride;
+  int64_t token_stride;
+};
+
 struct AttentionParams {
-  ScalarKind kind;
+  ScalarKind kind;        // of query and out
+  ScalarKind cache_kind;  // of key_cache and value_cache: kind, or fp8 (issue 16)
   // query [num_tokens, num_heads, head_size], last dim contiguous (strides in elements).
   const void* query;
   int64_t query_token_stride;
   int64_t query_head_stride;
   // key_cache [num_blocks, num_kv_heads, block_size, head_size] and value_cache
-  // [.., head_size_v], contiguous, 16-byte aligned.
+  // [.., head_size_v], strided (CacheLayout), rows aligned to cache_vector_bytes.
   const void* key_cache;
   const void* value_cache;
+  CacheLayout key_layout;
+  CacheLayout value_layout;
+  // fp8 caches: fp32 scales, k_scale[kv_head * k_scale_stride] (stride 0: one per
+  // layer, 1: one per KV head); nullptr for the other formats.
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_stride;
+  int64_t v_scale_stride;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int64_t block_table_stride;
   const int32_t* seq_lens;         // [num_seqs]
@@ -78,22 +103,28 @@ inline void set_plan(AttentionParams& p, const AttentionPlan& plan) {
   p.partition_size = plan.partition_size;
 }
 
-// Resident CTAs per multiprocessor of the attention kernel instance for these
-// dtype and head sizes and kQueryBuckets[query_bucket] queries per CTA, on the
-// current device (cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached).
-cudaError_t attention_ctas_per_sm(ScalarKind kind, int head_size, int head_size_v, int query_bucket,
+// Resident CTAs per multiprocessor of the attention kernel instance for this cache
+// dtype (which picks the query type too: the same, or any for fp8), these head sizes
+// and kQueryBuckets[query_bucket] queries per CTA, on the current device
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached).
+cudaError_t attention_ctas_per_sm(ScalarKind cache_kind, int head_size, int head_size_v, int query_bucket,
                                   int* ctas);
 
 // Attention, plus the partition merge when num_partitions > 1, on `stream`.
 cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream);
 
-// Per-dtype halves of the above (attention_{f32,f16,bf16}.cu).
+// Per-cache-type halves of the above (attention_{f32,f16,bf16,fp8_e4m3,fp8_e5m2}.cu). The
+// fp8 instances take any query dtype (read and written by params.kind).
 cudaError_t launch_attention_f32(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_f16(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_bf16(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_fp8_e4m3(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_fp8_e5m2(const AttentionParams& params, cudaStream_t stream);
 cudaError_t occupancy_f32(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_f16(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_bf16(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_fp8_e4m3(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_fp8_e5m2(int head_size, int head_size_v, int query_bucket, int* ctas);
 
 struct WriteKvParams {
   // key [num_tokens, num_kv_heads, head_size], value [.., head_size_v]; strides in bytes.
@@ -105,33 +136,57 @@ struct WriteKvParams {
   int64_t value_head_stride;
   void* key_cache;
   void* value_cache;
+  CacheLayout key_layout;  // strides in bytes here
+  CacheLayout value_layout;
   const int64_t* slot_mapping;  // [num_tokens], on the device
   int64_t slot_stride;
   int64_t num_tokens;
   int64_t num_slots;  // num_blocks * block_size
   int num_kv_heads;
   int block_size;
-  int64_t key_row_bytes;    // head_size * element size
-  int64_t value_row_bytes;  // head_size_v * element size
+  int64_t key_row_bytes;    // head_size * element size of the cache
+  int64_t value_row_bytes;  // head_size_v * element size of the cache
+  // fp8 caches: key/value (of `kind`) are quantized: x / scale[head * stride],
+  // saturated to the format's finite range, rounded to nearest even, NaN stays NaN.
+  // Float caches (cache_kind == kind): rows are copied.
+  ScalarKind kind;  // of key and value
+  ScalarKind cache_kind;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_stride;
+  int64_t v_scale_stride;
 };
 
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
 
+// One cache of copy_blocks, as rows of bytes: block b, row (h, t) starts at
+// base + b * block_stride + h * head_stride + t * token_stride and is row_bytes long.
+// A block that is one dense chunk (HND, NHD, vLLM's joint views) is one row
+// (heads = tokens = 1) of the whole block's bytes.
+struct CopyCache {
+  void* base;
+  int64_t block_stride;
+  int64_t head_stride;
+  int64_t token_stride;
+  int64_t row_bytes;
+  int32_t heads;
+  int32_t tokens;
+};
+
 // Layers one copy_blocks launch covers; its kernel parameters stay under the
-// 4 KB every driver accepts (96 * 32 bytes + the rest).
-constexpr int kMaxCopyLayers = 96;
+// 4 KB every driver accepts (32 * 2 * 48 bytes + the rest).
+constexpr int kMaxCopyLayers = 32;
 
 struct CopyBlocksParams {
-  void* key_caches[kMaxCopyLayers];
-  void* value_caches[kMaxCopyLayers];
-  // A layer's key and value blocks may differ in size (head_size != head_size_v).
-  int64_t key_block_bytes[kMaxCopyLayers];
-  int64_t value_block_bytes[kMaxCopyLayers];
+  // A layer's key and value blocks may differ (head_size != head_size_v, strides).
+  CopyCache keys[kMaxCopyLayers];
+  CopyCache values[kMaxCopyLayers];
   const int64_t* block_mapping;  // [num_pairs, 2] (src, dst), contiguous, on the device
   int64_t num_pairs;
   int64_t num_blocks;
   int num_layers;  // <= kMaxCopyLayers
 };
+static_assert(sizeof(CopyBlocksParams) <= 4000, "copy_blocks parameters must fit in 4 KB");
 
 cudaError_t launch_copy_blocks(const CopyBlocksParams& params, cudaStream_t stream);
 
