@@ -183,10 +183,8 @@ def main() -> None:
     torch.compile(lambda x: x * 2 + 1, backend="inductor")(torch.ones(8))
     results = []
     for model_name in parse_list(args.models, str):
-        paged32, static32 = random_pair(MODELS[model_name]())
         for dtype_name in parse_list(args.dtypes, str):
-            dtype = DTYPES[dtype_name]
-            paged, static = paged32.to(dtype), static32.to(dtype)
+            paged, static = (m.to(DTYPES[dtype_name]) for m in random_pair(MODELS[model_name]()))
             for context in parse_list(args.contexts):
                 for batch in parse_list(args.batches):
                     row = run_shape(paged, static, batch, context, args.new, args.reps)
@@ -194,7 +192,7 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps({k: row[k] for k in ("model", "dtype", "batch", "context",
                                                           "ratios")}), flush=True)
-        del paged32, static32
+            del paged, static
     report = {
         "command": " ".join(sys.argv),
         "torch": torch.__version__, "transformers": transformers.__version__,

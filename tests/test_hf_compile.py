@@ -3,7 +3,7 @@ one graph (no graph breaks, no recompiles after warm-up) across steps, rows fini
 reorders and block-table growth, and generates what eager attention generates.
 
 Counter tests use the ``eager`` backend (dynamo's tracing is the point, not inductor's
-code); one test runs inductor. Graphs are counted by a backend function (generate's
+code); one test (marked integration: make test-integration) runs inductor. Graphs are counted by a backend function (generate's
 CompileConfig deep-copies its backend argument, which keeps a function but not a counter
 object) and graph breaks by dynamo's counters.
 """
@@ -164,6 +164,7 @@ def test_own_loop_with_prepare(models):
         step(next_token, position_ids=positions + 1, past_key_values=cache)  # not prepared
 
 
+@pytest.mark.integration  # inductor's C++ compile takes a minute on a shared machine
 def test_inductor(models):
     reference, paged = models
     ids, mask = left_padded([8, 5], seed=6)
@@ -217,3 +218,20 @@ def test_compile_mode_limits_and_arguments(models):
         PagedCache(config).prepare(1, 1)
     with pytest.raises(ValueError, match="pass the model's dtype and device"):
         PagedCache(config, max_cache_len=16).prepare(1, 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_sliding_window_and_soft_cap_architectures(arch):
+    """Hybrid full/sliding layers (generate builds two masks per step, the cache is prepared
+    once) and Gemma2's soft caps, through generate's compile path."""
+    from test_hf_generate import build_pair
+    from test_hf_generate import left_padded as padded_160
+    reference, paged = build_pair(arch)
+    ids, mask = padded_160([12, 7], seed=8)
+    want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    got = generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False,
+                   compile_config=compile_config())
+    assert torch.equal(got, want)
+    assert len(GRAPHS) == 1, GRAPHS
+    assert_no_graph_breaks()
