@@ -51,23 +51,10 @@ def generate(model, implementation, rows, max_new_tokens=5, **cb_overrides):
     return [out[f"req_{i}"] for i in range(len(rows))]
 
 
-def kernel_takes_strided_views() -> bool:
-    """Whether the built kernel accepts NHD views (issue 17.1, being merged)."""
-    pages = torch.zeros(2, 4, 2, 8)  # [pages, page_size, kv_heads, head_dim]
-    try:
-        ops.write_kv(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), pages.transpose(1, 2),
-                     pages.clone().transpose(1, 2), torch.zeros(1, dtype=torch.int64))
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.fixture(params=["kernel", "reference"])
 def counted_ops(request, monkeypatch):
     """The ops the attention function calls (the kernels, or the pure-PyTorch reference,
     which checks the cache mapping independently of the kernels), with a call count."""
-    if request.param == "kernel" and not kernel_takes_strided_views():
-        pytest.skip("the built kernel refuses strided (NHD) caches: issue 17.1 not merged yet")
     backend = ops if request.param == "kernel" else reference
     calls = {"attention": 0}
 
