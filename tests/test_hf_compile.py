@@ -235,3 +235,18 @@ def test_sliding_window_and_soft_cap_architectures(arch):
     assert torch.equal(got, want)
     assert len(GRAPHS) == 1, GRAPHS
     assert_no_graph_breaks()
+
+
+def test_chunked_prefill_compiled(models):
+    """generate compiles the prefill chunks too (prefill_chunk_size): each chunk is prepared
+    before its compiled forward; rows that are all padding in a chunk place nothing."""
+    reference, paged = models
+    ids, mask = left_padded([12, 3, 9], seed=5)
+    want = generate(reference, ids, mask, max_new_tokens=6, do_sample=False)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    got = generate(paged, ids, mask, cache, max_new_tokens=6, do_sample=False,
+                   prefill_chunk_size=4, compile_config=compile_config())
+    assert torch.equal(got, want)
+    assert len(GRAPHS) == 2, GRAPHS  # chunks of 4, decode steps
+    assert_no_graph_breaks()
+    cache.manager.check_invariants()

@@ -118,12 +118,12 @@ class StepBuffers:
         lens: List[int] = []
         starts: List[int] = [0]
         for row, (table, kv_len, count) in enumerate(zip(tables, seq_lens, query_lens)):
-            table_rows.append([self.scratch_block] * width)
             table_rows.append(list(table) + [self.scratch_block] * (width - len(table)))
             lens += [q_len - count, kv_len]
             starts += [row * q_len + q_len - count, (row + 1) * q_len]
-        # One host tensor per buffer, copied into the fixed storage.
-        self.block_tables[:2 * rows].copy_(torch.tensor(table_rows, dtype=torch.int32))
+        # One host tensor per buffer, copied into the fixed storage. The padding sequences'
+        # tables (even rows) hold the scratch block from the start and never change.
+        self.block_tables[1:2 * rows:2].copy_(torch.tensor(table_rows, dtype=torch.int32))
         self.seq_lens[:2 * rows].copy_(torch.tensor(lens, dtype=torch.int32))
         self.query_start_loc[:2 * rows + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         self.slot_mapping[:rows * q_len].copy_(torch.tensor(list(slots), dtype=torch.int64))

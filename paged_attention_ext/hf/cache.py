@@ -754,6 +754,9 @@ class PagedCache(Cache):
         self.rows = [None] * rows
         self._pool_spec = spec
         self.kv = self._static[1]
+        # On the pools' device, so the compiled graph touches no host tensor.
+        self._length_tensor = self._length_tensor.to(spec[4])
+        self._consumed = self._consumed.to(spec[4])
 
     def _config_pool_spec(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """(kv heads, key size, value size, dtype, device) from the config: the compile mode
@@ -824,6 +827,8 @@ class PagedCache(Cache):
                 self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values), batch.slot_mapping)
             _traced.call = _LayerCall(self, layer_idx, None if self._mla else keys, batch)
             return keys, values
+        if _mask_sizes_from.get() is self:  # left by a mask function that is not ours
+            _mask_sizes_from.set(None)
         self._check_call(layer_idx)
         try:
             if layer_idx == 0:
