@@ -6,7 +6,9 @@ by two processes (``torchrun --nproc-per-node 2``, gloo on CPU) with
 heads, and a PagedCache there sizes its pools from the keys it stores (1 KV head per
 rank, not the config's 2). Greedy and beam-search output of each rank equals the
 single-process run, and the block tables are the same on every rank (every rank places
-the same tokens, so the ranks' block managers make the same decisions).
+the same tokens, so the ranks' block managers make the same decisions). transformers'
+continuous batching with ``paged|paged_attention_ext`` on the sharded model (its cache
+holds the rank's KV heads) returns the single-process ``paged|sdpa`` tokens.
 
 Run by ``make test-integration`` (marker ``integration``); the file is also the worker
 the test launches.
@@ -53,6 +55,20 @@ def run_generations(model) -> dict:
     return result
 
 
+def run_continuous_batching(model, implementation: str) -> list:
+    """``generate_batch`` tokens of the prompts (without their padding)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model.set_attn_implementation(implementation)
+    rows = [[t for t, keep in zip(p, m) if keep] for p, m in zip(PROMPTS, MASK)]
+    out = model.generate_batch(
+        rows, generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
+                                                 eos_token_id=None, pad_token_id=0),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=32,
+                                                            max_batch_tokens=16))
+    return [[out[f"req_{i}"].generated_tokens, out[f"req_{i}"].error] for i in range(len(rows))]
+
+
 def worker(model_dir: str, out_dir: str) -> None:
     """One rank: load with tp_plan="auto", generate, write rank<N>.json."""
     import transformers
@@ -67,6 +83,8 @@ def worker(model_dir: str, out_dir: str) -> None:
     k_proj = model.model.layers[0].self_attn.k_proj.weight
     result = run_generations(model)
     result["local_k_proj_rows"] = k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else None
+    # transformers' continuous batching on the sharded model, attention on the paged ops.
+    result["continuous_batching"] = run_continuous_batching(model, "paged|paged_attention_ext")
     rank = torch.distributed.get_rank()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
@@ -102,6 +120,8 @@ def test_paged_cache_under_tensor_parallel_equals_single_process(tmp_path, one_t
     single = transformers.LlamaForCausalLM.from_pretrained(
         model_dir, attn_implementation="paged_attention_ext").eval()
     want = run_generations(single)
+    batching_want = run_continuous_batching(single, "paged|sdpa")
+    assert all(error is None and len(tokens) == 8 for tokens, error in batching_want)
     kv_heads = TINY["num_key_value_heads"]
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     for rank in ranks:
@@ -111,6 +131,7 @@ def test_paged_cache_under_tensor_parallel_equals_single_process(tmp_path, one_t
             assert rank[name]["kv_heads"] == kv_heads // 2  # the rank's own heads
             assert want[name]["kv_heads"] == kv_heads
             assert rank[name]["block_tables"] == ranks[0][name]["block_tables"], name
+        assert rank["continuous_batching"] == batching_want
 
 
 if __name__ == "__main__":
