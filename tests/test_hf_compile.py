@@ -250,3 +250,22 @@ def test_chunked_prefill_compiled(models):
     assert len(GRAPHS) == 2, GRAPHS  # chunks of 4, decode steps
     assert_no_graph_breaks()
     cache.manager.check_invariants()
+
+
+@pytest.mark.parametrize("scales", ["calibrated", "fixed"])
+def test_fp8_cache_compiles(models, scales):
+    """An fp8 pool (docs/fp8.md) in compile mode: the compiled decode steps generate what the
+    same cache generates eagerly (calibration happens in the eager prefill)."""
+    _, paged = models
+    ids, mask = left_padded([13, 6], seed=2)
+    options = dict(kv_cache_dtype="fp8_e4m3")
+    if scales == "fixed":
+        options.update(k_scale=0.05, v_scale=0.05)
+    outputs = []
+    for config in (None, compile_config()):
+        cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN, **options)
+        extra = {} if config is None else {"compile_config": config}
+        outputs.append(generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False, **extra))
+    assert torch.equal(outputs[1], outputs[0])
+    assert len(GRAPHS) == 1, GRAPHS
+    assert_no_graph_breaks()
