@@ -163,23 +163,29 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     load_at_start = os.getloadavg()
-    runs = [run_model(m, d, args) for m in args.models for d in args.dtypes]
-    report = {
-        "machine": {"device": args.device, "cpus": os.cpu_count(), "threads": args.threads,
-                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version(), "load_average_start": load_at_start,
-                    "load_average_end": os.getloadavg()},
-        "settings": {"backend": args.backend, "block_size": BLOCK_SIZE, "iters": args.iters,
-                     "contexts": args.contexts, "batches": args.batches, "quick": args.quick},
-        "runs": runs,
-    }
-    for run in runs:
-        print(f"{run['model']} {run['dtype']}: compile + warm-up {run['compile_and_warmup_s']:.1f} s")
-    default = f"compiled_decode{'_cuda' if args.device == 'cuda' else ''}{'_quick' if args.quick else ''}.json"
+    default = f"compiled_decode{'_cuda' if cuda else ''}{'_quick' if args.quick else ''}.json"
     out = Path(args.out or Path(__file__).parent / "results" / default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    runs: List[Dict] = []
+    for model_name in args.models:
+        for dtype_name in args.dtypes:
+            runs.append(run_model(model_name, dtype_name, args))
+            # Written after every model, so a run stopped by a time limit keeps what it measured.
+            report = {
+                "machine": {"device": args.device, "cpus": os.cpu_count(), "threads": args.threads,
+                            "gpu": torch.cuda.get_device_name() if cuda else None,
+                            "torch": torch.__version__, "transformers": transformers.__version__,
+                            "python": platform.python_version(), "load_average_start": load_at_start,
+                            "load_average_end": os.getloadavg()},
+                "settings": {"backend": args.backend, "block_size": BLOCK_SIZE, "iters": args.iters,
+                             "contexts": args.contexts, "batches": args.batches, "quick": args.quick},
+                "runs": runs,
+            }
+            out.write_text(json.dumps(report, indent=2) + "\n")
+    for run in runs:
+        speedups = ", ".join(f"b{c['batch']}/c{c['context']} {c['speedup']:.2f}x" for c in run["cells"])
+        print(f"summary {run['model']} {run['dtype']}: compile + warm-up "
+              f"{run['compile_and_warmup_s']:.1f} s; compiled/eager {speedups}")
     print(f"wrote {out}")
 
 
