@@ -7,7 +7,9 @@ chunked prefill, mixed prefill/decode batches and prefix sharing; the ops really
 producing tokens.
 """
 
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +138,13 @@ def test_arguments_that_would_change_the_result_are_refused():
             (None, 0.0, None, {"output_attentions": True}, "output_attentions")]:
         with pytest.raises(NotImplementedError, match=match):
             cb._refuse_unsupported(layer, mask, dropout, block_table, kwargs)
+
+
+def test_integrations_doc_examples_run():
+    """docs/integrations.md's continuous-batching examples run as written (the tensor-parallel
+    one needs torchrun: tests/test_hf_tensor_parallel.py runs the same steps)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    section = text.split("## transformers' continuous batching")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 3
+    exec(compile("".join(blocks), "integrations.md example", "exec"), {})
