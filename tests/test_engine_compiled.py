@@ -101,6 +101,11 @@ def test_bad_decode_batch_sizes_raise(model, sizes):
                                       decode_batch_sizes=sizes))
 
 
+def test_unknown_backend_raises(model):
+    with pytest.raises(ValueError, match="compile_backend 'nope'"):
+        LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="nope"))
+
+
 @pytest.mark.integration
 def test_inductor_decode_equals_eager(model):
     requests = make_requests(6, seed=1)

@@ -42,6 +42,9 @@ class CompiledDecode:
             sizes = default_cuda_sizes(max_batch) if self.cuda_graphs else ()
         if any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"decode batch sizes must be integers >= 1, got {tuple(sizes)}")
+        if not callable(backend) and backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile_backend {backend!r} is not a torch.compile backend "
+                             f"(e.g. 'inductor', 'aot_eager', 'eager')")
         self.sizes = sorted(set(sizes))  # empty: no padding (CPU)
         self.max_batch = self.sizes[-1] if self.sizes else max_batch
         n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
