@@ -57,11 +57,12 @@ class BatchLayout:
         self.num_query_tokens = num_query_tokens
 
 
-# Per transformers cache: the write index the last layout was derived from (continuous
-# batching passes the same tensor objects to every layer of one forward), its version,
-# and that layout. The strong reference keeps the identity check sound.
-_LAYOUTS: "weakref.WeakKeyDictionary[object, Tuple[torch.Tensor, int, BatchLayout]]" = (
-    weakref.WeakKeyDictionary())
+# Per transformers cache and layer group: the index tensors the last layout was derived
+# from (continuous batching passes the same tensor objects to every layer of one forward
+# and new views of its rewritten buffers to the next), their versions, and that layout.
+# The strong references keep the identity check sound.
+_Derived = Tuple[Tuple[torch.Tensor, ...], Tuple[int, ...], BatchLayout]
+_LAYOUTS: "weakref.WeakKeyDictionary[object, Dict[int, _Derived]]" = weakref.WeakKeyDictionary()
 
 
 def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_lens_q: torch.Tensor,
@@ -117,12 +118,15 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
 def _layout(cache, group: int, read_index: torch.Tensor, write_index: torch.Tensor,
             cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, page_size: int) -> BatchLayout:
     """The forward's layout, derived by its first layer and reused by the others."""
+    tensors = (read_index, write_index, cu_seq_lens_q, cu_seq_lens_k)
+    versions = tuple(t._version for t in tensors)
     per_cache = _LAYOUTS.setdefault(cache, {})
     last = per_cache.get(group)
-    if last is not None and last[0] is write_index and last[1] == write_index._version:
+    if (last is not None and all(a is b for a, b in zip(last[0], tensors))
+            and last[1] == versions):
         return last[2]
     layout = derive_layout(read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, page_size)
-    per_cache[group] = (write_index, write_index._version, layout)
+    per_cache[group] = (tensors, versions, layout)
     return layout
 
 
