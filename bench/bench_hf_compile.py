@@ -7,12 +7,14 @@ weights; PagedCache runs ``paged_attention_ext`` attention in compile mode
 path for generate (``compile_config``, inductor; on CPU it needs
 ``compile_config._compile_all_devices = True``): eager prefill, compiled decode steps.
 
-Decode tokens/s = ``batch * (new - 1) / t_decode``: ``t_decode`` runs from generate's
-second ``prepare_inputs_for_generation`` call (the prefill and the first token are done)
-to the end of the call, so it covers the ``new - 1`` decode steps and their sampling
-(median over the repetitions). The candidates are timed interleaved (bench/timing.py),
-so the ratios compare runs under the same machine load. The first call of every candidate is timed on
-its own and reported as warm-up (for compiled candidates: dynamo + inductor compile).
+Decode tokens/s = ``batch / t_step``: ``t_step`` is the median time of one decode step
+(forward and token selection), the interval between two of generate's eager
+``prepare_inputs_for_generation`` calls, over every decode step of every timed call. The
+timed generate calls of the candidates are interleaved (bench/timing.py), so the ratios
+compare runs under the same machine load. Before them each candidate runs once on a
+16-token prompt with the same ``max_cache_len`` (so the same decode graph): that warm-up
+(dynamo + inductor compile for the compiled candidates) is reported separately.
+``--max-prefill-tflop`` skips shapes whose prefill alone would take minutes on a CPU.
 Peak KV bytes: the pool (and the blocks in use) for PagedCache, the key/value tensors for
 StaticCache, read after the generate call (both are allocated once, up front).
 
@@ -79,62 +81,68 @@ def run_shape(paged, static, batch: int, context: int, new: int, reps: int) -> D
     counters.clear()
     for model in (paged, static):
         model.__dict__.pop("_compiled_call", None)
-    prompt = torch.randint(1, paged.config.vocab_size, (batch, context),
-                           generator=torch.Generator().manual_seed(context + batch))
-    mask = torch.ones_like(prompt)
+    gen = torch.Generator().manual_seed(context + batch)
+    prompt = torch.randint(1, paged.config.vocab_size, (batch, context), generator=gen)
+    # Warm-up: a short prompt with the same max_cache_len compiles the same decode graph
+    # (the shapes depend on batch and max_cache_len, not on the prompt) without a long prefill.
+    short = prompt[:, :min(context, 16)]
     caches: Dict[str, object] = {}
-    decode_s: Dict[str, List[float]] = {}
+    steps_s: Dict[str, List[float]] = {}
 
-    def candidate(name: str, model, tokens: int, compiled: bool):
-        def call():
-            marks: List[float] = []
-            prepare = type(model).prepare_inputs_for_generation.__get__(model)
+    def run(name: str, model, compiled: bool, ids: torch.Tensor) -> torch.Tensor:
+        marks: List[float] = []
+        prepare = type(model).prepare_inputs_for_generation.__get__(model)
 
-            def timed_prepare(*args, **kwargs):  # eager, before every forward
-                marks.append(time.perf_counter())
-                return prepare(*args, **kwargs)
-            if name.startswith("paged"):
-                cache = PagedCache(model.config, block_size=BLOCK_SIZE,
-                                   max_cache_len=context + new, max_batch_size=batch)
-            else:
-                cache = StaticCache(config=model.config, max_cache_len=context + new)
-            extra = {"compile_config": compile_config()} if compiled else {"disable_compile": True}
-            model.prepare_inputs_for_generation = timed_prepare
-            try:
-                with torch.no_grad():
-                    out = model.generate(prompt, attention_mask=mask, max_new_tokens=tokens,
-                                         min_new_tokens=tokens, do_sample=False,
-                                         past_key_values=cache, **extra)
-            finally:
-                del model.prepare_inputs_for_generation
-            decode_s.setdefault(name, []).append(time.perf_counter() - marks[1])
-            caches[name] = cache
-            return out
-        return call
+        def timed_prepare(*args, **kwargs):  # eager, before every forward
+            marks.append(time.perf_counter())
+            return prepare(*args, **kwargs)
+        if name.startswith("paged"):
+            cache = PagedCache(model.config, block_size=BLOCK_SIZE, max_cache_len=context + new,
+                               max_batch_size=batch)
+        else:
+            cache = StaticCache(config=model.config, max_cache_len=context + new)
+        extra = {"compile_config": compile_config()} if compiled else {"disable_compile": True}
+        model.prepare_inputs_for_generation = timed_prepare
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, past_key_values=cache,
+                                     **extra)
+        finally:
+            del model.prepare_inputs_for_generation
+        marks.append(time.perf_counter())
+        # marks[i] -> marks[i + 1] for i >= 1: one decode step (forward + token selection).
+        steps_s.setdefault(name, []).extend(b - a for a, b in zip(marks[1:-1], marks[2:]))
+        caches[name] = cache
+        return out
 
     names = {"paged_compiled": (paged, True), "static_compiled": (static, True),
              "paged_eager": (paged, False), "static_eager": (static, False)}
-    candidates = {}
     warmup: Dict[str, float] = {}
-    outputs: Dict[str, torch.Tensor] = {}
     graphs: Dict[str, int] = {}
     for name, (model, compiled) in names.items():
-        candidates[name] = candidate(name, model, new, compiled)
         before = counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        outputs[name] = candidates[name]()
-        warmup[name] = time.perf_counter() - start
+        begin = time.perf_counter()
+        run(name, model, compiled, short)
+        warmup[name] = time.perf_counter() - begin
         graphs[name] = counters["stats"]["unique_graphs"] - before
-    decode_s.clear()
+    steps_s.clear()
+    outputs: Dict[str, torch.Tensor] = {}
+
+    def timed(name: str):
+        def call():
+            outputs[name] = run(name, names[name][0], names[name][1], prompt)
+        return call
+    samples = time_interleaved_samples({name: timed(name) for name in names}, warmup=0, reps=reps)
     memory = {name: kv_bytes(caches[name]) for name in names}
-    samples = time_interleaved_samples(candidates, warmup=0, reps=reps)
     result = {"batch": batch, "context": context, "new_tokens": new, "reps": reps}
     for name in names:
-        total, decode = statistics.median(samples[name]), statistics.median(decode_s[name])
+        step = statistics.median(steps_s[name])
         result[name] = {
-            "decode_tokens_per_s": batch * (new - 1) / decode, "decode_median_s": decode,
-            "generate_median_s": total, "first_call_s": warmup[name],
-            "warmup_s": warmup[name] - total, "graphs_compiled": graphs[name],
+            "decode_tokens_per_s": batch / step, "decode_step_median_s": step,
+            "decode_step_min_s": min(steps_s[name]), "decode_steps_timed": len(steps_s[name]),
+            "generate_median_s": statistics.median(samples[name]),
+            "warmup_short_prompt_s": warmup[name], "graphs_compiled": graphs[name],
             **memory[name]}
     # Recompiles after warm-up (expected 0): graphs dynamo made during the timed calls.
     result["graphs_compiled_while_timed"] = counters["stats"]["unique_graphs"] - sum(graphs.values())
@@ -164,15 +172,18 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--new", type=int, default=32, help="generated tokens per row")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=2,
+                        help="timed generate calls per candidate (each times every decode step)")
+    parser.add_argument("--max-prefill-tflop", type=float, default=10.0,
+                        help="skip shapes whose prefill needs more (2 x params x batch x context)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true",
-                        help="tiny model, fp32, batch 1 and 4, context 64, 8 tokens, 2 reps")
+                        help="tiny model, fp32, batch 1 and 4, context 64, 8 tokens, 1 rep")
     parser.add_argument("--out", default="bench/results/hf_compile.json")
     args = parser.parse_args()
     if args.quick:
         args.models, args.dtypes, args.batches, args.contexts = "tiny", "fp32", "1,4", "64"
-        args.new, args.reps = 8, 2
+        args.new, args.reps = 8, 1
         if args.out == parser.get_default("out"):
             args.out = "bench/results/hf_compile_quick.json"
     if args.threads:
@@ -185,8 +196,16 @@ def main() -> None:
     for model_name in parse_list(args.models, str):
         for dtype_name in parse_list(args.dtypes, str):
             paged, static = (m.to(DTYPES[dtype_name]) for m in random_pair(MODELS[model_name]()))
+            params = sum(p.numel() for p in paged.parameters())
             for context in parse_list(args.contexts):
                 for batch in parse_list(args.batches):
+                    tflop = 2 * params * batch * context / 1e12
+                    if tflop > args.max_prefill_tflop:
+                        results.append(dict(model=model_name, dtype=dtype_name, batch=batch,
+                                            context=context, skipped=f"prefill {tflop:.0f} TFLOP "
+                                            f"> --max-prefill-tflop {args.max_prefill_tflop}"))
+                        print(json.dumps(results[-1]), flush=True)
+                        continue
                     row = run_shape(paged, static, batch, context, args.new, args.reps)
                     row.update(model=model_name, dtype=dtype_name)
                     results.append(row)
