@@ -44,13 +44,13 @@ def cb_config(**overrides):
     return ContinuousBatchingConfig(page_size=PAGE, num_blocks=96, max_batch_tokens=32, **overrides)
 
 
-def generate(model, implementation, rows, max_new_tokens=5, **cb_overrides):
+def generate(model, implementation, rows, max_new_tokens=5, sampling=None, **cb_overrides):
     model.set_attn_implementation(implementation)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling is not None,
+                              eos_token_id=None, pad_token_id=0, **(sampling or {}))
     out = model.generate_batch(rows, generation_config=config,
                                continuous_batching_config=cb_config(**cb_overrides))
-    return [out[f"req_{i}"] for i in range(len(rows))]
+    return [out[request_id] for request_id in sorted(out)]  # forks included
 
 
 @pytest.fixture(params=["kernel", "reference"])
@@ -94,6 +94,20 @@ def test_greedy_tokens_equal_paged_sdpa(architecture, counted_ops, monkeypatch):
     assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
     assert all(len(o.generated_tokens) == 5 for o in got)
     assert counted_ops["attention"] > 0
+
+
+def test_sampled_forks_equal_paged_sdpa(counted_ops):
+    """num_return_sequences forks each request in transformers' cache (shared full pages,
+    copied partial ones); seeded sampling then draws the same tokens as paged|sdpa."""
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]().eval()
+    rows = prompts(model.config.vocab_size)
+    sampling = dict(num_return_sequences=2, top_k=0)
+    want = generate(model, "paged|sdpa", rows, sampling=sampling, seed=3)
+    got = generate(model, CB_ATTN_IMPLEMENTATION, rows, sampling=sampling, seed=3)
+    assert [o.error for o in got] == [None] * 2 * len(rows)
+    assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
+    assert len({tuple(o.generated_tokens) for o in got}) > len(rows)  # forks drew their own
 
 
 def test_sliding_window_model_fails_its_requests():
