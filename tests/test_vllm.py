@@ -10,8 +10,10 @@ Run in the vLLM environment (see the Makefile's test-vllm); skipped where vLLM i
 This file is also the child: ``python tests/test_vllm.py CASE.json`` prints the result.
 """
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,8 @@ BLOCK_SIZE = 32  # vLLM's CPU backend (the baseline) needs multiples of 32
 MODELS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
                   num_attention_heads=4, num_key_value_heads=2),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+    # Qwen2's head size is hidden_size / num_attention_heads.
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=1),
     # A window shorter than the prompts, so it changes the result.
     "mistral_window": dict(architectures=["MistralForCausalLM"], model_type="mistral",
@@ -90,7 +93,8 @@ def run_case(case: dict) -> dict:
               enable_prefix_caching=case.get("prefix_caching", False),
               num_gpu_blocks_override=case.get("num_blocks"),
               max_num_seqs=case.get("max_num_seqs", 8),
-              tensor_parallel_size=case.get("tp", 1), disable_log_stats=False)
+              tensor_parallel_size=case.get("tp", 1), disable_log_stats=False,
+              kv_cache_dtype=case.get("kv_cache_dtype", "auto"))
     params = SamplingParams(max_tokens=case["max_tokens"], temperature=0.0, ignore_eos=True)
     batches = []
     for batch in case["batches"]:
@@ -175,6 +179,21 @@ def test_greedy_equals_vllm_cpu_backend_tensor_parallel(model_dirs):
     batch = prompts(seed=1, count=6, shared_prefix=40)
     check_same(dict(model=model_dirs["llama"], batches=[batch], max_tokens=12,
                     prefix_caching=True, tp=2))
+
+
+def test_docs_example_runs(tmp_path):
+    """docs/integrations.md's vLLM example runs as written (vLLM's default processes)."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "integrations.md")).read()
+    section = text[text.index("\n## vLLM\n"):]
+    (code,) = re.findall(r"```python\n(.*?)```", section[:section.index("\n## ", 5)], re.S)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("[[")]
+    tokens = ast.literal_eval(printed[-1])
+    assert [len(t) for t in tokens] == [8, 8, 8]
 
 
 if __name__ == "__main__":
