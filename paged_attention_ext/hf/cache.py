@@ -22,6 +22,10 @@ one block table (a sequence of the manager) per batch row.
   ones; a shared partial block is copied on the next append (copy-on-write).
 * Sliding-window layers attend with the op's ``sliding_window``; their out-of-window
   blocks are kept (all layers share one block table per row).
+* Compile mode (``max_cache_len``): a fixed pool and fixed-size metadata tensors
+  (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the bookkeeping above runs eagerly
+  *before* each forward (``prepare``, called by the mask function when generate builds the
+  masks eagerly), so a compiled forward only writes K/V at the prepared slots and attends.
 """
 
 import hashlib
@@ -243,9 +247,11 @@ class PagedCache(Cache):
         self._mla: Optional[Tuple[int, int]] = mla_head_sizes(text_config)
         self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                                 calibration=kv_scale_calibration)
+        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
+        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
+        self._tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
         # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
-        kv_heads = (text_config.num_attention_heads if self._mla is not None else
-                    getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        kv_heads = self._config_pool_spec(torch.float32, torch.device("cpu"))[0]
         self._new_pool(1, (kv_heads, 1, 1, torch.float32, torch.device("cpu")))
         # Compile mode: (pool spec, pools, metadata buffers), kept across reset() so that a
         # compiled forward keeps reading the same tensors.
@@ -763,10 +769,10 @@ class PagedCache(Cache):
         allocates its pools before the first forward (update checks the real K/V shapes)."""
         config = self._config
         if self._mla is not None:
-            return (config.num_attention_heads,) + self._mla + (dtype, device)
+            return (config.num_attention_heads // self._tp_size,) + self._mla + (dtype, device)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return (heads, size, size, dtype, device)
+        return (heads // self._tp_size, size, size, dtype, device)
 
     def _check_static_room(self, counts: Sequence[int]) -> None:
         """Refuse a forward past max_cache_len or the pool, before any state changes."""
