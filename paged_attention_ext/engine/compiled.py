@@ -26,8 +26,10 @@ import torch
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
-# vLLM's capture sizes: 1, 2, 4, then every multiple of 8.
+
+
 def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to ``max_batch``."""
     return tuple(s for s in [1, 2, 4] + list(range(8, max_batch + 1, 8)) if s <= max_batch)
 
 
