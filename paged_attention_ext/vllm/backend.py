@@ -37,8 +37,8 @@ class PagedAttentionBackend(AttentionBackend):
     # vLLM calls do_kv_cache_update (write_kv) before forward.
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
-    # The cache has the model's dtype; fp8 caches are refused (see PagedAttentionImpl).
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    # "auto": the model's dtype; "fp8" is e4m3. fp8 caches use vLLM's per-layer scales.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -152,15 +152,16 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(
                 f"paged_attention_ext's vLLM backend supports decoder attention only, got {attn_type}")
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in PagedAttentionBackend.supported_kv_cache_dtypes:
             raise NotImplementedError(
                 f"paged_attention_ext's vLLM backend: kv_cache_dtype={kv_cache_dtype!r} is not "
-                "supported (the cache has the model's dtype: use 'auto')")
+                f"supported (use one of {PagedAttentionBackend.supported_kv_cache_dtypes})")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype != "auto"
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.alibi_slopes = (None if alibi_slopes is None
                              else torch.tensor(alibi_slopes, dtype=torch.float32))
@@ -178,7 +179,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
         n = slot_mapping.shape[0]
-        ops.write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping)
+        ops.write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping,
+                     **self._scales(layer))
 
     def forward(
         self,
@@ -199,8 +201,15 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
+        if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
+            self.alibi_slopes = self.alibi_slopes.to(query.device)  # built on the host
         key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
         ops.attention_out(output[:n], query[:n], key_cache, value_cache, m.block_table,
                           m.seq_lens, self.scale, m.query_start_loc, self.alibi_slopes,
-                          self.sliding_window, self.soft_cap, sinks=self.sinks)
+                          self.sliding_window, self.soft_cap, sinks=self.sinks,
+                          **self._scales(layer))
         return output
+
+    def _scales(self, layer) -> dict:
+        """vLLM's per-layer fp32 scales (shape [] or [1]) for an fp8 cache, else none."""
+        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if self.fp8 else {}
