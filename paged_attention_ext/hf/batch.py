@@ -100,6 +100,7 @@ class StepBuffers:
         self.query_start_loc = torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.max_rows = max_rows
+        self._tables: List[Optional[List[int]]] = [None] * max_rows  # what each row holds now
         self._write_kv = write_kv
         self._on_stored = on_stored
         self._batches: dict = {}  # (rows, q_len) -> PagedBatch of views, one object per shape
@@ -114,16 +115,24 @@ class StepBuffers:
             raise ValueError(f"StepBuffers: a forward of {rows} rows x {q_len} tokens exceeds the "
                              f"buffers ({self.seq_lens.shape[0] // 2} rows, "
                              f"{self.slot_mapping.shape[0]} tokens)")
-        table_rows: List[List[int]] = []
+        changed: List[int] = []
         lens: List[int] = []
         starts: List[int] = [0]
         for row, (table, kv_len, count) in enumerate(zip(tables, seq_lens, query_lens)):
-            table_rows.append(list(table) + [self.scratch_block] * (width - len(table)))
+            if self._tables[row] != table:  # most decode steps change no table
+                changed.append(row)
+                self._tables[row] = list(table)
             lens += [q_len - count, kv_len]
             starts += [row * q_len + q_len - count, (row + 1) * q_len]
-        # One host tensor per buffer, copied into the fixed storage. The padding sequences'
-        # tables (even rows) hold the scratch block from the start and never change.
-        self.block_tables[1:2 * rows:2].copy_(torch.tensor(table_rows, dtype=torch.int32))
+        if changed:
+            # Only the rows whose blocks changed; the padding sequences' tables (even rows)
+            # hold the scratch block from the start and never change.
+            new_rows = torch.tensor([self._tables[r] + [self.scratch_block] * (width - len(self._tables[r]))
+                                     for r in changed], dtype=torch.int32)
+            index = torch.tensor([2 * r + 1 for r in changed])
+            self.block_tables.index_copy_(0, index.to(self.block_tables.device),
+                                          new_rows.to(self.block_tables.device))
+        # One host tensor per buffer, copied into the fixed storage.
         self.seq_lens[:2 * rows].copy_(torch.tensor(lens, dtype=torch.int32))
         self.query_start_loc[:2 * rows + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         self.slot_mapping[:rows * q_len].copy_(torch.tensor(list(slots), dtype=torch.int64))
