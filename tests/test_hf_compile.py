@@ -3,9 +3,9 @@ one graph (no graph breaks, no recompiles after warm-up) across steps, rows fini
 reorders and block-table growth, and generates what eager attention generates.
 
 Counter tests use the ``eager`` backend (dynamo's tracing is the point, not inductor's
-code); one test (marked integration: make test-integration) runs inductor. Graphs are counted by a backend function (generate's
-CompileConfig deep-copies its backend argument, which keeps a function but not a counter
-object) and graph breaks by dynamo's counters.
+code); one test (marked integration: make test-integration) runs inductor. Graphs are
+counted by a backend function (generate's CompileConfig deep-copies its backend argument,
+which keeps a function but not a counter object) and graph breaks by dynamo's counters.
 """
 
 import pytest

@@ -127,8 +127,9 @@ class StepBuffers:
         if changed:
             # Only the rows whose blocks changed; the padding sequences' tables (even rows)
             # hold the scratch block from the start and never change.
-            new_rows = torch.tensor([self._tables[r] + [self.scratch_block] * (width - len(self._tables[r]))
-                                     for r in changed], dtype=torch.int32)
+            padded = [self._tables[r] + [self.scratch_block] * (width - len(self._tables[r]))
+                      for r in changed]
+            new_rows = torch.tensor(padded, dtype=torch.int32)
             index = torch.tensor([2 * r + 1 for r in changed])
             self.block_tables.index_copy_(0, index.to(self.block_tables.device),
                                           new_rows.to(self.block_tables.device))
