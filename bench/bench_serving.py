@@ -23,12 +23,20 @@ arrival to the last token), time to first token (from the request's arrival) and
 per-token latency (gaps between a request's consecutive tokens), mean and p50/p90.
 Target (issue 15): the engine >= 2x the better transformers path.
 
-    python bench/bench_serving.py [--quick] [--out FILE]
+One thread by default, everywhere: transformers' continuous batching runs its model in a
+background thread, whose OpenMP thread count is not the one torch.set_num_threads gives the
+main thread, so OMP_NUM_THREADS is set (unless given) before torch loads; and on a shared
+2-core machine, two OpenMP threads per small op mostly wait for each other (we measured the
+engine's forward 10x slower with 2 threads than with 1 under load).
+
+    python bench/bench_serving.py [--quick] [--threads N] [--out FILE]
 """
 
 import argparse
 import json
 import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: threads other than main too
 import platform
 import statistics
 import threading
@@ -212,7 +220,7 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+",
                         default=["engine", "engine_eager", "generate", "generate_batch"])
     parser.add_argument("--backend", default="inductor", help="the engine's torch.compile backend")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving.json"))
     args = parser.parse_args()
@@ -263,7 +271,8 @@ def main() -> None:
             print(f"{mode:<8} engine / best transformers path: "
                   f"{results[mode]['engine_vs_best_transformers']:.2f}x")
     report = {
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+        "machine": {"cpus": os.cpu_count(), "threads": args.threads,
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "load_average_start": load_at_start, "load_average_end": os.getloadavg()},
         "workload": {"trace": args.trace, "burst": args.burst, "later": args.later,
