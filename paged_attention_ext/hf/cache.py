@@ -763,6 +763,13 @@ class PagedCache(Cache):
         # On the pools' device, so the compiled graph touches no host tensor.
         self._length_tensor = self._length_tensor.to(spec[4])
         self._consumed = self._consumed.to(spec[4])
+        # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
+        # "reduce-overhead") may then read and write them in place instead of copying them.
+        buffers = self._static[2]
+        for tensor in (*self.kv.key_caches, *self.kv.value_caches, buffers.block_tables,
+                       buffers.seq_lens, buffers.query_start_loc, buffers.slot_mapping,
+                       self._length_tensor, self._consumed):
+            torch._dynamo.mark_static_address(tensor)
 
     def _config_pool_spec(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """(kv heads, key size, value size, dtype, device) from the config: the compile mode
