@@ -1,6 +1,7 @@
 """transformers' continuous batching: ``paged|paged_attention_ext`` vs ``paged|sdpa`` on CPU.
 
-Usage: ``.venv/bin/python bench/bench_hf_continuous.py [--quick] [--reps N] [--out PATH] [--threads N]``
+Usage: ``.venv/bin/python bench/bench_hf_continuous.py [--quick] [--requests N] [--reps N] [--out PATH]
+[--threads N]``
 
 Method
 ------
@@ -34,6 +35,7 @@ import torch
 import transformers
 
 import paged_attention_ext.hf  # noqa: F401  (registers paged|paged_attention_ext)
+from paged_attention_ext import ops
 from paged_attention_ext.engine.models import tiny_config
 
 BLOCK_SIZE = 16
@@ -81,11 +83,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_continuous.json"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--requests", type=int, help="number of prompts (default 12, --quick 4)")
     args = parser.parse_args()
     load_at_start = os.getloadavg()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     count, prompt_len, new_tokens = (4, 256, 8) if args.quick else (12, 1024, 32)
+    count = args.requests or count
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -102,7 +106,8 @@ def main() -> None:
     reference = measured["paged|sdpa"][0]["outputs"]
     systems = {name: summarize(measured[name], reference) for name in SYSTEMS}
     report = {
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "cpu_isa": ops.cpu_isa(),
+                    "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "load_average_start": load_at_start, "load_average_end": os.getloadavg()},
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,
