@@ -181,6 +181,13 @@ def test_greedy_equals_vllm_cpu_backend_tensor_parallel(model_dirs):
                     prefix_caching=True, tp=2))
 
 
+def test_greedy_equals_vllm_cpu_backend_fp8_cache(model_dirs):
+    """kv_cache_dtype="fp8" (e4m3, vLLM's per-layer scales, 1.0 uncalibrated)."""
+    batch = prompts(seed=4, count=6, shared_prefix=0)
+    check_same(dict(model=model_dirs["llama"], batches=[batch], max_tokens=12,
+                    kv_cache_dtype="fp8"))
+
+
 def test_docs_example_runs(tmp_path):
     """docs/integrations.md's vLLM example runs as written (vLLM's default processes)."""
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "integrations.md")).read()
