@@ -21,7 +21,7 @@ from .contents import BlockContents
 from .metrics import EngineMetrics
 from .params import Request
 from .runner import ModelRunner
-from .sampler import next_tokens
+from .sampler import sample_many
 from .scheduler import Preemption, Scheduler, SchedulerOutput
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
@@ -234,31 +234,29 @@ class LLMEngine:
             raise
 
     def _choose_all(self, groups: List[SequenceGroup], logits: List[torch.Tensor]) -> List[_Choice]:
-        """Every group's choice; the greedy single-sequence groups by one argmax for all."""
-        simple = [i for i, g in enumerate(groups)
-                  if not g.beam and g.generator is None and len(g.seqs) == 1]
-        if len(simple) > 1:
-            rows = torch.cat([logits[i] for i in simple]).argmax(dim=-1).tolist()
-            greedy = {i: _Choice([token]) for i, token in zip(simple, rows)}
-        else:
-            greedy = {}
-        return [greedy[i] if i in greedy else self._choose(g, logits[i])
-                for i, g in enumerate(groups)]
-
-    def _choose(self, group: SequenceGroup, logits: torch.Tensor) -> _Choice:
-        """The group's next tokens, without changing the group: the request's generator
-        and beam state advance on copies that the commit adopts."""
-        if group.beam:
-            beam = copy.copy(group.beam)  # step() only rebinds its attributes (beam_search.py)
-            return _Choice(beam.step(logits, [s.output_ids for s in group.seqs]), beam=beam)
-        params = group.request.params
-        live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
-                else [not s.finished for s in group.seqs])
-        generator = None
-        if group.generator is not None:
-            generator = torch.Generator(device=group.generator.device)
-            generator.set_state(group.generator.get_state())
-        return _Choice(next_tokens(logits, live, params, generator), generator=generator)
+        """Every group's next tokens, without changing the groups: the requests' generators
+        and beam states advance on copies that the commit adopts. Greedy and sampled
+        groups are chosen together (:func:`sampler.sample_many`)."""
+        choices: List[Optional[_Choice]] = [None] * len(groups)
+        samples, members = [], []
+        for i, group in enumerate(groups):
+            if group.beam:
+                beam = copy.copy(group.beam)  # step() only rebinds its attributes (beam_search.py)
+                choices[i] = _Choice(beam.step(logits[i], [s.output_ids for s in group.seqs]),
+                                     beam=beam)
+                continue
+            params = group.request.params
+            live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
+                    else [not s.finished for s in group.seqs])
+            generator = None
+            if group.generator is not None:
+                generator = torch.Generator(device=group.generator.device)
+                generator.set_state(group.generator.get_state())
+            samples.append((logits[i], live, params, generator))
+            members.append(i)
+        for i, tokens, (_, _, _, generator) in zip(members, sample_many(samples), samples):
+            choices[i] = _Choice(tokens, generator=generator)
+        return choices
 
     def _commit(self, plan: SchedulerOutput, choices: List["_Choice"]) -> List[RequestOutput]:
         """Adopt a step that ran: record what was written, append the chosen tokens, stream."""
