@@ -54,6 +54,7 @@ from paged_attention_ext.engine import EngineConfig, LLMEngine
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.kv_cache import bytes_per_block
+from paged_attention_ext.reference import dequantize
 from paged_attention_ext.tools.memory import PRESETS
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
@@ -154,8 +155,8 @@ def op_accuracy(batch: int, context: int, heads: int, kv_heads: int, head_size: 
             per_head = calibration == "per_head"
             k_scale, v_scale = q.calibrate(all_keys, dtype, per_head), q.calibrate(all_values, dtype, per_head)
             out, key_cache, value_cache = run(dtype, k_scale, v_scale)
-            dequantized = float64_attention(query, per_seq(q.dequantize_pool(key_cache, k_scale)),
-                                            per_seq(q.dequantize_pool(value_cache, v_scale)), lens, scale)
+            dequantized = float64_attention(query, per_seq(dequantize(key_cache, k_scale)),
+                                            per_seq(dequantize(value_cache, v_scale)), lens, scale)
             vs_dequantized = error_stats(out, dequantized)
             baseline = result["fp32_cache_baseline"]["rel_rms"]["max"]
             result["formats"][f"{name}/{calibration}"] = {
@@ -164,7 +165,7 @@ def op_accuracy(batch: int, context: int, heads: int, kv_heads: int, head_size: 
                 "within_fp32_rounding": vs_dequantized["rel_rms"]["max"] <= 4 * baseline,
                 "vs_unquantized": error_stats(out, exact),
                 # Stored keys against the originals (the first sequence's: enough samples).
-                "key_roundtrip": error_stats(per_seq(q.dequantize_pool(key_cache, k_scale))[0],
+                "key_roundtrip": error_stats(per_seq(dequantize(key_cache, k_scale))[0],
                                              keys[0].double()),
             }
     return result

@@ -1,7 +1,8 @@
 """fp8 KV-cache formats, their scales, and calibration of the scales.
 
 An fp8 cache stores ``to_fp8(x / scale)`` and the attention reads ``float(stored) * scale``
-(the op semantics: :mod:`paged_attention_ext.ops`). A scale is a float32 tensor per layer
+(the op semantics: :mod:`paged_attention_ext.ops`; in plain PyTorch:
+``reference.quantize`` / ``reference.dequantize``). A scale is a float32 tensor per layer
 and per K or V: one element (the layer's scale, vLLM's convention) or ``[num_kv_heads]``
 (one per KV head). The scale maps the largest value the layer stores onto the format's
 largest finite value, ``scale = amax / fmax``: anything larger saturates, anything much
@@ -122,16 +123,3 @@ def scale_from_absmax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def calibrate(x: torch.Tensor, dtype: torch.dtype, per_head: bool = False) -> torch.Tensor:
     """The scale for storing ``x`` (``[tokens, num_kv_heads, head_size]``) in ``dtype``."""
     return scale_from_absmax(absmax(x, per_head), dtype)
-
-
-def quantize_tokens(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values ``[tokens, num_kv_heads, head_size]`` as ``write_kv`` stores them:
-    ``x / scale[h]`` saturated to the finite range, rounded to nearest even; NaN stays NaN."""
-    limit = fp8_max(dtype)
-    return (x.float() / scale.float().view(-1, 1)).clamp(-limit, limit).to(dtype)
-
-
-def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What the attention reads from an fp8 pool ``[num_blocks, num_kv_heads, block_size,
-    head_size]``, in fp32: ``float(stored) * scale[h]``."""
-    return pool.float() * scale.float().view(1, -1, 1, 1)

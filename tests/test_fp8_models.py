@@ -24,6 +24,7 @@ from paged_attention_ext import quantization as q
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
 from paged_attention_ext.engine.models import random_pair, tiny_config
 from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.reference import quantize
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 ARCHS = {
@@ -64,7 +65,7 @@ class FakeFp8:
         """``[batch, kv_heads, tokens, head_size]`` through the cache's fp8 and back."""
         scale = q.check_scale("scale", scale, states.shape[1], states.device)
         tokens = states.transpose(1, 2)
-        stored = q.quantize_tokens(tokens, scale, self.dtype)
+        stored = quantize(tokens, scale, self.dtype)
         return (stored.float() * scale.view(-1, 1)).transpose(1, 2).to(states.dtype)
 
 
