@@ -30,9 +30,11 @@ Method
    tokens move under any small change of K/V.
 
 3. **Capacity**: an ``LLMEngine`` per cache dtype over the same pool bytes (the bytes of
-   ``--pool-blocks`` bf16 blocks of the bench model): tokens the pool holds, from the
-   engine's own accounting (``engine.kv_cache.usage``); and the same accounting for
-   published model shapes in 16 GiB (``kv_cache.bytes_per_block``).
+   40 bf16 blocks of a 4-layer bench model): tokens the pool holds, from the engine's own
+   accounting (``engine.kv_cache.usage``), and the demo's batch (15 requests: greedy,
+   n = 2-3 samples, beams, behind a shared 48-token prompt) served through it: steps and
+   preemptions; and the same accounting for published model shapes in 16 GiB
+   (``kv_cache.bytes_per_block``).
 
 Results are printed and written as JSON (default ``bench/results/fp8_accuracy.json``).
 """
@@ -55,6 +57,7 @@ from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.kv_cache import bytes_per_block
 from paged_attention_ext.reference import dequantize
+from paged_attention_ext.tools.demo import make_requests
 from paged_attention_ext.tools.memory import PRESETS
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
@@ -246,12 +249,17 @@ def capacity(pool_blocks: int) -> Dict:
         block = bytes_per_block(text.num_hidden_layers, text.num_key_value_heads, head_size, block_size,
                                 q.kv_cache_dtype(name, model.dtype))
         engine = LLMEngine(model, EngineConfig(block_size=block_size, num_device_blocks=pool_bytes // block,
-                                               num_host_blocks=0, kv_cache_dtype=name))
+                                               num_host_blocks=256, kv_cache_dtype=name))
         usage = engine.kv_cache.usage(0)
+        # The demo's batch (greedy, n = 2-3 samples, beams behind a shared prompt) through it.
+        engine.generate(make_requests(text.vocab_size, eos=2, seed=0))
+        report = engine.report()
         engines["bfloat16" if name == "auto" else name] = {
             "dtype": usage["dtype"], "pool_bytes": usage["device_bytes"],
             "blocks": engine.kv_cache.num_blocks, "tokens": usage["device_tokens"],
-            "block_bytes": engine.kv_cache.block_bytes}
+            "block_bytes": engine.kv_cache.block_bytes,
+            "demo_batch": {k: report[k] for k in ("steps", "generated_tokens", "preemptions",
+                                                  "kv_blocks_peak")}}
     presets = {}
     for name in ("llama-3-8b", "llama-2-7b", "qwen2-7b"):
         shape = PRESETS[name]
@@ -289,8 +297,10 @@ def summarize(results: Dict) -> None:
                   f"({r['logit_err_mean_over_std']:.3f} std)")
     cap = results["capacity"]
     for name, e in cap["engine"].items():
+        demo = e["demo_batch"]
         print(f"capacity {name:<9} {e['tokens']} tokens ({e['blocks']} blocks of {e['block_bytes']} "
-              f"bytes) in {e['pool_bytes']} bytes")
+              f"bytes) in {e['pool_bytes']} bytes; the demo batch: {demo['steps']} steps, "
+              f"preemptions {demo['preemptions']}, peak {demo['kv_blocks_peak']} blocks")
     for name, tokens in cap["presets_16GiB_tokens"].items():
         print(f"capacity {name} in 16 GiB: {tokens}")
 
@@ -319,7 +329,7 @@ def main() -> None:
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
         "op": [op_accuracy(**s) for s in shapes],
         "models": {arch: model_accuracy(arch, dtype=torch.bfloat16, **model_runs) for arch in ARCHS},
-        "capacity": capacity(pool_blocks=64),
+        "capacity": capacity(pool_blocks=40),
     }
     results["wall_s"] = time.perf_counter() - started
     summarize(results)
