@@ -25,6 +25,8 @@ Allocating once also avoids repeated multi-GiB alloc/free churn, which on this V
 (memory handed back to the host) disturbs later timings.
 
 Sections: decode (fp32/bf16/fp16 x 32/32 and 32/8 heads, B=16, ctx 2048, block 16),
+fp8_layouts (fp8 e4m3/e5m2 and NHD views against the bf16 HND cache, B=16 ctx 2048 and B=1
+ctx 32k; ``--sections fp8_layouts`` runs it alone, without the 4 GiB of shared pools),
 context sweep 512..32k (B=16, or the largest B whose K fits the 1 GiB pool), batch 1 at
 32k with 1 and 2 threads, block-size sweep 1..256, a diagnostic with the KV resident in
 L3 (the kernel's speed with DRAM out of the way), multi-token GFLOP/s against matmul,
@@ -51,12 +53,15 @@ from bench_attention import machine_info
 from cpu_perf.cache_ops import bench_cache_ops
 from cpu_perf.config import FULL, QUICK
 from cpu_perf.decode import bench_cache_resident, bench_decode, bench_long_context
+from cpu_perf.fp8_layouts import bench_fp8_layouts, fp8_targets
 from cpu_perf.machine import allocate, load, memory_info
 from cpu_perf.multi_token import bench_multi_token
 from cpu_perf.report import evaluate, print_targets, write_plots
 from cpu_perf.sweeps import bench_block_sweep, bench_context_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = ("decode", "fp8_layouts", "context_sweep", "long_context", "block_sweep",
+            "cache_resident", "multi_token", "cache_ops")
 DEFAULT_OUT = RESULTS / "cpu_perf.json"
 
 
@@ -66,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="run only these sections (the targets and plots need all of them)")
     parser.add_argument("--replot", action="store_true",
                         help="only redraw the PNGs from the JSON at --out")
     parser.add_argument("--add-repeat", type=Path, metavar="RUN_JSON",
@@ -96,28 +103,34 @@ def main() -> None:
     started = time.perf_counter()
     machine = machine_info()
     print(", ".join(f"{k}={v}" for k, v in machine.items()) + f", loadavg={load()}", flush=True)
-    mem = allocate()
-    memory = memory_info(mem)
+    shared_pools = any(name != "fp8_layouts" for name in args.sections)
+    mem = allocate() if shared_pools else None
+    memory = memory_info(mem) if shared_pools else {}
     print(f"memory: {memory}", flush=True)
 
     sections: Dict[str, float] = {}
     report: Dict[str, object] = {"machine": machine | {"loadavg_at_start": load()}, "memory": memory,
                                  "plan": asdict(plan) | {"quick": args.quick}}
-
-    def section(name: str, fn: Callable[[], object]) -> None:
+    runners: Dict[str, Callable[[], object]] = {
+        "decode": lambda: bench_decode(mem, plan),
+        "fp8_layouts": lambda: bench_fp8_layouts(plan),
+        "context_sweep": lambda: bench_context_sweep(mem, plan),
+        "long_context": lambda: bench_long_context(mem, plan, args.threads),
+        "block_sweep": lambda: bench_block_sweep(mem, plan),
+        "cache_resident": lambda: bench_cache_resident(mem, plan),
+        "multi_token": lambda: bench_multi_token(mem, plan),
+        "cache_ops": lambda: bench_cache_ops(mem, plan),
+    }
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
         t0 = time.perf_counter()
-        report[name] = fn()
+        report[name] = runners[name]()
         sections[name] = round(time.perf_counter() - t0, 1)
         print(f"[{name}: {sections[name]} s]\n", flush=True)
-
-    section("decode", lambda: bench_decode(mem, plan))
-    section("context_sweep", lambda: bench_context_sweep(mem, plan))
-    section("long_context", lambda: bench_long_context(mem, plan, args.threads))
-    section("block_sweep", lambda: bench_block_sweep(mem, plan))
-    section("cache_resident", lambda: bench_cache_resident(mem, plan))
-    section("multi_token", lambda: bench_multi_token(mem, plan))
-    section("cache_ops", lambda: bench_cache_ops(mem, plan))
-    report["targets"] = evaluate(report)
+    complete = set(args.sections) == set(SECTIONS)
+    report["targets"] = ((evaluate(report) if complete else [])
+                         + fp8_targets(report.get("fp8_layouts", [])))
     report["section_seconds"] = sections
     report["total_seconds"] = round(time.perf_counter() - started, 1)
     print_targets(report["targets"])
@@ -125,7 +138,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
-    if not args.no_plots:
+    if complete and not args.no_plots:
         write_plots(report, args.out.parent)
     print(f"total {report['total_seconds']} s")
 

@@ -32,7 +32,8 @@ Method
   is the K and V bytes one decode step must read (``batch * context * kv_heads * 128 * 2 *
   2``) over the median time, also given as a percentage of the copy bandwidth.
 * Cache ops (bf16, 8 KV heads, block size 16, head size 128): ``write_kv`` of 16384
-  tokens into random slots; ``copy_blocks`` of 1024 random pairs in 32 layers;
+  tokens into random slots, also quantized into a float8_e4m3fn cache; ``copy_blocks``
+  of 1024 random pairs in 32 layers;
   ``swap_blocks`` of 2048 blocks device to pinned host, host to device, and device to
   device, with random and with consecutive block ids (one copy per run of adjacent
   blocks). Bandwidth counts bytes read plus written for device-only ops, bytes moved for
@@ -406,7 +407,16 @@ def bench_cache_ops(timer, device, copy_gbps, quick, reps):
     out["write_kv"] = summary(timer(lambda: pa.write_kv(key, value, key_cache, value_cache, slots), reps),
                               moved, copy_gbps)
     out["write_kv"].update(tokens=tokens)
-    del key_cache, value_cache, key, value, slots
+    # The same tokens quantized into an fp8 cache (bf16 read, one byte written per element).
+    fp8 = torch.float8_e4m3fn
+    key_fp8, value_fp8 = key_cache.to(fp8), value_cache.to(fp8)
+    scales = torch.full((kv_heads,), 0.05, device=device)
+    moved = 3 * key.numel() * key.element_size()  # K and V: 2 bytes read, 1 written per element
+    out["write_kv_fp8_e4m3"] = summary(timer(lambda: pa.write_kv(key, value, key_fp8, value_fp8, slots,
+                                                                 k_scale=scales, v_scale=scales), reps),
+                                       moved, copy_gbps)
+    out["write_kv_fp8_e4m3"].update(tokens=tokens)
+    del key_cache, value_cache, key, value, slots, key_fp8, value_fp8
 
     layers, pairs, num_blocks = (2, 16, 64) if quick else (32, 1024, 4096)
     shape = (num_blocks, kv_heads, BLOCK_SIZE, HEAD_SIZE)

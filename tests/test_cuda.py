@@ -115,11 +115,19 @@ def test_ops_never_synchronize_the_host():
     new = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16, device=CUDA)
     slots = torch.tensor([-1], device=CUDA)
     mapping = torch.tensor([[0, 1]], device=CUDA)
+    # fp8 caches in NHD views with per-head scales: the scales stay on the device.
+    nhd = relayout(case.key_cache.cpu(), case.value_cache.cpu(), "NHD")
+    fp8 = [strided_to(c.to(torch.float8_e4m3fn), CUDA) for c in nhd]
+    scale = torch.full((2,), 0.5, device=CUDA)
     torch.cuda.set_sync_debug_mode("error")
     try:
         pa.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
         pa.write_kv(new[0], new[1], case.key_cache, case.value_cache, slots)
         pa.copy_blocks([case.key_cache], [case.value_cache], mapping)
+        pa.attention_with_lse(query, fp8[0], fp8[1], case.block_tables, case.seq_lens, 0.1, k_scale=scale,
+                              v_scale=scale)
+        pa.write_kv(new[0], new[1], fp8[0], fp8[1], slots, k_scale=scale, v_scale=scale)
+        pa.copy_blocks([fp8[0]], [fp8[1]], mapping)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

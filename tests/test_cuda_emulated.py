@@ -74,14 +74,17 @@ class CopyCache(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=None)
-def emulator():
+def emulator(fp8_path="software"):
+    """The emulator library; fp8_path "hardware" builds fp8.cuh's sm_89+ code (with
+    cuda_fp8.h's host implementation of the conversion) instead of the software path."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
     cuda_include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
     if cxx is None or not os.path.exists(os.path.join(cuda_include, "cuda_bf16.h")):
         pytest.skip("needs g++ and the CUDA headers")
     lib = os.path.join(tempfile.mkdtemp(prefix="paged_emu_"), "libemu.so")
     # -w: the kernel source compares threadIdx (unsigned) with ints, as CUDA code does.
-    subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread",
+    defines = ["-DPAGED_FP8_EMULATE_HARDWARE"] if fp8_path == "hardware" else []
+    subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", *defines,
                     "-I", os.path.join(ROOT, "csrc", "cuda"), "-I", cuda_include,
                     os.path.join(ROOT, "tests", "cuda_emulator.cpp"),
                     os.path.join(ROOT, "csrc", "cuda", "attention_plan.cpp"), "-o", lib], check=True)
@@ -106,10 +109,10 @@ def scale_stride(scale):
 
 def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc=None,
                        alibi_slopes=None, sliding_window=-1, soft_cap=0.0, sinks=None, k_scale=None,
-                       v_scale=None, ctas_per_sm=3, multiprocessors=132):
+                       v_scale=None, ctas_per_sm=3, multiprocessors=132, fp8_path="software"):
     """The CUDA kernels' answer (out, lse, number of splits), computed on the CPU. The caches
     may be strided views (as the host code passes their strides)."""
-    lib = emulator()
+    lib = emulator(fp8_path)
     num_tokens, num_heads, _ = query.shape
     keep = [t.contiguous() if t is not None else None
             for t in (block_tables, seq_lens, query_start_loc, alibi_slopes, sinks)]
@@ -133,9 +136,9 @@ def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, sc
     return out, lse, a.num_partitions
 
 
-def check(case, query, scale, *, want_split=None, **kwargs):
+def check(case, query, scale, *, want_split=None, fp8_path="software", **kwargs):
     out, lse, splits = emulated_attention(query, case.key_cache, case.value_cache, case.block_tables,
-                                          case.seq_lens, scale, **kwargs)
+                                          case.seq_lens, scale, fp8_path=fp8_path, **kwargs)
     if want_split is not None:
         assert (splits > 1) == want_split, splits
     want, want_lse = ref.attention_with_lse(query, case.key_cache, case.value_cache, case.block_tables,
@@ -255,8 +258,9 @@ def fp8_case(case, dtype, scales="head", seed=11):
     return quantized, k_scale, v_scale
 
 
-def test_fp8_unpack_every_byte():
-    lib = emulator()
+@pytest.mark.parametrize("fp8_path", ["software", "hardware"])
+def test_fp8_unpack_every_byte(fp8_path):
+    lib = emulator(fp8_path)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     for dtype in FP8:
         got = torch.empty(256)
@@ -303,6 +307,18 @@ def test_fp8_attention(dtype, query_dtype, scales):
         query = random_query(sum(q_lens) if multi_token else 4, 8, 64, query_dtype)
         check(case, query, 0.125, query_start_loc=query_start_loc(q_lens) if multi_token else None,
               k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_attention_sm89_code_path(dtype):
+    # The code sm_89+ compiles (cvt.rn.f16x2 through cuda_fp8.h, unpack_scale 1), with the
+    # header's host implementation of the conversion standing in for the instruction.
+    case, k_scale, v_scale = fp8_case(make_case([1, 17, 40, 0, 700], 2, 64, 16, torch.float32), dtype)
+    q_lens = [1, 5, 3, 0, 2]
+    for multi_token in (False, True):
+        query = random_query(sum(q_lens) if multi_token else 5, 8, 64, torch.bfloat16)
+        check(case, query, 0.125, query_start_loc=query_start_loc(q_lens) if multi_token else None,
+              k_scale=k_scale, v_scale=v_scale, sinks=torch.linspace(-1, 1, 8), fp8_path="hardware")
 
 
 @pytest.mark.parametrize("dtype", FP8)

@@ -68,7 +68,7 @@ def print_targets(targets: List[Dict[str, object]]) -> None:
     for t in targets:
         verdict = "PASS" if t["pass"] else "FAIL"
         print(f"  {verdict}  {t['target']:<26} {t['config']:<34} {t['measured']:6.1f} "
-              f"(>= {t['threshold']:.0f})  {t['detail']}")
+              f"(>= {t['threshold']:g})  {t['detail']}")
 
 
 COLORS = {("fp32", 32): "tab:blue", ("fp32", 8): "tab:orange", ("bf16", 32): "tab:green",

@@ -7,7 +7,8 @@
 // The script compiles SOURCE_DIR's csrc/cpu/isa_avx512_bf16.cpp (the kernel this
 // machine dispatches to) with setup.py's flags plus any -D flags given, links it with this
 // file, and runs decode items of B=1, 32 query heads, head size 128, context 2048, block
-// size 16, for fp32 / fp16 / bf16 with 32 and 8 KV heads. The block table cycles over
+// size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
+// bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 512 KiB each by default, inside the 2 MiB L2.
 // Two source trees compared one after the other give the change's cost; the numbers are
 // best-of-five in thread CPU time and move a few percent between runs on this shared machine.
@@ -65,14 +66,40 @@ uint16_t to_bits(float x, ScalarKind kind) {
   return uint16_t(b >> 16);  // bf16 (truncated: any value will do)
 }
 
+// N(0, 1) values as fp8 with scale 1 (rounded to nearest, ties away: any rounding will do).
+uint8_t to_fp8(float x, ScalarKind kind) {
+  const bool e4m3 = int(kind) == 3;
+  const int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const uint8_t sign = x < 0 ? 0x80 : 0;
+  const float a = std::fabs(x);
+  const float smallest_normal = std::ldexp(1.0f, 1 - bias);
+  if (a < smallest_normal) {  // subnormal: multiples of 2^(1 - bias - mantissa_bits)
+    const int m = int(std::lround(std::ldexp(a, bias - 1 + mantissa_bits)));
+    return uint8_t(sign | m);  // m == 2^mantissa_bits is the smallest normal's encoding
+  }
+  int e = int(std::floor(std::log2(a)));
+  int m = int(std::lround((std::ldexp(a, -e) - 1.0f) * (1 << mantissa_bits)));
+  if (m == (1 << mantissa_bits)) m = 0, ++e;
+  return uint8_t(sign | ((e + bias) << mantissa_bits) | m);  // |x| < 8 for N(0, 1): no overflow
+}
+
+size_t element_size(ScalarKind kind) {
+  switch (int(kind)) {
+    case 0: return 4;
+    case 1: case 2: return 2;
+    default: return 1;  // fp8
+  }
+}
+
 std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
-  const size_t esize = kind == ScalarKind::kFloat32 ? 4 : 2;
+  const size_t esize = element_size(kind);
   std::vector<char> buf(elements * esize);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   for (size_t i = 0; i < elements; ++i) {
     const float x = normal(rng);
-    if (esize == 4) std::memcpy(&buf[i * 4], &x, 4);
+    if (esize == 1) buf[i] = char(to_fp8(x, kind));
+    else if (esize == 4) std::memcpy(&buf[i * 4], &x, 4);
     else {
       const uint16_t h = to_bits(x, kind);
       std::memcpy(&buf[i * 2], &h, 2);
@@ -83,12 +110,14 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
 
 void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz) {
   constexpr int kContext = 2048, kBlock = 16, kHead = 128, kHeads = 32;
-  const size_t esize = kind == ScalarKind::kFloat32 ? 4 : 2;
+  const size_t esize = element_size(kind);
+  // fp8 caches take a bf16 query (the model's dtype).
+  const ScalarKind query_kind = esize == 1 ? ScalarKind::kBFloat16 : kind;
   const size_t block_elements = size_t(kv_heads) * kBlock * kHead;
   const int blocks = int(std::max<size_t>(1, resident / (block_elements * esize)));
   const std::vector<char> K = random_rows(block_elements * blocks, kind, 1);
   const std::vector<char> V = random_rows(block_elements * blocks, kind, 2);
-  const std::vector<char> Q = random_rows(size_t(kHeads) * kHead, kind, 3);
+  const std::vector<char> Q = random_rows(size_t(kHeads) * kHead, query_kind, 3);
   std::vector<int32_t> table(kContext / kBlock);
   for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t((i * 7) % blocks);
   const int32_t length = kContext;
@@ -112,6 +141,17 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
     if constexpr (requires { params.head_size_v; }) params.head_size_v = kHead;
   }(P);
   P.block_size = kBlock;
+  // Trees with strided caches and fp8 scales: HND strides, per-layer scales of 1.
+  const float one = 1.0f;
+  [&](auto& params) {
+    if constexpr (requires { params.k_block_stride; }) {
+      params.query_kind = query_kind;
+      params.k_block_stride = params.v_block_stride = int64_t(block_elements);
+      params.k_head_stride = params.v_head_stride = int64_t(kBlock) * kHead;
+      params.k_token_stride = params.v_token_stride = kHead;
+      if (esize == 1) params.k_scale = params.v_scale = &one;
+    }
+  }(P);
   P.scale = 1.0f / std::sqrt(float(kHead));
   P.out = out.data();
   P.out_token_stride = kHeads * kHead;
@@ -144,8 +184,10 @@ int main(int argc, char** argv) {
   const size_t resident = argc > 1 ? size_t(std::atol(argv[1])) : size_t(512) << 10;
   const double ghz = core_ghz();
   std::printf("core clock %.2f GHz, %zu KiB of K and of V\n", ghz, resident >> 10);
-  const struct { const char* name; ScalarKind kind; } kinds[] = {
-      {"fp32", ScalarKind::kFloat32}, {"fp16", ScalarKind::kFloat16}, {"bf16", ScalarKind::kBFloat16}};
-  for (const auto& k : kinds)
-    for (const int kv_heads : {32, 8}) measure(k.name, k.kind, kv_heads, resident, ghz);
+  const struct { const char* name; int kind; } kinds[] = {
+      {"fp32", 0}, {"fp16", 1}, {"bf16", 2}, {"e4m3", 3}, {"e5m2", 4}};
+  for (const auto& k : kinds) {
+    if (avx512_bf16_attention_kernel(ScalarKind(k.kind)) == nullptr) continue;  // older tree
+    for (const int kv_heads : {32, 8}) measure(k.name, ScalarKind(k.kind), kv_heads, resident, ghz);
+  }
 }

@@ -23,10 +23,11 @@
 //
 // Inside a CTA each warp walks its own 32-key steps with its own online softmax:
 //   * scores: each lane pair takes two keys of the step, reads their rows as
-//     16-byte vectors (32 contiguous bytes per row and load) and dots them with
+//     16-byte vectors (8-byte for fp8; 32 or 16 contiguous bytes per row and load
+//     of the pair) and dots them with
 //     every query (queries in shared memory, broadcast reads), chaining fmaf;
 //     one shuffle per query completes a score;
-//   * values: lanes split each value row (head_size_v) into 16-byte vectors and
+//   * values: lanes split each value row (head_size_v) into vectors and
 //     accumulate p * v for every query in fp32 registers.
 // The warps' (max, sum, accumulator) triples are merged through shared memory
 // at the end, with the sink (one extra logit per head that adds no value) in the
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
   using Vec = typename E::Vec;
   constexpr int kPerVec = E::kPerVec;
   constexpr int kKeyVecsInFlight = kKeyBytesInFlight / int(sizeof(Vec));
-  constexpr int kRowVecs = kVCap / kPerVec;  // 16-byte vectors in a value row at the cap
+  constexpr int kRowVecs = kVCap / kPerVec;  // vectors (Vec) in a value row at the cap
   // Value phase: kLanesPerRow lanes share a row, kRowsPerStep rows per warp instruction.
   constexpr int kLanesPerRow = kRowVecs < 32 ? kRowVecs : 32;
   constexpr int kVecsPerLane = kRowVecs / kLanesPerRow;
@@ -254,8 +255,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
   };
   const KeySchedule schedule{kv_end, p.partition_size, int64_t(p.num_partitions - 1) * p.partition_size};
   // Score phase: lanes 2i and 2i+1 share keys i and i + 16 of a step, each taking
-  // every other 16-byte vector of the two rows (a load reads 32 contiguous bytes of
-  // each row, and a query vector read from shared memory serves both keys). Lane l
+  // every other vector of the two rows (a load of the pair reads 32 contiguous bytes
+  // of each row, 16 for fp8, and a query vector read from shared memory serves both
+  // keys). Lane l
   // owns key own = l/2 + 16*(l%2) of the step for the softmax.
   const int parity = lane & 1;
   const int own = (lane >> 1) + 16 * parity;

@@ -72,7 +72,7 @@ __device__ __forceinline__ void quantize_rows(const char* src, int64_t src_head_
     const float s = scale[head * scale_stride];
     const char* row = src + head * src_head_stride;
     char* out = dst + head * dst_head_stride;
-    uint32_t word[2] = {0u, 0u};
+    uint64_t word = 0;  // the 8 bytes, element e in byte e (a scalar: no local-memory array)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int idx = 8 * g + e;
@@ -82,12 +82,12 @@ __device__ __forceinline__ void quantize_rows(const char* src, int64_t src_head_
       const uint32_t sign = static_cast<uint8_t>(row[(idx + 1) * elem - 1]) & 0x80u;
       const uint8_t q = quantize_scaled<F>(x, sign, s);
       if (kWide) {
-        word[e / 4] |= uint32_t(q) << (8 * (e % 4));
+        word |= uint64_t(q) << (8 * e);
       } else {
         out[idx] = static_cast<char>(q);
       }
     }
-    if (kWide) reinterpret_cast<uint2*>(out)[g] = make_uint2(word[0], word[1]);
+    if (kWide) reinterpret_cast<uint2*>(out)[g] = make_uint2(uint32_t(word), uint32_t(word >> 32));
   }
 }
 

@@ -14,7 +14,9 @@
 // value; an e4m3 byte's 7 low bits, shifted into an fp16's exponent and mantissa, give
 // the value / 256 exactly (subnormals included), so that path leaves the factor 256 to
 // unpack_scale(), which the kernel folds into the per-head scales; e4m3's NaN bytes
-// (0x7f, 0xff) are patched to NaN.
+// (0x7f, 0xff) are patched to NaN. The CPU emulator runs the software path, and with
+// PAGED_FP8_EMULATE_HARDWARE the sm_89+ code with cuda_fp8.h's host implementation of
+// the conversion (our use of it: byte order, widening, scale; not the instruction).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -24,11 +26,11 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(PAGED_FP8_EMULATE_HARDWARE)
 #include <cuda_fp8.h>
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890) || defined(PAGED_FP8_EMULATE_HARDWARE)
 #define PAGED_FP8_HARDWARE 1
 #else
 #define PAGED_FP8_HARDWARE 0
