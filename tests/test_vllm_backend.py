@@ -44,8 +44,10 @@ def page_view(dtype: torch.dtype) -> torch.Tensor:
     tile = spec.state_content_size_bytes // dtype.itemsize
     assert (spec.num_heads, spec.num_states) == (2, 1)
     assert spec.page_size_bytes == 2 * KV_HEADS * BLOCK_SIZE * HEAD_SIZE * dtype.itemsize
-    # LHBNC: all key tiles, then all value tiles.
+    # LHBNC: all key tiles, then all value tiles. vLLM allocates fp8 caches as uint8.
     raw = torch.full((2, NUM_BLOCKS, 1, tile), float("nan")).to(dtype)
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        raw = raw.view(torch.uint8)
     return raw.permute(1, 0, 2, 3)
 
 
@@ -110,7 +112,7 @@ def test_mixed_step_equals_reference(dtype, window):
                                **scales)
     torch.testing.assert_close(output[:23], want)
     assert (output[23] == 7.0).all()  # the padding row is left alone
-    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
+    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE, dtype)
     assert torch.equal(key_cache.view(torch.uint8), want_k.view(torch.uint8))  # same bits
     assert torch.equal(value_cache.view(torch.uint8), want_v.view(torch.uint8))
 

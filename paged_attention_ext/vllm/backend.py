@@ -30,6 +30,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from paged_attention_ext import ops
 
 
+# vLLM allocates fp8 caches as uint8; the ops read them as these formats.
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}
+
+
 class PagedAttentionBackend(AttentionBackend):
     """Decoder self-attention on ``paged.write_kv`` and ``paged.attention`` (any device the
     ops are built for)."""
@@ -38,7 +43,7 @@ class PagedAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
     # "auto": the model's dtype; "fp8" is e4m3. fp8 caches use vLLM's per-layer scales.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_FORMATS]
 
     @staticmethod
     def get_name() -> str:
@@ -85,10 +90,13 @@ class PagedAttentionBackend(AttentionBackend):
         return (KVCacheLayout.LHBNC,)
 
 
-def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int,
-                   head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
+                   dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's ``[num_blocks, 2, 1, tile]`` page view as contiguous HND key and value
-    caches ``[num_blocks, num_kv_heads, block_size, head_size]`` (views into it)."""
+    caches ``[num_blocks, num_kv_heads, block_size, head_size]`` (views into it), read as
+    ``dtype`` (a type of the same size) when given."""
+    if dtype is not None:
+        kv_cache = kv_cache.view(dtype)
     num_blocks, slots, states, tile = kv_cache.shape
     if slots != 2 or states != 1 or tile % (num_kv_heads * head_size):
         raise ValueError(
@@ -161,7 +169,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.fp8 = kv_cache_dtype != "auto"
+        self.fp8 = FP8_FORMATS.get(kv_cache_dtype)  # None: the cache has the model's dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.alibi_slopes = (None if alibi_slopes is None
                              else torch.tensor(alibi_slopes, dtype=torch.float32))
@@ -177,7 +185,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size,
+                                                self.fp8)
         n = slot_mapping.shape[0]
         ops.write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping,
                      **self._scales(layer))
@@ -203,7 +212,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         n = m.num_actual_tokens
         if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
             self.alibi_slopes = self.alibi_slopes.to(query.device)  # built on the host
-        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size,
+                                                self.fp8)
         ops.attention_out(output[:n], query[:n], key_cache, value_cache, m.block_table,
                           m.seq_lens, self.scale, m.query_start_loc, self.alibi_slopes,
                           self.sliding_window, self.soft_cap, sinks=self.sinks,
