@@ -184,7 +184,11 @@ class LLMEngine:
         check_engine(self.manager, self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
-        return {**self.metrics.report(self.manager), "config": asdict(self.config)}
+        decode = self.runner.decode
+        compiled = (None if decode is None else
+                    {"steps": decode.calls, "compile_and_warmup_s": decode.warmup_s})
+        return {**self.metrics.report(self.manager), "compiled_decode": compiled,
+                "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
