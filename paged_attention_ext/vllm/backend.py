@@ -3,8 +3,8 @@ values, one multi-token ``paged.attention`` call serves the whole batch (prefill
 chunked prefill, prefix hits and mixes of them), with vLLM's block table, sequence lengths,
 query start locations and slot mapping passed straight through.
 
-KV cache layout: each layer's pages hold the key blocks of all of its blocks, then the value
-blocks, each an HND ``[num_kv_heads, block_size, head_size]`` tile, so the two halves are the
+KV cache layout: each layer's cache holds the key tiles of all its blocks, then the value
+tiles, each an HND ``[num_kv_heads, block_size, head_size]`` tile, so the two halves are the
 ops' contiguous key and value caches (views, no copy). vLLM describes a page as
 ``[heads, states, content]``; the backend declares two head slots (key, value) of one
 state each (the whole block's tile) and the ``LHBNC`` order (the slot outside the block).
@@ -122,6 +122,7 @@ class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetad
     """Passes vLLM's common metadata through; the ops need no per-step planning."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        # Abstract in vLLM's base class, which stores all four.
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
