@@ -103,6 +103,11 @@ def test_bad_decode_batch_sizes_raise(model, sizes):
                                       decode_batch_sizes=sizes))
 
 
+def test_bad_max_decode_batch_raises(model):
+    with pytest.raises(ValueError, match="max_decode_batch"):
+        LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="eager", max_decode_batch=0))
+
+
 def test_unknown_backend_raises(model):
     with pytest.raises(ValueError, match="compile_backend 'nope'"):
         LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="nope"))

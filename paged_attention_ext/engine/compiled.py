@@ -40,6 +40,8 @@ class CompiledDecode:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.cuda_graphs = device.type == "cuda"
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_decode_batch must be an integer >= 1, got {max_batch!r}")
         if sizes is None:
             sizes = default_cuda_sizes(max_batch) if self.cuda_graphs else ()
         if any(not isinstance(s, int) or s < 1 for s in sizes):
