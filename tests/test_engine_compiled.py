@@ -103,6 +103,22 @@ def test_bad_decode_batch_sizes_raise(model, sizes):
                                       decode_batch_sizes=sizes))
 
 
+def test_fp8_cache_compiles_after_calibration(model):
+    # The scales are calibrated by the first prefill; compiling before would have traced the
+    # calibration on padding rows.
+    requests = make_requests(6, seed=2)
+    eager, expected, _ = serve(model, requests, num_device_blocks=64, kv_cache_dtype="fp8_e4m3")
+    engine = LLMEngine(model, EngineConfig(block_size=BLOCK, num_device_blocks=64,
+                                           kv_cache_dtype="fp8_e4m3", compile_decode=True,
+                                           compile_backend="eager"))
+    assert engine.report()["compiled_decode"]["compile_and_warmup_s"] is None  # not yet
+    outputs = engine.generate(requests)
+    assert outputs == expected and engine.runner.decode.calls > 0
+    for mine, theirs in ((engine.kv_cache.k_scales, eager.kv_cache.k_scales),
+                         (engine.kv_cache.v_scales, eager.kv_cache.v_scales)):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
 def test_bad_max_decode_batch_raises(model):
     with pytest.raises(ValueError, match="max_decode_batch"):
         LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="eager", max_decode_batch=0))

@@ -65,12 +65,19 @@ class CompiledDecode:
         self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
         self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
         self.calls = 0  # decode steps run here
-        start = time.perf_counter()
-        self._warm_up()
-        self.warmup_s = time.perf_counter() - start  # compile (and capture) time
+        self.warmup_s: Optional[float] = None  # compile (and capture) time, once warmed up
+        # An fp8 cache still to calibrate sets its scales in its first write (the first
+        # prefill, eager): compiling before would trace that calibration on padding rows.
+        if kv_cache.calibrated:
+            self._warm_up()
 
     def fits(self, rows: int, width: int) -> bool:
-        """Whether a decode batch of `rows` sequences, tables up to `width` blocks, fits."""
+        """Whether a decode batch of `rows` sequences, tables up to `width` blocks, can run
+        here (compiling first if the cache has only now been calibrated)."""
+        if self.warmup_s is None:
+            if not self.kv_cache.calibrated:
+                return False
+            self._warm_up()
         return 1 <= rows <= self.max_batch and width <= self.tables.shape[1]
 
     @torch.no_grad()
@@ -137,8 +144,10 @@ class CompiledDecode:
         Models whose forward takes no ready mask mapping (it has no such argument) trace
         transformers' mask construction instead; if that does not trace either, raise.
         """
+        start = time.perf_counter()
         try:
             self._warm_up_sizes()
+            self.warmup_s = time.perf_counter() - start
             return
         except Exception as error:  # the model refused the mask mapping
             first = error
@@ -150,6 +159,7 @@ class CompiledDecode:
                 f"compile_decode: {type(self.model).__name__}'s forward does not compile "
                 f"(with a ready mask mapping: {type(first).__name__}: {str(first)[:200]}; "
                 f"without: {type(error).__name__}: {str(error)[:200]})") from error
+        self.warmup_s = time.perf_counter() - start
 
     def _warm_up_sizes(self) -> None:
         if not self.cuda_graphs:
