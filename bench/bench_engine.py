@@ -1,6 +1,7 @@
 """End to end: the paged engine vs transformers ``generate`` and ``generate_batch`` on CPU.
 
-Usage: ``.venv/bin/python bench/bench_engine.py [--quick] [--reps N] [--out PATH] [--threads N]``
+Usage: ``.venv/bin/python bench/bench_engine.py [--quick] [--reps N] [--out PATH] [--threads N]
+[--backend inductor]``
 
 Method
 ------
@@ -15,6 +16,8 @@ Method
 * Systems:
 
   - ``engine``: ``LLMEngine`` with 16-token blocks and a pool that holds every request;
+  - ``engine_compiled``: the same with ``compile_decode=True`` (``--backend``, inductor by
+    default); the compile happens once, before the runs, and is reported apart;
   - ``generate``: one batched ``model.generate`` call with its default cache
     (DynamicCache; equal prompt lengths, so no padding);
   - ``generate_batch``: transformers' continuous batching with 16-token pages and as many
@@ -78,11 +81,15 @@ def timed(fn: Callable[[], object]):
     return result, time.perf_counter() - start
 
 
-def run_engine(model, requests: List[Request], num_blocks: int, mode: str = "swap") -> Dict:
+def run_engine(model, requests: List[Request], num_blocks: int, mode: str = "swap",
+               compile_backend: "str | None" = None) -> Dict:
     # No admission watermark: the small pool then fills with prompts exactly and decoding preempts.
+    # compile_backend: decode steps compiled (torch reuses the graphs of an earlier engine over
+    # the same model, so only the first engine compiles).
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=num_blocks,
                                            num_host_blocks=4 * num_blocks, preemption_mode=mode,
-                                           watermark=0.0))
+                                           watermark=0.0, compile_decode=compile_backend is not None,
+                                           compile_backend=compile_backend or "inductor"))
     outputs, elapsed = timed(lambda: engine.generate(requests))
     report = engine.report()
     block_bytes = engine.kv_cache.block_bytes
@@ -161,6 +168,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--backend", default="inductor",
+                        help="torch.compile backend of the engine_compiled system")
     args = parser.parse_args()
     load_at_start = os.getloadavg()
     torch.set_num_threads(args.threads)
@@ -179,11 +188,14 @@ def main() -> None:
 
     warm = long_prompts(2, 32, 2, MODEL["vocab_size"])
     run_engine(paged, warm, 16)
+    compile_s = timed(lambda: run_engine(paged, warm, blocks_needed + 8, compile_backend=args.backend))[1]
     run_generate(sdpa, warm, 2)
     generate_batch_warmup = run_generate_batch(batching_model, warm, 2, 16)
 
     runs = {
         "engine": lambda: run_engine(paged, requests, blocks_needed + 8),
+        "engine_compiled": lambda: run_engine(paged, requests, blocks_needed + 8,
+                                              compile_backend=args.backend),
         "generate": lambda: run_generate(sdpa, requests, new_tokens),
         "generate_batch": lambda: run_generate_batch(batching_model, requests, new_tokens,
                                                      blocks_needed + 8),
@@ -198,7 +210,7 @@ def main() -> None:
     reference = {"long": measured["engine"][0]["outputs"],
                  "mixed": run_engine(paged, mixed, 1024)["outputs"]}
     results = {name: summarize(measured[name], reference["long"])
-               for name in ("engine", "generate", "generate_batch")}
+               for name in ("engine", "engine_compiled", "generate", "generate_batch")}
     preemption = {name: summarize(measured[name], reference[name.split("/")[0]])
                   for name in runs if "/" in name}
     speed = {mode: statistics.geometric_mean(preemption[f"{w}/{mode}"]["tokens_per_s"]
@@ -211,6 +223,9 @@ def main() -> None:
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "reps": args.reps, "block_size": BLOCK_SIZE, "model": MODEL, "dtype": "float32"},
         "systems": results,
+        "engine_compiled": {"backend": args.backend, "compile_and_warmup_s": compile_s,
+                            "vs_generate": (results["engine_compiled"]["tokens_per_s"]
+                                            / results["generate"]["tokens_per_s"])},
         "preemption": {"pools": {"long": small_pool, "mixed": mixed_pool}, "runs": preemption,
                        "geomean_tokens_per_s": speed, "faster": max(speed, key=speed.get)},
     }
@@ -224,6 +239,8 @@ def main() -> None:
               f"same tokens: {r['same_tokens_as_engine']}  preemptions: {r.get('preemptions', '-')}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"engine_compiled / generate: {report['engine_compiled']['vs_generate']:.2f}x "
+          f"(compile + warm-up {compile_s:.1f} s, not in the runs)")
     print("preemption, geometric mean tokens/s: " + ", ".join(f"{m} {v:.1f}" for m, v in speed.items()))
     print(f"wrote {args.out}")
 

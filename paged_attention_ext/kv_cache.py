@@ -2,17 +2,25 @@
 
 Sizes the device pool from a block count or a memory budget and applies the block
 manager's copy-on-write and swap mappings with the paged ops, all layers at once.
+An fp8 cache also holds each layer's ``k_scale``/``v_scale`` (given, or calibrated from the
+first keys and values the layer stores) and passes them to every op call
+(:meth:`PagedKVCache.write`, :meth:`PagedKVCache.scales`).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import ops
 from .host_memory import zeros_huge_pages
+from .quantization import (CALIBRATIONS, FLOAT_DTYPES, FP8_DTYPES, ScaleLike, calibrate,
+                           check_scale, is_fp8)
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+# Scales for every layer: one ScaleLike for all layers, a sequence of one per layer, or a
+# float tensor [num_layers, 1 or num_kv_heads].
+LayerScales = Union[ScaleLike, Sequence[ScaleLike]]
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -40,12 +48,28 @@ class PagedKVCache:
     ``head_size_v`` is the value head size when it differs from the key head size (MLA
     models as transformers runs them: key ``qk_nope + qk_rope``, value ``v_head_dim``);
     None means ``head_size``.
+
+    fp8 caches (``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, see
+    :mod:`paged_attention_ext.quantization`) need a ``k_scale`` and ``v_scale`` per layer:
+
+    * given: ``k_scale``/``v_scale`` each a number or a float tensor of 1 or
+      ``num_kv_heads`` elements for every layer, a sequence with one such entry per layer,
+      or a tensor ``[num_layers, 1 or num_kv_heads]``;
+    * or calibrated (both None): each layer's first :meth:`write` sets the scales from
+      the absolute maxima of the keys and values it stores (``amax / fmax``), one per layer
+      (``calibration="per_layer"``) or per KV head (``"per_head"``). Later values beyond
+      that range saturate. ``calibration=None`` makes missing scales an error.
+
+    Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
+    one byte per value; the scales' few bytes per layer are not counted).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float16, device: "str | torch.device" = "cpu",
                  num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
-                 num_host_blocks: int = 0, head_size_v: Optional[int] = None) -> None:
+                 num_host_blocks: int = 0, head_size_v: Optional[int] = None,
+                 k_scale: Optional[LayerScales] = None, v_scale: Optional[LayerScales] = None,
+                 calibration: Optional[str] = "per_layer") -> None:
         check_int("num_layers", num_layers, 1)
         check_int("num_kv_heads", num_kv_heads, 1)
         check_int("head_size", head_size, 1)
@@ -73,6 +97,8 @@ class PagedKVCache:
             raise ValueError(f"the pool must hold at least one block ({self.block_bytes} bytes), "
                              f"memory_bytes={memory_bytes} holds none")
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
+        self.k_scales, self.v_scales, self.calibration = self._layer_scales(k_scale, v_scale,
+                                                                            calibration)
         shape = (num_blocks, num_kv_heads, block_size, head_size)
         shape_v = shape[:3] + (self.head_size_v,)
         host_shape = (num_host_blocks,) + shape[1:]
@@ -94,8 +120,102 @@ class PagedKVCache:
             return zeros_huge_pages(shape, self.dtype)  # random block order: spare the TLB
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def _layer_scales(self, k_scale, v_scale, calibration):
+        """Per-layer scale lists (None: to calibrate) and the calibration in force."""
+        if calibration is not None and calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {CALIBRATIONS} or None, got {calibration!r}")
+        given = [name for name, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
+        if not self.is_quantized:
+            if given:
+                verb = "apply" if len(given) == 2 else "applies"
+                raise ValueError(f"{' and '.join(given)} {verb} to fp8 caches only; this cache is "
+                                 f"{self.dtype} (pass no scales, or an fp8 dtype)")
+            return [None] * self.num_layers, [None] * self.num_layers, None
+        if len(given) == 1:
+            raise ValueError(f"an fp8 cache needs both k_scale and v_scale, or neither (to "
+                             f"calibrate them); got only {given[0]}")
+        if not given:
+            if calibration is None:
+                raise ValueError(f"an {self.dtype} cache needs k_scale and v_scale (or a "
+                                 f"calibration: {CALIBRATIONS})")
+            return [None] * self.num_layers, [None] * self.num_layers, calibration
+        return (self._per_layer("k_scale", k_scale), self._per_layer("v_scale", v_scale), None)
+
+    def _per_layer(self, name: str, scales: LayerScales) -> List[torch.Tensor]:
+        if isinstance(scales, torch.Tensor) and scales.dim() == 2:
+            if scales.shape[0] != self.num_layers:
+                raise ValueError(f"{name} of shape {tuple(scales.shape)} must have one row per "
+                                 f"layer ({self.num_layers})")
+            scales = list(scales)
+        elif isinstance(scales, torch.Tensor) or not isinstance(scales, Sequence):
+            scales = [scales] * self.num_layers
+        elif len(scales) != self.num_layers:
+            raise ValueError(f"{name} must be one scale for every layer or a sequence of one per "
+                             f"layer ({self.num_layers}), got {len(scales)} entries")
+        return [check_scale(f"{name}[{i}]", s, self.num_kv_heads, self.device)
+                for i, s in enumerate(scales)]
+
+    @property
+    def is_quantized(self) -> bool:
+        return is_fp8(self.dtype)
+
+    @property
+    def calibrated(self) -> bool:
+        """Every layer has its scales (always true for float caches)."""
+        return not self.is_quantized or all(s is not None for s in self.k_scales)
+
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.key_caches[index], self.value_caches[index]
+
+    def scales(self, index: int) -> Dict[str, torch.Tensor]:
+        """Layer ``index``'s ``k_scale``/``v_scale`` keywords for the paged ops: empty for a
+        float cache (the ops' default, None). Every op call on the pools passes them."""
+        if not self.is_quantized:
+            return {}
+        if self.k_scales[index] is None:
+            raise RuntimeError(f"layer {index} of the {self.dtype} cache has no scales yet: they "
+                               "are calibrated by the layer's first write(), or give k_scale/v_scale")
+        return {"k_scale": self.k_scales[index], "v_scale": self.v_scales[index]}
+
+    def write(self, index: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store tokens' K/V (``[tokens, kv_heads, head size]``) of layer ``index`` at their slots.
+
+        An fp8 layer without scales first calibrates them from the tokens that have a slot
+        (``slot_mapping >= 0``); keys and values go to the op in the model dtype, which
+        quantizes. Float caches get them converted to the cache dtype.
+        """
+        key_cache, value_cache = self.layer(index)
+        if not self.is_quantized:
+            key, value = key.to(self.dtype), value.to(self.dtype)
+        elif self.k_scales[index] is None:
+            stored = slot_mapping >= 0
+            per_head = self.calibration == "per_head"
+            self.k_scales[index] = calibrate(key[stored], self.dtype, per_head).to(self.device)
+            self.v_scales[index] = calibrate(value[stored], self.dtype, per_head).to(self.device)
+        ops.write_kv(key, value, key_cache, value_cache, slot_mapping, **self.scales(index))
+
+    def as_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` in the dtype the attention op takes with these pools: the cache dtype
+        for float caches; fp8 caches take fp32/fp16/bf16 queries as they are."""
+        return query if self.is_quantized else query.to(self.dtype)
+
+    def with_blocks(self, num_blocks: int) -> "PagedKVCache":
+        """A cache of ``num_blocks`` (>= this one's) device blocks holding this one's
+        blocks, host pools and scales (calibrated or still to calibrate)."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"with_blocks({num_blocks}) would drop blocks of a {self.num_blocks}-block cache")
+        bigger = PagedKVCache(self.num_layers, self.num_kv_heads, self.head_size, self.block_size,
+                              self.dtype, self.device, num_blocks=num_blocks,
+                              num_host_blocks=self.num_host_blocks, head_size_v=self.head_size_v)
+        bigger.k_scales, bigger.v_scales = list(self.k_scales), list(self.v_scales)
+        bigger.calibration = self.calibration
+        for old, new in zip(self.key_caches + self.value_caches, bigger.key_caches + bigger.value_caches):
+            new[:self.num_blocks].copy_(old)
+        for old, new in zip(self.host_key_caches + self.host_value_caches,
+                            bigger.host_key_caches + bigger.host_value_caches):
+            new.copy_(old)
+        return bigger
 
     def apply_copies(self, copies: Sequence[Tuple[int, int]]) -> None:
         """Copy-on-write / fork copies for every layer in one op call."""
@@ -116,6 +236,8 @@ class PagedKVCache:
     def usage(self, used_blocks: int, used_host_blocks: int = 0) -> Dict[str, float]:
         """Bytes reserved and in use, given the block manager's counts."""
         return {
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device_tokens": self.num_blocks * self.block_size,
             "device_bytes": self.num_blocks * self.block_bytes,
             "device_bytes_used": used_blocks * self.block_bytes,
             "device_fraction_used": used_blocks / self.num_blocks,

@@ -59,7 +59,7 @@ class Injector:
         for name in ("write_kv", "copy_blocks", "swap_blocks"):
             stack.enter_context(mock.patch.object(ops, name, self.wrap(name, getattr(ops, name))))
         stack.enter_context(mock.patch.object(
-            engine_module, "next_tokens", self.wrap("sampler", engine_module.next_tokens)))
+            engine_module, "sample_many", self.wrap("sampler", engine_module.sample_many)))
         stack.enter_context(mock.patch.object(
             BeamSearch, "step", self.wrap("beam_search", BeamSearch.step)))
         return stack

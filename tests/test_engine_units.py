@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.engine.models import random_pair, tiny_config
-from paged_attention_ext.engine.sampler import next_tokens, warp
+from paged_attention_ext.engine.sampler import next_tokens, sample_many, warp
 from paged_attention_ext.engine.sequence import GroupStatus
 
 
@@ -49,6 +49,24 @@ def test_warp_matches_transformers_warpers(temperature, top_k, top_p):
         processors.append(TopPLogitsWarper(top_p))
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     assert torch.equal(warp(scores, params), processors(None, scores))
+
+
+def test_requests_sampled_together_equal_each_alone():
+    g = torch.Generator().manual_seed(3)
+    hot = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, n=3)
+    cases = [(torch.randn(1, 500, generator=g), [True] * 3, hot, 5),        # first token
+             (torch.randn(2, 500, generator=g), [True, False, True], hot, 6),
+             (torch.randn(1, 500, generator=g), [True], SamplingParams(), None),
+             (torch.randn(1, 500, generator=g), [True], SamplingParams(temperature=1.3), 7),
+             (torch.randn(1, 500, generator=g), [True], SamplingParams(), None)]
+
+    def generator(seed):
+        return None if seed is None else torch.Generator().manual_seed(seed)
+
+    alone = [next_tokens(logits, live, params, generator(seed)) for logits, live, params, seed in cases]
+    together = sample_many([(logits, live, params, generator(seed))
+                            for logits, live, params, seed in cases])
+    assert together == alone
 
 
 def test_finished_rows_keep_the_random_stream_aligned():

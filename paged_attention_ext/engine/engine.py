@@ -4,7 +4,7 @@ import contextlib
 import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Sequence as Seq, Union
 
 import torch
 
@@ -13,14 +13,16 @@ from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
 from ..hf.support import check_config, mla_head_sizes
 from ..kv_cache import PagedKVCache
+from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
+from .compiled import CompiledDecode
 from .contents import BlockContents
 from .metrics import EngineMetrics
 from .params import Request
 from .runner import ModelRunner
-from .sampler import next_tokens
-from .scheduler import Scheduler, SchedulerOutput
+from .sampler import sample_many
+from .scheduler import Preemption, Scheduler, SchedulerOutput
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 
@@ -38,6 +40,23 @@ class EngineConfig:
     # Keep a token-level shadow of every block for check_invariants(deep=True): a
     # debugging aid that costs Python work per token, so off by default.
     record_block_contents: bool = False
+    # Decode steps (one token per sequence) through a compiled forward: torch.compile with
+    # `compile_backend` on CPU, plus CUDA graphs per padded batch size on CUDA. Compiled
+    # at engine creation; prefill and mixed steps stay eager (docs/engine.md).
+    compile_decode: bool = False
+    compile_backend: str = "inductor"
+    max_decode_batch: int = 256  # larger decode batches run eager
+    # Padded batch sizes; None: every size on CPU (dynamic shapes), vLLM's 1, 2, 4, 8, 16,
+    # ... (multiples of 8) up to max_decode_batch on CUDA, one CUDA graph each.
+    decode_batch_sizes: Optional[Tuple[int, ...]] = None
+    # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md).
+    kv_cache_dtype: str = "auto"
+    # fp8: fixed scales (numbers: one for every layer, or one entry per layer, each a number
+    # or a list of one per KV head). None: calibrated from the first forward's absolute maxima,
+    # per layer or, with kv_scale_calibration="per_head", per KV head.
+    k_scale: Optional[Union[float, Seq]] = None
+    v_scale: Optional[Union[float, Seq]] = None
+    kv_scale_calibration: str = "per_layer"
 
 
 @dataclass
@@ -77,15 +96,23 @@ class LLMEngine:
         self.config = config
         self.kv_cache = PagedKVCache(
             text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-            head_size, config.block_size, dtype=model.dtype, device=model.device,
-            num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
-            head_size_v=head_size_v)
+            head_size, config.block_size, dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
+            device=model.device, num_blocks=config.num_device_blocks,
+            num_host_blocks=config.num_host_blocks, head_size_v=head_size_v,
+            k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration)
         self.manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
                                          config.block_size, config.enable_prefix_caching,
                                          config.watermark)
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
+        decode = None
+        if config.compile_decode:
+            # The longest table a sequence can have: the pool, or the model's positions.
+            width = min(config.num_device_blocks,
+                        -(-getattr(text, "max_position_embeddings", 1 << 30) // config.block_size))
+            decode = CompiledDecode(model, self.kv_cache, width, config.max_decode_batch,
+                                    config.compile_backend, config.decode_batch_sizes)
+        self.runner = ModelRunner(model, self.kv_cache, decode)
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
         self.vocab_size = text.vocab_size
@@ -157,7 +184,11 @@ class LLMEngine:
         check_engine(self.manager, self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
-        return {**self.metrics.report(self.manager), "config": asdict(self.config)}
+        decode = self.runner.decode
+        compiled = (None if decode is None else
+                    {"steps": decode.calls, "compile_and_warmup_s": decode.warmup_s})
+        return {**self.metrics.report(self.manager), "compiled_decode": compiled,
+                "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
@@ -171,18 +202,21 @@ class LLMEngine:
         their memory may have been written). A failure in the second part keeps the
         first part's preemptions, whose blocks may already have been reused.
         """
-        with self._transaction():
-            preemption = self.scheduler.preempt()
-            self.kv_cache.swap_out(preemption.swap_out)
-        if self.contents is not None:
-            self.contents.swap_out(preemption.swap_out)
-        self.metrics.on_preempt(preemption.counts)
+        # Most steps preempt nothing: they skip the first transaction (and its checkpoint).
+        preemption = Preemption()
+        if self.scheduler.must_preempt():
+            with self._transaction():
+                preemption = self.scheduler.preempt()
+                self.kv_cache.swap_out(preemption.swap_out)
+            if self.contents is not None:
+                self.contents.swap_out(preemption.swap_out)
+            self.metrics.on_preempt(preemption.counts)
         with self._transaction():
             plan = self.scheduler.schedule(admit=not preemption.any)
             self.kv_cache.swap_in(plan.swap_in)
             self.kv_cache.apply_copies(plan.copies)
             logits = self.runner.forward(plan.groups, plan.slots, self.manager) if plan.groups else []
-            choices = [self._choose(group, rows) for group, rows in zip(plan.groups, logits)]
+            choices = self._choose_all(plan.groups, logits)
         return self._commit(plan, choices)
 
     @contextlib.contextmanager
@@ -203,20 +237,30 @@ class LLMEngine:
                     seq.num_computed = num_computed
             raise
 
-    def _choose(self, group: SequenceGroup, logits: torch.Tensor) -> _Choice:
-        """The group's next tokens, without changing the group: the request's generator
-        and beam state advance on copies that the commit adopts."""
-        if group.beam:
-            beam = copy.copy(group.beam)  # step() only rebinds its attributes (beam_search.py)
-            return _Choice(beam.step(logits, [s.output_ids for s in group.seqs]), beam=beam)
-        params = group.request.params
-        live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
-                else [not s.finished for s in group.seqs])
-        generator = None
-        if group.generator is not None:
-            generator = torch.Generator(device=group.generator.device)
-            generator.set_state(group.generator.get_state())
-        return _Choice(next_tokens(logits, live, params, generator), generator=generator)
+    def _choose_all(self, groups: List[SequenceGroup], logits: List[torch.Tensor]) -> List[_Choice]:
+        """Every group's next tokens, without changing the groups: the requests' generators
+        and beam states advance on copies that the commit adopts. Greedy and sampled
+        groups are chosen together (:func:`sampler.sample_many`)."""
+        choices: List[Optional[_Choice]] = [None] * len(groups)
+        samples, members = [], []
+        for i, group in enumerate(groups):
+            if group.beam:
+                beam = copy.copy(group.beam)  # step() only rebinds its attributes (beam_search.py)
+                choices[i] = _Choice(beam.step(logits[i], [s.output_ids for s in group.seqs]),
+                                     beam=beam)
+                continue
+            params = group.request.params
+            live = ([True] * params.n if len(group.seqs) < params.n  # first token: n samples
+                    else [not s.finished for s in group.seqs])
+            generator = None
+            if group.generator is not None:
+                generator = torch.Generator(device=group.generator.device)
+                generator.set_state(group.generator.get_state())
+            samples.append((logits[i], live, params, generator))
+            members.append(i)
+        for i, tokens, (_, _, _, generator) in zip(members, sample_many(samples), samples):
+            choices[i] = _Choice(tokens, generator=generator)
+        return choices
 
     def _commit(self, plan: SchedulerOutput, choices: List["_Choice"]) -> List[RequestOutput]:
         """Adopt a step that ran: record what was written, append the chosen tokens, stream."""

@@ -5,22 +5,29 @@ prompt, the part of it the prefix cache missed, a recomputation, or one decode t
 packed sequence after sequence into a single row. The ``paged_attention_ext`` attention
 writes each token's K/V to its slot and attends with the multi-token form of
 ``paged.attention``; only the last position of each sequence goes through the LM head.
+
+A step in which every sequence computes one token (a decode step) goes through the
+:class:`~paged_attention_ext.engine.compiled.CompiledDecode` forward when the engine has
+one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
-from typing import List, Mapping, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..block_manager import BlockSpaceManager
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
+from .compiled import CompiledDecode
 from .sequence import SequenceGroup
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache,
+                 decode: Optional[CompiledDecode] = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.decode = decode
 
     @torch.no_grad()
     def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[int]],
@@ -33,24 +40,52 @@ class ModelRunner:
         ids: List[int] = []
         positions: List[int] = []
         slots: List[int] = []
-        tables, seq_lens, query_lens, last_rows = [], [], [], []
+        tables: List[List[int]] = []
+        seq_lens: List[int] = []
+        query_lens: List[int] = []
         for group in groups:
             for seq in group.live_seqs:
                 start, end = seq.num_computed, len(seq.token_ids)
-                if len(slots_of[seq.seq_id]) != end - start:
+                placed = slots_of[seq.seq_id]
+                if len(placed) != end - start:
                     raise RuntimeError(f"sequence {seq.seq_id}: {end - start} tokens to compute, "
-                                       f"{len(slots_of[seq.seq_id])} slots placed")
+                                       f"{len(placed)} slots placed")
                 ids += seq.token_ids[start:end]
                 positions += range(start, end)
-                slots += slots_of[seq.seq_id]
+                slots += placed
                 tables.append(manager.block_ids(seq.seq_id))
                 seq_lens.append(end)
                 query_lens.append(end - start)
-                last_rows.append(len(ids) - 1)
-        batch = PagedBatch.build(self.kv_cache, tables, seq_lens, query_lens, slots)
-        device = self.kv_cache.device
-        logits = self.model(input_ids=torch.tensor([ids], device=device),
-                            position_ids=torch.tensor([positions], device=device),
-                            paged_batch=batch, use_cache=False,
-                            logits_to_keep=torch.tensor(last_rows, device=device)).logits[0]
+        if self.decode is not None and len(ids) == len(seq_lens) and self.decode.fits(len(ids), max(map(len, tables))):
+            logits = self.decode.run(ids, positions, slots, tables, seq_lens)
+        else:
+            logits = self._packed(ids, positions, slots, tables, seq_lens, query_lens)
         return list(logits.float().split([len(g.live_seqs) for g in groups]))
+
+    def _packed(self, ids: List[int], positions: List[int], slots: List[int],
+                tables: List[List[int]], seq_lens: List[int], query_lens: List[int]) -> torch.Tensor:
+        """The eager packed forward: logits of each sequence's last token."""
+        batch, last_rows = self._packed_batch(slots, tables, seq_lens, query_lens)
+        device = self.kv_cache.device
+        return self.model(input_ids=torch.tensor([ids]).to(device),
+                          position_ids=torch.tensor([positions]).to(device),
+                          paged_batch=batch, use_cache=False, logits_to_keep=last_rows).logits[0]
+
+    def _packed_batch(self, slots: List[int], tables: List[List[int]], seq_lens: List[int],
+                      query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
+        """The batch's tensors from the lists (one tensor per field, tables padded flat)."""
+        device = self.kv_cache.device
+        width = max(len(t) for t in tables)
+        flat: List[int] = []
+        starts = [0]
+        for table, n in zip(tables, query_lens):
+            flat += table
+            flat += [0] * (width - len(table))
+            starts.append(starts[-1] + n)
+        batch = PagedBatch(
+            self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+            block_tables=torch.tensor(flat, dtype=torch.int32).view(len(tables), width).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device))
+        return batch, (torch.tensor(starts[1:]) - 1).to(device)

@@ -8,7 +8,7 @@ Doing the same with the same row count and a generator seeded like
 kept as placeholders to keep the random stream aligned.
 """
 
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,16 @@ def warp(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
+def _rows(logits: torch.Tensor, live: List[bool]) -> torch.Tensor:
+    """One row of logits per row of the request (see :func:`next_tokens`)."""
+    if logits.shape[0] == 1:
+        return logits.expand(len(live), -1)
+    # Finished rows get a uniform placeholder distribution.
+    full = logits.new_zeros(len(live), logits.shape[1])
+    full[torch.tensor(live)] = logits
+    return full
+
+
 def next_tokens(logits: torch.Tensor, live: List[bool], params: SamplingParams,
                 generator: "torch.Generator | None") -> List[int]:
     """One token per row of the request, in row order.
@@ -41,14 +51,42 @@ def next_tokens(logits: torch.Tensor, live: List[bool], params: SamplingParams,
         live: one flag per row; a finished sample's token is drawn (to keep the random
             stream aligned) and ignored.
     """
-    rows = len(live)
-    if logits.shape[0] == 1:
-        full = logits.expand(rows, -1)
-    else:
-        # Finished rows get a uniform placeholder distribution.
-        full = logits.new_zeros(rows, logits.shape[1])
-        full[torch.tensor(live)] = logits
-    if not params.do_sample:
-        return torch.argmax(full, dim=-1).tolist()
-    probs = torch.softmax(warp(full, params), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1).tolist()
+    return sample_many([(logits, live, params, generator)])[0]
+
+
+def sample_many(requests: Sequence[Tuple[torch.Tensor, List[bool], SamplingParams,
+                                         "torch.Generator | None"]]) -> List[List[int]]:
+    """:func:`next_tokens` for several requests at once (its arguments per request).
+
+    Greedy rows take one argmax for all; sampled rows with the same temperature, top-k
+    and top-p are warped and softmaxed together (each op is row by row, so a row's
+    probabilities are the bits it gets alone); each request then draws from its own
+    rows with its own generator.
+    """
+    full = [_rows(logits, live) for logits, live, _, _ in requests]
+    out: List[List[int]] = [[] for _ in requests]
+    batches: Dict[object, List[int]] = {}
+    for i, (_, _, params, _) in enumerate(requests):
+        key = (params.temperature, params.top_k, params.top_p) if params.do_sample else "greedy"
+        batches.setdefault(key, []).append(i)
+    for key, members in batches.items():
+        rows = torch.cat([full[i] for i in members]) if len(members) > 1 else full[members[0]]
+        sizes = [full[i].shape[0] for i in members]
+        if key == "greedy":
+            tokens = rows.argmax(dim=-1).tolist()
+            for i, part in zip(members, _split(tokens, sizes)):
+                out[i] = part
+            continue
+        probs = torch.softmax(warp(rows, requests[members[0]][2]), dim=-1)
+        for i, part in zip(members, probs.split(sizes)):
+            out[i] = torch.multinomial(part, num_samples=1,
+                                       generator=requests[i][3]).squeeze(1).tolist()
+    return out
+
+
+def _split(values: List[int], sizes: List[int]) -> List[List[int]]:
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(values[start:start + size])
+        start += size
+    return parts

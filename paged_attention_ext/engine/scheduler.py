@@ -73,6 +73,18 @@ class Scheduler:
         if self.manager.holds(group.group_id):
             self.manager.free_group(group.group_id)
 
+    def must_preempt(self) -> bool:
+        """Whether :meth:`preempt` would preempt: the running groups' next tokens do not all
+        fit (costs are >= 0, so the total fitting means every prefix of it fits).
+
+        A sequence's next token takes at most one block (a new one, or a copy of a shared
+        last block), so the common case is answered without asking the manager per group.
+        """
+        free = self.manager.num_free_device_blocks
+        if sum(len(g.live_seqs) for g in self.running) <= free:
+            return False
+        return sum(self.manager.append_cost(g.group_id) for g in self.running) > free
+
     def preempt(self) -> Preemption:
         """Preempt the latest-arrived running groups until every other one's next token fits.
 

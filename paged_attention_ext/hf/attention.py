@@ -107,19 +107,20 @@ def paged_attention_forward(
                 f"paged_attention_ext: layer {module.layer_idx} stores keys {tuple(key.shape)} and "
                 f"values {tuple(value.shape)} in pools of key shape {tuple(key_cache.shape)} and "
                 f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
-        ops.write_kv(flat_tokens(key).to(key_cache.dtype), flat_tokens(value).to(value_cache.dtype),
-                     key_cache, value_cache, batch.slot_mapping)
-        if batch.on_stored is not None:
-            batch.on_stored(module.layer_idx)
+        batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value),
+                             batch.slot_mapping)
+        if batch.on_stored is not None and not torch.compiler.is_compiling():
+            batch.on_stored(module.layer_idx)  # eager bookkeeping; a compiled step has none
     elif head_size_v != value_cache.shape[-1]:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
-    q = flat_tokens(query).to(key_cache.dtype)
+    q = batch.kv_cache.as_query(flat_tokens(query))
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
     out = ops.attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale,
-                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, sink_logits)
+                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, sink_logits,
+                        **batch.kv_cache.scales(module.layer_idx))
     if batch.query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)

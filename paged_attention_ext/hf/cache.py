@@ -22,6 +22,10 @@ one block table (a sequence of the manager) per batch row.
   ones; a shared partial block is copied on the next append (copy-on-write).
 * Sliding-window layers attend with the op's ``sliding_window``; their out-of-window
   blocks are kept (all layers share one block table per row).
+* Compile mode (``max_cache_len``): a fixed pool and fixed-size metadata tensors
+  (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the bookkeeping above runs eagerly
+  *before* each forward (``prepare``, called by the mask function when generate builds the
+  masks eagerly), so a compiled forward only writes K/V at the prepared slots and attends.
 """
 
 import hashlib
@@ -34,11 +38,11 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.masking_utils import causal_mask_function
 
-from .. import ops
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
-from ..kv_cache import PagedKVCache, check_int
-from .batch import PagedBatch, flat_tokens
+from ..kv_cache import LayerScales, PagedKVCache, check_int
+from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
+from .batch import PagedBatch, StepBuffers, flat_tokens
 from .support import check_config, mla_head_sizes
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
@@ -56,6 +60,19 @@ class _LayerCall(NamedTuple):
 
 _padding_mask: ContextVar[Optional[torch.Tensor]] = ContextVar("paged_padding_mask", default=None)
 _layer_call: ContextVar[Optional[_LayerCall]] = ContextVar("paged_layer_call", default=None)
+# A compiled PagedCache whose get_mask_sizes just ran eagerly: the mask function that
+# transformers calls next with the 2D padding mask prepares that cache's next forward.
+_mask_sizes_from: ContextVar[Optional["PagedCache"]] = ContextVar("paged_mask_sizes", default=None)
+
+
+class _TracedHandoff:
+    """The update -> attention hand-off inside a torch.compile trace, where dynamo cannot
+    trace ContextVar.set; an attribute of a plain object it can (and replays it after the
+    graph, so it ends each call as None)."""
+    call: Optional[_LayerCall] = None
+
+
+_traced = _TracedHandoff()
 
 # Leaves of the mask functions transformers composes that the paged attention implements:
 # causal, the sliding-window overlay (the attention gets the window as sliding_window) and
@@ -98,16 +115,26 @@ def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_fun
     the masks before the first layer, so this also drops a batch that a forward stopped by
     an exception left published.
     """
+    if torch.compiler.is_compiling():
+        # A compiled forward: its PagedCache was prepared eagerly before it (prepare(), or
+        # this function's eager call from generate's mask creation).
+        return None
     if mask_function is not None:
         _check_mask_function(mask_function)
     _layer_call.set(None)
+    cache = _mask_sizes_from.get()
+    _mask_sizes_from.set(None)
+    if cache is not None:
+        cache._prepare_from_mask(attention_mask, kwargs)
+        return None
     _padding_mask.set(attention_mask)
     return None
 
 
 def take_batch(module: torch.nn.Module, key: torch.Tensor) -> Optional[PagedBatch]:
     """The batch a PagedCache published for the attention call of ``module`` with ``key``."""
-    call = _layer_call.get()
+    compiling = torch.compiler.is_compiling()
+    call = _traced.call if compiling else _layer_call.get()
     if call is None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
@@ -116,7 +143,10 @@ def take_batch(module: torch.nn.Module, key: torch.Tensor) -> Optional[PagedBatc
             return None
     elif call.key is not key or (layer_idx is not None and layer_idx != call.layer_idx):
         return None
-    _layer_call.set(None)  # taken; so the pools are not kept alive after the forward
+    if compiling:
+        _traced.call = None
+    else:
+        _layer_call.set(None)  # taken; so the pools are not kept alive after the forward
     return call.batch
 
 
@@ -145,6 +175,23 @@ class PagedCache(Cache):
         max_seq_len: with ``num_blocks=None``, the most tokens (prompt and generated) a row
             may hold; ``None`` takes the config's ``max_position_embeddings``. A forward past
             it raises ``ValueError`` before anything changes.
+        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"fp8_e4m3"`` (also ``"fp8"``) or
+            ``"fp8_e5m2"``: store K/V in 8 bits (docs/fp8.md).
+        k_scale, v_scale: fp8 only: fixed scales (stored = K / k_scale), for every layer one
+            number or float tensor of 1 or ``num_kv_heads`` elements, or a sequence of one per
+            layer. None (both): calibrated from the first forward, per layer, as the absolute
+            maximum of the keys (values) that layer stores divided by the format's largest
+            value (``kv_scale_calibration="per_head"``: one per KV head). Later values beyond
+            that range saturate; pass fixed scales for generations whose prompt is not
+            representative.
+        max_cache_len: compile mode (``is_compileable``): the most tokens (prompt and
+            generated) a row may hold. The pool (``num_blocks``, default
+            ``max_batch_size * ceil(max_cache_len / block_size)``) and fixed-size block tables
+            and metadata tensors are allocated once and rewritten in place before every
+            forward, so ``torch.compile(model.forward, fullgraph=True)`` and generate's
+            ``compile_config`` run the decode steps without graph breaks or recompiles
+            (docs/huggingface.md, "Compiled decoding"). Excludes ``max_seq_len``.
+        max_batch_size: compile mode: the most batch rows (default: the first forward's).
 
     The pools take the dtype, device and head shapes (key and value head sizes may differ)
     of the first keys and values stored. One instance serves one ``generate`` call (or
@@ -160,7 +207,10 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None) -> None:
+                 enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None,
+                 kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
+                 v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
+                 max_cache_len: Optional[int] = None, max_batch_size: Optional[int] = None) -> None:
         if int(transformers.__version__.split(".")[0]) < 5:
             raise RuntimeError(f"PagedCache needs transformers 5.x, found {transformers.__version__}")
         if not isinstance(config, PretrainedConfig):
@@ -169,6 +219,13 @@ class PagedCache(Cache):
         check_int("PagedCache: block_size", block_size, 1)
         check_int("PagedCache: num_blocks", num_blocks, 1, optional=True)
         check_int("PagedCache: max_seq_len", max_seq_len, 1, optional=True)
+        check_int("PagedCache: max_cache_len", max_cache_len, 1, optional=True)
+        check_int("PagedCache: max_batch_size", max_batch_size, 1, optional=True)
+        if max_cache_len is None and max_batch_size is not None:
+            raise ValueError("PagedCache: max_batch_size sizes the compile mode, which max_cache_len "
+                             "turns on; pass max_cache_len too")
+        if max_cache_len is not None and max_seq_len is not None:
+            raise ValueError("PagedCache: pass max_cache_len (compile mode) or max_seq_len, not both")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"PagedCache: enable_prefix_caching must be a bool, got "
                             f"{type(enable_prefix_caching).__name__}")
@@ -183,9 +240,22 @@ class PagedCache(Cache):
         self.enable_prefix_caching = enable_prefix_caching
         self.max_positions: Optional[int] = getattr(text_config, "max_position_embeddings", None)
         self.max_seq_len = max_seq_len
+        self._max_cache_len = max_cache_len
+        self._max_batch_size = max_batch_size
         # MLA (DeepSeek-V2/V3): update() gets compressed latents; the attention function
         # stores the keys and values transformers expands from them (these head sizes).
         self._mla: Optional[Tuple[int, int]] = mla_head_sizes(text_config)
+        self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                                calibration=kv_scale_calibration)
+        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
+        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
+        self._tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+        # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
+        kv_heads = self._config_pool_spec(torch.float32, torch.device("cpu"))[0]
+        self._new_pool(1, (kv_heads, 1, 1, torch.float32, torch.device("cpu")))
+        # Compile mode: (pool spec, pools, metadata buffers), kept across reset() so that a
+        # compiled forward keeps reading the same tensors.
+        self._static: Optional[Tuple[tuple, PagedKVCache, StepBuffers]] = None
         self._clear()
 
     def _clear(self) -> None:
@@ -199,6 +269,18 @@ class PagedCache(Cache):
         self._layers_stored = 0  # update() calls of the current forward
         self._forwards_done = 0  # forwards whose every layer stored its K/V
         self._broken: Optional[str] = None  # why the cache must be reset before more use
+        # Compile mode: the prepared forward (per-row new-token counts, q_len, slots), whether
+        # no eager update has consumed it yet, and the rows it started without prefix
+        # fingerprints (an eager first forward redoes them with fingerprints).
+        self._step: Optional[Tuple[List[int], int, List[int]]] = None
+        self._step_open = False
+        self._unfingerprinted: List[int] = []
+        if self._max_cache_len is not None:
+            self._layers_stored = len(self.layer_types)  # no forward in flight
+            # A tensor for get_seq_length inside a compiled forward (an int would recompile).
+            self._length_tensor = torch.zeros((), dtype=torch.int64)
+            # Set by a compiled forward (it runs no Python): the prepared step was consumed.
+            self._consumed = torch.zeros((), dtype=torch.bool)
         if _layer_call.get() is not None and _layer_call.get().cache is self:
             _layer_call.set(None)
 
@@ -220,6 +302,8 @@ class PagedCache(Cache):
 
         Returns its inputs unchanged: attention reads the history from the pools.
         """
+        if self._max_cache_len is not None:
+            return self._update_static(key_states, value_states, layer_idx)
         self._check_call(layer_idx)
         plan = self._plan_forward(key_states, value_states) if layer_idx == 0 else None
         try:
@@ -227,10 +311,8 @@ class PagedCache(Cache):
                 self._place(key_states, value_states, *plan)
             if self._mla is None:
                 self._check_layer_shapes(layer_idx, key_states, value_states)
-                key_cache, value_cache = self.kv.layer(layer_idx)
-                ops.write_kv(flat_tokens(key_states).to(key_cache.dtype),
-                             flat_tokens(value_states).to(value_cache.dtype),
-                             key_cache, value_cache, self._batch.slot_mapping)
+                self.kv.write(layer_idx, flat_tokens(key_states), flat_tokens(value_states),
+                              self._batch.slot_mapping)
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
@@ -247,13 +329,19 @@ class PagedCache(Cache):
             self._forwards_done += 1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._max_cache_len is not None and torch.compiler.is_compiling():
+            return self._length_tensor  # set before the forward; an int would recompile
         return self._length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
-        return self._length + query_length, 0
+        if self._max_cache_len is None:
+            return self._length + query_length, 0
+        if not torch.compiler.is_compiling():
+            _mask_sizes_from.set(self)  # the mask function called next prepares the forward
+        return self._max_cache_len, 0  # constant: the mask function ignores it
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return -1
+        return -1 if self._max_cache_len is None else self._max_cache_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues old row ``beam_idx[i]`` (table forks, no copy)."""
@@ -289,6 +377,7 @@ class PagedCache(Cache):
                              f"{self._length} columns")
         if remove == 0:
             return
+        self._step_open = False  # a crop comes between forwards
         # Padding is on the left, so the last columns of every row that has tokens are real.
         for seq_id in self.rows:
             if seq_id is not None:
@@ -303,7 +392,7 @@ class PagedCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return self._max_cache_len is not None
 
     @property
     def is_croppable(self) -> bool:
@@ -427,24 +516,7 @@ class PagedCache(Cache):
         self._length += q_len
         self._layers_stored = 0
         self._batch = None
-        slots = [-1] * (rows * q_len)
-        copies = []
-        for row, count in enumerate(counts):
-            if count == 0:
-                continue
-            pad = q_len - count
-            seq_id = self.rows[row]
-            if seq_id is None:
-                seq_id = self._new_seq_id()
-                prompt = (_fingerprints(keys[row, :, pad:], values[row, :, pad:])
-                          if self.enable_prefix_caching else count)
-                placed, num_cached = self.manager.allocate(seq_id, seq_id, prompt)
-                self.rows[row] = seq_id  # only once the manager knows it
-                pad += num_cached  # prefix hits: already stored, not written again
-            else:
-                placed = self.manager.append(seq_id, count)
-                copies.extend(placed.copies)
-            slots[row * q_len + pad:(row + 1) * q_len] = placed.slots
+        slots, copies, _ = self._allocate(counts, q_len, keys, values)
         tables = [self.manager.block_ids(s) if s is not None else None for s in self.rows]
         self._reserve(1 + max((max(t) for t in tables if t), default=0))
         self.kv.apply_copies(copies)  # before any layer writes this step's tokens
@@ -458,10 +530,43 @@ class PagedCache(Cache):
             write_kv=self._mla is not None, query_rows=query_rows,
             on_stored=self._count_stored if self._mla is not None else None)
 
+    def _allocate(self, counts: Sequence[int], q_len: int, keys: Optional[torch.Tensor],
+                  values: Optional[torch.Tensor]) -> Tuple[List[int], List, List[int]]:
+        """Give each row's new tokens slots (new rows: a sequence, with prefix hits when
+        ``keys`` and ``values`` are given to fingerprint; others: an append).
+
+        Returns the ``rows * q_len`` slots (-1: padding or a prefix hit), the copy-on-write
+        copies to apply before any layer writes, and the rows that started a sequence.
+        """
+        slots = [-1] * (len(counts) * q_len)
+        copies: List = []
+        started: List[int] = []
+        for row, count in enumerate(counts):
+            if count == 0:
+                continue
+            pad = q_len - count
+            seq_id = self.rows[row]
+            if seq_id is None:
+                seq_id = self._new_seq_id()
+                prompt = (_fingerprints(keys[row, :, pad:], values[row, :, pad:])
+                          if self.enable_prefix_caching and keys is not None else count)
+                placed, num_cached = self.manager.allocate(seq_id, seq_id, prompt)
+                self.rows[row] = seq_id  # only once the manager knows it
+                started.append(row)
+                pad += num_cached  # prefix hits: already stored, not written again
+            else:
+                placed = self.manager.append(seq_id, count)
+                copies.extend(placed.copies)
+            slots[row * q_len + pad:(row + 1) * q_len] = placed.slots
+        return slots, copies, started
+
     def _new_token_counts(self, rows: int, q_len: int) -> List[int]:
         """Real (non-padding) new tokens per row, from the published 2D attention mask."""
         mask = _padding_mask.get()
         _padding_mask.set(None)  # one forward's mask
+        return self._counts_from_mask(mask, rows, q_len)
+
+    def _counts_from_mask(self, mask: Optional[torch.Tensor], rows: int, q_len: int) -> List[int]:
         if mask is None:
             return [q_len] * rows
         if tuple(mask.shape) != (rows, self._length + q_len):
@@ -516,12 +621,14 @@ class PagedCache(Cache):
         self.rows = [None] * rows
         self._pool_spec = pool_spec
         if self.num_blocks is not None:
-            self.kv = self._new_pool(self.num_blocks)
+            self.kv = self._new_pool(self.num_blocks, pool_spec)
 
-    def _new_pool(self, num_blocks: int) -> PagedKVCache:
-        kv_heads, head_size, head_size_v, dtype, device = self._pool_spec
+    def _new_pool(self, num_blocks: int, pool_spec) -> PagedKVCache:
+        kv_heads, head_size, head_size_v, dtype, device = pool_spec
+        options = dict(self._kv_options)
+        dtype = resolve_kv_cache_dtype(options.pop("kv_cache_dtype"), dtype)
         return PagedKVCache(len(self.layer_types), kv_heads, head_size, self.block_size, dtype,
-                            device, num_blocks=num_blocks, head_size_v=head_size_v)
+                            device, num_blocks=num_blocks, head_size_v=head_size_v, **options)
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size).
@@ -531,15 +638,12 @@ class PagedCache(Cache):
         """
         if self.kv is not None and num_blocks <= self.kv.num_blocks:
             return
-        if self.kv is not None:
-            num_blocks = min(self.manager.num_device_blocks,
-                             max(num_blocks, int(self.kv.num_blocks * _POOL_GROWTH)))
-        pool = self._new_pool(num_blocks)
-        if self.kv is not None:
-            for old, new in zip(self.kv.key_caches + self.kv.value_caches,
-                                pool.key_caches + pool.value_caches):
-                new[:old.shape[0]].copy_(old)
-        self.kv = pool
+        if self.kv is None:
+            self.kv = self._new_pool(num_blocks, self._pool_spec)
+            return
+        num_blocks = min(self.manager.num_device_blocks,
+                         max(num_blocks, int(self.kv.num_blocks * _POOL_GROWTH)))
+        self.kv = self.kv.with_blocks(num_blocks)  # contents and (calibrated) scales
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         """Row i becomes a fork of old row ``indices[i]``; the old rows are freed."""
@@ -562,6 +666,206 @@ class PagedCache(Cache):
                 self.manager.free_seq(seq_id)
         self.rows = new_rows
         self._batch = None if self._layers_stored == len(self.layer_types) else self._batch
+
+    # ---- compile mode ----------------------------------------------------------------------
+    def prepare(self, batch_size: int, num_new_tokens: int,
+                attention_mask: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device] = None) -> None:
+        """Compile mode: place the next forward's tokens and fill the metadata it reads.
+
+        ``generate`` needs no call: it builds the masks eagerly before every forward of a
+        compileable cache, and the mask function prepares the forward then (an eager forward
+        prepares itself too). A loop of your own that calls a *compiled* forward calls this
+        before each call, with the forward's batch size, new-token count and 2D
+        ``attention_mask`` (``[batch, past + new]``, 0 = left padding; None = no padding).
+        ``dtype`` and ``device`` (the model's) allocate the pools on the first call.
+        """
+        if self._max_cache_len is None:
+            raise RuntimeError("PagedCache.prepare is for the compile mode: "
+                               "PagedCache(config, max_cache_len=...)")
+        check_int("PagedCache.prepare: batch_size", batch_size, 1)
+        check_int("PagedCache.prepare: num_new_tokens", num_new_tokens, 1)
+        self._prepare_step(batch_size, num_new_tokens, attention_mask, dtype, device)
+
+    def _prepare_from_mask(self, mask: Optional[torch.Tensor], kwargs: dict) -> None:
+        """The eager mask-function call before a forward: prepare it, once.
+
+        generate may build two masks (full and sliding layers) per forward, and an eager
+        forward builds its own again; those find the step already placed: a 2D mask as wide
+        as the tokens placed, or no mask while a placed step awaits its eager forward.
+        """
+        q_len = kwargs["q_length"]
+        if self._step_open and self._step is not None and self._step[1] == q_len and (
+                mask.shape[-1] == self._length if mask is not None else not self._consumed.item()):
+            return
+        self._prepare_step(kwargs["batch_size"], q_len, mask, kwargs.get("dtype"), kwargs.get("device"))
+
+    def _prepare_step(self, rows: int, q_len: int, mask: Optional[torch.Tensor],
+                      dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"PagedCache cannot continue: {self._broken}. Call reset() (or use a "
+                               "new PagedCache) and start the generation again.")
+        if self._layers_stored != len(self.layer_types):
+            self._refuse(f"the previous forward stopped after {self._layers_stored} of "
+                         f"{len(self.layer_types)} layers stored their K/V (an exception "
+                         "interrupted it), so its tokens are only partly stored")
+        if self.rows and rows != len(self.rows):
+            raise ValueError(f"PagedCache holds {len(self.rows)} rows, the forward has {rows}")
+        counts = self._counts_from_mask(mask, rows, q_len)
+        for row, count in enumerate(counts):
+            if self.rows and self.rows[row] is not None and 0 < count < q_len:
+                raise ValueError(f"PagedCache: row {row} has padding after its first token "
+                                 "(only left padding is supported)")
+        first = self.manager is None
+        try:
+            if first:
+                self._start_static(rows, dtype, device)
+            self._check_static_room(counts)
+            slots, copies, started = self._allocate(counts, q_len, None, None)
+        except BaseException:
+            if first:
+                self.reset()
+            raise
+        self.kv.apply_copies(copies)  # before any layer writes this step's tokens
+        self._length += q_len
+        self._length_tensor.fill_(self._length)
+        self._step = (counts, q_len, slots)
+        self._unfingerprinted = started
+        self._step_open = True
+        self._consumed.fill_(False)
+        self._fill_buffers()
+
+    def _start_static(self, rows: int, dtype: Optional[torch.dtype],
+                      device: Optional[torch.device]) -> None:
+        max_rows = self._max_batch_size or rows
+        if rows > max_rows:
+            raise ValueError(f"PagedCache: the forward has {rows} rows, more than max_batch_size="
+                             f"{max_rows}")
+        if dtype is None or device is None:
+            raise ValueError("PagedCache.prepare: the first call allocates the pools; pass the "
+                             "model's dtype and device")
+        width = -(-self._max_cache_len // self.block_size)
+        capacity = self.num_blocks if self.num_blocks is not None else max_rows * width
+        spec = self._config_pool_spec(dtype, torch.device(device))
+        if self._static is None or self._static[0] != spec or self._static[2].max_rows < max_rows \
+                or self._static[1].num_blocks != capacity + 1:
+            pool = self._new_pool(capacity + 1, spec)  # the last block: the scratch block
+            buffers = StepBuffers(pool, max_rows, width, max_rows * self._max_cache_len,
+                                  scratch_block=capacity, write_kv=self._mla is not None,
+                                  on_stored=self._count_stored if self._mla is not None else None)
+            self._static = (spec, pool, buffers)
+        self.manager = BlockSpaceManager(capacity, 0, self.block_size,
+                                         enable_prefix_caching=self.enable_prefix_caching,
+                                         watermark=0.0)
+        self.rows = [None] * rows
+        self._pool_spec = spec
+        self.kv = self._static[1]
+        # On the pools' device, so the compiled graph touches no host tensor.
+        self._length_tensor = self._length_tensor.to(spec[4])
+        self._consumed = self._consumed.to(spec[4])
+        # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
+        # "reduce-overhead") may then read and write them in place instead of copying them.
+        buffers = self._static[2]
+        for tensor in (*self.kv.key_caches, *self.kv.value_caches, buffers.block_tables,
+                       buffers.seq_lens, buffers.query_start_loc, buffers.slot_mapping,
+                       self._length_tensor, self._consumed):
+            torch._dynamo.mark_static_address(tensor)
+
+    def _config_pool_spec(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        """(kv heads, key size, value size, dtype, device) from the config: the compile mode
+        allocates its pools before the first forward (update checks the real K/V shapes)."""
+        config = self._config
+        if self._mla is not None:
+            return (config.num_attention_heads // self._tp_size,) + self._mla + (dtype, device)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return (heads // self._tp_size, size, size, dtype, device)
+
+    def _check_static_room(self, counts: Sequence[int]) -> None:
+        """Refuse a forward past max_cache_len or the pool, before any state changes."""
+        for row, (seq, count) in enumerate(zip(self.rows, counts)):
+            total = (self.manager.num_tokens(seq) if seq is not None else 0) + count
+            if total > self._max_cache_len:
+                raise ValueError(f"PagedCache: row {row} would hold {total} tokens, more than "
+                                 f"max_cache_len={self._max_cache_len}")
+        needed = sum(self.manager.seq_append_cost(s, c) if s is not None
+                     else -(-c // self.block_size) for s, c in zip(self.rows, counts))
+        free = self.manager.num_free_device_blocks
+        if needed > free:
+            raise NoFreeBlocksError(
+                f"PagedCache: this forward needs {needed} more blocks, the fixed pool "
+                f"(num_blocks={self.manager.num_device_blocks}) has {free} free; pass a larger "
+                "num_blocks")
+
+    def _fill_buffers(self) -> None:
+        counts, q_len, slots = self._step
+        tables = [self.manager.block_ids(s) if s is not None else [] for s in self.rows]
+        lens = [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows]
+        self._batch = self._static[2].fill(tables, lens, counts, q_len, slots)
+
+    def _fingerprint_started_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """An eager first forward: place the rows the step started again, now with prefix
+        fingerprints of their K/V (nothing is written yet), so repeated prompts share."""
+        counts, q_len, slots = self._step
+        started = self._unfingerprinted
+        for row in started:
+            self.manager.free_seq(self.rows[row])
+            self.rows[row] = None
+        only = [count if row in started else 0 for row, count in enumerate(counts)]
+        placed, _, _ = self._allocate(only, q_len, keys, values)
+        for row in started:
+            slots[row * q_len:(row + 1) * q_len] = placed[row * q_len:(row + 1) * q_len]
+        self._unfingerprinted = []
+        self._fill_buffers()
+
+    def _update_static(self, keys: torch.Tensor, values: torch.Tensor,
+                       layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """update() in compile mode: the forward was prepared before it ran."""
+        if torch.compiler.is_compiling():
+            # Traced once per shape: only tensor work on the prepared buffers (Python state
+            # changes here would happen at trace time only).
+            batch = self._batch
+            if batch is None or batch.slot_mapping.shape[0] != keys.shape[0] * keys.shape[2]:
+                raise RuntimeError("PagedCache: this compiled forward was not prepared; call "
+                                   "cache.prepare(batch_size, num_new_tokens, attention_mask, dtype, "
+                                   "device) before each compiled forward of your own loop")
+            if layer_idx == 0:
+                # Run twice on one preparation (a loop that forgot prepare()), it would write
+                # over the last step's slots: refuse at run time instead.
+                torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
+                                    "cache.prepare(...) since the previous one")
+                self._consumed.fill_(True)
+            if self._mla is None:
+                self._check_layer_shapes(layer_idx, keys, values)
+                self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values), batch.slot_mapping)
+            _traced.call = _LayerCall(self, layer_idx, None if self._mla else keys, batch)
+            return keys, values
+        if _mask_sizes_from.get() is self:  # left by a mask function that is not ours
+            _mask_sizes_from.set(None)
+        self._check_call(layer_idx)
+        try:
+            if layer_idx == 0:
+                rows, _, q_len, _ = keys.shape
+                if not self._step_open:  # a forward whose masks were not built through ours
+                    self._prepare_step(rows, q_len, _padding_mask.get(), keys.dtype, keys.device)
+                if self._step[1] != q_len or len(self.rows) != rows:
+                    raise ValueError(f"PagedCache: the forward has {rows} rows x {q_len} tokens, "
+                                     f"prepared were {len(self.rows)} x {self._step[1]}")
+                if self._unfingerprinted and self.enable_prefix_caching:
+                    self._fingerprint_started_rows(keys, values)
+                self._step_open = False
+                self._layers_stored = 0
+            if self._mla is None:
+                self._check_layer_shapes(layer_idx, keys, values)
+                self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
+                              self._batch.slot_mapping)
+        except BaseException as error:
+            self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
+            raise
+        if self._mla is None:
+            self._count_stored(layer_idx)
+        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else keys, self._batch))
+        return keys, values
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

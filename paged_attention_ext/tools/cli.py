@@ -95,7 +95,8 @@ def run_memory(args: argparse.Namespace) -> Dict:
     overridden = args.preset and any(v is not None for v in (args.layers, args.kv_heads, args.head_size))
     name = f"{args.preset} (overridden)" if overridden else args.preset or "model"
     print(f"{name}: {shape.layers} layers, {shape.kv_heads} KV heads, "
-          f"head size {shape.head_size}, {args.dtype} ({report['dtype_bytes']} bytes per value)")
+          f"head size {shape.head_size}, {args.dtype} ({report['dtype_bytes']} "
+          f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value)")
     width = max(len(label) for label, _ in rows) + 1
     for label, value in rows:
         print(f"  {label + ':':<{width}} {value}")

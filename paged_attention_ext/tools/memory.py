@@ -28,7 +28,9 @@ PRESETS: Dict[str, ModelShape] = {
     "opt-13b": ModelShape(layers=40, kv_heads=40, head_size=128),  # the vLLM paper's model
 }
 
-DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+# fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
+DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+                               "fp8_e5m2": 1, "int8": 1}
 
 
 def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,

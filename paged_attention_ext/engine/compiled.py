@@ -1,0 +1,184 @@
+"""Decode steps through one compiled forward over static metadata buffers.
+
+A decode step runs one token per sequence, so its shapes depend only on the batch size:
+``input_ids``/``position_ids`` ``[1, rows]``, ``slot_mapping``/``seq_lens`` ``[rows]`` and a
+block table of fixed width (the longest sequence the pool can hold), so tables growing
+never change a shape. The metadata is copied into preallocated buffers and the forward
+runs on their first ``rows`` rows; rows past the batch are padding: slot -1 (nothing
+written) and seq_len 0 (nothing read, output zero), so their logits are ignored.
+
+* CPU: ``torch.compile`` (inductor by default) with the batch dimension dynamic, so one
+  graph serves every batch size >= 2 and one batch size 1 (torch specializes sizes 0 and
+  1); both are compiled at warm-up. Batches are not padded unless ``sizes`` asks for it.
+* CUDA: a CUDA graph per padded batch size (as vLLM), captured at warm-up from the
+  (compiled) forward on all-padding buffers, replayed after the metadata copy; a batch
+  runs in the graph of the next size up.
+
+Sampling stays outside (it is per request, on the logits). Batches larger than the largest
+size run the eager path.
+"""
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..hf import PagedBatch
+from ..kv_cache import PagedKVCache
+
+
+
+def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to ``max_batch``."""
+    return tuple(s for s in [1, 2, 4] + list(range(8, max_batch + 1, 8)) if s <= max_batch)
+
+
+class CompiledDecode:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, table_width: int,
+                 max_batch: int, backend: str = "inductor",
+                 sizes: Optional[Sequence[int]] = None) -> None:
+        device = kv_cache.device
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.cuda_graphs = device.type == "cuda"
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_decode_batch must be an integer >= 1, got {max_batch!r}")
+        if sizes is None:
+            sizes = default_cuda_sizes(max_batch) if self.cuda_graphs else ()
+        if any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"decode batch sizes must be integers >= 1, got {tuple(sizes)}")
+        if not callable(backend) and backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile_backend {backend!r} is not a torch.compile backend "
+                             f"(e.g. 'inductor', 'aot_eager', 'eager')")
+        self.sizes = sorted(set(sizes))  # empty: no padding (CPU)
+        self.max_batch = self.sizes[-1] if self.sizes else max_batch
+        n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
+        self.ids = torch.zeros(n, **longs)
+        self.positions = torch.zeros(n, **longs)
+        self.slots = torch.full((n,), -1, **longs)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(n, table_width, dtype=torch.int32, device=device)
+        # A ready mask per layer type (none: attention follows the block tables), so the
+        # compiled region skips transformers' mask construction; the eager steps of the same
+        # model run it (and its checks).
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+        self._masks = {kind: None for kind in {"full_attention", *layer_types}}
+        self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
+        self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
+        self.calls = 0  # decode steps run here
+        self.warmup_s: Optional[float] = None  # compile (and capture) time, once warmed up
+        # An fp8 cache still to calibrate sets its scales in its first write (the first
+        # prefill, eager): compiling before would trace that calibration on padding rows.
+        if kv_cache.calibrated:
+            self._warm_up()
+
+    def fits(self, rows: int, width: int) -> bool:
+        """Whether a decode batch of `rows` sequences, tables up to `width` blocks, can run
+        here (compiling first if the cache has only now been calibrated)."""
+        if self.warmup_s is None:
+            if not self.kv_cache.calibrated:
+                return False
+            self._warm_up()
+        return 1 <= rows <= self.max_batch and width <= self.tables.shape[1]
+
+    @torch.no_grad()
+    def run(self, ids: List[int], positions: List[int], slots: List[int],
+            tables: List[List[int]], seq_lens: List[int]) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
+        rows = len(ids)
+        self.calls += 1
+        size = self._stage(ids, positions, slots, tables, seq_lens)
+        if self.cuda_graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+            return logits[:rows]
+        return self._call(size)[:rows]
+
+    # ---- internals -------------------------------------------------------------------
+    def _stage(self, ids: List[int], positions: List[int], slots: List[int],
+               tables: List[List[int]], seq_lens: List[int]) -> int:
+        """Copy the metadata into the buffers' first rows, padding to the next size (returned)."""
+        rows = len(ids)
+        size = self._padded(rows)
+        pad = size - rows
+        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+                             seq_lens + [0] * pad])
+        width = max(len(t) for t in tables)
+        flat: List[int] = []
+        for table in tables:
+            flat += table
+            flat += [0] * (width - len(table))
+        self.ids[:size].copy_(meta[0], non_blocking=True)
+        self.positions[:size].copy_(meta[1], non_blocking=True)
+        self.slots[:size].copy_(meta[2], non_blocking=True)
+        self.seq_lens[:size].copy_(meta[3], non_blocking=True)
+        self.tables[:rows, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(rows, width),
+                                         non_blocking=True)
+        return size
+
+    def _padded(self, rows: int) -> int:
+        if not self.sizes:
+            return rows
+        return next(s for s in self.sizes if s >= rows)
+
+    def _forward(self, ids, positions, slots, tables, seq_lens) -> torch.Tensor:
+        # query_start_loc None: one query token per sequence (the decode form of the op).
+        batch = PagedBatch(self.kv_cache, slot_mapping=slots, block_tables=tables,
+                           seq_lens=seq_lens, query_start_loc=None)
+        masks = {} if self._masks is None else {"attention_mask": self._masks}
+        return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
+                          use_cache=False, **masks).logits[0]
+
+    def _call(self, size: int) -> torch.Tensor:
+        # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
+        args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size),
+                self.slots[:size], self.tables[:size], self.seq_lens[:size])
+        if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
+            for tensor, dim in zip(args, (1, 1, 0, 0, 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+        return self._compiled(*args)
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        """Compile (and on CUDA capture) on all-padding buffers: nothing is written or read.
+
+        Models whose forward takes no ready mask mapping (it has no such argument) trace
+        transformers' mask construction instead; if that does not trace either, raise.
+        """
+        start = time.perf_counter()
+        try:
+            self._warm_up_sizes()
+            self.warmup_s = time.perf_counter() - start
+            return
+        except Exception as error:  # the model refused the mask mapping
+            first = error
+        self._masks = None
+        try:
+            self._warm_up_sizes()
+        except Exception as error:
+            raise NotImplementedError(
+                f"compile_decode: {type(self.model).__name__}'s forward does not compile "
+                f"(with a ready mask mapping: {type(first).__name__}: {str(first)[:200]}; "
+                f"without: {type(error).__name__}: {str(error)[:200]})") from error
+        self.warmup_s = time.perf_counter() - start
+
+    def _warm_up_sizes(self) -> None:
+        if not self.cuda_graphs:
+            # The smallest size (1 has a graph of its own) and the largest (the rest).
+            smallest = self.sizes[0] if self.sizes else 1
+            for size in sorted({smallest, self.max_batch}):
+                self._call(size)
+            return
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._call(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._call(size)
+            pool = graph.pool()
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize()

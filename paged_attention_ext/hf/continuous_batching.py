@@ -1,0 +1,233 @@
+"""``paged|paged_attention_ext``: the paged ops inside transformers' continuous batching.
+
+transformers' continuous batching (``model.generate_batch(...)``, the
+``ContinuousBatchingManager``) keeps its own paged KV cache and, for ``paged|sdpa``,
+writes each layer's new keys and values with ``index_copy_``, gathers every request's
+whole history back with ``index_select`` and runs SDPA under a dense
+``[tokens, cached + tokens]`` mask. This attention function instead stores the new
+keys and values with ``paged.write_kv`` and attends with the multi-token
+``paged.attention`` straight over transformers' cache: no gather, no mask.
+
+How transformers' cache maps onto the ops (full-attention layers):
+
+* The cache is one flat buffer of pages of ``page_size`` tokens, each page
+  ``[page_size, num_kv_heads, head_dim]`` (NHD). ``cache.get_cache_for_block_table(layer)``
+  returns the layer's key and value page views ``[pages, page_size, kv_heads, head_dim]``;
+  their ``transpose(1, 2)`` is the ops' logical ``[blocks, kv_heads, block_size,
+  head_size]`` with block = page (a strided view, no copy).
+* A write index ``w`` (a token row of the layer's view) is page ``w // page_size`` at
+  offset ``w % page_size``: it *is* the ops' slot. Padding tokens write to
+  transformers' trash page, as with ``paged|sdpa``.
+* The read index lists, request by request (``cu_seq_lens_k``), the rows of every
+  cached and new token in order, so the page of request ``r``'s ``j``-th block is
+  ``read_index[cu_seq_lens_k[r] + j * page_size] // page_size``. The block tables are
+  derived so once per forward, and checked to reproduce every read and write index;
+  a cache whose indices they do not reproduce raises instead of attending elsewhere.
+
+Sliding-window layers (transformers keeps them in a ring buffer, which block tables
+cannot address), the decode fast path's ``block_table`` (flash-only in transformers
+5.18), attention sinks and any other unknown argument raise ``NotImplementedError``.
+Importing :mod:`paged_attention_ext.hf` registers the function.
+"""
+
+from typing import Dict, List, Optional, Tuple
+import weakref
+
+import torch
+
+from .. import ops
+
+ATTN_IMPLEMENTATION = "paged|paged_attention_ext"
+
+# Arguments continuous batching passes to every attention call that do not change the
+# result here (positions are already in the rotary embeddings and the indices).
+IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "max_seqlen_q", "max_seqlen_k",
+                            "logits_indices", "logits_processor_args"})
+
+
+class BatchLayout:
+    """One forward's metadata for the ops, derived from transformers' indices."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, num_query_tokens: int) -> None:
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.query_start_loc = query_start_loc
+        # Rows past this are padding (compiled / CUDA-graph batches pad the query).
+        self.num_query_tokens = num_query_tokens
+
+
+# Per transformers cache and layer group: the index tensors the last layout was derived
+# from (continuous batching passes the same tensor objects to every layer of one forward
+# and new views of its rewritten buffers to the next), their versions, and that layout.
+# The strong references keep the identity check sound.
+_Derived = Tuple[Tuple[torch.Tensor, ...], Tuple[int, ...], BatchLayout]
+_LAYOUTS: "weakref.WeakKeyDictionary[object, Dict[int, _Derived]]" = weakref.WeakKeyDictionary()
+
+
+def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_lens_q: torch.Tensor,
+                  cu_seq_lens_k: torch.Tensor, page_size: int) -> BatchLayout:
+    """Block tables, sequence lengths and query starts of a continuous-batching forward.
+
+    Raises ValueError when the indices are not the page-contiguous pattern of
+    transformers' full-attention allocator (the derived tables would read other rows).
+    """
+    device = write_index.device
+    cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64)
+    cu_k = cu_seq_lens_k.to(device=device, dtype=torch.int64)
+    if read_index.numel() == 0:
+        # No request has cached tokens (fresh prefills only): the writes are all the keys.
+        if not torch.equal(cu_q, cu_k):
+            raise ValueError("paged|paged_attention_ext: an empty read index with cached keys "
+                             f"(cu_seq_lens_q {cu_q.tolist()} != cu_seq_lens_k {cu_k.tolist()})")
+        read_index = write_index
+    seq_lens = cu_k[1:] - cu_k[:-1]
+    q_lens = cu_q[1:] - cu_q[:-1]
+    if bool((q_lens > seq_lens).any()):
+        raise ValueError("paged|paged_attention_ext: a request has more query tokens than keys "
+                         f"(cu_seq_lens_q {cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()})")
+    num_keys = int(cu_k[-1])
+    num_query_tokens = int(cu_q[-1])
+    if read_index.numel() < num_keys or write_index.numel() < num_query_tokens:
+        raise ValueError(f"paged|paged_attention_ext: {read_index.numel()} read and "
+                         f"{write_index.numel()} write indices for {num_keys} keys and "
+                         f"{num_query_tokens} query tokens")
+
+    max_blocks = max(1, -(-int(seq_lens.max()) // page_size)) if seq_lens.numel() else 1
+    first = cu_k[:-1, None] + torch.arange(max_blocks, device=device) * page_size
+    used = first < cu_k[1:, None]
+    first_rows = read_index[first.clamp(max=max(num_keys - 1, 0))]
+    block_tables = torch.where(used, first_rows // page_size, 0)
+
+    # Check that the tables reproduce every read row and, for each request's last
+    # q_len positions, the write rows (so write_kv stores where attention reads).
+    request = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens)
+    position = torch.arange(num_keys, device=device) - cu_k[:-1][request]
+    expected = block_tables[request, position // page_size] * page_size + position % page_size
+    query_request = torch.repeat_interleave(torch.arange(q_lens.numel(), device=device), q_lens)
+    query_key = (cu_k[1:] - q_lens)[query_request] + (
+        torch.arange(num_query_tokens, device=device) - cu_q[:-1][query_request])
+    if not (torch.equal(expected, read_index[:num_keys])
+            and torch.equal(expected[query_key], write_index[:num_query_tokens])):
+        raise ValueError("paged|paged_attention_ext: transformers' read/write indices are not "
+                         "page-contiguous per request; block tables cannot address this cache")
+    return BatchLayout(block_tables.to(torch.int32), seq_lens.to(torch.int32),
+                       cu_q.to(torch.int32), num_query_tokens)
+
+
+def _layout(cache, group: int, read_index: torch.Tensor, write_index: torch.Tensor,
+            cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, page_size: int) -> BatchLayout:
+    """The forward's layout, derived by its first layer and reused by the others."""
+    tensors = (read_index, write_index, cu_seq_lens_q, cu_seq_lens_k)
+    versions = tuple(t._version for t in tensors)
+    per_cache = _LAYOUTS.setdefault(cache, {})
+    last = per_cache.get(group)
+    if (last is not None and all(a is b for a, b in zip(last[0], tensors))
+            and last[1] == versions):
+        return last[2]
+    layout = derive_layout(read_index, write_index, cu_seq_lens_q, cu_seq_lens_k, page_size)
+    per_cache[group] = (tensors, versions, layout)
+    return layout
+
+
+def _full_attention_allocator(cache, module: torch.nn.Module):
+    """The layer's allocator, refusing layer types the ops cannot address."""
+    allocator = cache.layer_to_allocator[module.layer_idx]
+    if not getattr(allocator, "supports_block_table", False):
+        raise NotImplementedError(
+            f"paged|paged_attention_ext: layer {module.layer_idx} is cached by "
+            f"{type(allocator).__name__} (a sliding-window ring buffer); the paged ops address "
+            "full-attention pages only. Use paged|sdpa for this model.")
+    return allocator
+
+
+def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float, block_table,
+                        kwargs: Dict) -> None:
+    layer = f"layer {module.layer_idx} ({type(module).__name__})"
+    if attention_mask is not None:
+        raise NotImplementedError(f"paged|paged_attention_ext: {layer} got an attention mask; "
+                                  "attention follows the cache's indices (causal) and cannot apply it")
+    if dropout:
+        raise NotImplementedError(f"paged|paged_attention_ext: {layer} asked for attention "
+                                  f"dropout {dropout} (training); the paged ops are for inference")
+    if block_table is not None:
+        raise NotImplementedError(
+            f"paged|paged_attention_ext: {layer} got a decode block_table (transformers' flash "
+            "decode fast path); set ContinuousBatchingConfig(max_blocks_per_request=0)")
+    # None and False (output_attentions=False, ...) ask for nothing.
+    unknown = sorted(name for name, value in kwargs.items()
+                     if name not in IGNORED_KWARGS and value is not None and value is not False)
+    if unknown:
+        raise NotImplementedError(
+            f"paged|paged_attention_ext: {layer} passed attention arguments {unknown}, which this "
+            "implementation does not apply (refused rather than ignored: they would change the "
+            "result)")
+
+
+@torch.compiler.disable  # as transformers' own paged functions: the cache is mutated in place
+def continuous_batching_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    cache=None,
+    read_index: Optional[List[torch.Tensor]] = None,
+    write_index: Optional[List[torch.Tensor]] = None,
+    cu_seq_lens_q: Optional[torch.Tensor] = None,
+    cu_seq_lens_k=None,
+    block_table: Optional[torch.Tensor] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, None]:
+    """Attention of one layer of a continuous-batching forward.
+
+    ``query`` is ``[1, heads, tokens, head_dim]``, ``key``/``value``
+    ``[1, kv_heads, tokens, head_dim]``: all requests' new tokens packed, delimited by
+    ``cu_seq_lens_q``. Returns ``[1, tokens, heads, head_dim]``.
+    """
+    if cache is None or write_index is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
+        raise ValueError(
+            "paged|paged_attention_ext runs inside transformers' continuous batching "
+            "(model.generate_batch, init_continuous_batching), which passes its paged cache and "
+            "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
+    _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
+    allocator = _full_attention_allocator(cache, module)
+    if sliding_window is not None:
+        raise NotImplementedError(f"paged|paged_attention_ext: layer {module.layer_idx} has a "
+                                  f"sliding window ({sliding_window}) in a full-attention cache")
+    if is_causal is False:
+        raise NotImplementedError(f"paged|paged_attention_ext: layer {module.layer_idx} asked for "
+                                  "non-causal attention; the paged ops are causal")
+    group = allocator.index
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k = cu_seq_lens_k["full_attention"]
+    page_size = allocator.tokens_per_page
+    layout = _layout(cache, group, read_index[group], write_index[group], cu_seq_lens_q,
+                     cu_seq_lens_k, page_size)
+
+    _, key_pages, value_pages = cache.get_cache_for_block_table(module.layer_idx)
+    # [pages, page_size, kv_heads, head_dim] -> the ops' [blocks, kv_heads, block_size, head_dim].
+    key_cache, value_cache = key_pages.transpose(1, 2), value_pages.transpose(1, 2)
+    _, heads, tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if kv_heads != key_cache.shape[1] or head_dim != key_cache.shape[-1]:
+        raise ValueError(f"paged|paged_attention_ext: layer {module.layer_idx} has keys "
+                         f"{tuple(key.shape)}, its cache pages {tuple(key_pages.shape)}")
+    # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim]
+    new_keys = key[0].transpose(0, 1).to(key_cache.dtype)
+    new_values = value[0].transpose(0, 1).to(value_cache.dtype)
+    ops.write_kv(new_keys, new_values, key_cache, value_cache, write_index[group][:tokens])
+
+    q = query[0].transpose(0, 1)[:layout.num_query_tokens].to(key_cache.dtype)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    out = ops.attention(q, key_cache, value_cache, layout.block_tables, layout.seq_lens, scale,
+                        layout.query_start_loc, None, -1, softcap or 0.0, None)
+    if layout.num_query_tokens < tokens:
+        # Padding rows: zeros, nothing reads them.
+        out = torch.cat([out, out.new_zeros(tokens - layout.num_query_tokens, heads, out.shape[-1])])
+    return out.unsqueeze(0).to(query.dtype), None

@@ -1,0 +1,26 @@
+"""vLLM plugin: vLLM's attention runs on the paged ops (``pip install paged-attention-ext[vllm]``).
+
+vLLM calls :func:`register` in every process it starts (entry point ``paged_attention`` in the
+``vllm.general_plugins`` group). It points two attention-backend names at
+:class:`paged_attention_ext.vllm.backend.PagedAttentionBackend`:
+
+* ``CPU_ATTN``: the CPU platform always picks this name, so on vLLM's CPU build every decoder
+  attention layer runs ``paged.write_kv`` and ``paged.attention`` instead of vLLM's kernels.
+* ``CUSTOM``: on other platforms the backend is chosen explicitly,
+  ``LLM(..., attention_config={"backend": "CUSTOM"})``.
+
+``VLLM_PLUGINS`` (vLLM's allow-list of plugin names) turns the plugin off, e.g. to compare
+against vLLM's own backend. Importing this package does not import vLLM.
+"""
+
+BACKEND = "paged_attention_ext.vllm.backend.PagedAttentionBackend"
+
+
+def register() -> None:
+    """Point vLLM's ``CPU_ATTN`` and ``CUSTOM`` attention backends at the paged ops."""
+    # Imported here: vLLM imports this package's entry point before it is fully set up,
+    # and users of the other integrations need not have vLLM installed.
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND)

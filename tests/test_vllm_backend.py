@@ -1,0 +1,142 @@
+"""The vLLM backend's pieces without vLLM's engine (fast; run in the vLLM environment).
+
+One mixed step (a prefill after a prefix hit, a decode, a fresh prefill, a padded token)
+goes through PagedAttentionImpl's do_kv_cache_update and forward on a cache laid out as the
+backend declares it, and must equal the reference ops on independently written caches.
+"""
+
+import pytest
+import torch
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    vllm = None
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(vllm is None, reason="vLLM is not installed (make test-vllm sets it up)"),
+]
+
+if vllm is not None:
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from paged_attention_ext import reference
+    from paged_attention_ext.vllm.backend import (PagedAttentionBackend, PagedAttentionImpl,
+                                                  PagedAttentionMetadata, split_kv_cache)
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 16, 12
+
+
+class Layer:
+    """What the backend reads from vLLM's attention layer: the per-layer fp8 scales."""
+
+    def __init__(self, scale: float) -> None:
+        self._k_scale = torch.tensor(scale)
+        self._v_scale = torch.tensor(2 * scale)
+
+
+def page_view(dtype: torch.dtype) -> torch.Tensor:
+    """A layer's cache as vLLM builds it from the backend's spec, unused slots NaN."""
+    spec = PagedAttentionBackend.customize_spec(FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype))
+    tile = spec.state_content_size_bytes // dtype.itemsize
+    assert (spec.num_heads, spec.num_states) == (2, 1)
+    assert spec.page_size_bytes == 2 * KV_HEADS * BLOCK_SIZE * HEAD_SIZE * dtype.itemsize
+    # LHBNC: all key tiles, then all value tiles. vLLM allocates fp8 caches as uint8.
+    raw = torch.full((2, NUM_BLOCKS, 1, tile), float("nan")).to(dtype)
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        raw = raw.view(torch.uint8)
+    return raw.permute(1, 0, 2, 3)
+
+
+def test_split_kv_cache_gives_contiguous_hnd_views():
+    kv = page_view(torch.float32)
+    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
+    shape = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+    assert key_cache.shape == value_cache.shape == shape
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.data_ptr() == kv.data_ptr()
+    assert value_cache.data_ptr() == kv[:, 1].data_ptr()
+    with pytest.raises(ValueError, match="unexpected KV cache shape"):
+        split_kv_cache(kv.reshape(NUM_BLOCKS, 1, 2, -1), KV_HEADS, HEAD_SIZE)
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float32, -1), (torch.float32, 8),
+                                          (torch.float8_e4m3fn, -1)],
+                         ids=["fp32", "fp32-window", "fp8"])
+def test_mixed_step_equals_reference(dtype, window):
+    torch.manual_seed(0)
+    fp8 = dtype == torch.float8_e4m3fn
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None,
+                              None if window < 0 else window, "fp8" if fp8 else "auto")
+    layer = Layer(0.25)
+    scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if fp8 else {}
+    kv = page_view(dtype)
+    want_k = torch.full((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE), float("nan")).to(dtype)
+    want_v = want_k.clone()
+
+    # Three sequences in random physical blocks: 20 cached + 5 new, 32 cached + 1 new, 17 new.
+    cached, new = [20, 32, 0], [5, 1, 17]
+    blocks = torch.randperm(NUM_BLOCKS).to(torch.int32)
+    block_table = blocks[:9].view(3, 3)
+
+    def slots(seq: int, start: int, stop: int) -> list[int]:
+        return [int(block_table[seq, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
+                for t in range(start, stop)]
+
+    def store(slot_list: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
+        value = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
+        mapping = torch.tensor(slot_list, dtype=torch.int64)
+        impl.do_kv_cache_update(layer, key, value, kv, mapping)
+        reference.write_kv(key, value, want_k, want_v, mapping, **scales)
+        return key, value
+
+    store([s for seq in range(3) for s in slots(seq, 0, cached[seq])])  # earlier steps
+    # This step, plus one padding token (slot -1) at the end, as vLLM pads.
+    step = [s for seq in range(3) for s in slots(seq, cached[seq], cached[seq] + new[seq])] + [-1]
+    key, value = store(step)
+    query = torch.randn(len(step), HEADS, HEAD_SIZE)
+    query_start_loc = torch.tensor([0, 5, 6, 23], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32)
+    metadata = PagedAttentionMetadata(num_actual_tokens=23, query_start_loc=query_start_loc,
+                                      seq_lens=seq_lens, block_table=block_table,
+                                      slot_mapping=torch.tensor(step))
+    output = torch.full((len(step), HEADS, HEAD_SIZE), 7.0)
+    assert impl.forward(layer, query, key, value, kv, metadata, output) is output
+
+    want = reference.attention(query[:23], want_k, want_v, block_table, seq_lens,
+                               HEAD_SIZE ** -0.5, query_start_loc, sliding_window=window,
+                               **scales)
+    torch.testing.assert_close(output[:23], want)
+    assert (output[23] == 7.0).all()  # the padding row is left alone
+    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE, dtype)
+    assert torch.equal(key_cache.view(torch.uint8), want_k.view(torch.uint8))  # same bits
+    assert torch.equal(value_cache.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_profiling_run_without_metadata_returns_output():
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, 0.1, KV_HEADS, None, None, "auto")
+    output = torch.zeros(3, HEADS, HEAD_SIZE)
+    assert impl.forward(Layer(1.0), torch.randn(3, HEADS, HEAD_SIZE), None, None,
+                        page_view(torch.float32), None, output) is output
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attn_type=AttentionType.ENCODER_ONLY) if vllm else {}, "decoder attention only"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype"),
+], ids=["encoder", "int8-cache"])
+def test_unsupported_configurations_raise(kwargs, match):
+    args = dict(num_heads=HEADS, head_size=HEAD_SIZE, scale=0.1, num_kv_heads=KV_HEADS,
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    with pytest.raises(NotImplementedError, match=match):
+        PagedAttentionImpl(**{**args, **kwargs})
+
+
+def test_unequal_key_and_value_head_sizes_raise():
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=192,
+                             head_size_v=128, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="equal key and value head sizes"):
+        PagedAttentionBackend.customize_spec(spec)
