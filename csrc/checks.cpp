@@ -20,11 +20,11 @@ bool is_cache_dtype(at::ScalarType t) { return is_supported_float(t) || is_fp8(t
 
 // Dims of size > 1 sorted by stride; each stride must pass the farthest element of
 // the smaller ones (a sufficient condition that no two indices share an address).
-bool overlaps_itself(const at::Tensor& t) {
+bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) == 0) return false;
-    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return false;
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
   }
   std::sort(dims.begin(), dims.end());
   int64_t reach = 0;  // largest offset the smaller dims address
@@ -33,6 +33,28 @@ bool overlaps_itself(const at::Tensor& t) {
     reach += (size - 1) * stride;
   }
   return false;
+}
+
+bool overlaps_itself(const at::Tensor& t) { return overlaps(t.sizes(), t.strides()); }
+
+// Whether two views of one dtype share an element. K and V halves of a joint tensor
+// interleave (vLLM's [num_blocks, 2, ...] pages) without sharing one: with equal shapes
+// and strides, the pair is one view with an extra dimension whose stride is the offset
+// between them, and that view must not overlap itself.
+bool share_an_element(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  auto last = [](const at::Tensor& t) {
+    int64_t offset = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) offset += (t.size(d) - 1) * t.stride(d);
+    return offset;
+  };
+  if (last(a) < b.storage_offset() || last(b) < a.storage_offset()) return false;
+  if (a.sizes() != b.sizes() || a.strides() != b.strides()) return true;
+  std::vector<int64_t> sizes(a.sizes().begin(), a.sizes().end());
+  std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
+  sizes.push_back(2);
+  strides.push_back(std::abs(b.storage_offset() - a.storage_offset()));
+  return overlaps(sizes, strides);
 }
 
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
@@ -155,6 +177,12 @@ void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& d
                     src.sizes(), " and ", dst.sizes());
   TORCH_CHECK_VALUE(!overlaps_itself(dst), op, ": argument 'dst' is a view that overlaps itself "
                     "(strides ", dst.strides(), " for shape ", dst.sizes(), ")");
+  // One pool as both (a copy within it) is fine; two different views of one storage that
+  // share an element would make the parallel copies depend on their order.
+  const bool same_view = src.data_ptr() == dst.data_ptr() && src.strides() == dst.strides();
+  TORCH_CHECK_VALUE(same_view || !share_an_element(src, dst), op,
+                    ": arguments 'src' and 'dst' are different views that share memory; pass "
+                    "one pool as both, or disjoint pools");
 }
 
 AttentionShape check_attention_args(const char* op, const at::Tensor& query,
@@ -329,6 +357,9 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
+  TORCH_CHECK_VALUE(!share_an_element(key_cache, value_cache), op,
+                    ": arguments 'key_cache' and 'value_cache' share memory (a value would "
+                    "overwrite a key); pass disjoint views");
   if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
     TORCH_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
                      ": argument 'key' must be float32, float16 or bfloat16, got ",

@@ -80,6 +80,14 @@ def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
         query = random_query(int(qsl[-1]), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl,
                                  soft_cap=20.0, sinks=scenarios.random_sinks(8), **extra)
+    # One query head per KV head with a bf16 query: the avx512_bf16 path's e4m3 keys go
+    # through vdpbf16ps (k_scale applied to the scores), a path GQA groups do not take.
+    for per_head in (False, True):
+        kv = scenarios.KVFormat(fp8, per_head_scales=per_head)
+        case, extra = scenarios.with_format(make_case(lens, 2, 128, 16, torch.float32), kv)
+        query = random_query(len(lens), 2, 128, torch.bfloat16)
+        assert_matches_reference(query, case, 128 ** -0.5, soft_cap=30.0,
+                                 sinks=scenarios.random_sinks(2), **extra)
 
 
 @pytest.mark.parametrize("isa", ISAS)
