@@ -97,6 +97,7 @@ class PagedKVCache:
             raise ValueError(f"the pool must hold at least one block ({self.block_bytes} bytes), "
                              f"memory_bytes={memory_bytes} holds none")
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
+        self._recalibrate = [False] * num_layers
         self.k_scales, self.v_scales, self.calibration = self._layer_scales(k_scale, v_scale,
                                                                             calibration)
         shape = (num_blocks, num_kv_heads, block_size, head_size)
@@ -188,12 +189,25 @@ class PagedKVCache:
         key_cache, value_cache = self.layer(index)
         if not self.is_quantized:
             key, value = key.to(self.dtype), value.to(self.dtype)
-        elif self.k_scales[index] is None:
+        elif self.k_scales[index] is None or self._recalibrate[index]:
             stored = slot_mapping >= 0
             per_head = self.calibration == "per_head"
-            self.k_scales[index] = calibrate(key[stored], self.dtype, per_head).to(self.device)
-            self.v_scales[index] = calibrate(value[stored], self.dtype, per_head).to(self.device)
+            k_scale = calibrate(key[stored], self.dtype, per_head).to(self.device)
+            v_scale = calibrate(value[stored], self.dtype, per_head).to(self.device)
+            if self._recalibrate[index] and self.k_scales[index].shape == k_scale.shape:
+                # In place: a compiled forward holding these tensors reads the new scales.
+                self.k_scales[index].copy_(k_scale)
+                self.v_scales[index].copy_(v_scale)
+            else:
+                self.k_scales[index], self.v_scales[index] = k_scale, v_scale
+            self._recalibrate[index] = False
         ops.write_kv(key, value, key_cache, value_cache, slot_mapping, **self.scales(index))
+
+    def recalibrate(self) -> None:
+        """Calibrate every layer anew on its next write (a cache reused for new requests);
+        no-op for float caches and for given scales."""
+        if self.calibration is not None:
+            self._recalibrate = [True] * self.num_layers
 
     def as_query(self, query: torch.Tensor) -> torch.Tensor:
         """``query`` in the dtype the attention op takes with these pools: the cache dtype
@@ -209,7 +223,7 @@ class PagedKVCache:
                               self.dtype, self.device, num_blocks=num_blocks,
                               num_host_blocks=self.num_host_blocks, head_size_v=self.head_size_v)
         bigger.k_scales, bigger.v_scales = list(self.k_scales), list(self.v_scales)
-        bigger.calibration = self.calibration
+        bigger.calibration, bigger._recalibrate = self.calibration, list(self._recalibrate)
         for old, new in zip(self.key_caches + self.value_caches, bigger.key_caches + bigger.value_caches):
             new[:self.num_blocks].copy_(old)
         for old, new in zip(self.host_key_caches + self.host_value_caches,

@@ -187,6 +187,26 @@ def test_paged_cache_calibrates_from_the_first_forward(pair, fmt, calibration):
     assert cache.kv.key_caches[0].float().abs().max() == fmax  # the largest key hits the format's top
 
 
+@pytest.mark.parametrize("mode", [{}, {"max_cache_len": 32}], ids=["eager", "fixed_pool"])
+def test_reset_calibrates_anew(pair, mode):
+    """A reused cache (also compile mode's fixed pool) takes the next requests' scales, so
+    keys 50x larger are not clamped to the first requests' range."""
+    paged, _ = pair
+    ids = torch.randint(1, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(5))
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype="fp8_e4m3", **mode)
+    k_proj = paged.model.layers[0].self_attn.k_proj.weight
+    with torch.no_grad():
+        paged(ids, past_key_values=cache)
+        first = cache.kv.k_scales[0].clone()
+        cache.reset()
+        k_proj.mul_(50)
+        try:
+            paged(ids, past_key_values=cache)
+        finally:
+            k_proj.div_(50)
+    torch.testing.assert_close(cache.kv.k_scales[0], first * 50, rtol=1e-3, atol=0)
+
+
 def test_engine_calibrates_from_its_first_step(engine_pair):
     paged, reference = engine_pair
     prompt = list(range(5, 30))

@@ -359,6 +359,8 @@ class PagedCache(Cache):
             for seq_id in self.rows:
                 if seq_id is not None and self.manager.has_seq(seq_id):
                     self.manager.free_seq(seq_id)
+        if self._static is not None:  # the fixed pool is kept: its calibrated scales are not
+            self._static[1].recalibrate()
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
