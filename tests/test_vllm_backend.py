@@ -117,6 +117,17 @@ def test_mixed_step_equals_reference(dtype, window):
     assert torch.equal(value_cache.view(torch.uint8), want_v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_fp8_scales_raise(bad):
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, 0.1, KV_HEADS, None, None, "fp8")
+    kv = page_view(torch.float8_e4m3fn)
+    before = kv.clone()
+    key = value = torch.randn(1, KV_HEADS, HEAD_SIZE)
+    with pytest.raises(ValueError, match="must be finite and positive"):
+        impl.do_kv_cache_update(Layer(bad), key, value, kv, torch.tensor([0]))
+    assert torch.equal(kv, before)
+
+
 def test_profiling_run_without_metadata_returns_output():
     impl = PagedAttentionImpl(HEADS, HEAD_SIZE, 0.1, KV_HEADS, None, None, "auto")
     output = torch.zeros(3, HEADS, HEAD_SIZE)

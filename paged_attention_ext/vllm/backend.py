@@ -171,6 +171,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = FP8_FORMATS.get(kv_cache_dtype)  # None: the cache has the model's dtype
+        self._checked_scales: set = set()  # id() of the layers whose fp8 scales were checked
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.alibi_slopes = (None if alibi_slopes is None
                              else torch.tensor(alibi_slopes, dtype=torch.float32))
@@ -222,5 +223,17 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         return output
 
     def _scales(self, layer) -> dict:
-        """vLLM's per-layer fp32 scales (shape [] or [1]) for an fp8 cache, else none."""
-        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if self.fp8 else {}
+        """vLLM's per-layer fp32 scales (shape [] or [1]) for an fp8 cache, else none.
+
+        The ops take any scale tensor without reading it (no device sync); a zero, negative
+        or non-finite scale would store and read garbage, so each layer's is checked once."""
+        if not self.fp8:
+            return {}
+        scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
+        if id(layer) not in self._checked_scales:
+            for name, scale in scales.items():
+                if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+                    raise ValueError(f"paged_attention_ext's vLLM backend: layer {name} must be "
+                                     f"finite and positive, got {scale.tolist()}")
+            self._checked_scales.add(id(layer))
+        return scales
