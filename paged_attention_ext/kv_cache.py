@@ -191,6 +191,8 @@ class PagedKVCache:
             key, value = key.to(self.dtype), value.to(self.dtype)
         elif self.k_scales[index] is None or self._recalibrate[index]:
             stored = slot_mapping >= 0
+            if not bool(stored.any()):  # nothing to store or to calibrate from: wait
+                return
             per_head = self.calibration == "per_head"
             k_scale = calibrate(key[stored], self.dtype, per_head).to(self.device)
             v_scale = calibrate(value[stored], self.dtype, per_head).to(self.device)

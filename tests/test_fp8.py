@@ -189,6 +189,18 @@ def test_first_write_calibrates_from_stored_tokens_only(calibration):
                                * first.view(-1, 1))
 
 
+def test_write_storing_nothing_leaves_the_layer_to_calibrate():
+    """An all-padding first write (every slot -1) has nothing to calibrate from: the
+    layer waits for the first stored token instead of fixing scale 1 for good."""
+    cache = fp8_cache()
+    cache.write(0, torch.full((2, 2, 8), 1e4), torch.ones(2, 2, 8), torch.tensor([-1, -1]))
+    assert cache.k_scales[0] is None
+    assert (cache.key_caches[0].view(torch.uint8) == 0).all()
+    key = torch.randn(3, 2, 8) * 3000
+    cache.write(0, key, torch.ones(3, 2, 8), torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(cache.k_scales[0], q.calibrate(key, E4M3))
+
+
 def test_with_blocks_keeps_contents_and_scales():
     cache = fp8_cache(k_scale=0.5, v_scale=[0.25, 0.125])
     cache.key_caches[1][3] = 7.0
