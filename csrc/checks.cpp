@@ -37,10 +37,10 @@ bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
 
 bool overlaps_itself(const at::Tensor& t) { return overlaps(t.sizes(), t.strides()); }
 
-// Whether two views of one dtype share an element. K and V halves of a joint tensor
-// interleave (vLLM's [num_blocks, 2, ...] pages) without sharing one: with equal shapes
-// and strides, the pair is one view with an extra dimension whose stride is the offset
-// between them, and that view must not overlap itself.
+// Whether two views of one dtype share an element. Halves of a joint tensor interleave
+// (vLLM's [num_blocks, 2, ...] pages) without sharing one: with equal shapes and strides,
+// the pair is one view with an extra dimension whose stride is the offset between them,
+// and that view must not overlap itself.
 bool share_an_element(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
   auto last = [](const at::Tensor& t) {
@@ -357,9 +357,6 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
-  TORCH_CHECK_VALUE(!share_an_element(key_cache, value_cache), op,
-                    ": arguments 'key_cache' and 'value_cache' share memory (a value would "
-                    "overwrite a key); pass disjoint views");
   if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
     TORCH_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
                      ": argument 'key' must be float32, float16 or bfloat16, got ",

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import paged_attention_ext as pa
-from paged_attention_ext.layouts import split_kv
 from paged_case import make_case, query_start_loc, random_query
 
 
@@ -237,24 +236,6 @@ def test_write_kv_rejects_fp8_arguments_and_leaves_cache_unchanged(make, error, 
     with pytest.raises(error, match=match):
         pa.write_kv(**args)
     assert (key_cache.view(torch.uint8) == 0).all() and (value_cache.view(torch.uint8) == 0).all()
-
-
-def test_write_kv_refuses_key_and_value_caches_sharing_memory():
-    """A value would overwrite a key: refused before anything is written. Interleaved
-    halves of one tensor (vLLM's [num_blocks, 2, ...] pages) share no element and pass."""
-    joint = torch.zeros(4, 2, 2, 8, 64)
-    key, value, slots = torch.ones(2, 2, 64), torch.full((2, 2, 64), 2.0), torch.tensor([3, 9])
-    for key_cache, value_cache in ((joint[:, 0], joint[:, 0]),
-                                   (joint[:, 0], joint.view(4, 4, 8, 64)[:, 1:3]),
-                                   split_kv(torch.zeros(1, 4, 8, 2, 64).expand(2, 4, 8, 2, 64))):
-        with pytest.raises(ValueError, match="'key_cache' and 'value_cache' share memory"):
-            pa.write_kv(key, value, key_cache, value_cache, slots)
-    assert (joint == 0).all()
-    key_cache, value_cache = joint[:, 0], joint[:, 1]
-    pa.write_kv(key, value, key_cache, value_cache, slots)  # slot 3: block 0, 9: block 1 offset 1
-    for cache, want in ((key_cache, 1.0), (value_cache, 2.0)):
-        assert (cache[0, :, 3] == want).all() and (cache[1, :, 1] == want).all()
-        assert cache.sum() == want * 2 * 2 * 64
 
 
 def test_swap_blocks_refuses_different_views_of_one_storage():
