@@ -17,7 +17,7 @@ from transformers import CompileConfig
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
-from hf_tiny import TINY
+from hf_tiny import TINY, left_padded
 
 BLOCK_SIZE = 4  # small: tables grow by a block every 4 decode steps
 MAX_CACHE_LEN = 48
@@ -46,17 +46,6 @@ def models():
     """(reference sdpa model, paged model) with the same weights."""
     paged, reference = random_pair(transformers.LlamaConfig(**TINY))
     return reference, paged
-
-
-def left_padded(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(1, TINY["vocab_size"], (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask
 
 
 def generate(model, ids, mask, cache=None, seed=None, **kwargs):
