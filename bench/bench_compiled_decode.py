@@ -8,12 +8,16 @@ whose cache holds ``context`` tokens runs through
 * eager: the engine's packed forward (``ModelRunner._packed``, what every step ran before),
 * compiled: :class:`paged_attention_ext.engine.compiled.CompiledDecode` (torch.compile,
   inductor; on CUDA also one CUDA graph per padded batch size),
+* frozen (CPU, inductor): the same with ``EngineConfig.compile_options`` ``{"freezing": True,
+  "cpp_wrapper": True}``: weights folded into the graph and prepacked for oneDNN/MKL, C++
+  wrapper code; the process's resident memory before and after building it gives the cost
+  of the packed copy,
 
-alternating, and the median step time gives decode tokens/s. The K/V pool is random data
+in rotating order, and the median step time gives decode tokens/s. The K/V pool is random data
 and each sequence's blocks a random set (decode cost depends on the lengths, not on the
 values), so no prefill is needed. Compile and warm-up time (building ``CompiledDecode``:
-tracing, inductor, graph capture) is reported separately, once per model and dtype. The
-largest difference between the two paths' logits is reported as a sanity check.
+tracing, inductor, graph capture) is reported separately, once per model, dtype and path.
+The largest difference between each compiled path's logits and eager's is a sanity check.
 
 Targets (issue 15): on CPU compiled >= 1.3x eager at batch 1 for the 0.5B shape and never
 slower at batch 32; on CUDA with graphs >= 2x at batch 1.
@@ -51,6 +55,12 @@ MODELS = {
                        tie_word_embeddings=True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FROZEN = {"freezing": True, "cpp_wrapper": True}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def build_model(name: str, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
@@ -97,43 +107,50 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
         cache.normal_(0, 0.5)
     eager = ModelRunner(model, kv)
     width = -(-(max_context + 64) // BLOCK_SIZE)
-    start = time.perf_counter()
-    compiled = CompiledDecode(model, kv, width, max(args.batches), backend=args.backend)
-    compile_s = time.perf_counter() - start
+    paths, build = {}, {}
+    variants = [("compiled", None)] + ([("frozen", FROZEN)] if args.frozen else [])
+    for label, options in variants:
+        rss, start = resident_bytes(), time.perf_counter()
+        paths[label] = CompiledDecode(model, kv, width, max(args.batches), backend=args.backend,
+                                      options=options)
+        build[label] = {"compile_and_warmup_s": time.perf_counter() - start,
+                        "resident_bytes_added": resident_bytes() - rss}
     cells = []
     for context in args.contexts:
         for batch in args.batches:
             meta = decode_batch(batch, context, num_blocks, text.vocab_size, seed=context + batch)
-
-            def run_eager():
-                with torch.no_grad():
-                    return eager._packed(meta["ids"], meta["positions"], meta["slots"],
-                                         meta["tables"], meta["seq_lens"], [1] * batch)
-
-            def run_compiled():
-                return compiled.run(meta["ids"], meta["positions"], meta["slots"],
-                                    meta["tables"], meta["seq_lens"])
-
-            diff = (run_eager().float() - run_compiled().float()).abs().max().item()
-            times: Dict[str, List[float]] = {"eager": [], "compiled": []}
-            for _ in range(args.warmup):
-                run_eager(), run_compiled()
-            for i in range(args.iters):  # alternate, so load changes hit both alike
-                for label, fn in ((("eager", run_eager), ("compiled", run_compiled)) if i % 2 == 0
-                                  else (("compiled", run_compiled), ("eager", run_eager))):
-                    times[label].append(timed_step(fn, device))
+            runs = {"eager": lambda: eager._packed(meta["ids"], meta["positions"], meta["slots"],
+                                                   meta["tables"], meta["seq_lens"], [1] * batch)}
+            for label, compiled in paths.items():
+                runs[label] = (lambda c: lambda: c.run(meta["ids"], meta["positions"], meta["slots"],
+                                                       meta["tables"], meta["seq_lens"]))(compiled)
+            with torch.no_grad():
+                reference = runs["eager"]().float()
+                diffs = {label: (runs[label]().float() - reference).abs().max().item()
+                         for label in paths}
+            times: Dict[str, List[float]] = {label: [] for label in runs}
+            order = list(runs)
+            with torch.no_grad():
+                for _ in range(args.warmup):
+                    for fn in runs.values():
+                        fn()
+                for i in range(args.iters):  # rotate, so load changes hit every path alike
+                    for label in order[i % len(order):] + order[:i % len(order)]:
+                        times[label].append(timed_step(runs[label], device))
             step = {k: statistics.median(v) for k, v in times.items()}
             cell = {"context": context, "batch": batch,
-                    "eager_tokens_per_s": batch / step["eager"],
-                    "compiled_tokens_per_s": batch / step["compiled"],
-                    "speedup": step["eager"] / step["compiled"],
-                    "eager_step_ms": 1e3 * step["eager"], "compiled_step_ms": 1e3 * step["compiled"],
-                    "max_abs_logit_diff": diff}
+                    "eager_tokens_per_s": batch / step["eager"], "eager_step_ms": 1e3 * step["eager"]}
+            for label in paths:
+                cell[f"{label}_tokens_per_s"] = batch / step[label]
+                cell[f"{label}_step_ms"] = 1e3 * step[label]
+                cell[f"{label}_speedup"] = step["eager"] / step[label]
+                cell[f"{label}_max_abs_logit_diff"] = diffs[label]
             cells.append(cell)
+            ratios = ", ".join(f"{label} {batch / step[label]:8.1f} ({cell[label + '_speedup']:.2f}x,"
+                               f" |diff| {diffs[label]:.1e})" for label in paths)
             print(f"{name:<11} {dtype_name:<5} context {context:5d} batch {batch:3d}: eager "
-                  f"{cell['eager_tokens_per_s']:9.1f} tokens/s, compiled {cell['compiled_tokens_per_s']:9.1f}"
-                  f" ({cell['speedup']:.2f}x)  max |logit diff| {diff:.2e}", flush=True)
-    return {"model": name, "dtype": dtype_name, "compile_and_warmup_s": compile_s,
+                  f"{cell['eager_tokens_per_s']:8.1f} tokens/s, {ratios}", flush=True)
+    return {"model": name, "dtype": dtype_name, "build": build,
             "parameters": sum(p.numel() for p in model.parameters()), "cells": cells}
 
 
@@ -148,6 +165,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
                         help="default: fp32 and bf16 on CPU, bf16 on CUDA")
+    parser.add_argument("--no-frozen", dest="frozen", action="store_false",
+                        help="skip the frozen path (CPU inductor only)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -158,6 +177,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     args.backend = args.backend or ("eager" if cuda else "inductor")
     args.dtypes = args.dtypes or (["bf16"] if cuda else list(DTYPES))
+    args.frozen = args.frozen and not cuda and args.backend == "inductor"
     if args.quick:
         args.models, args.contexts, args.batches, args.iters = ["tiny"], [64, 256], [1, 8], 4
     torch.set_num_threads(args.threads)
@@ -183,9 +203,12 @@ def main() -> None:
             }
             out.write_text(json.dumps(report, indent=2) + "\n")
     for run in runs:
-        speedups = ", ".join(f"b{c['batch']}/c{c['context']} {c['speedup']:.2f}x" for c in run["cells"])
-        print(f"summary {run['model']} {run['dtype']}: compile + warm-up "
-              f"{run['compile_and_warmup_s']:.1f} s; compiled/eager {speedups}")
+        for label, built in run["build"].items():
+            speedups = ", ".join(f"b{c['batch']}/c{c['context']} {c[label + '_speedup']:.2f}x"
+                                 for c in run["cells"])
+            print(f"summary {run['model']} {run['dtype']} {label}: compile + warm-up "
+                  f"{built['compile_and_warmup_s']:.1f} s, +{built['resident_bytes_added'] / 2**20:.0f}"
+                  f" MiB resident; vs eager {speedups}")
     print(f"wrote {out}")
 
 

@@ -129,10 +129,34 @@ def test_unknown_backend_raises(model):
         LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="nope"))
 
 
+@pytest.mark.parametrize("options,match", [({"nope": 1}, "not inductor options"),
+                                           ({"freezing": True}, "compile_backend is 'eager'")])
+def test_bad_compile_options_raise(model, options, match):
+    backend = "inductor" if "nope" in options else "eager"
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(model, EngineConfig(compile_decode=True, compile_backend=backend,
+                                      compile_options=options))
+
+
 @pytest.mark.integration
-def test_inductor_decode_equals_eager(model):
+@pytest.mark.parametrize("options", [None, {"freezing": True, "cpp_wrapper": True}])
+def test_inductor_decode_equals_eager(model, options):
     requests = make_requests(6, seed=1)
     _, expected, _ = serve(model, requests, num_device_blocks=64)
-    engine, outputs, new_graphs = serve(model, requests, num_device_blocks=64, compile_decode=True)
+    engine, outputs, new_graphs = serve(model, requests, num_device_blocks=64, compile_decode=True,
+                                        compile_options=options)
     assert outputs == expected and engine.runner.decode.calls > 0
     assert new_graphs == 0 and not counters["recompiles"]
+    if options:  # frozen weights: a weight changed in place must not be silently ignored
+        weight = model.lm_head.weight
+        saved = weight.detach().clone()
+        try:
+            with torch.no_grad():
+                weight.mul_(2)
+            engine.add_request(Request("after", [1, 2, 3], SamplingParams(max_new_tokens=3)))
+            with pytest.raises(RuntimeError, match="weights changed"):
+                while engine.has_unfinished():
+                    engine.step()
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)

@@ -10,6 +10,8 @@ written) and seq_len 0 (nothing read, output zero), so their logits are ignored.
 * CPU: ``torch.compile`` (inductor by default) with the batch dimension dynamic, so one
   graph serves every batch size >= 2 and one batch size 1 (torch specializes sizes 0 and
   1); both are compiled at warm-up. Batches are not padded unless ``sizes`` asks for it.
+  Inductor ``options`` pass through; with ``freezing`` the weights become constants of the
+  graph (prepacked for oneDNN/MKL), so a step refuses to run once they have changed.
 * CUDA: a CUDA graph per padded batch size (as vLLM), captured at warm-up from the
   (compiled) forward on all-padding buffers, replayed after the metadata copy; a batch
   runs in the graph of the next size up.
@@ -19,7 +21,7 @@ size run the eager path.
 """
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,7 +38,8 @@ def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
 class CompiledDecode:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, table_width: int,
                  max_batch: int, backend: str = "inductor",
-                 sizes: Optional[Sequence[int]] = None) -> None:
+                 sizes: Optional[Sequence[int]] = None,
+                 options: Optional[Mapping[str, Any]] = None) -> None:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.cuda_graphs = device.type == "cuda"
@@ -49,6 +52,13 @@ class CompiledDecode:
         if not callable(backend) and backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ValueError(f"compile_backend {backend!r} is not a torch.compile backend "
                              f"(e.g. 'inductor', 'aot_eager', 'eager')")
+        options = dict(options or {})
+        if options and backend != "inductor":
+            raise ValueError(f"compile_options are inductor options; compile_backend is {backend!r}")
+        unknown = sorted(set(options) - set(torch._inductor.list_options()))
+        if unknown:
+            raise ValueError(f"compile_options: {unknown} are not inductor options "
+                             f"(torch._inductor.list_options() lists them)")
         self.sizes = sorted(set(sizes))  # empty: no padding (CPU)
         self.max_batch = self.sizes[-1] if self.sizes else max_batch
         n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
@@ -62,7 +72,12 @@ class CompiledDecode:
         # model run it (and its checks).
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self._masks = {kind: None for kind in {"full_attention", *layer_types}}
-        self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
+        self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True,
+                                       options=options or None)
+        # Frozen weights are copied into the graph: a later change would reach the eager
+        # steps only, so each step checks that none changed in place or was replaced.
+        self._frozen = ([(p, p.data_ptr(), p._version) for p in model.parameters()]
+                        if options.get("freezing") else [])
         self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
         self.calls = 0  # decode steps run here
         self.warmup_s: Optional[float] = None  # compile (and capture) time, once warmed up
@@ -85,6 +100,9 @@ class CompiledDecode:
             tables: List[List[int]], seq_lens: List[int]) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
         rows = len(ids)
+        if any(p.data_ptr() != ptr or p._version != version for p, ptr, version in self._frozen):
+            raise RuntimeError("compile_options freezing: the model's weights changed after the "
+                               "compiled decode froze them; build a new engine")
         self.calls += 1
         size = self._stage(ids, positions, slots, tables, seq_lens)
         if self.cuda_graphs:
