@@ -1,7 +1,7 @@
 """End to end: the paged engine vs transformers ``generate`` and ``generate_batch`` on CPU.
 
 Usage: ``.venv/bin/python bench/bench_engine.py [--quick] [--reps N] [--out PATH] [--threads N]
-[--backend inductor]``
+[--backend inductor] [--compile-options JSON]``
 
 Method
 ------
@@ -17,7 +17,8 @@ Method
 
   - ``engine``: ``LLMEngine`` with 16-token blocks and a pool that holds every request;
   - ``engine_compiled``: the same with ``compile_decode=True`` (``--backend``, inductor by
-    default); the compile happens once, before the runs, and is reported apart;
+    default, with ``--compile-options``, by default freezing and the C++ wrapper); the
+    compile happens once, before the runs, and is reported apart;
   - ``generate``: one batched ``model.generate`` call with its default cache
     (DynamicCache; equal prompt lengths, so no padding);
   - ``generate_batch``: transformers' continuous batching with 16-token pages and as many
@@ -82,14 +83,15 @@ def timed(fn: Callable[[], object]):
 
 
 def run_engine(model, requests: List[Request], num_blocks: int, mode: str = "swap",
-               compile_backend: "str | None" = None) -> Dict:
+               compile_backend: "str | None" = None, compile_options: "dict | None" = None) -> Dict:
     # No admission watermark: the small pool then fills with prompts exactly and decoding preempts.
     # compile_backend: decode steps compiled (torch reuses the graphs of an earlier engine over
     # the same model, so only the first engine compiles).
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=num_blocks,
                                            num_host_blocks=4 * num_blocks, preemption_mode=mode,
                                            watermark=0.0, compile_decode=compile_backend is not None,
-                                           compile_backend=compile_backend or "inductor"))
+                                           compile_backend=compile_backend or "inductor",
+                                           compile_options=compile_options))
     outputs, elapsed = timed(lambda: engine.generate(requests))
     report = engine.report()
     block_bytes = engine.kv_cache.block_bytes
@@ -170,7 +172,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--backend", default="inductor",
                         help="torch.compile backend of the engine_compiled system")
+    parser.add_argument("--compile-options", type=json.loads,
+                        default={"freezing": True, "cpp_wrapper": True},
+                        help="engine_compiled's EngineConfig.compile_options, as JSON (inductor only)")
     args = parser.parse_args()
+    options = args.compile_options if args.backend == "inductor" else None
     load_at_start = os.getloadavg()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -188,14 +194,16 @@ def main() -> None:
 
     warm = long_prompts(2, 32, 2, MODEL["vocab_size"])
     run_engine(paged, warm, 16)
-    compile_s = timed(lambda: run_engine(paged, warm, blocks_needed + 8, compile_backend=args.backend))[1]
+    compile_s = timed(lambda: run_engine(paged, warm, blocks_needed + 8, compile_backend=args.backend,
+                                      compile_options=options))[1]
     run_generate(sdpa, warm, 2)
     generate_batch_warmup = run_generate_batch(batching_model, warm, 2, 16)
 
     runs = {
         "engine": lambda: run_engine(paged, requests, blocks_needed + 8),
         "engine_compiled": lambda: run_engine(paged, requests, blocks_needed + 8,
-                                              compile_backend=args.backend),
+                                              compile_backend=args.backend,
+                                              compile_options=options),
         "generate": lambda: run_generate(sdpa, requests, new_tokens),
         "generate_batch": lambda: run_generate_batch(batching_model, requests, new_tokens,
                                                      blocks_needed + 8),
@@ -223,7 +231,8 @@ def main() -> None:
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "reps": args.reps, "block_size": BLOCK_SIZE, "model": MODEL, "dtype": "float32"},
         "systems": results,
-        "engine_compiled": {"backend": args.backend, "compile_and_warmup_s": compile_s,
+        "engine_compiled": {"backend": args.backend, "options": options,
+                            "compile_and_warmup_s": compile_s,
                             "vs_generate": (results["engine_compiled"]["tokens_per_s"]
                                             / results["generate"]["tokens_per_s"])},
         "preemption": {"pools": {"long": small_pool, "mixed": mixed_pool}, "runs": preemption,

@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -59,6 +60,9 @@ from paged_attention_ext.kv_cache import bytes_per_block
 from paged_attention_ext.reference import dequantize
 from paged_attention_ext.tools.demo import make_requests
 from paged_attention_ext.tools.memory import PRESETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hf_tiny import ARCHS, TINY  # noqa: E402  (the HF tests' architectures)
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 CALIBRATIONS = ("per_layer", "per_head")
@@ -175,18 +179,6 @@ def op_accuracy(batch: int, context: int, heads: int, kv_heads: int, head_size: 
 
 
 # ---- 2. models -----------------------------------------------------------------------------------
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
-ARCHS = {
-    "llama": lambda: transformers.LlamaConfig(**TINY),
-    "qwen2": lambda: transformers.Qwen2Config(**{**TINY, "num_attention_heads": 8},
-                                              use_sliding_window=True, sliding_window=6,
-                                              max_window_layers=1),
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=6),
-}
-
 
 def teacher_forced(model, tokens, prompt_len, **cache_options) -> torch.Tensor:
     """fp32 logits ``[rows, steps, vocab]`` of the prompt's last position and of each later

@@ -160,3 +160,16 @@ def test_inductor_decode_equals_eager(model, options):
         finally:
             with torch.no_grad():
                 weight.copy_(saved)
+
+
+def test_recompile_limit_raises_clearly(model):
+    # Engines over one model share its graphs; once torch's per-function limit is full, a
+    # new shape is refused at engine creation, and the eager engine still serves.
+    with torch._dynamo.config.patch(recompile_limit=2):
+        LLMEngine(model, EngineConfig(block_size=BLOCK, compile_decode=True, compile_backend="eager"))
+        with pytest.raises(RuntimeError, match="recompile_limit"):
+            LLMEngine(model, EngineConfig(block_size=2 * BLOCK, compile_decode=True,
+                                          compile_backend="eager"))
+    requests = make_requests(3, seed=3)
+    _, expected, _ = serve(model, requests, num_device_blocks=64)
+    assert expected and all(expected.values())

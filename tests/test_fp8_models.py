@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_tiny import TINY
+from hf_tiny import ARCHS, TINY
 from paged_attention_ext import quantization as q
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
 from paged_attention_ext.engine.models import random_pair, tiny_config
@@ -27,14 +27,6 @@ from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.reference import quantize
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-ARCHS = {
-    "llama": lambda: transformers.LlamaConfig(**TINY),
-    # GQA 8/2; layer 1 slides over a window of 6.
-    "qwen2": lambda: transformers.Qwen2Config(**{**TINY, "num_attention_heads": 8},
-                                              use_sliding_window=True, sliding_window=6,
-                                              max_window_layers=1),
-    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=6),
-}
 DECODING = {
     "greedy": dict(do_sample=False),
     "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),

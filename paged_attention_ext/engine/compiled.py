@@ -21,6 +21,8 @@ size run the eager path.
 """
 
 import time
+import types
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -28,6 +30,21 @@ import torch
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
+
+
+# torch keeps at most `recompile_limit` (8) graphs per code object, and each engine adds two
+# (CPU) or one per batch size (CUDA). A copy of `_forward`'s code per model keeps engines over
+# different models from filling one shared cache; engines over the same model reuse its graphs.
+_FORWARD_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, types.FunctionType]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _forward_of(model: torch.nn.Module) -> types.FunctionType:
+    if model not in _FORWARD_PER_MODEL:
+        original = CompiledDecode._forward
+        _FORWARD_PER_MODEL[model] = types.FunctionType(
+            original.__code__.replace(), original.__globals__, original.__name__)
+    return _FORWARD_PER_MODEL[model]
 
 
 def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
@@ -72,7 +89,8 @@ class CompiledDecode:
         # model run it (and its checks).
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self._masks = {kind: None for kind in {"full_attention", *layer_types}}
-        self._compiled = torch.compile(self._forward, backend=backend, fullgraph=True,
+        self._compiled = torch.compile(types.MethodType(_forward_of(model), self),
+                                       backend=backend, fullgraph=True,
                                        options=options or None)
         # Frozen weights are copied into the graph: a later change would reach the eager
         # steps only, so each step checks that none changed in place or was replaced.
@@ -167,6 +185,12 @@ class CompiledDecode:
             self._warm_up_sizes()
             self.warmup_s = time.perf_counter() - start
             return
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            raise RuntimeError(
+                f"compile_decode: earlier engines over this model hold the "
+                f"{torch._dynamo.config.recompile_limit} graphs torch keeps per function "
+                f"(torch._dynamo.config.recompile_limit); reuse an engine, or raise the "
+                f"limit") from error
         except Exception as error:  # the model refused the mask mapping
             first = error
         self._masks = None

@@ -309,17 +309,25 @@ class PagedCache(Cache):
         try:
             if plan is not None:
                 self._place(key_states, value_states, *plan)
-            if self._mla is None:
-                self._check_layer_shapes(layer_idx, key_states, value_states)
-                self.kv.write(layer_idx, flat_tokens(key_states), flat_tokens(value_states),
-                              self._batch.slot_mapping)
+            self._write_layer(layer_idx, key_states, value_states)
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
+        self._finish_layer(layer_idx, key_states)
+        return key_states, value_states
+
+    def _write_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's new K/V at the prepared slots (MLA: the attention function does)."""
+        if self._mla is None:
+            self._check_layer_shapes(layer_idx, keys, values)
+            self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
+                          self._batch.slot_mapping)
+
+    def _finish_layer(self, layer_idx: int, keys: torch.Tensor) -> None:
+        """Count the layer stored and hand the attention function its call."""
         if self._mla is None:
             self._count_stored(layer_idx)
-        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else key_states, self._batch))
-        return key_states, value_states
+        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else keys, self._batch))
 
     def _count_stored(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` of this forward holds its K/V (MLA: said by the attention
@@ -837,9 +845,7 @@ class PagedCache(Cache):
                 torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
                                     "cache.prepare(...) since the previous one")
                 self._consumed.fill_(True)
-            if self._mla is None:
-                self._check_layer_shapes(layer_idx, keys, values)
-                self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values), batch.slot_mapping)
+            self._write_layer(layer_idx, keys, values)
             _traced.call = _LayerCall(self, layer_idx, None if self._mla else keys, batch)
             return keys, values
         if _mask_sizes_from.get() is self:  # left by a mask function that is not ours
@@ -857,16 +863,11 @@ class PagedCache(Cache):
                     self._fingerprint_started_rows(keys, values)
                 self._step_open = False
                 self._layers_stored = 0
-            if self._mla is None:
-                self._check_layer_shapes(layer_idx, keys, values)
-                self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
-                              self._batch.slot_mapping)
+            self._write_layer(layer_idx, keys, values)
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
-        if self._mla is None:
-            self._count_stored(layer_idx)
-        _layer_call.set(_LayerCall(self, layer_idx, None if self._mla else keys, self._batch))
+        self._finish_layer(layer_idx, keys)
         return keys, values
 
     def _new_seq_id(self) -> int:
