@@ -12,6 +12,9 @@ whose cache holds ``context`` tokens runs through
   "cpp_wrapper": True}``: weights folded into the graph and prepacked for oneDNN/MKL, C++
   wrapper code; the process's resident memory before and after building it gives the cost
   of the packed copy,
+* weight read (CPU, batch 1): a sum over a buffer as large as the model's weights, the
+  floor of a batch-1 step (every weight is read once), so ``eager / weight read`` bounds
+  what any compiled forward can gain there,
 
 in rotating order, and the median step time gives decode tokens/s. The K/V pool is random data
 and each sequence's blocks a random set (decode cost depends on the lengths, not on the
@@ -41,6 +44,7 @@ from typing import Dict, List
 import torch
 import transformers
 
+from bench_attention import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine.compiled import CompiledDecode
 from paged_attention_ext.engine.runner import ModelRunner
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
@@ -106,6 +110,8 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
     for cache in kv.key_caches + kv.value_caches:
         cache.normal_(0, 0.5)
     eager = ModelRunner(model, kv)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_buffer = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
     width = -(-(max_context + 64) // BLOCK_SIZE)
     paths, build = {}, {}
     variants = [("compiled", None)] + ([("frozen", FROZEN)] if args.frozen else [])
@@ -124,6 +130,10 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
             for label, compiled in paths.items():
                 runs[label] = (lambda c: lambda: c.run(meta["ids"], meta["positions"], meta["slots"],
                                                        meta["tables"], meta["seq_lens"]))(compiled)
+            if batch == 1 and device == "cpu":
+                # The floor of a batch-1 step: reading the weights' bytes once (a sum over a
+                # buffer of that size), timed in the same rotation.
+                runs["weight_read"] = weight_buffer.sum
             with torch.no_grad():
                 reference = runs["eager"]().float()
                 diffs = {label: (runs[label]().float() - reference).abs().max().item()
@@ -145,11 +155,18 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
                 cell[f"{label}_step_ms"] = 1e3 * step[label]
                 cell[f"{label}_speedup"] = step["eager"] / step[label]
                 cell[f"{label}_max_abs_logit_diff"] = diffs[label]
+            if "weight_read" in step:
+                cell["weight_read_ms"] = 1e3 * step["weight_read"]
+                cell["weight_read_gb_per_s"] = weight_buffer.nbytes / step["weight_read"] / 1e9
+                # The most any compiled forward could gain here over eager: eager / floor.
+                cell["eager_over_weight_read"] = step["eager"] / step["weight_read"]
             cells.append(cell)
+            floor = (f", weight read {cell['weight_read_gb_per_s']:.1f} GB/s: eager/floor "
+                     f"{cell['eager_over_weight_read']:.2f}x" if "weight_read_ms" in cell else "")
             ratios = ", ".join(f"{label} {batch / step[label]:8.1f} ({cell[label + '_speedup']:.2f}x,"
                                f" |diff| {diffs[label]:.1e})" for label in paths)
             print(f"{name:<11} {dtype_name:<5} context {context:5d} batch {batch:3d}: eager "
-                  f"{cell['eager_tokens_per_s']:8.1f} tokens/s, {ratios}", flush=True)
+                  f"{cell['eager_tokens_per_s']:8.1f} tokens/s, {ratios}{floor}", flush=True)
     return {"model": name, "dtype": dtype_name, "build": build,
             "parameters": sum(p.numel() for p in model.parameters()), "cells": cells}
 
@@ -192,7 +209,8 @@ def main() -> None:
             runs.append(run_model(model_name, dtype_name, args))
             # Written after every model, so a run stopped by a time limit keeps what it measured.
             report = {
-                "machine": {"device": args.device, "cpus": os.cpu_count(), "threads": args.threads,
+                "machine": {**machine_info(), "device": args.device, "cpus": os.cpu_count(),
+                            "threads": args.threads,
                             "gpu": torch.cuda.get_device_name() if cuda else None,
                             "torch": torch.__version__, "transformers": transformers.__version__,
                             "python": platform.python_version(), "load_average_start": load_at_start,

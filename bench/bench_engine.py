@@ -55,6 +55,7 @@ from typing import Callable, Dict, List
 import torch
 import transformers
 
+from bench_attention import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.tools import demo
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.engine.models import random_pair, tiny_config
@@ -225,7 +226,7 @@ def main() -> None:
                                              for w in ("long", "mixed"))
              for mode in ("swap", "recompute")}
     report = {
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+        "machine": {**machine_info(), "cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "load_average_start": load_at_start, "load_average_end": os.getloadavg()},
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,

@@ -24,7 +24,6 @@ StaticCache, read after the generate call (both are allocated once, up front).
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import machine_info  # noqa: E402
 from timing import time_interleaved_samples  # noqa: E402
 
 from paged_attention_ext.engine.models import random_pair, tiny_config  # noqa: E402
@@ -215,7 +215,7 @@ def main() -> None:
     report = {
         "command": " ".join(sys.argv),
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "machine": machine_info(),
         "block_size": BLOCK_SIZE, "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

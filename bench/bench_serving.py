@@ -49,6 +49,7 @@ import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
 
+from bench_attention import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.engine.models import random_pair, tiny_config
 from paged_attention_ext.tools.workloads import synthetic_trace
@@ -271,7 +272,7 @@ def main() -> None:
             print(f"{mode:<8} engine / best transformers path: "
                   f"{results[mode]['engine_vs_best_transformers']:.2f}x")
     report = {
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads,
+        "machine": {**machine_info(), "cpus": os.cpu_count(), "threads": args.threads,
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "load_average_start": load_at_start, "load_average_end": os.getloadavg()},

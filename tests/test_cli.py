@@ -24,6 +24,14 @@ def test_demo_serves_with_preemption_and_matches_reference(capsys):
     assert "reference" in out.out and "serving" in out.err  # report on stdout, progress on stderr
 
 
+def test_demo_with_compiled_decode_matches_reference(capsys):
+    # The cheap "eager" backend: the same compiled-decode path without inductor's compile time.
+    assert main(["demo", "--json", "--compile-decode", "eager"]) == 0
+    report = last_json(capsys.readouterr().out)
+    assert report["matches_reference"] is True
+    assert report["engine"]["compiled_decode"]["steps"] > 0
+
+
 def test_walkthrough_reports_success_as_json(capsys):
     assert main(["walkthrough", "--json"]) == 0
     report = last_json(capsys.readouterr().out)

@@ -31,7 +31,6 @@ from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
 
-
 # torch keeps at most `recompile_limit` (8) graphs per code object, and each engine adds two
 # (CPU) or one per batch size (CUDA). A copy of `_forward`'s code per model keeps engines over
 # different models from filling one shared cache; engines over the same model reuse its graphs.
@@ -45,6 +44,11 @@ def _forward_of(model: torch.nn.Module) -> types.FunctionType:
         _FORWARD_PER_MODEL[model] = types.FunctionType(
             original.__code__.replace(), original.__globals__, original.__name__)
     return _FORWARD_PER_MODEL[model]
+
+
+def _identity(tensor: torch.Tensor) -> Tuple[int, Optional[int]]:
+    """Storage address and version counter (None for inference tensors, which have none)."""
+    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version
 
 
 def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
@@ -92,9 +96,9 @@ class CompiledDecode:
         self._compiled = torch.compile(types.MethodType(_forward_of(model), self),
                                        backend=backend, fullgraph=True,
                                        options=options or None)
-        # Frozen weights are copied into the graph: a later change would reach the eager
-        # steps only, so each step checks that none changed in place or was replaced.
-        self._frozen = ([(p, p.data_ptr(), p._version) for p in model.parameters()]
+        # Frozen weights (and buffers) are copied into the graph: a later change would reach
+        # the eager steps only, so each step checks that none changed in place or was replaced.
+        self._frozen = ([(t, _identity(t)) for t in (*model.parameters(), *model.buffers())]
                         if options.get("freezing") else [])
         self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
         self.calls = 0  # decode steps run here
@@ -118,7 +122,7 @@ class CompiledDecode:
             tables: List[List[int]], seq_lens: List[int]) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
         rows = len(ids)
-        if any(p.data_ptr() != ptr or p._version != version for p, ptr, version in self._frozen):
+        if any(_identity(tensor) != identity for tensor, identity in self._frozen):
             raise RuntimeError("compile_options freezing: the model's weights changed after the "
                                "compiled decode froze them; build a new engine")
         self.calls += 1

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default="auto",
                         help="auto: the model's dtype; fp8: 8-bit K/V in the same bytes as --blocks "
                              "model-dtype blocks, scales calibrated from the first step (docs/fp8.md)")
+    parser.add_argument("--compile-decode", nargs="?", const="inductor", metavar="BACKEND",
+                        help="decode steps through torch.compile with BACKEND (default inductor; "
+                             "compiled before serving, docs/engine.md)")
 
 
 def make_requests(vocab_size: int, eos: int, seed: int) -> List["Request"]:
@@ -117,7 +120,9 @@ def run(args: argparse.Namespace) -> Dict:
     config = EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=blocks, num_host_blocks=256,
                           enable_prefix_caching=not args.no_prefix_caching,
                           preemption_mode=args.preemption_mode or EngineConfig.preemption_mode,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          compile_decode=args.compile_decode is not None,
+                          compile_backend=args.compile_decode or EngineConfig.compile_backend)
     # The first forwards pay one-time setup (thread pools, kernel selection): not the engine's cost.
     LLMEngine(paged, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=4)).generate(
         [Request("warm-up", [3, 4, 5], SamplingParams(max_new_tokens=2))])
