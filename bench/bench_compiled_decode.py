@@ -8,10 +8,9 @@ whose cache holds ``context`` tokens runs through
 * eager: the engine's packed forward (``ModelRunner._packed``, what every step ran before),
 * compiled: :class:`paged_attention_ext.engine.compiled.CompiledDecode` (torch.compile,
   inductor; on CUDA also one CUDA graph per padded batch size),
-* frozen (CPU, inductor): the same with ``EngineConfig.compile_options`` ``{"freezing": True,
-  "cpp_wrapper": True}``: weights folded into the graph and prepacked for oneDNN/MKL, C++
-  wrapper code; the process's resident memory before and after building it gives the cost
-  of the packed copy,
+* frozen (CPU, inductor): the same with ``EngineConfig.compile_options``
+  ``{"freezing": True}``: weights folded into the graph and prepacked for oneDNN (bf16) or
+  MKL (fp32) linear kernels,
 * weight read (CPU, batch 1): a sum over a buffer as large as the model's weights, the
   floor of a batch-1 step (every weight is read once), so ``eager / weight read`` bounds
   what any compiled forward can gain there,
@@ -59,12 +58,7 @@ MODELS = {
                        tie_word_embeddings=True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FROZEN = {"freezing": True, "cpp_wrapper": True}
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+FROZEN = {"freezing": True}
 
 
 def build_model(name: str, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
@@ -116,11 +110,10 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
     paths, build = {}, {}
     variants = [("compiled", None)] + ([("frozen", FROZEN)] if args.frozen else [])
     for label, options in variants:
-        rss, start = resident_bytes(), time.perf_counter()
+        start = time.perf_counter()
         paths[label] = CompiledDecode(model, kv, width, max(args.batches), backend=args.backend,
                                       options=options)
-        build[label] = {"compile_and_warmup_s": time.perf_counter() - start,
-                        "resident_bytes_added": resident_bytes() - rss}
+        build[label] = {"compile_and_warmup_s": time.perf_counter() - start}
     cells = []
     for context in args.contexts:
         for batch in args.batches:
@@ -225,8 +218,7 @@ def main() -> None:
             speedups = ", ".join(f"b{c['batch']}/c{c['context']} {c[label + '_speedup']:.2f}x"
                                  for c in run["cells"])
             print(f"summary {run['model']} {run['dtype']} {label}: compile + warm-up "
-                  f"{built['compile_and_warmup_s']:.1f} s, +{built['resident_bytes_added'] / 2**20:.0f}"
-                  f" MiB resident; vs eager {speedups}")
+                  f"{built['compile_and_warmup_s']:.1f} s; vs eager {speedups}")
     print(f"wrote {out}")
 
 

@@ -24,6 +24,7 @@ StaticCache, read after the generate call (both are allocated once, up front).
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -193,6 +194,19 @@ def main() -> None:
     # the warm-up of whichever candidate compiles first.
     torch.compile(lambda x: x * 2 + 1, backend="inductor")(torch.ones(8))
     results = []
+    load_at_start = os.getloadavg()
+
+    def write() -> None:  # after every shape, so a run stopped early keeps what it measured
+        report = {
+            "command": " ".join(sys.argv),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(), "machine": machine_info(),
+            "load_average_start": load_at_start, "load_average_end": os.getloadavg(),
+            "block_size": BLOCK_SIZE, "results": results,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
     for model_name in parse_list(args.models, str):
         for dtype_name in parse_list(args.dtypes, str):
             paged, static = (m.to(DTYPES[dtype_name]) for m in random_pair(MODELS[model_name]()))
@@ -209,17 +223,11 @@ def main() -> None:
                     row = run_shape(paged, static, batch, context, args.new, args.reps)
                     row.update(model=model_name, dtype=dtype_name)
                     results.append(row)
+                    write()
                     print(json.dumps({k: row[k] for k in ("model", "dtype", "batch", "context",
                                                           "ratios")}), flush=True)
             del paged, static
-    report = {
-        "command": " ".join(sys.argv),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "machine": machine_info(),
-        "block_size": BLOCK_SIZE, "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write()
     print(f"wrote {args.out}")
 
 

@@ -94,8 +94,10 @@ class CompiledDecode:
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self._masks = {kind: None for kind in {"full_attention", *layer_types}}
         self._compiled = torch.compile(types.MethodType(_forward_of(model), self),
-                                       backend=backend, fullgraph=True,
-                                       options=options or None)
+                                       backend=backend, fullgraph=True)
+        # Set around every call rather than passed to torch.compile, whose `options` do not
+        # reach freezing (the graph kept aten.mm on the weights, unpacked).
+        self._options = options
         # Frozen weights (and buffers) are copied into the graph: a later change would reach
         # the eager steps only, so each step checks that none changed in place or was replaced.
         self._frozen = ([(t, _identity(t)) for t in (*model.parameters(), *model.buffers())]
@@ -175,7 +177,10 @@ class CompiledDecode:
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
             for tensor, dim in zip(args, (1, 1, 0, 0, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
-        return self._compiled(*args)
+        if not self._options:
+            return self._compiled(*args)
+        with torch._inductor.config.patch(self._options):  # ~30 us
+            return self._compiled(*args)
 
     @torch.no_grad()
     def _warm_up(self) -> None:

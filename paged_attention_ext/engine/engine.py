@@ -45,10 +45,10 @@ class EngineConfig:
     # at engine creation; prefill and mixed steps stay eager (docs/engine.md).
     compile_decode: bool = False
     compile_backend: str = "inductor"
-    # Inductor options of the compiled decode (torch.compile's `options`). On CPU
-    # {"freezing": True, "cpp_wrapper": True} is the fastest at small batches (weights
-    # prepacked for oneDNN/MKL, a C++ wrapper in place of Python): it keeps a second, packed
-    # copy of the linear weights, and refuses steps once the model's weights have changed.
+    # Inductor config set while the compiled decode compiles and runs (torch._inductor.config
+    # names). On CPU {"freezing": True} is the fastest at small batches (weights folded in and
+    # prepacked for oneDNN/MKL): it keeps a second, packed copy of the linear weights, and
+    # refuses steps once the model's weights have changed (docs/engine.md).
     compile_options: Optional[Dict[str, Any]] = None
     max_decode_batch: int = 256  # larger decode batches run eager
     # Padded batch sizes; None: every size on CPU (dynamic shapes), vLLM's 1, 2, 4, 8, 16,
