@@ -160,11 +160,19 @@ def test_inductor_decode_equals_eager(model, options):
         saved = weight.detach().clone()
         try:
             with torch.no_grad():
-                weight.mul_(2)
+                weight.copy_(weight.roll(1, dims=0))  # every token id shifts by one
             engine.add_request(Request("after", [1, 2, 3], SamplingParams(max_new_tokens=3)))
             with pytest.raises(RuntimeError, match="weights changed"):
                 while engine.has_unfinished():
                     engine.step()
+            # A new engine compiles for the new weights; so does one without freezing (neither
+            # may reuse the graph that holds the old weights as constants).
+            _, changed, _ = serve(model, requests, num_device_blocks=64)
+            assert changed != expected
+            for again in (options, None):
+                _, outputs, _ = serve(model, requests, num_device_blocks=64, compile_decode=True,
+                                      compile_options=again)
+                assert outputs == changed
         finally:
             with torch.no_grad():
                 weight.copy_(saved)

@@ -32,18 +32,22 @@ from ..kv_cache import PagedKVCache
 
 
 # torch keeps at most `recompile_limit` (8) graphs per code object, and each engine adds two
-# (CPU) or one per batch size (CUDA). A copy of `_forward`'s code per model keeps engines over
-# different models from filling one shared cache; engines over the same model reuse its graphs.
-_FORWARD_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, types.FunctionType]" = \
+# (CPU) or one per batch size (CUDA). Each model gets copies of `_forward`'s code, so engines
+# over different models do not fill one shared cache, while engines over the same model reuse
+# its graphs. A copy serves one backend and set of inductor options (dynamo's guards do not
+# see the config a graph was compiled under) and, with freezing, one state of the weights (a frozen
+# graph holds them as constants, so it must not serve an engine built after they changed).
+_FORWARDS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[Any, types.FunctionType]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _forward_of(model: torch.nn.Module) -> types.FunctionType:
-    if model not in _FORWARD_PER_MODEL:
+def _forward_of(model: torch.nn.Module, key: Any) -> types.FunctionType:
+    copies = _FORWARDS.setdefault(model, {})
+    if key not in copies:
         original = CompiledDecode._forward
-        _FORWARD_PER_MODEL[model] = types.FunctionType(
-            original.__code__.replace(), original.__globals__, original.__name__)
-    return _FORWARD_PER_MODEL[model]
+        copies[key] = types.FunctionType(original.__code__.replace(), original.__globals__,
+                                         original.__name__)
+    return copies[key]
 
 
 def _identity(tensor: torch.Tensor) -> Tuple[int, Optional[int]]:
@@ -93,15 +97,17 @@ class CompiledDecode:
         # model run it (and its checks).
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self._masks = {kind: None for kind in {"full_attention", *layer_types}}
-        self._compiled = torch.compile(types.MethodType(_forward_of(model), self),
-                                       backend=backend, fullgraph=True)
-        # Set around every call rather than passed to torch.compile, whose `options` do not
-        # reach freezing (the graph kept aten.mm on the weights, unpacked).
-        self._options = options
         # Frozen weights (and buffers) are copied into the graph: a later change would reach
         # the eager steps only, so each step checks that none changed in place or was replaced.
         self._frozen = ([(t, _identity(t)) for t in (*model.parameters(), *model.buffers())]
                         if options.get("freezing") else [])
+        # Set around every call rather than passed to torch.compile, whose `options` do not
+        # reach freezing (the graph kept aten.mm on the weights, unpacked).
+        self._options = options
+        key = (backend, repr(sorted(options.items())),
+               tuple(identity for _, identity in self._frozen))
+        self._compiled = torch.compile(types.MethodType(_forward_of(model, key), self),
+                                       backend=backend, fullgraph=True)
         self._graphs: Dict[int, Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
         self.calls = 0  # decode steps run here
         self.warmup_s: Optional[float] = None  # compile (and capture) time, once warmed up
