@@ -17,7 +17,7 @@ Method
 
   - ``engine``: ``LLMEngine`` with 16-token blocks and a pool that holds every request;
   - ``engine_compiled``: the same with ``compile_decode=True`` (``--backend``, inductor by
-    default, with ``--compile-options``, by default ``{"freezing": true}``); the
+    default, with ``--compile-options`` if given); the
     compile happens once, before the runs, and is reported apart;
   - ``generate``: one batched ``model.generate`` call with its default cache
     (DynamicCache; equal prompt lengths, so no padding);
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor",
                         help="torch.compile backend of the engine_compiled system")
     parser.add_argument("--compile-options", type=json.loads,
-                        default={"freezing": True},
+                        default=None,
                         help="engine_compiled's EngineConfig.compile_options, as JSON (inductor only)")
     args = parser.parse_args()
     options = args.compile_options if args.backend == "inductor" else None
