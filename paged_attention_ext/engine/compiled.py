@@ -35,8 +35,9 @@ from ..kv_cache import PagedKVCache
 # (CPU) or one per batch size (CUDA). Each model gets copies of `_forward`'s code, so engines
 # over different models do not fill one shared cache, while engines over the same model reuse
 # its graphs. A copy serves one backend and set of inductor options (dynamo's guards do not
-# see the config a graph was compiled under) and, with freezing, one state of the weights (a frozen
-# graph holds them as constants, so it must not serve an engine built after they changed).
+# see the config a graph was compiled under) and, with freezing, one state of the weights
+# (a frozen graph holds them as constants: it must not serve an engine built after they
+# changed).
 _FORWARDS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[Any, types.FunctionType]]" = \
     weakref.WeakKeyDictionary()
 
@@ -79,7 +80,8 @@ class CompiledDecode:
                              f"(e.g. 'inductor', 'aot_eager', 'eager')")
         options = dict(options or {})
         if options and backend != "inductor":
-            raise ValueError(f"compile_options are inductor options; compile_backend is {backend!r}")
+            raise ValueError(f"compile_options are inductor options; compile_backend is "
+                             f"{backend!r}")
         unknown = sorted(set(options) - set(torch._inductor.list_options()))
         if unknown:
             raise ValueError(f"compile_options: {unknown} are not inductor options "
