@@ -205,11 +205,20 @@ def _print_report(report: Dict, requests: List["Request"]) -> None:
         f"  sharing           {s['sharing_saved_pct']:.1f}% of block references needed no block "
         f"of their own (shared prompt, samples, beams)",
         f"  preemptions       {s['preemptions']['swap']} by swap, {s['preemptions']['recompute']} by recompute",
+        *([_compiled_line(s)] if s["compiled_decode"] else []),
         f"  prefix cache      {100 * s['prefix_cache_hit_rate']:.1f}% of cacheable prompt blocks hit",
         "  reference         " + _reference_line(report, pool),
         f"  wall time         {report['wall_s']:.1f} s including the reference runs",
     ]
     print("\n".join(lines))
+
+
+def _compiled_line(stats: Dict) -> str:
+    compiled = stats["compiled_decode"]
+    # fp8 caches calibrate in the first prefill and compile at the first decode step after it.
+    seconds = compiled["compile_and_warmup_s"]
+    when = "never compiled" if seconds is None else f"compiled in {seconds:.1f} s"
+    return f"  compiled decode   {compiled['steps']} of {stats['steps']} steps, {when}"
 
 
 def _reference_line(report: Dict, pool: Dict) -> str:
