@@ -111,7 +111,11 @@ def source_revision() -> str:
     """The commit the library was built from, "+dirty" if the C++ or Python sources differ."""
     root = Path(pa.__file__).resolve().parent.parent
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True).stdout.strip()
+        except OSError:  # no git on this machine (the GPU check's)
+            return ""
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return "unknown"
