@@ -17,8 +17,8 @@ Method
 
   - ``engine``: ``LLMEngine`` with 16-token blocks and a pool that holds every request;
   - ``engine_compiled``: the same with ``compile_decode=True`` (``--backend``, inductor by
-    default, with ``--compile-options`` if given); the
-    compile happens once, before the runs, and is reported apart;
+    default, with ``--compile-options`` if given); the compile happens once, before the
+    runs, and is reported apart;
   - ``generate``: one batched ``model.generate`` call with its default cache
     (DynamicCache; equal prompt lengths, so no padding);
   - ``generate_batch``: transformers' continuous batching with 16-token pages and as many
@@ -173,8 +173,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--backend", default="inductor",
                         help="torch.compile backend of the engine_compiled system")
-    parser.add_argument("--compile-options", type=json.loads,
-                        default=None,
+    parser.add_argument("--compile-options", type=json.loads, default=None,
                         help="engine_compiled's EngineConfig.compile_options, as JSON (inductor only)")
     args = parser.parse_args()
     options = args.compile_options if args.backend == "inductor" else None
@@ -226,8 +225,8 @@ def main() -> None:
                                              for w in ("long", "mixed"))
              for mode in ("swap", "recompute")}
     report = {
-        "machine": {**machine_info(), "cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version(),
+        "machine": {**machine_info(), "cpus": os.cpu_count(), "threads": args.threads,
+                    "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
                     "load_average_start": load_at_start, "load_average_end": os.getloadavg()},
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "reps": args.reps, "block_size": BLOCK_SIZE, "model": MODEL, "dtype": "float32"},

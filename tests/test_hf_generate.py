@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+import hf_tiny
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
@@ -62,15 +63,7 @@ def llama():
 
 
 def left_padded(lengths, seed=0):
-    """A left-padded batch of random prompts with these lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(1, TINY["vocab_size"], (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask
+    return hf_tiny.left_padded(lengths, seed, vocab_size=TINY["vocab_size"])
 
 
 def generate_both(models, ids, mask, seed=None, **kwargs):

@@ -25,6 +25,7 @@ import torch
 from .. import ops
 from .batch import PagedBatch, flat_tokens
 from .cache import take_batch
+from .support import refuse_unapplied_kwargs
 
 # Keyword arguments that reach attention functions and do not change what they compute.
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_hidden_states",
@@ -62,13 +63,7 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, output_atten
     if output_attentions:
         raise NotImplementedError(f"paged_attention_ext: {layer}: output_attentions=True is not "
                                   "supported (the paged ops return no attention weights)")
-    unknown = sorted(name for name, value in kwargs.items()
-                     if name not in IGNORED_KWARGS and value is not None)
-    if unknown:
-        raise NotImplementedError(
-            f"paged_attention_ext: {layer} passed attention arguments {unknown}, which this "
-            "implementation does not apply (refused rather than ignored: they would change the "
-            "result)")
+    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"paged_attention_ext: {layer}")
 
 
 def paged_attention_forward(

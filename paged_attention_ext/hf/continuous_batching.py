@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from .. import ops
+from .support import refuse_unapplied_kwargs
 
 ATTN_IMPLEMENTATION = "paged|paged_attention_ext"
 
@@ -155,13 +156,8 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float,
             f"paged|paged_attention_ext: {layer} got a decode block_table (transformers' flash "
             "decode fast path); set ContinuousBatchingConfig(max_blocks_per_request=0)")
     # None and False (output_attentions=False, ...) ask for nothing.
-    unknown = sorted(name for name, value in kwargs.items()
-                     if name not in IGNORED_KWARGS and value is not None and value is not False)
-    if unknown:
-        raise NotImplementedError(
-            f"paged|paged_attention_ext: {layer} passed attention arguments {unknown}, which this "
-            "implementation does not apply (refused rather than ignored: they would change the "
-            "result)")
+    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"paged|paged_attention_ext: {layer}",
+                            unset=(None, False))
 
 
 @torch.compiler.disable  # as transformers' own paged functions: the cache is mutated in place

@@ -12,7 +12,7 @@ when the model's attention never reads the batch it published (a model whose att
 does not go through transformers' attention interface).
 """
 
-from typing import Dict, List, Optional
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
 import transformers
 
@@ -113,3 +113,15 @@ def check_config(config, text_config) -> List[str]:
                "attention interface (it does not declare _supports_attention_backend), so the "
                "paged attention would never run")
     return list(layer_types)
+
+
+def refuse_unapplied_kwargs(kwargs: Mapping[str, Any], ignored: AbstractSet[str], caller: str,
+                            unset: Tuple[Any, ...] = (None,)) -> None:
+    """Raise ``NotImplementedError`` naming the attention keyword arguments ``caller`` would
+    not apply: those outside ``ignored`` whose value is not one of ``unset``."""
+    unknown = sorted(name for name, value in kwargs.items()
+                     if name not in ignored and not any(value is nothing for nothing in unset))
+    if unknown:
+        raise NotImplementedError(
+            f"{caller} passed attention arguments {unknown}, which this implementation does not "
+            "apply (refused rather than ignored: they would change the result)")
