@@ -138,6 +138,11 @@ def test_bad_compile_options_raise(model, options, match):
                                       compile_options=options))
 
 
+def test_compile_options_without_compile_decode_raise(model):
+    with pytest.raises(ValueError, match="set compile_decode=True"):
+        LLMEngine(model, EngineConfig(compile_options={"freezing": True}))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("options", [None, {"freezing": True}])
 def test_inductor_decode_equals_eager(model, options):

@@ -111,6 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
         decode = None
+        if config.compile_options and not config.compile_decode:
+            raise ValueError("compile_options apply to the compiled decode: set compile_decode=True")
         if config.compile_decode:
             # The longest table a sequence can have: the pool, or the model's positions.
             width = min(config.num_device_blocks,
