@@ -661,9 +661,9 @@ static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, f
     for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
 }
 
-template <typename T>
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
 static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
-                            const T* const* ahead) requires(sizeof(T) == 1) {
+                            const T* const* ahead) {
   __m512 acc[QT][4];
   for (int g = 0; g < QT; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
@@ -686,9 +686,9 @@ static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float
   hsum_tile(sums, s);
 }
 
-template <typename T>
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
 static inline void dot4(const uint16_t* q, const T* const* k, int hsp, float* out,
-                        const T* const* ahead) requires(sizeof(T) == 1) {
+                        const T* const* ahead) {
   __m512 even[4], odd[4];
   for (int i = 0; i < 4; ++i) even[i] = odd[i] = _mm512_setzero_ps();
   for (int d = 0; d < hsp; d += 64) {
@@ -705,9 +705,8 @@ static inline void dot4(const uint16_t* q, const T* const* k, int hsp, float* ou
         (vfloat)even[2] + (vfloat)odd[2], (vfloat)even[3] + (vfloat)odd[3], out);
 }
 
-template <typename T>
-static inline float dot1(const uint16_t* q, const T* k, int hsp, const T* const* ahead)
-    requires(sizeof(T) == 1) {
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+static inline float dot1(const uint16_t* q, const T* k, int hsp, const T* const* ahead) {
   __m512 a = _mm512_setzero_ps();
   for (int d = 0; d < hsp; d += 64) {
     prefetch_same_line(ahead, 0, d);
