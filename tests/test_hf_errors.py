@@ -159,14 +159,19 @@ def test_training_dropout_is_refused():
     (causal_mask_function, True),
     (sliding_window_causal_mask_function(4), True),
     (bidirectional_mask_function, False),
-    (chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)), False),
+    (chunked_causal_mask_function(8, torch.zeros(2, dtype=torch.long)), False),
 ])
 def test_mask_function_accepts_causal_masks_only(mask_function, allowed):
+    # The sizes transformers passes with a generate prefill of 20 tokens (longer than the
+    # chunk, past the window).
+    sizes = dict(batch_size=2, q_length=20, kv_length=20, q_offset=0, kv_offset=0,
+                 config=transformers.LlamaConfig(**{**TINY, "sliding_window": 4}))
+    padding = torch.ones(2, 20, dtype=torch.bool)
     if allowed:
-        assert publish_padding_mask(attention_mask=None, mask_function=mask_function) is None
+        assert publish_padding_mask(attention_mask=padding, mask_function=mask_function, **sizes) is None
     else:
         with pytest.raises(NotImplementedError, match="asked for another mask"):
-            publish_padding_mask(attention_mask=None, mask_function=mask_function)
+            publish_padding_mask(attention_mask=padding, mask_function=mask_function, **sizes)
 
 
 # ---- item 5: nothing half-initialised after an exception --------------------------------------

@@ -36,13 +36,13 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
-from transformers.masking_utils import causal_mask_function
 
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from .batch import PagedBatch, StepBuffers, flat_tokens
+from .masks import is_paged_mask
 from .support import check_config, mla_head_sizes
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
@@ -74,35 +74,32 @@ class _TracedHandoff:
 
 _traced = _TracedHandoff()
 
-# Leaves of the mask functions transformers composes that the paged attention implements:
-# causal, the sliding-window overlay (the attention gets the window as sliding_window) and
-# the packed-sequence mask of the engine's packed forward (block tables keep sequences apart).
-_ALLOWED_MASK_LEAVES = ("sliding_window_overlay.<locals>.inner_mask",
-                        "packed_sequence_mask_function.<locals>.inner_mask")
-
-
-def _mask_leaves(function) -> List:
-    """The functions an ``and_masks`` composition intersects (itself if it is not one)."""
-    if getattr(function, "__qualname__", "") == "and_masks.<locals>.and_mask":
-        cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
-        if "mask_functions" in cells:
-            return [leaf for part in cells["mask_functions"].cell_contents
-                    for leaf in _mask_leaves(part)]
-    return [function]
-
-
-def _check_mask_function(mask_function) -> None:
-    """Refuse any mask but causal, sliding-window causal or packed causal."""
-    leaves = _mask_leaves(mask_function)
-    names = [getattr(f, "__qualname__", repr(f)) for f in leaves]
-    if (any(f is causal_mask_function for f in leaves)
-            and all(f is causal_mask_function or n in _ALLOWED_MASK_LEAVES
-                    for f, n in zip(leaves, names))):
+def _check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], sizes: dict) -> None:
+    """Refuse any mask but (packed, sliding-window) causal, judged on this forward's grid."""
+    try:
+        grid = {name: sizes[name] for name in ("batch_size", "q_length", "kv_length", "q_offset",
+                                               "kv_offset")}
+    except KeyError as missing:
+        raise TypeError(f"publish_padding_mask: transformers passes the mask's sizes (batch_size, "
+                        f"q_length, kv_length, q_offset, kv_offset); {missing} is missing") from None
+    config = sizes.get("config")
+    text_config = config.get_text_config(decoder=True) if config is not None else None
+    windows = (None, getattr(text_config, "sliding_window", None))
+    try:
+        paged = is_paged_mask(mask_function, **grid, packed=attention_mask is None,
+                              sliding_windows=windows, device=sizes.get("device"))
+    except Exception as error:  # a mask that cannot be evaluated on index tensors
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} could not evaluate this model's mask "
+            f"function ({getattr(mask_function, '__qualname__', repr(mask_function))}) to check "
+            f"it is causal: {type(error).__name__}: {error}") from error
+    if paged:
         return
     raise NotImplementedError(
         f"attn_implementation={ATTN_IMPLEMENTATION!r} attends causally over block tables (with the "
-        f"layer's sliding window); this model asked for another mask ({' & '.join(names)}: e.g. "
-        "bidirectional, chunked, or image-token blocks), which it cannot apply")
+        f"layer's sliding window); this model asked for another mask "
+        f"({getattr(mask_function, '__qualname__', repr(mask_function))}: e.g. bidirectional, "
+        "chunked, or image-token blocks), which it cannot apply")
 
 
 def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_function=None,
@@ -111,7 +108,8 @@ def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_fun
 
     Attention masks come from block tables and sequence lengths. The 2D mask
     (``[batch, past + new]``, 0 = padding) is kept for the next PagedCache forward. A mask
-    other than (sliding-window) causal raises ``NotImplementedError``. transformers builds
+    function that is not (packed, sliding-window) causal on this forward's positions raises
+    ``NotImplementedError`` (masks.py). transformers builds
     the masks before the first layer, so this also drops a batch that a forward stopped by
     an exception left published.
     """
@@ -120,7 +118,7 @@ def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_fun
         # this function's eager call from generate's mask creation).
         return None
     if mask_function is not None:
-        _check_mask_function(mask_function)
+        _check_mask_function(mask_function, attention_mask, kwargs)
     _layer_call.set(None)
     cache = _mask_sizes_from.get()
     _mask_sizes_from.set(None)
@@ -415,6 +413,16 @@ class PagedCache(Cache):
     @property
     def is_sliding(self) -> List[bool]:
         return [t == "sliding_attention" for t in self.layer_types]
+
+    # Every layer is attention over K/V (generate skips the eager mask creation, the compile
+    # mode's preparation, for a cache whose layers are all linear or dummy).
+    @property
+    def is_linear(self) -> List[bool]:
+        return [False] * len(self.layer_types)
+
+    @property
+    def is_dummy(self) -> List[bool]:
+        return [False] * len(self.layer_types)
 
     @property
     def batch_size(self) -> int:
