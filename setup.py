@@ -2,6 +2,7 @@
 
 import glob
 import os
+import runpy
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -9,6 +10,13 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Refuse an unsupported torch before compiling anything (the package itself is not
+# importable yet: versions.py imports nothing).
+_versions = runpy.run_path(os.path.join(ROOT, "paged_attention_ext", "versions.py"))
+_problem = _versions["unsupported"]("torch", torch.__version__, _versions["TORCH_SUPPORTED"])
+if _problem:
+    raise SystemExit(_problem)
 
 
 def want_cuda() -> bool:

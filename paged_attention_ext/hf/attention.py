@@ -25,6 +25,7 @@ import torch
 from .. import ops
 from .batch import PagedBatch, flat_tokens
 from .cache import take_batch
+from .continuous_batching import continuous_batching_attention_forward
 from .support import refuse_unapplied_kwargs
 
 # Keyword arguments that reach attention functions and do not change what they compute.
@@ -83,6 +84,11 @@ def paged_attention_forward(
     output_attentions: Optional[bool] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
+    if "write_index" in kwargs:  # continuous batching, which transformers >= 5.19 runs by this name
+        return continuous_batching_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window=sliding_window,
+            softcap=softcap, is_causal=is_causal, paged_batch=paged_batch, s_aux=s_aux, sinks=sinks,
+            output_attentions=output_attentions, **kwargs)
     batch = paged_batch if paged_batch is not None else take_batch(module, key)
     if batch is None:
         raise ValueError(

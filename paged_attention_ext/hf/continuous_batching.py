@@ -1,20 +1,28 @@
-"""``paged|paged_attention_ext``: the paged ops inside transformers' continuous batching.
+"""The paged ops inside transformers' continuous batching.
 
 transformers' continuous batching (``model.generate_batch(...)``, the
-``ContinuousBatchingManager``) keeps its own paged KV cache and, for ``paged|sdpa``,
-writes each layer's new keys and values with ``index_copy_``, gathers every request's
-whole history back with ``index_select`` and runs SDPA under a dense
-``[tokens, cached + tokens]`` mask. This attention function instead stores the new
-keys and values with ``paged.write_kv`` and attends with the multi-token
-``paged.attention`` straight over transformers' cache: no gather, no mask.
+``ContinuousBatchingManager``) keeps its own paged KV cache. Its name for this
+implementation is :data:`ATTN_IMPLEMENTATION`: ``paged|paged_attention_ext`` up to
+transformers 5.18, ``paged_attention_ext`` from 5.19 (which strips the ``paged|`` prefix
+and runs one name for ``generate`` and continuous batching; its allowlist is extended in
+hooks/cb_attention_allowlist.py). transformers calls the attention in one of two ways:
 
-How transformers' cache maps onto the ops (full-attention layers):
+* with the cache (``cache=``, transformers <= 5.23): ``paged|sdpa`` would write each
+  layer's new keys and values with ``index_copy_``, gather every request's whole history
+  back with ``index_select`` and run SDPA under a dense mask. This function instead stores
+  the new keys and values with ``paged.write_kv`` and attends with the multi-token
+  ``paged.attention`` straight over transformers' pages: no gather, no mask.
+* after the model's own ``cache.update`` (transformers >= 5.24): the cache is not passed,
+  the keys and values arrive gathered, request after request (``cu_seq_lens_k``), and the
+  op attends over them as a cache of one-token blocks (a strided view, no copy).
+
+How transformers' cache maps onto the ops (full-attention layers, first form):
 
 * The cache is one flat buffer of pages of ``page_size`` tokens, each page
-  ``[page_size, num_kv_heads, head_dim]`` (NHD). ``cache.get_cache_for_block_table(layer)``
-  returns the layer's key and value page views ``[pages, page_size, kv_heads, head_dim]``;
-  their ``transpose(1, 2)`` is the ops' logical ``[blocks, kv_heads, block_size,
-  head_size]`` with block = page (a strided view, no copy).
+  ``[page_size, num_kv_heads, head_dim]`` (NHD). The layer's allocator's
+  ``get_cache_for_block_table(layer)`` returns the key and value page views
+  ``[pages, page_size, kv_heads, head_dim]``; their ``transpose(1, 2)`` is the ops' logical
+  ``[blocks, kv_heads, block_size, head_size]`` with block = page (a strided view, no copy).
 * A write index ``w`` (a token row of the layer's view) is page ``w // page_size`` at
   offset ``w % page_size``: it *is* the ops' slot. Padding tokens write to
   transformers' trash page, as with ``paged|sdpa``.
@@ -25,8 +33,8 @@ How transformers' cache maps onto the ops (full-attention layers):
   a cache whose indices they do not reproduce raises instead of attending elsewhere.
 
 Sliding-window layers (transformers keeps them in a ring buffer, which block tables
-cannot address), the decode fast path's ``block_table`` (flash-only in transformers
-5.18), attention sinks and any other unknown argument raise ``NotImplementedError``.
+cannot address), the decode fast path's ``block_table`` (flash-only in transformers),
+attention sinks and any other unknown argument raise ``NotImplementedError``.
 Importing :mod:`paged_attention_ext.hf` registers the function.
 """
 
@@ -37,13 +45,15 @@ import torch
 
 from .. import ops
 from .support import refuse_unapplied_kwargs
+from .transformers_behaviour import STRIPS_PAGED_PREFIX
 
-ATTN_IMPLEMENTATION = "paged|paged_attention_ext"
+ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
 
 # Arguments continuous batching passes to every attention call that do not change the
 # result here (positions are already in the rotary embeddings and the indices).
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "max_seqlen_q", "max_seqlen_k",
-                            "logits_indices", "logits_processor_args"})
+                            "max_length_q", "max_length_k", "logits_indices",
+                            "logits_processor_args"})
 
 
 class BatchLayout:
@@ -79,18 +89,18 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
     if read_index.numel() == 0:
         # No request has cached tokens (fresh prefills only): the writes are all the keys.
         if not torch.equal(cu_q, cu_k):
-            raise ValueError("paged|paged_attention_ext: an empty read index with cached keys "
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: an empty read index with cached keys "
                              f"(cu_seq_lens_q {cu_q.tolist()} != cu_seq_lens_k {cu_k.tolist()})")
         read_index = write_index
     seq_lens = cu_k[1:] - cu_k[:-1]
     q_lens = cu_q[1:] - cu_q[:-1]
     if bool((q_lens > seq_lens).any()):
-        raise ValueError("paged|paged_attention_ext: a request has more query tokens than keys "
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: a request has more query tokens than keys "
                          f"(cu_seq_lens_q {cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()})")
     num_keys = int(cu_k[-1])
     num_query_tokens = int(cu_q[-1])
     if read_index.numel() < num_keys or write_index.numel() < num_query_tokens:
-        raise ValueError(f"paged|paged_attention_ext: {read_index.numel()} read and "
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: {read_index.numel()} read and "
                          f"{write_index.numel()} write indices for {num_keys} keys and "
                          f"{num_query_tokens} query tokens")
 
@@ -110,7 +120,7 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
         torch.arange(num_query_tokens, device=device) - cu_q[:-1][query_request])
     if not (torch.equal(expected, read_index[:num_keys])
             and torch.equal(expected[query_key], write_index[:num_query_tokens])):
-        raise ValueError("paged|paged_attention_ext: transformers' read/write indices are not "
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: transformers' read/write indices are not "
                          "page-contiguous per request; block tables cannot address this cache")
     return BatchLayout(block_tables.to(torch.int32), seq_lens.to(torch.int32),
                        cu_q.to(torch.int32), num_query_tokens)
@@ -131,14 +141,17 @@ def _layout(cache, group: int, read_index: torch.Tensor, write_index: torch.Tens
     return layout
 
 
+def _refuse_ring_buffer(module: torch.nn.Module, cached_by: str) -> None:
+    raise NotImplementedError(
+        f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} is cached by {cached_by} (a sliding-window "
+        "ring buffer); the paged ops address full-attention pages only. Use sdpa for this model.")
+
+
 def _full_attention_allocator(cache, module: torch.nn.Module):
     """The layer's allocator, refusing layer types the ops cannot address."""
     allocator = cache.layer_to_allocator[module.layer_idx]
     if not getattr(allocator, "supports_block_table", False):
-        raise NotImplementedError(
-            f"paged|paged_attention_ext: layer {module.layer_idx} is cached by "
-            f"{type(allocator).__name__} (a sliding-window ring buffer); the paged ops address "
-            "full-attention pages only. Use paged|sdpa for this model.")
+        _refuse_ring_buffer(module, type(allocator).__name__)
     return allocator
 
 
@@ -146,18 +159,77 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float,
                         kwargs: Dict) -> None:
     layer = f"layer {module.layer_idx} ({type(module).__name__})"
     if attention_mask is not None:
-        raise NotImplementedError(f"paged|paged_attention_ext: {layer} got an attention mask; "
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: {layer} got an attention mask; "
                                   "attention follows the cache's indices (causal) and cannot apply it")
     if dropout:
-        raise NotImplementedError(f"paged|paged_attention_ext: {layer} asked for attention "
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: {layer} asked for attention "
                                   f"dropout {dropout} (training); the paged ops are for inference")
     if block_table is not None:
         raise NotImplementedError(
-            f"paged|paged_attention_ext: {layer} got a decode block_table (transformers' flash "
+            f"{ATTN_IMPLEMENTATION}: {layer} got a decode block_table (transformers' flash "
             "decode fast path); set ContinuousBatchingConfig(max_blocks_per_request=0)")
     # None and False (output_attentions=False, ...) ask for nothing.
-    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"paged|paged_attention_ext: {layer}",
+    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"{ATTN_IMPLEMENTATION}: {layer}",
                             unset=(None, False))
+
+
+def _check_causal_full_attention(module: torch.nn.Module, sliding_window, is_causal) -> None:
+    if sliding_window is not None:
+        _refuse_ring_buffer(module, f"a sliding-window allocator (window {sliding_window})")
+    if is_causal is False:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} asked for "
+                                  "non-causal attention; the paged ops are causal")
+
+
+def _attend_over_pages(module, query, key, value, scale, softcap, cache, read_index, write_index,
+                       cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
+    """Store the new K/V in transformers' pages and attend over them (the ``cache=`` form)."""
+    allocator = _full_attention_allocator(cache, module)
+    group = allocator.index
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k = cu_seq_lens_k["full_attention"]
+    layout = _layout(cache, group, read_index[group], write_index[group], cu_seq_lens_q,
+                     cu_seq_lens_k, allocator.tokens_per_page)
+    key_pages, value_pages = allocator.get_cache_for_block_table(module.layer_idx)
+    # [pages, page_size, kv_heads, head_dim] -> the ops' [blocks, kv_heads, block_size, head_dim].
+    key_cache, value_cache = key_pages.transpose(1, 2), value_pages.transpose(1, 2)
+    tokens, head_dim = query.shape[2], query.shape[3]
+    if key.shape[1] != key_cache.shape[1] or head_dim != key_cache.shape[-1]:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} has keys "
+                         f"{tuple(key.shape)}, its cache pages {tuple(key_pages.shape)}")
+    # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim]
+    new_keys = key[0].transpose(0, 1).to(key_cache.dtype)
+    new_values = value[0].transpose(0, 1).to(value_cache.dtype)
+    ops.write_kv(new_keys, new_values, key_cache, value_cache, write_index[group][:tokens])
+    q = query[0].transpose(0, 1)[:layout.num_query_tokens].to(key_cache.dtype)
+    return ops.attention(q, key_cache, value_cache, layout.block_tables, layout.seq_lens, scale,
+                         layout.query_start_loc, None, -1, softcap or 0.0, None)
+
+
+def _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens_q,
+                          cu_seq_lens_k) -> torch.Tensor:
+    """Attend over K/V the model's ``cache.update`` gathered, request after request."""
+    if isinstance(cu_seq_lens_k, dict):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} got cu_seq_lens_k per "
+                         "layer type without the cache that selects this layer's")
+    device = key.device
+    cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64)
+    cu_k = cu_seq_lens_k.to(device=device, dtype=torch.int64)
+    seq_lens = cu_k[1:] - cu_k[:-1]
+    num_keys, num_query_tokens = int(cu_k[-1]), int(cu_q[-1])
+    if key.shape[2] < num_keys or bool(((cu_q[1:] - cu_q[:-1]) > seq_lens).any()):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} got {key.shape[2]} keys "
+                         f"for cu_seq_lens_k {cu_k.tolist()} and cu_seq_lens_q {cu_q.tolist()}")
+    # [1, kv_heads, keys, head_dim] -> [keys, kv_heads, 1, head_dim]: block b is key b.
+    key_cache = key[0].transpose(0, 1).unsqueeze(2)
+    value_cache = value[0].transpose(0, 1).unsqueeze(2)
+    longest = max(1, int(seq_lens.max())) if seq_lens.numel() else 1
+    # Entries past a request's length are never read; clamped to stay valid block ids.
+    block_tables = (cu_k[:-1, None] + torch.arange(longest, device=device)).clamp(
+        max=max(key.shape[2] - 1, 0)).to(torch.int32)
+    q = query[0].transpose(0, 1)[:num_query_tokens].to(key_cache.dtype)
+    return ops.attention(q, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale,
+                         cu_q.to(torch.int32), None, -1, softcap or 0.0, None)
 
 
 @torch.compiler.disable  # as transformers' own paged functions: the cache is mutated in place
@@ -184,46 +256,27 @@ def continuous_batching_attention_forward(
 
     ``query`` is ``[1, heads, tokens, head_dim]``, ``key``/``value``
     ``[1, kv_heads, tokens, head_dim]``: all requests' new tokens packed, delimited by
-    ``cu_seq_lens_q``. Returns ``[1, tokens, heads, head_dim]``.
+    ``cu_seq_lens_q`` (with ``cache``), or every request's cached and new keys, delimited by
+    ``cu_seq_lens_k`` (without). Returns ``[1, tokens, heads, head_dim]``.
     """
-    if cache is None or write_index is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
+    if write_index is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
         raise ValueError(
-            "paged|paged_attention_ext runs inside transformers' continuous batching "
-            "(model.generate_batch, init_continuous_batching), which passes its paged cache and "
+            f"{ATTN_IMPLEMENTATION} runs inside transformers' continuous batching "
+            "(model.generate_batch, init_continuous_batching), which passes its paged cache's "
             "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
     _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
-    allocator = _full_attention_allocator(cache, module)
-    if sliding_window is not None:
-        raise NotImplementedError(f"paged|paged_attention_ext: layer {module.layer_idx} has a "
-                                  f"sliding window ({sliding_window}) in a full-attention cache")
-    if is_causal is False:
-        raise NotImplementedError(f"paged|paged_attention_ext: layer {module.layer_idx} asked for "
-                                  "non-causal attention; the paged ops are causal")
-    group = allocator.index
-    if isinstance(cu_seq_lens_k, dict):
-        cu_seq_lens_k = cu_seq_lens_k["full_attention"]
-    page_size = allocator.tokens_per_page
-    layout = _layout(cache, group, read_index[group], write_index[group], cu_seq_lens_q,
-                     cu_seq_lens_k, page_size)
-
-    _, key_pages, value_pages = cache.get_cache_for_block_table(module.layer_idx)
-    # [pages, page_size, kv_heads, head_dim] -> the ops' [blocks, kv_heads, block_size, head_dim].
-    key_cache, value_cache = key_pages.transpose(1, 2), value_pages.transpose(1, 2)
+    if cache is not None:
+        _full_attention_allocator(cache, module)  # a ring buffer is refused before the window
+    _check_causal_full_attention(module, sliding_window, is_causal)
     _, heads, tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if kv_heads != key_cache.shape[1] or head_dim != key_cache.shape[-1]:
-        raise ValueError(f"paged|paged_attention_ext: layer {module.layer_idx} has keys "
-                         f"{tuple(key.shape)}, its cache pages {tuple(key_pages.shape)}")
-    # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim]
-    new_keys = key[0].transpose(0, 1).to(key_cache.dtype)
-    new_values = value[0].transpose(0, 1).to(value_cache.dtype)
-    ops.write_kv(new_keys, new_values, key_cache, value_cache, write_index[group][:tokens])
-
-    q = query[0].transpose(0, 1)[:layout.num_query_tokens].to(key_cache.dtype)
     scale = scaling if scaling is not None else head_dim ** -0.5
-    out = ops.attention(q, key_cache, value_cache, layout.block_tables, layout.seq_lens, scale,
-                        layout.query_start_loc, None, -1, softcap or 0.0, None)
-    if layout.num_query_tokens < tokens:
+    if cache is not None:
+        out = _attend_over_pages(module, query, key, value, scale, softcap, cache, read_index,
+                                 write_index, cu_seq_lens_q, cu_seq_lens_k)
+    else:
+        out = _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens_q,
+                                    cu_seq_lens_k)
+    if out.shape[0] < tokens:
         # Padding rows: zeros, nothing reads them.
-        out = torch.cat([out, out.new_zeros(tokens - layout.num_query_tokens, heads, out.shape[-1])])
+        out = torch.cat([out, out.new_zeros(tokens - out.shape[0], heads, out.shape[-1])])
     return out.unsqueeze(0).to(query.dtype), None

@@ -1,0 +1,59 @@
+"""The transformers behaviours the integration depends on beyond its extension points.
+
+Each test fails when the installed transformers changes the behaviour: the release-dependent
+facts in hf/transformers_behaviour.py and the private hooks in hf/hooks/.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import continuous_api
+
+from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
+from paged_attention_ext.hf.hooks import cb_attention_allowlist
+from paged_attention_ext.hf.transformers_behaviour import STRIPS_PAGED_PREFIX
+
+from hf_tiny import TINY
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+
+
+def test_paged_prefix_is_stripped_exactly_where_expected():
+    model = tiny_model()
+    with pytest.warns(FutureWarning) if STRIPS_PAGED_PREFIX else contextlib.nullcontext():
+        model.set_attn_implementation("paged|" + ATTN_IMPLEMENTATION)
+    expected = ATTN_IMPLEMENTATION if STRIPS_PAGED_PREFIX else "paged|" + ATTN_IMPLEMENTATION
+    assert model.config._attn_implementation == expected
+
+
+def test_continuous_batching_name_follows_the_prefix_behaviour():
+    assert (CB_ATTN_IMPLEMENTATION == ATTN_IMPLEMENTATION) == STRIPS_PAGED_PREFIX
+
+
+@pytest.mark.skipif(not STRIPS_PAGED_PREFIX, reason="transformers <= 5.18 runs paged|<name> as is")
+def test_allowlist_hook_is_needed_and_installed():
+    switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
+    assert getattr(switch, cb_attention_allowlist.HOOKED, False), "the allowlist hook is not installed"
+    model = tiny_model()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    # transformers' own switch still refuses the name: the hook is still needed.
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        switch.__wrapped__(object.__new__(continuous_api.ContinuousBatchingManager), model, False)
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate_batch([[1, 2, 3]], generation_config=config,
+                               continuous_batching_config=ContinuousBatchingConfig(
+                                   page_size=8, num_blocks=16, max_batch_tokens=16))
+    assert [o.error for o in out.values()] == [None]
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+@pytest.mark.skipif(STRIPS_PAGED_PREFIX, reason="the hook is for transformers >= 5.19")
+def test_no_hook_before_the_allowlist():
+    switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
+    assert not getattr(switch, cb_attention_allowlist.HOOKED, False)
