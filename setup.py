@@ -65,5 +65,7 @@ setup(
     packages=find_packages(include=["paged_attention_ext", "paged_attention_ext.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    # Build files per torch release: stacks built from one tree never share objects.
+    options={"build": {"build_base": os.path.join("build", f"torch-{torch.__version__}")},
+             "bdist_wheel": {"py_limited_api": "cp310"}},
 )

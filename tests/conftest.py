@@ -7,6 +7,29 @@ import torch
 # Test helpers (paged_case.py) live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
+import paged_attention_ext  # noqa: E402
+
+SOURCE_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_report_header(config):
+    try:
+        import transformers
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = "not installed"
+    return (f"paged_attention_ext from {os.path.dirname(paged_attention_ext.__file__)}, torch "
+            f"{torch.__version__}, transformers {transformers_version}, CPU ISA {paged_attention_ext.cpu_isa()}")
+
+
+def pytest_configure(config):
+    # `make test TORCH=...` tests the package as pip installed it (packaging faults show):
+    # the source tree must not shadow it.
+    if os.environ.get("PAGED_ATTENTION_TEST_INSTALLED") == "1" and os.path.dirname(os.path.abspath(
+            paged_attention_ext.__file__)) == os.path.join(SOURCE_TREE, "paged_attention_ext"):
+        raise pytest.UsageError(f"PAGED_ATTENTION_TEST_INSTALLED=1 but paged_attention_ext was "
+                                f"imported from the source tree ({paged_attention_ext.__file__})")
+
 
 @pytest.fixture(scope="module")
 def one_thread():
