@@ -8,7 +8,7 @@ rank, not the config's 2). Greedy and beam-search output of each rank equals the
 single-process run, and the block tables are the same on every rank (every rank places
 the same tokens, so the ranks' block managers make the same decisions). transformers'
 continuous batching with ``paged|paged_attention_ext`` on the sharded model (its cache
-holds the rank's KV heads) returns the single-process ``paged|sdpa`` tokens.
+holds the rank's KV heads) returns the single-process ``sdpa`` tokens.
 
 Run by ``make test-integration`` (marker ``integration``); the file is also the worker
 the test launches.
@@ -87,7 +87,7 @@ def worker(model_dir: str, out_dir: str) -> None:
     result = run_generations(model)
     result["local_k_proj_rows"] = k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else None
     # transformers' continuous batching on the sharded model, attention on the paged ops.
-    result["continuous_batching"] = run_continuous_batching(model, "paged|paged_attention_ext")
+    result["continuous_batching"] = run_continuous_batching(model, paged_attention_ext.hf.CB_ATTN_IMPLEMENTATION)
     rank = torch.distributed.get_rank()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
@@ -123,7 +123,7 @@ def test_paged_cache_under_tensor_parallel_equals_single_process(tmp_path, one_t
     single = transformers.LlamaForCausalLM.from_pretrained(
         model_dir, attn_implementation="paged_attention_ext").eval()
     want = run_generations(single)
-    batching_want = run_continuous_batching(single, "paged|sdpa")
+    batching_want = run_continuous_batching(single, "sdpa")
     assert all(error is None and len(tokens) == 8 for tokens, error in batching_want)
     kv_heads = TINY["num_key_value_heads"]
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
