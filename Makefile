@@ -24,6 +24,9 @@ else
 VENV := .venv-stacks/torch$(TORCH)-transformers$(TRANSFORMERS)
 INSTALL := .
 TEST_ENV := PAGED_ATTENTION_TEST_INSTALLED=1
+# The registry's torch builds are CUDA builds, for other CUDA releases than this machine's
+# nvcc: the stacks test the CPU kernels (cuda-build-check compiles the CUDA ones).
+BUILD_ENV := PAGED_ATTENTION_FORCE_CPU=1
 endif
 PY := $(VENV)/bin/python
 # This machine's pip configuration caps torch at the releases on its disk; the supported
@@ -45,7 +48,7 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet -r requirements-dev.txt torch==$(TORCH) transformers==$(TRANSFORMERS)
-	$(PIP) install --quiet --no-build-isolation $(INSTALL)
+	$(BUILD_ENV) $(PIP) install --quiet --no-build-isolation $(INSTALL)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,7 +2,9 @@
 
 import glob
 import os
+import re
 import runpy
+import subprocess
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -22,7 +24,31 @@ if _problem:
 def want_cuda() -> bool:
     if os.environ.get("PAGED_ATTENTION_FORCE_CPU", "0") == "1":
         return False
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    check_cuda_toolkit()
+    return True
+
+
+def check_cuda_toolkit() -> None:
+    """Refuse, in one sentence, a toolkit of another CUDA major than torch's (nvcc's
+    objects would not link against torch's CUDA runtime)."""
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    try:
+        found = re.search(r"release (\d+)\.(\d+)", subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True).stdout)
+    except OSError:
+        found = None
+    if found is None:
+        raise SystemExit(f"No nvcc found at {nvcc} (CUDA_HOME={CUDA_HOME}): point CUDA_HOME at a "
+                         f"CUDA {torch.version.cuda} toolkit, or build the CPU kernels only with "
+                         "PAGED_ATTENTION_FORCE_CPU=1.")
+    toolkit = f"{found.group(1)}.{found.group(2)}"
+    if found.group(1) != torch.version.cuda.split(".")[0]:
+        raise SystemExit(f"torch {torch.__version__} is built for CUDA {torch.version.cuda} and the "
+                         f"CUDA toolkit at {CUDA_HOME} is {toolkit}: install a torch built for CUDA "
+                         f"{toolkit}, point CUDA_HOME at a CUDA {torch.version.cuda} toolkit, or build "
+                         "the CPU kernels only with PAGED_ATTENTION_FORCE_CPU=1.")
 
 
 def sources(pattern: str) -> list[str]:

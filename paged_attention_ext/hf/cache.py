@@ -42,7 +42,7 @@ from ..block_manager import BlockSpaceManager
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from .batch import PagedBatch, StepBuffers, flat_tokens
-from .masks import is_paged_mask
+from .masks import check_mask_function
 from .support import check_config, mla_head_sizes
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
@@ -74,34 +74,6 @@ class _TracedHandoff:
 
 _traced = _TracedHandoff()
 
-def _check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], sizes: dict) -> None:
-    """Refuse any mask but (packed, sliding-window) causal, judged on this forward's grid."""
-    try:
-        grid = {name: sizes[name] for name in ("batch_size", "q_length", "kv_length", "q_offset",
-                                               "kv_offset")}
-    except KeyError as missing:
-        raise TypeError(f"publish_padding_mask: transformers passes the mask's sizes (batch_size, "
-                        f"q_length, kv_length, q_offset, kv_offset); {missing} is missing") from None
-    config = sizes.get("config")
-    text_config = config.get_text_config(decoder=True) if config is not None else None
-    windows = (None, getattr(text_config, "sliding_window", None))
-    try:
-        paged = is_paged_mask(mask_function, **grid, packed=attention_mask is None,
-                              sliding_windows=windows, device=sizes.get("device"))
-    except Exception as error:  # a mask that cannot be evaluated on index tensors
-        raise NotImplementedError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} could not evaluate this model's mask "
-            f"function ({getattr(mask_function, '__qualname__', repr(mask_function))}) to check "
-            f"it is causal: {type(error).__name__}: {error}") from error
-    if paged:
-        return
-    raise NotImplementedError(
-        f"attn_implementation={ATTN_IMPLEMENTATION!r} attends causally over block tables (with the "
-        f"layer's sliding window); this model asked for another mask "
-        f"({getattr(mask_function, '__qualname__', repr(mask_function))}: e.g. bidirectional, "
-        "chunked, or image-token blocks), which it cannot apply")
-
-
 def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_function=None,
                          **kwargs) -> None:
     """The mask function of ``paged_attention_ext``: builds no mask, records the padding.
@@ -118,7 +90,7 @@ def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_fun
         # this function's eager call from generate's mask creation).
         return None
     if mask_function is not None:
-        _check_mask_function(mask_function, attention_mask, kwargs)
+        check_mask_function(mask_function, attention_mask, kwargs, ATTN_IMPLEMENTATION)
     _layer_call.set(None)
     cache = _mask_sizes_from.get()
     _mask_sizes_from.set(None)

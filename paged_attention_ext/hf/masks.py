@@ -19,7 +19,7 @@ refused. A chunked mask over a packed forward looks like packed sequences of one
 so models with ``attention_chunk_size`` are refused by their config first (support.py).
 """
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -76,3 +76,35 @@ def is_paged_mask(mask_function, batch_size: int, q_length: int, kv_length: int,
         if torch.equal(mask, expected.expand_as(mask)):
             return True
     return False
+
+
+def check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], sizes: Mapping,
+                        implementation: str) -> None:
+    """Raise ``NotImplementedError`` unless ``mask_function`` is a paged mask on this forward.
+
+    ``sizes``: the keyword arguments transformers passes a mask interface (batch_size,
+    q_length, kv_length, q_offset, kv_offset, config, device).
+    """
+    try:
+        grid = {name: sizes[name] for name in ("batch_size", "q_length", "kv_length", "q_offset",
+                                               "kv_offset")}
+    except KeyError as missing:
+        raise TypeError(f"{implementation}'s mask function needs the mask's sizes transformers "
+                        f"passes (batch_size, q_length, kv_length, q_offset, kv_offset); "
+                        f"{missing} is missing") from None
+    config = sizes.get("config")
+    text_config = config.get_text_config(decoder=True) if config is not None else None
+    windows = (None, getattr(text_config, "sliding_window", None))
+    name = getattr(mask_function, "__qualname__", repr(mask_function))
+    try:
+        paged = is_paged_mask(mask_function, **grid, packed=attention_mask is None,
+                              sliding_windows=windows, device=sizes.get("device"))
+    except Exception as error:  # a mask function that cannot be evaluated on index tensors
+        raise NotImplementedError(
+            f"attn_implementation={implementation!r} could not evaluate this model's mask function "
+            f"({name}) to check it is causal: {type(error).__name__}: {error}") from error
+    if not paged:
+        raise NotImplementedError(
+            f"attn_implementation={implementation!r} attends causally over block tables (with the "
+            f"layer's sliding window); this model asked for another mask ({name}: e.g. "
+            "bidirectional, chunked, or image-token blocks), which it cannot apply")
