@@ -33,7 +33,6 @@ from contextvars import ContextVar
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import transformers
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
@@ -181,8 +180,6 @@ class PagedCache(Cache):
                  kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
                  v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
                  max_cache_len: Optional[int] = None, max_batch_size: Optional[int] = None) -> None:
-        if int(transformers.__version__.split(".")[0]) < 5:
-            raise RuntimeError(f"PagedCache needs transformers 5.x, found {transformers.__version__}")
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
                             f"model's config), got {type(config).__name__}")
