@@ -43,7 +43,8 @@ def test_walkthrough_reports_success_as_json(capsys):
     assert report["blocks_used"] * 16 < report["tokens"] + 16 * report["sequences"]
 
 
-def test_module_entry_point():
+def test_module_entry_point(tmp_path):
+    # Outside the source tree: `python -m` puts the working directory first on sys.path.
     result = subprocess.run([sys.executable, "-m", "paged_attention_ext", "walkthrough", "--json"],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert last_json(result.stdout)["ok"] is True
