@@ -45,11 +45,20 @@ TESTS ?=
 
 setup: $(STAMP)
 
-$(STAMP): $(SOURCES)
+# The venv and the packages (network-bound; CI fetches the matrix's while it tests the pins),
+# then the build of this package (CPU-bound).
+DEPS_STAMP := $(VENV)/.deps-torch$(TORCH)-transformers$(TRANSFORMERS)
+.PHONY: deps
+deps: $(DEPS_STAMP)
+
+$(DEPS_STAMP): requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet -r requirements-dev.txt torch==$(TORCH) transformers==$(TRANSFORMERS)
+	touch $@
+
+$(STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(BUILD_ENV) $(PIP) install --quiet --no-build-isolation $(INSTALL)
-	touch $(STAMP)
+	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/paged-attention demo
@@ -69,7 +78,11 @@ STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compil
 	tests/test_errors.py tests/test_portability.py tests/test_versions.py tests/test_hf_*.py \
 	tests/test_engine.py tests/test_engine_compiled.py tests/test_cli.py
 
-.PHONY: test-stacks
+.PHONY: test-stacks stack-deps
+stack-deps:
+	$(MAKE) deps TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS)
+	$(MAKE) deps TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
+
 test-stacks:
 	$(MAKE) test demo TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
 	$(MAKE) test demo TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
