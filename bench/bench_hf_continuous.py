@@ -1,4 +1,4 @@
-"""transformers' continuous batching: ``paged|paged_attention_ext`` vs ``paged|sdpa`` on CPU.
+"""transformers' continuous batching: ``paged_attention_ext`` vs transformers' ``sdpa`` on CPU.
 
 Usage: ``.venv/bin/python bench/bench_hf_continuous.py [--quick] [--requests N] [--reps N] [--out PATH]
 [--threads N]``
@@ -11,10 +11,12 @@ Method
   (``--quick``: 4 prompts of 256 tokens, 8 new tokens).
 * Systems: one model, ``model.generate_batch`` with the same ContinuousBatchingConfig
   (16-token pages, a cache that holds every request, 4096 batch tokens, every request in
-  one batch), switched between transformers' ``paged|sdpa`` (write with ``index_copy_``,
-  gather the history with ``index_select``, SDPA under a dense mask) and
-  ``paged|paged_attention_ext`` (``paged.write_kv`` and ``paged.attention`` on the same
-  cache). Both must return the same tokens (checked, recorded).
+  one batch), switched between transformers' ``sdpa`` (``paged|sdpa`` up to 5.18: write
+  with ``index_copy_``, gather the history with ``index_select``, SDPA under a dense mask)
+  and ``CB_ATTN_IMPLEMENTATION`` (``paged.write_kv`` and ``paged.attention`` on the same
+  cache up to transformers 5.23; from 5.24 the model's ``cache.update`` writes and gathers,
+  and ``paged.attention`` attends over the gathered K/V). Both must return the same tokens
+  (checked, recorded).
 * Each is warmed up on a short batch, then the two alternate ``--reps`` times in an order
   rotated per repetition, so machine noise falls on both alike. Throughput is generated
   tokens over the median wall time of the whole call (prefill included); the best run is
@@ -34,14 +36,14 @@ from typing import Dict, List
 import torch
 import transformers
 
-import paged_attention_ext.hf  # noqa: F401  (registers paged|paged_attention_ext)
 from paged_attention_ext import ops
+from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.engine.models import tiny_config
 
 BLOCK_SIZE = 16
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
              max_positions=4096)
-SYSTEMS = ("paged|sdpa", "paged|paged_attention_ext")
+SYSTEMS = ("sdpa", CB_ATTN_IMPLEMENTATION)
 
 
 def prompts(count: int, length: int) -> List[List[int]]:
@@ -74,7 +76,7 @@ def summarize(runs: List[Dict], reference: List[List[int]]) -> Dict:
     tokens = sum(len(seq) for seq in runs[0]["outputs"])
     return {"generated_tokens": tokens, "median_s": median, "best_s": best,
             "tokens_per_s": tokens / median, "tokens_per_s_best": tokens / best,
-            "same_tokens_as_paged_sdpa": all(r["outputs"] == reference for r in runs)}
+            "same_tokens_as_sdpa": all(r["outputs"] == reference for r in runs)}
 
 
 def main() -> None:
@@ -103,7 +105,7 @@ def main() -> None:
         order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
         for name in order:
             measured[name].append(run(model, name, rows, new_tokens))
-    reference = measured["paged|sdpa"][0]["outputs"]
+    reference = measured["sdpa"][0]["outputs"]
     systems = {name: summarize(measured[name], reference) for name in SYSTEMS}
     report = {
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "cpu_isa": ops.cpu_isa(),
@@ -113,13 +115,13 @@ def main() -> None:
         "workload": {"requests": count, "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "reps": args.reps, "page_size": BLOCK_SIZE, "model": MODEL, "dtype": "float32"},
         "systems": systems,
-        "speedup_vs_paged_sdpa": (systems["paged|paged_attention_ext"]["tokens_per_s"]
-                                  / systems["paged|sdpa"]["tokens_per_s"]),
+        "speedup_vs_sdpa": (systems[CB_ATTN_IMPLEMENTATION]["tokens_per_s"]
+                            / systems["sdpa"]["tokens_per_s"]),
     }
     for name, result in systems.items():
         print(f"{name:28s} {result['tokens_per_s']:8.1f} tokens/s (best "
-              f"{result['tokens_per_s_best']:.1f}), same tokens: {result['same_tokens_as_paged_sdpa']}")
-    print(f"speedup vs paged|sdpa: {report['speedup_vs_paged_sdpa']:.2f}x")
+              f"{result['tokens_per_s_best']:.1f}), same tokens: {result['same_tokens_as_sdpa']}")
+    print(f"speedup vs sdpa: {report['speedup_vs_sdpa']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

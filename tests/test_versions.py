@@ -51,3 +51,16 @@ def test_transformers_outside_the_range_is_refused_at_import(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match=r"supports transformers 5\.18 to 5\.24, found 5\.17\.2"):
         import paged_attention_ext.hf  # noqa: F401
+
+
+def test_torch_outside_the_range_is_refused_at_import(monkeypatch):
+    import importlib.util
+    import torch
+    import paged_attention_ext
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    path = Path(paged_attention_ext.__file__).parent / "_library.py"
+    # A fresh copy of the loader (the real one has loaded the extension already).
+    spec = importlib.util.spec_from_file_location("paged_attention_ext._library_probe", path)
+    with pytest.raises(ImportError, match=r"supports torch 2\.10 to 2\.15, found 2\.9\.1: .* build "
+                                          r"this package against it\."):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
