@@ -181,10 +181,9 @@ def _check_causal_full_attention(module: torch.nn.Module, sliding_window, is_cau
                                   "non-causal attention; the paged ops are causal")
 
 
-def _attend_over_pages(module, query, key, value, scale, softcap, cache, read_index, write_index,
-                       cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
+def _attend_over_pages(module, query, key, value, scale, softcap, cache, allocator, read_index,
+                       write_index, cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
     """Store the new K/V in transformers' pages and attend over them (the ``cache=`` form)."""
-    allocator = _full_attention_allocator(cache, module)
     group = allocator.index
     if isinstance(cu_seq_lens_k, dict):
         cu_seq_lens_k = cu_seq_lens_k["full_attention"]
@@ -265,14 +264,14 @@ def continuous_batching_attention_forward(
             "(model.generate_batch, init_continuous_batching), which passes its paged cache's "
             "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
     _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
-    if cache is not None:
-        _full_attention_allocator(cache, module)  # a ring buffer is refused before the window
+    # A ring buffer is refused by its allocator's name where the cache is passed.
+    allocator = _full_attention_allocator(cache, module) if cache is not None else None
     _check_causal_full_attention(module, sliding_window, is_causal)
     _, heads, tokens, head_dim = query.shape
     scale = scaling if scaling is not None else head_dim ** -0.5
-    if cache is not None:
-        out = _attend_over_pages(module, query, key, value, scale, softcap, cache, read_index,
-                                 write_index, cu_seq_lens_q, cu_seq_lens_k)
+    if allocator is not None:
+        out = _attend_over_pages(module, query, key, value, scale, softcap, cache, allocator,
+                                 read_index, write_index, cu_seq_lens_q, cu_seq_lens_k)
     else:
         out = _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens_q,
                                     cu_seq_lens_k)
