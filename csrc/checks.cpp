@@ -310,7 +310,8 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
 
 void check_attention_metadata(const char* op, const AttentionShape& s,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const std::optional<at::Tensor>& query_start_loc) {
+                              const std::optional<at::Tensor>& query_start_loc,
+                              int64_t sliding_window) {
   const int64_t capacity = s.max_blocks_per_seq * s.block_size;
   const int32_t* table = block_tables.data_ptr<int32_t>();
   const int64_t row_stride = block_tables.stride(0);
@@ -320,7 +321,17 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
                       " is outside [0, ", capacity, "], the tokens its block_tables row covers (",
                       s.max_blocks_per_seq, " blocks of ", s.block_size, ")");
     const int64_t used_blocks = (len + s.block_size - 1) / s.block_size;
-    for (int64_t b = 0; b < used_blocks; ++b) {
+    // With a sliding window the blocks wholly before the row's first query's window are
+    // never read: a block manager may have freed them (entries -1 or stale ids).
+    int64_t first_block = 0;
+    if (sliding_window > 0) {
+      int64_t q_len = 1;
+      if (query_start_loc.has_value())  // a bad q_len is refused below; clamp it until then
+        q_len = std::clamp<int64_t>(int64_t(read_i32(*query_start_loc, i + 1)) -
+                                        read_i32(*query_start_loc, i), 0, len);
+      first_block = std::max<int64_t>(0, len - q_len - sliding_window + 1) / s.block_size;
+    }
+    for (int64_t b = first_block; b < used_blocks; ++b) {
       const int32_t block = table[i * row_stride + b];
       TORCH_CHECK_INDEX(block >= 0 && block < s.num_blocks, op, ": block_tables[", i, ", ", b,
                         "] = ", block, " is not a block of the cache (num_blocks = ",

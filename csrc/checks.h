@@ -39,11 +39,13 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                                     const at::Tensor* out, const at::Tensor* lse);
 
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
-// the block table covers, used block ids within the pool, query_start_loc
-// consistent with num_tokens and seq_lens.
+// the block table covers, the ids of the blocks attention reads within the pool
+// (with a sliding window, not those wholly before it), query_start_loc consistent
+// with num_tokens and seq_lens.
 void check_attention_metadata(const char* op, const AttentionShape& shape,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const std::optional<at::Tensor>& query_start_loc);
+                              const std::optional<at::Tensor>& query_start_loc,
+                              int64_t sliding_window);
 
 // key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
 // head_size_v] against their caches, which differ at most in head size.

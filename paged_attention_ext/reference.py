@@ -32,16 +32,20 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (x.float() / scale.float().view(-1, 1)).clamp(-limit, limit).to(dtype)
 
 
-def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's cached rows, ``[num_kv_heads, seq_len, cache head size]``.
+def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                       first_block: int = 0) -> torch.Tensor:
+    """One sequence's cached rows from block ``first_block`` on,
+    ``[num_kv_heads, seq_len - first_block * block_size, cache head size]``.
 
-    Only the blocks that hold the sequence's tokens are read.
+    Only the blocks that hold the sequence's tokens are read (with a sliding window, the
+    entries before ``first_block`` may point at freed blocks or at nothing).
     """
     block_size = cache.shape[2]
     num_used = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_used].long()]  # [used, kv_heads, block_size, head_size]
-    rows = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], num_used * block_size, cache.shape[3])
-    return rows[:, :seq_len]
+    blocks = cache[block_table[first_block:num_used].long()]  # [used, kv_heads, block_size, head_size]
+    rows = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], (num_used - first_block) * block_size,
+                                              cache.shape[3])
+    return rows[:, :seq_len - first_block * block_size]
 
 
 def query_rows(seq_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor]) -> List[Tuple[int, int]]:
@@ -83,15 +87,22 @@ def attention_with_lse(
         kv_len = int(seq_lens[i])
         if q_len == 0 or kv_len == 0:
             continue
-        keys = gather_sequence_kv(key_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
-        values = gather_sequence_kv(value_cache, block_tables[i], kv_len).repeat_interleave(group, dim=0)
+        # Blocks wholly before the first query's window are never read.
+        first_block = 0
+        if sliding_window > 0:
+            first_block = max(0, kv_len - q_len - sliding_window + 1) // key_cache.shape[2]
+        start = first_block * key_cache.shape[2]
+        keys = gather_sequence_kv(key_cache, block_tables[i], kv_len,
+                                  first_block).repeat_interleave(group, dim=0)
+        values = gather_sequence_kv(value_cache, block_tables[i], kv_len,
+                                    first_block).repeat_interleave(group, dim=0)
         q = query[row:row + q_len].to(compute).transpose(0, 1)  # [heads, q_len, head_size]
 
         scores = scale * (q @ keys.transpose(1, 2))  # [heads, q_len, kv_len]
         if soft_cap > 0:
             scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-        k_pos = torch.arange(kv_len, device=query.device)[None, :]
+        k_pos = torch.arange(start, kv_len, device=query.device)[None, :]
         if alibi_slopes is not None:
             scores = scores + alibi_slopes.to(compute)[:, None, None] * (k_pos - q_pos)
         visible = k_pos <= q_pos

@@ -21,7 +21,8 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
-from paged_case import DTYPES, TOLERANCES, PagedCase, make_case, query_start_loc, random_query
+from paged_case import (DTYPES, TOLERANCES, PagedCase, free_out_of_window, make_case, query_start_loc,
+                        random_query)
 
 Scenario = Callable[..., None]
 _REGISTRY: List[Tuple[Scenario, Dict[str, Sequence]]] = []
@@ -292,6 +293,19 @@ def sliding_window(device, window, multi_token):
     case = make_case(lens, 2, 64, 16, torch.float32)
     qsl = query_start_loc(q_lens) if multi_token else None
     query = random_query(sum(q_lens) if multi_token else len(lens), 4, 64, torch.float32)
+    assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sliding_window=window)
+
+
+@scenario(window=[1, 15, 16, 17, 100], multi_token=[False, True], dtype=DTYPES)
+def sliding_window_freed_blocks(device, window, multi_token, dtype):
+    # A block manager frees a sliding layer's blocks once no query can see them: their
+    # entries are -1 or stale ids and their memory NaN, and the op must never read them.
+    lens = [1, 15, 16, 17, 33, 300, 2000]
+    q_lens = [1, 15, 3, 17, 2, 40, 33] if multi_token else None
+    case = free_out_of_window(make_case(lens, 2, 64, 16, dtype), window, q_lens)
+    assert case.freed > 0
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, 64, dtype)
     assert_matches_reference(device, query, case, 0.125, query_start_loc=qsl, sliding_window=window)
 
 

@@ -93,3 +93,26 @@ def random_query(num_tokens: int, num_heads: int, head_size: int, dtype: torch.d
                  seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+
+
+def free_out_of_window(case: PagedCase, window: int, q_lens: Optional[Sequence[int]] = None,
+                       poison: float = float("nan")) -> PagedCase:
+    """``case`` as a block manager leaves a sliding-window layer: every block wholly before
+    the window of its row's first query is freed, its table entry set to -1 or an id outside
+    the pool (alternately) and its slots filled with ``poison``. Returns how many were freed
+    in ``case.freed`` (tests assert the case is adversarial)."""
+    tables = case.block_tables.clone()
+    used = case.used_slots.clone()
+    freed = 0
+    bs = case.block_size
+    for i, kv_len in enumerate(case.seq_lens.tolist()):
+        q_len = 1 if q_lens is None else q_lens[i]
+        first_key = max(0, kv_len - q_len - window + 1)
+        for b in range(first_key // bs):
+            used[int(tables[i, b])] = False
+            tables[i, b] = -1 if freed % 2 == 0 else UNUSED_TABLE_ENTRY
+            freed += 1
+    out = PagedCase(case.key_cache.clone(), case.value_cache.clone(), tables, case.seq_lens, used)
+    out.poison_unused(poison)
+    out.freed = freed
+    return out

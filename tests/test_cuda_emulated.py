@@ -25,7 +25,7 @@ import torch
 
 from paged_attention_ext import reference as ref
 from paged_attention_ext.layouts import from_nhd, split_kv
-from paged_case import TOLERANCES, make_case, query_start_loc, random_query
+from paged_case import TOLERANCES, free_out_of_window, make_case, query_start_loc, random_query
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -162,6 +162,19 @@ def test_basic(dtype, multi_token):
     q_lens = [1, 5, 3, 0]
     query = random_query(sum(q_lens) if multi_token else 4, 8, 64, dtype)
     check(case, query, 0.125, query_start_loc=query_start_loc(q_lens) if multi_token else None, want_split=False)
+
+
+@pytest.mark.parametrize("window", [1, 16, 17, 700])
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_window_never_reads_freed_blocks(window, multi_token):
+    # Blocks wholly before the window freed (-1 / stale ids, NaN memory), long enough rows to split.
+    lens, q_lens = [1300, 17, 0, 2100], [4, 3, 0, 2]
+    case = free_out_of_window(make_case(lens, 2, 64, 16, torch.float32), window,
+                              q_lens if multi_token else [1, 1, 0, 1])
+    assert case.freed > 0
+    query = random_query(sum(q_lens) if multi_token else 4, 4, 64, torch.float32)
+    check(case, query, 0.125, sliding_window=window,  # NaN anywhere fails the comparison
+          query_start_loc=query_start_loc(q_lens) if multi_token else None)
 
 
 @pytest.mark.parametrize("multi_token", [False, True])

@@ -198,7 +198,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
                                                 sliding_window, soft_cap, sinks, k_scale, v_scale,
                                                 &out, lse.has_value() ? &*lse : nullptr);
-  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc);
+  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc, sliding_window);
   if (s.num_tokens == 0) return;
 
   const std::optional<at::Tensor> slopes =
