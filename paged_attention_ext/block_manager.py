@@ -10,6 +10,13 @@ A scheduler only asks questions (``can_admit``, ``can_append``, ``can_swap_in``,
 ``swap_out``, ``free_group``); each of those returns what the step must do with the
 cache: the slots to write, the blocks to copy (copy-on-write) and to swap. Every
 method either succeeds or raises with no state changed.
+
+A hybrid model's sequences hold one block table per KV group (``kv_group_windows``,
+:mod:`paged_attention_ext.kv_groups`), all over the one device pool: every question
+counts the blocks of every group, a sliding-window group frees the blocks its window
+has left, and a prefix-cache hit is as long as every group can serve (full groups: the
+whole prefix; sliding groups: the window before the first recomputed token). Slots
+then come per group (``AppendResult.group_slots``).
 """
 
 from collections import Counter
@@ -17,7 +24,7 @@ from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import AppendResult, BlockTable, block_hashes
+from .block_table import NULL_BLOCK, AppendResult, BlockTable, block_hashes
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSpec"]
@@ -38,29 +45,42 @@ class Checkpoint(NamedTuple):
 
     device: BlockAllocator
     host: BlockAllocator
-    tables: Dict[int, BlockTable]
+    tables: Dict[int, List[BlockTable]]
     groups: Dict[int, List[int]]
     group_of: Dict[int, int]
 
 
 class BlockSpaceManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = False, watermark: float = 0.01,
+                 kv_group_windows: Sequence[Optional[int]] = (None,)) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if not kv_group_windows:
+            raise ValueError("kv_group_windows needs one entry per KV group (None: full attention)")
+        self.kv_group_windows = tuple(kv_group_windows)
         self.device = BlockAllocator(num_device_blocks, block_size, enable_prefix_caching, "device")
         self.host = BlockAllocator(num_host_blocks, block_size, name="host")
         self.block_size = block_size
         # Admission keeps this many device blocks spare so running groups can keep decoding.
         self._watermark_blocks = int(watermark * num_device_blocks)
-        self._tables: Dict[int, BlockTable] = {}
+        self._tables: Dict[int, List[BlockTable]] = {}  # per sequence, one per KV group
         self._groups: Dict[int, List[int]] = {}
         self._group_of: Dict[int, int] = {}
 
     # ---- read-only views, for tests and inspection (library code asks the questions below)
     @property
     def tables(self) -> Mapping[int, BlockTable]:
-        return MappingProxyType(self._tables)
+        """Each sequence's table of KV group 0 (:meth:`group_tables`: all of them)."""
+        return MappingProxyType({s: t[0] for s, t in self._tables.items()})
+
+    def group_tables(self, seq_id: int) -> List[BlockTable]:
+        """The sequence's tables, one per KV group (a list copy; the tables themselves)."""
+        return list(self._tables[seq_id])
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.kv_group_windows)
 
     @property
     def groups(self) -> Mapping[int, List[int]]:
@@ -74,9 +94,10 @@ class BlockSpaceManager:
         """Whether the group has blocks here (on the device or swapped out)."""
         return group_id in self._groups
 
-    def block_ids(self, seq_id: int) -> List[int]:
-        """The sequence's physical blocks, in order (a copy)."""
-        return list(self._tables[seq_id].blocks)
+    def block_ids(self, seq_id: int, kv_group: int = 0) -> List[int]:
+        """The sequence's physical blocks in one KV group, in order (a copy; a sliding
+        group's freed entries are ``NULL_BLOCK``)."""
+        return list(self._tables[seq_id][kv_group].blocks)
 
     def has_seq(self, seq_id: int) -> bool:
         """Whether the sequence has a block table here."""
@@ -84,14 +105,14 @@ class BlockSpaceManager:
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens the sequence's blocks hold."""
-        return self._tables[seq_id].num_tokens
+        return self._tables[seq_id][0].num_tokens
 
     def group_of_seq(self, seq_id: int) -> int:
         return self._group_of[seq_id]
 
     def seq_append_cost(self, seq_id: int, num_tokens: int) -> int:
         """New device blocks appending `num_tokens` to this one sequence takes."""
-        return self._tables[seq_id].blocks_needed(num_tokens)
+        return sum(t.blocks_needed(num_tokens) for t in self._tables[seq_id])
 
     def named_blocks(self) -> Dict[int, bytes]:
         """The device blocks in the prefix cache (used or evictable) and their names."""
@@ -134,7 +155,8 @@ class BlockSpaceManager:
 
     def append_cost(self, group_id: int, tokens_per_seq: int = 1) -> int:
         """Device blocks an append of `tokens_per_seq` to every sequence of the group takes."""
-        return self._append_cost((self._tables[s], tokens_per_seq) for s in self._groups[group_id])
+        return self._append_cost((t, tokens_per_seq) for s in self._groups[group_id]
+                                 for t in self._tables[s])
 
     def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
         """Whether the swapped-out group fits back above the watermark, together with the
@@ -156,17 +178,18 @@ class BlockSpaceManager:
         :meth:`can_allocate`.
         """
         num_tokens, names = self._prompt(prompt, extra_key, names)
-        [slots] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens)
-        return AppendResult(slots=slots), num_tokens - len(slots)
+        [placed] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens)
+        return placed, num_tokens - len(placed.slots)
 
-    def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int) -> List[List[int]]:
+    def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int) -> List[AppendResult]:
         """Start a group whose sequences share their first ``shared_len`` tokens.
 
         One sequence: a new prompt (or a recomputation). Several: a group preempted by
         recomputation, whose samples or beams share the prompt's full blocks and each
         recompute the prompt's partial last block into their own block. Returns, per
-        sequence, the slots of the tokens that must be computed: the leading tokens
-        not listed are in the prefix cache or computed by the first sequence.
+        sequence, the slots of the tokens that must be computed (per KV group in
+        ``group_slots`` too): the leading tokens not listed are in the prefix cache or
+        computed by the first sequence.
         """
         self._check_new(group_id, [s.seq_id for s in seqs])
         needed = self._admission_cost(seqs, shared_len)
@@ -174,38 +197,51 @@ class BlockSpaceManager:
             raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
         first, bs = seqs[0], self.block_size
-        table = BlockTable(self.device)
-        _, num_cached = table.allocate_prompt(shared_len, first.names[:shared_len // bs])
-        self._add(group_id, first.seq_id, table)
+        names = first.names[:shared_len // bs]
+        tables = self._new_tables()
+        num_hits = self._common_hit(tables, shared_len, names)
+        for table in tables:
+            table.allocate_prompt(shared_len, names, num_hits)
+        if self.device.enable_prefix_caching:
+            self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
+        self._add(group_id, first.seq_id, tables)
         for seq in seqs[1:]:
             self.fork(first.seq_id, seq.seq_id)
         self.append_group(group_id, {s.seq_id: s.num_tokens - shared_len for s in seqs},
-                          {s.seq_id: s.names for s in seqs})
+                          {s.seq_id: s.names for s in seqs}, computed=False)
         # Copy-on-write copies of the prompt's partial block are not needed: its
         # content does not exist yet, every sequence computes its own copy.
-        starts = [num_cached] + [shared_len // bs * bs] * (len(seqs) - 1)
-        return [self._tables[seq.seq_id].slots(start, seq.num_tokens)
+        starts = [num_hits * bs] + [shared_len // bs * bs] * (len(seqs) - 1)
+        return [self._placed(self._tables[seq.seq_id], start, seq.num_tokens)
                 for seq, start in zip(seqs, starts)]
 
     def fork(self, parent_seq: int, child_seq: int) -> None:
         """A new sequence of the parent's group sharing all its blocks (never allocates)."""
         self._check_new(None, [child_seq])
-        self._add(self._group_of[parent_seq], child_seq, self._tables[parent_seq].fork())
+        self._add(self._group_of[parent_seq], child_seq, [t.fork() for t in self._tables[parent_seq]])
 
     def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1,
-               names: Sequence[bytes] = ()) -> AppendResult:
+               names: Sequence[bytes] = (), computed: bool = True) -> AppendResult:
         """Room for new tokens of one sequence: slots, plus copy-on-write copies to apply first.
 
         ``tokens``: how many (or the new ids, which are only counted). ``names``: the
         sequence's full-block names after the append (:func:`block_hashes`); the
-        blocks they name enter the prefix cache.
+        blocks they name enter the prefix cache. ``computed``: the sequence's tokens so
+        far have all been computed (the usual case), so sliding-window groups first
+        free the blocks the new tokens cannot see.
         """
-        table = self._device_table(seq_id)
-        return table.append_tokens(tokens if isinstance(tokens, int) else len(tokens), names)
+        tables = self._device_tables(seq_id)
+        count = tokens if isinstance(tokens, int) else len(tokens)
+        needed = self._append_cost((t, count) for t in tables)
+        if needed > self.device.num_free_blocks:
+            raise NoFreeBlocksError(f"sequence {seq_id}: needs {needed} blocks, "
+                                    f"{self.device.num_free_blocks} available")
+        parts = [t.append_tokens(count, names, computed) for t in tables]
+        return self._merged(parts)
 
     def append_group(self, group_id: int, num_tokens: Mapping[int, int],
-                     names: Optional[Mapping[int, Sequence[bytes]]] = None
-                     ) -> Dict[int, AppendResult]:
+                     names: Optional[Mapping[int, Sequence[bytes]]] = None,
+                     computed: bool = True) -> Dict[int, AppendResult]:
         """Append to several sequences of a group at once, all-or-nothing.
 
         ``names``: per sequence, as in :meth:`append`. Returns each sequence's slots and
@@ -216,21 +252,26 @@ class BlockSpaceManager:
                 raise ValueError(f"sequence {seq_id} is not in group {group_id}")
             if count < 0:
                 raise ValueError(f"sequence {seq_id}: number of new tokens must be >= 0, got {count}")
-        needed = self._append_cost((self._tables[s], n) for s, n in num_tokens.items())
+        needed = self._append_cost((t, n) for s, n in num_tokens.items() for t in self._tables[s])
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"group {group_id}: needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
-        return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else ())
+        return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else (), computed)
                 for seq_id, count in num_tokens.items()}
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Drop a sequence's tokens from position ``num_tokens`` on (rejected speculative
         tokens): whole blocks past it are freed, the partial one kept."""
-        self._device_table(seq_id).truncate(num_tokens)
+        tables = self._device_tables(seq_id)
+        for table in tables:  # every group checked before any changes
+            table.check_truncate(num_tokens)
+        for table in tables:
+            table.truncate(num_tokens)
 
     def free_seq(self, seq_id: int) -> None:
         """Release one sequence (a finished sample, a dropped beam)."""
-        self._tables.pop(seq_id).free()
+        for table in self._tables.pop(seq_id):
+            table.free()
         group_id = self._group_of.pop(seq_id)
         self._groups[group_id].remove(seq_id)
         if not self._groups[group_id]:
@@ -257,17 +298,18 @@ class BlockSpaceManager:
         """
         mapping = self._move_group(group_id, self.host, self.device)
         for seq_id in self._groups[group_id]:
-            self._tables[seq_id].register_full_blocks()
+            for table in self._tables[seq_id]:
+                table.register_full_blocks()
         return mapping
 
     def is_swapped_out(self, group_id: int) -> bool:
-        return self._tables[self._groups[group_id][0]].allocator is self.host
+        return self._tables[self._groups[group_id][0]][0].allocator is self.host
 
     # ---- transactions -----------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
         """Everything the manager knows, to :meth:`rollback` to if a step fails."""
         pools = {id(self.device): self.device.copy(), id(self.host): self.host.copy()}
-        tables = {s: t.copy(pools[id(t.allocator)]) for s, t in self._tables.items()}
+        tables = {s: [t.copy(pools[id(t.allocator)]) for t in ts] for s, ts in self._tables.items()}
         return Checkpoint(pools[id(self.device)], pools[id(self.host)], tables,
                           {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of))
 
@@ -283,14 +325,15 @@ class BlockSpaceManager:
     # ---- reporting --------------------------------------------------------------------
     def usage(self) -> Dict[str, float]:
         """Block counts and sharing: references vs distinct physical blocks, slots filled."""
-        on_device = [t for t in self._tables.values() if t.allocator is self.device]
-        references = sum(len(t.blocks) for t in on_device)
+        on_device = [t for ts in self._tables.values() for t in ts if t.allocator is self.device]
+        references = sum(len(t.live_blocks) for t in on_device)
         used = self.device.num_used_blocks
         bs = self.block_size
         filled: Dict[int, int] = {}  # tokens in each device block in use
         for table in on_device:
             for i, block in enumerate(table.blocks):
-                filled[block] = max(filled.get(block, 0), min(bs, table.num_tokens - i * bs))
+                if block != NULL_BLOCK:
+                    filled[block] = max(filled.get(block, 0), min(bs, table.num_tokens - i * bs))
         return {
             "device_blocks_total": self.device.num_blocks,
             "device_blocks_used": used,
@@ -308,17 +351,25 @@ class BlockSpaceManager:
     def check_invariants(self) -> None:
         """Reference counts equal table references on both pools; tables are well formed."""
         for allocator in (self.device, self.host):
-            refs = Counter(b for t in self._tables.values() if t.allocator is allocator
-                           for b in t.blocks)
+            refs = Counter(b for ts in self._tables.values() for t in ts if t.allocator is allocator
+                           for b in t.live_blocks)
             allocator.check_invariants(refs)
-        for seq_id, table in self._tables.items():
-            assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
-                f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
+        for seq_id, tables in self._tables.items():
+            assert len(tables) == self.num_kv_groups, f"sequence {seq_id}: {len(tables)} tables"
+            for table, window in zip(tables, self.kv_group_windows):
+                assert table.sliding_window == window
+                assert table.num_tokens == tables[0].num_tokens, f"sequence {seq_id}: groups disagree"
+                assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
+                    f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
+                # Freed entries only where no query from the last token on looks.
+                visible = table.first_visible_block(max(0, table.num_tokens - 1))
+                assert NULL_BLOCK not in table.blocks[visible:], (
+                    f"sequence {seq_id}: a block its window still sees was freed")
             assert seq_id in self._groups[self._group_of[seq_id]]
         tables_in = {s for g in self._groups.values() for s in g}
         assert tables_in == set(self._tables), "group membership and tables disagree"
         for group_id, seqs in self._groups.items():
-            pools = {self._tables[s].allocator.name for s in seqs}
+            pools = {t.allocator.name for s in seqs for t in self._tables[s]}
             assert len(pools) == 1, f"group {group_id} is split across pools {pools}"
 
     # ---- internals --------------------------------------------------------------------
@@ -340,15 +391,39 @@ class BlockSpaceManager:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"sequence ids repeat: {list(seq_ids)}")
 
-    def _device_table(self, seq_id: int) -> BlockTable:
-        """The sequence's table, which must be on the device (its blocks are written)."""
-        table = self._tables[seq_id]
-        if table.allocator is not self.device:
+    def _device_tables(self, seq_id: int) -> List[BlockTable]:
+        """The sequence's tables, which must be on the device (their blocks are written)."""
+        tables = self._tables[seq_id]
+        if tables[0].allocator is not self.device:
             raise ValueError(f"sequence {seq_id} is swapped out")
-        return table
+        return tables
 
-    def _add(self, group_id: int, seq_id: int, table: BlockTable) -> None:
-        self._tables[seq_id] = table
+    def _new_tables(self) -> List[BlockTable]:
+        """An empty table per KV group; group g's block names carry key g (group 0: none,
+        so a single-group manager names blocks as a plain table does)."""
+        return [BlockTable(self.device, window, bytes([g]) if g else b"")
+                for g, window in enumerate(self.kv_group_windows)]
+
+    def _common_hit(self, tables: Sequence[BlockTable], num_tokens: int,
+                    names: Sequence[bytes]) -> int:
+        """The most cached leading blocks every KV group can start the prompt from."""
+        possible = [t.possible_hits(num_tokens, names) for t in tables]
+        return max(h for h in range(min(map(len, possible))) if all(p[h] for p in possible))
+
+    @staticmethod
+    def _placed(tables: Sequence[BlockTable], start: int, end: int) -> AppendResult:
+        """Slots of positions start .. end-1 in every group (no copies)."""
+        group_slots = [t.slots(start, end) for t in tables]
+        return AppendResult(slots=group_slots[0], group_slots=group_slots)
+
+    @staticmethod
+    def _merged(parts: Sequence[AppendResult]) -> AppendResult:
+        """One sequence's appends in every group as one result."""
+        return AppendResult(slots=parts[0].slots, copies=[c for p in parts for c in p.copies],
+                            group_slots=[p.slots for p in parts])
+
+    def _add(self, group_id: int, seq_id: int, tables: List[BlockTable]) -> None:
+        self._tables[seq_id] = tables
         self._groups.setdefault(group_id, []).append(seq_id)
         self._group_of[seq_id] = group_id
 
@@ -360,8 +435,10 @@ class BlockSpaceManager:
         if shared_len < 1:
             raise ValueError(f"a prompt needs at least one token, got {shared_len}")
         bs = self.block_size
-        cost = BlockTable(self.device).blocks_needed_for_prompt(
-            shared_len, seqs[0].names[:shared_len // bs])
+        names = seqs[0].names[:shared_len // bs]
+        tables = self._new_tables()
+        num_hits = self._common_hit(tables, shared_len, names)
+        cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits) for t in tables)
         room, sharers = -shared_len % bs, len(seqs)
         for seq in seqs:
             extra = seq.num_tokens - shared_len
@@ -369,9 +446,9 @@ class BlockSpaceManager:
                 raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} tokens, fewer than "
                                  f"the {shared_len} it shares")
             if room and extra and sharers > 1:  # copy-on-write; the last sharer writes in place
-                cost += 1
+                cost += len(tables)
                 sharers -= 1
-            cost += -(-max(0, extra - room) // bs)
+            cost += len(tables) * -(-max(0, extra - room) // bs)
         return cost
 
     def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]]) -> int:
@@ -398,7 +475,7 @@ class BlockSpaceManager:
 
     def _move_group(self, group_id: int, source: BlockAllocator,
                     target: BlockAllocator) -> BlockMapping:
-        tables = [self._tables[s] for s in self._groups[group_id]]
+        tables = [t for s in self._groups[group_id] for t in self._tables[s]]
         if any(t.allocator is not source for t in tables):
             raise ValueError(f"group {group_id} is not in the {source.name} pool")
         distinct = self._distinct_blocks(group_id)
@@ -411,7 +488,7 @@ class BlockSpaceManager:
             raise NoFreeBlocksError(f"{target.name} pool: group {group_id} needs "
                                     f"{len(to_copy) + evictable_hits} blocks, "
                                     f"{target.num_free_blocks} available")
-        references = Counter(b for t in tables for b in t.blocks)
+        references = Counter(b for t in tables for b in t.live_blocks)
         mapping = {old: target.acquire_cached(content) for old, content in reuse.items()}
         copied = dict(zip(to_copy, target.allocate(len(to_copy))))
         mapping.update(copied)
@@ -428,15 +505,16 @@ class BlockSpaceManager:
         """Host blocks of a swapped-out group whose full content the device still caches."""
         found: Dict[int, bytes] = {}
         for seq_id in self._groups[group_id]:
-            table = self._tables[seq_id]
-            for block, content in zip(table.blocks, table.block_hashes):
-                if self.device.lookup(content) is not None:
-                    found[block] = content
+            for table in self._tables[seq_id]:
+                for block, content in zip(table.blocks, table.block_hashes):
+                    if block != NULL_BLOCK and self.device.lookup(content) is not None:
+                        found[block] = content
         return found
 
     def _distinct_blocks(self, group_id: int) -> List[int]:
         seen: Dict[int, None] = {}
         for seq_id in self._groups[group_id]:
-            for block in self._tables[seq_id].blocks:
-                seen.setdefault(block, None)
+            for table in self._tables[seq_id]:
+                for block in table.live_blocks:
+                    seen.setdefault(block, None)
         return list(seen)

@@ -11,6 +11,12 @@ tokens up to and including it (and an optional extra key such as an adapter id),
 so equal prefixes map to the same physical blocks. A table never sees token ids:
 whoever owns the tokens names the blocks once with :func:`block_hashes` and passes
 the names in.
+
+A table of a sliding-window KV group (:mod:`paged_attention_ext.kv_groups`) frees each
+block once no later query can see it: the entry becomes :data:`NULL_BLOCK` (logical
+positions are kept; the attention op never reads entries wholly before the window) and
+a named block goes back to the prefix cache. Tables of several groups share one pool,
+so a group's names carry its ``group_key``: equal tokens in two groups are two blocks.
 """
 
 import hashlib
@@ -21,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 from .block_allocator import BlockAllocator, NoFreeBlocksError
 
 BlockCopy = Tuple[int, int]  # (src, dst) rows for paged.copy_blocks
+NULL_BLOCK = -1  # a sliding-window table's freed entry
 
 
 def chain_hash(parent: Optional[bytes], tokens: Sequence[int], extra_key: str = "") -> bytes:
@@ -48,11 +55,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: str = "",
 class AppendResult:
     slots: List[int] = field(default_factory=list)  # for paged.write_kv, one per new token
     copies: List[BlockCopy] = field(default_factory=list)  # apply with copy_blocks first
+    # With several KV groups: each group's slots for the same tokens (group_slots[0] is
+    # ``slots``); a layer writes to its group's. Empty for a single table.
+    group_slots: List[List[int]] = field(default_factory=list)
 
 
 class BlockTable:
-    def __init__(self, allocator: BlockAllocator) -> None:
+    def __init__(self, allocator: BlockAllocator, sliding_window: Optional[int] = None,
+                 group_key: bytes = b"") -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.allocator = allocator
+        self.sliding_window = sliding_window
+        self.group_key = group_key
         self.blocks: List[int] = []
         self.num_tokens = 0
         self.block_hashes: List[bytes] = []  # names of the leading full blocks, when given
@@ -60,6 +75,29 @@ class BlockTable:
     @property
     def block_size(self) -> int:
         return self.allocator.block_size
+
+    @property
+    def live_blocks(self) -> List[int]:
+        """The blocks this table holds (freed entries left out), in order."""
+        return [b for b in self.blocks if b != NULL_BLOCK]
+
+    def first_visible_block(self, position: int) -> int:
+        """The first logical block a query at ``position`` reads (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def release_unreachable(self) -> int:
+        """Free the blocks no query from position ``num_tokens`` on can see (sliding
+        window); call it once every held token has been computed. Returns how many."""
+        dead = [b for b in range(min(self.first_visible_block(self.num_tokens), len(self.blocks)))
+                if self.blocks[b] != NULL_BLOCK]
+        if dead:
+            # Tail first, as free(): of a chain, the head is the last evicted.
+            self.allocator.free(self.blocks[b] for b in reversed(dead))
+            for b in dead:
+                self.blocks[b] = NULL_BLOCK
+        return len(dead)
 
     def slots(self, start: int, end: int) -> List[int]:
         """Slots of positions ``start`` to ``end - 1``."""
@@ -74,16 +112,24 @@ class BlockTable:
         grow = max(0, num_new_tokens - room)
         return copy + -(-grow // self.block_size)
 
-    def append_tokens(self, count: int, names: Sequence[bytes] = ()) -> AppendResult:
+    def append_tokens(self, count: int, names: Sequence[bytes] = (),
+                      computed: bool = True) -> AppendResult:
         """Make room for ``count`` new tokens and return where they go.
 
         ``names`` are the sequence's full-block names (:func:`block_hashes`) after the
         append; blocks it names enter the prefix cache. Without names, later blocks
-        are simply not cached.
+        are simply not cached. ``computed``: every token held so far has been computed,
+        so a sliding-window table may first free what the new tokens cannot see.
         """
         if count < 0:
             raise ValueError(f"number of new tokens must be >= 0, got {count}")
-        fresh = self.allocator.allocate(self.blocks_needed(count))  # all-or-nothing
+        needed = self.blocks_needed(count)
+        if needed > self.allocator.num_free_blocks:
+            raise NoFreeBlocksError(f"{self.allocator.name} pool: need {needed} blocks, "
+                                    f"{self.allocator.num_free_blocks} available")
+        if computed and count:
+            self.release_unreachable()
+        fresh = self.allocator.allocate(needed)
         result = AppendResult()
         room = len(self.blocks) * self.block_size - self.num_tokens
         if room > 0 and count > 0 and self.allocator.ref_count(self.blocks[-1]) > 1:
@@ -98,51 +144,77 @@ class BlockTable:
         self._register_full_blocks(names)
         return result
 
-    def allocate_prompt(self, num_tokens: int, names: Sequence[bytes]) -> Tuple[AppendResult, int]:
+    def allocate_prompt(self, num_tokens: int, names: Sequence[bytes],
+                        num_hits: Optional[int] = None) -> Tuple[AppendResult, int]:
         """Place a new sequence's prompt, reusing cached full blocks of its prefix.
 
-        ``names`` are the prompt's full-block names. Returns the slots of the tokens
-        that still need prefill (the first ``num_cached`` tokens are already in the
-        cache) and ``num_cached``. The last prompt token is always recomputed, so its
-        logits exist.
+        ``names`` are the prompt's full-block names. ``num_hits``: how many leading
+        blocks to take from the prefix cache (one of :meth:`possible_hits`, agreed
+        across KV groups); None: the most this table can. Returns the slots of the
+        tokens that still need prefill (the first ``num_cached`` tokens are already in
+        the cache) and ``num_cached``. The last prompt token is always recomputed, so
+        its logits exist.
         """
         if self.num_tokens:
             raise ValueError("allocate_prompt is for an empty table")
-        hits = self._cached_prefix(num_tokens, names)
-        needed = self._prompt_blocks(num_tokens, hits)
+        if num_hits is None:
+            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names)) if ok)
+        needed = self._prompt_blocks(num_tokens, names, num_hits)
         if needed > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
                                     f"{self.allocator.num_free_blocks} available")
-        # Take the hits first so that allocating the rest cannot evict them.
-        cached = [self.allocator.acquire_cached(h) for h in hits]
-        fresh = self.allocator.allocate(-(-(num_tokens - len(hits) * self.block_size)
+        # Take the hits first so that allocating the rest cannot evict them; a sliding
+        # table takes only those the first recomputed token's window reaches.
+        first = self.first_visible_block(num_hits * self.block_size)
+        cached = [NULL_BLOCK] * first + [self.allocator.acquire_cached(self._pooled(names[b]))
+                                         for b in range(first, num_hits)]
+        fresh = self.allocator.allocate(-(-(num_tokens - num_hits * self.block_size)
                                           // self.block_size))
-        self.allocator.record_lookups(hits=len(hits),
-                                      queries=min(len(names), self._prefix_candidates(num_tokens)))
         self.blocks = cached + fresh
-        num_cached = len(hits) * self.block_size
+        num_cached = num_hits * self.block_size
         self.num_tokens = num_tokens
-        self.block_hashes = list(hits)
+        self.block_hashes = [self._pooled(n) for n in names[:num_hits]]
         self._register_full_blocks(names)
         return AppendResult(slots=self.slots(num_cached, self.num_tokens)), num_cached
 
-    def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes]) -> int:
-        return self._prompt_blocks(num_tokens, self._cached_prefix(num_tokens, names))
+    def possible_hits(self, num_tokens: int, names: Sequence[bytes]) -> List[bool]:
+        """``[h]``: whether this table could start the prompt from ``h`` cached blocks.
 
-    def _prompt_blocks(self, num_tokens: int, hits: Sequence[bytes]) -> int:
-        fresh = -(-(num_tokens - len(hits) * self.block_size) // self.block_size)
+        Full attention needs blocks ``0 .. h-1`` cached; a sliding window only those
+        its first recomputed token sees. Entry 0 is always true.
+        """
+        ok = [True]
+        run = 0  # cached blocks ending at the current one
+        for b, name in enumerate(names[:self._prefix_candidates(num_tokens)]):
+            run = run + 1 if self.allocator.lookup(self._pooled(name)) is not None else 0
+            h = b + 1
+            ok.append(run >= h - self.first_visible_block(h * self.block_size))
+            if self.sliding_window is None and not ok[-1]:
+                break  # a full-attention hit never gets longer past a miss
+        return ok
+
+    def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes],
+                                 num_hits: Optional[int] = None) -> int:
+        if num_hits is None:
+            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names)) if ok)
+        return self._prompt_blocks(num_tokens, names, num_hits)
+
+    def _prompt_blocks(self, num_tokens: int, names: Sequence[bytes], num_hits: int) -> int:
+        fresh = -(-(num_tokens - num_hits * self.block_size) // self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
-        return fresh + sum(1 for h in hits if self.allocator.ref_count(self.allocator.lookup(h)) == 0)
+        first = self.first_visible_block(num_hits * self.block_size)
+        return fresh + sum(1 for b in range(first, num_hits) if self.allocator.ref_count(
+            self.allocator.lookup(self._pooled(names[b]))) == 0)
 
     def fork(self) -> "BlockTable":
         """A new table sharing every block (reference counts +1; never allocates)."""
-        self.allocator.fork(self.blocks)
+        self.allocator.fork(self.live_blocks)
         return self.copy(self.allocator)
 
     def copy(self, allocator: BlockAllocator) -> "BlockTable":
         """An independent copy of this table over `allocator` (its pool, or a copy of it);
         reference counts are not touched."""
-        twin = BlockTable(allocator)
+        twin = BlockTable(allocator, self.sliding_window, self.group_key)
         twin.blocks, twin.num_tokens = list(self.blocks), self.num_tokens
         twin.block_hashes = list(self.block_hashes)
         return twin
@@ -151,20 +223,31 @@ class BlockTable:
         """Keep only the first ``num_tokens`` tokens: blocks past them are freed (tail
         first). A block left partial will have its free slots written, so it leaves the
         prefix cache if this table is its only holder (a shared one is copied on write)."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(f"cannot keep {num_tokens} of {self.num_tokens} tokens")
+        self.check_truncate(num_tokens)
         keep = -(-num_tokens // self.block_size)
         self.allocator.free(reversed(self.blocks[keep:]))
         del self.blocks[keep:]
         del self.block_hashes[num_tokens // self.block_size:]
         self.num_tokens = num_tokens
-        if num_tokens % self.block_size and self.allocator.ref_count(self.blocks[-1]) == 1:
+        if (num_tokens % self.block_size and self.blocks[-1] != NULL_BLOCK
+                and self.allocator.ref_count(self.blocks[-1]) == 1):
             self.allocator.unregister(self.blocks[-1])
+
+    def check_truncate(self, num_tokens: int) -> None:
+        """Raise unless :meth:`truncate` to ``num_tokens`` can keep every block the last
+        kept token's window reads (a sliding table may have freed them)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot keep {num_tokens} of {self.num_tokens} tokens")
+        keep = -(-num_tokens // self.block_size)
+        if NULL_BLOCK in self.blocks[self.first_visible_block(max(0, num_tokens - 1)):keep]:
+            raise NotImplementedError(
+                f"cannot go back to {num_tokens} tokens: this sliding-window table "
+                f"(window {self.sliding_window}) has freed blocks the kept tokens' windows read")
 
     def free(self) -> None:
         # Tail first: the pool evicts the least recently freed block first, and names
         # chain from the head, so the head must be the last of this prompt to go.
-        self.allocator.free(reversed(self.blocks))
+        self.allocator.free(reversed(self.live_blocks))
         self.blocks = []
         self.num_tokens = 0
         self.block_hashes = []
@@ -172,29 +255,27 @@ class BlockTable:
     def remap(self, allocator: BlockAllocator, mapping: dict) -> None:
         """Point at other physical blocks (after a swap); reference counts are the caller's."""
         self.allocator = allocator
-        self.blocks = [mapping[b] for b in self.blocks]
+        self.blocks = [NULL_BLOCK if b == NULL_BLOCK else mapping[b] for b in self.blocks]
 
     def register_full_blocks(self) -> None:
         """Offer this table's named blocks to the prefix cache (e.g. after a swap-in)."""
         for block, content in zip(self.blocks, self.block_hashes):
-            self.allocator.register(block, content)
+            if block != NULL_BLOCK:
+                self.allocator.register(block, content)
 
     def _prefix_candidates(self, num_tokens: int) -> int:
         """Full prompt blocks that may come from the cache: never the last token's block."""
         return (num_tokens - 1) // self.block_size if self.allocator.enable_prefix_caching else 0
 
-    def _cached_prefix(self, num_tokens: int, names: Sequence[bytes]) -> List[bytes]:
-        hits: List[bytes] = []
-        for name in names[:self._prefix_candidates(num_tokens)]:
-            if self.allocator.lookup(name) is None:
-                break
-            hits.append(name)
-        return hits
+    def _pooled(self, name: bytes) -> bytes:
+        """A block name as this table's KV group registers it in the shared pool."""
+        return name + self.group_key
 
     def _register_full_blocks(self, names: Sequence[bytes]) -> None:
         if not self.allocator.enable_prefix_caching:
             return
         known = len(self.block_hashes)
         for b in range(known, min(len(names), self.num_tokens // self.block_size)):
-            self.block_hashes.append(names[b])
-            self.allocator.register(self.blocks[b], names[b])
+            self.block_hashes.append(self._pooled(names[b]))
+            if self.blocks[b] != NULL_BLOCK:
+                self.allocator.register(self.blocks[b], self.block_hashes[-1])

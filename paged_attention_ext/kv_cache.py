@@ -13,6 +13,7 @@ import torch
 
 from . import ops
 from .host_memory import zeros_huge_pages
+from .kv_groups import KVGroupLayout
 from .quantization import (CALIBRATIONS, FLOAT_DTYPES, FP8_DTYPES, ScaleLike, calibrate,
                            check_scale, is_fp8)
 
@@ -62,6 +63,11 @@ class PagedKVCache:
 
     Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
     one byte per value; the scales' few bytes per layer are not counted).
+
+    ``kv_groups``: a hybrid model's KV groups (:mod:`paged_attention_ext.kv_groups`). A
+    block then holds one group's layers, so the pools are ``layers_per_group`` tensors
+    (not one per layer), :meth:`layer` finds a layer's, and the block manager gives each
+    group its own block tables and slots. None: one group of every layer.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
@@ -69,7 +75,8 @@ class PagedKVCache:
                  num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
                  num_host_blocks: int = 0, head_size_v: Optional[int] = None,
                  k_scale: Optional[LayerScales] = None, v_scale: Optional[LayerScales] = None,
-                 calibration: Optional[str] = "per_layer") -> None:
+                 calibration: Optional[str] = "per_layer",
+                 kv_groups: Optional[KVGroupLayout] = None) -> None:
         check_int("num_layers", num_layers, 1)
         check_int("num_kv_heads", num_kv_heads, 1)
         check_int("head_size", head_size, 1)
@@ -86,11 +93,17 @@ class PagedKVCache:
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if kv_groups is None:
+            kv_groups = KVGroupLayout.uniform(num_layers)
+        if kv_groups.num_layers != num_layers:
+            raise ValueError(f"kv_groups places {kv_groups.num_layers} layers, the cache has {num_layers}")
+        self.kv_groups = kv_groups
+        self._place = [kv_groups.place(layer) for layer in range(num_layers)]
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.head_size_v = head_size if head_size_v is None else head_size_v
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
-        self.block_bytes = bytes_per_block(num_layers, num_kv_heads, head_size, block_size, dtype,
-                                           self.head_size_v)
+        self.block_bytes = bytes_per_block(kv_groups.layers_per_group, num_kv_heads, head_size,
+                                           block_size, dtype, self.head_size_v)
         if num_blocks is None:
             num_blocks = memory_bytes // self.block_bytes
         if num_blocks < 1:
@@ -110,7 +123,7 @@ class PagedKVCache:
         self.value_caches: List[torch.Tensor] = []
         self.host_key_caches: List[torch.Tensor] = []
         self.host_value_caches: List[torch.Tensor] = []
-        for _ in range(num_layers):
+        for _ in range(kv_groups.layers_per_group):
             self.key_caches.append(self._device_pool(shape))
             self.value_caches.append(self._device_pool(shape_v))
             self.host_key_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
@@ -166,7 +179,13 @@ class PagedKVCache:
         return not self.is_quantized or all(s is not None for s in self.k_scales)
 
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.key_caches[index], self.value_caches[index]
+        """Layer ``index``'s key and value pools (shared by one layer of each KV group)."""
+        pool = self._place[index][1]
+        return self.key_caches[pool], self.value_caches[pool]
+
+    def kv_group(self, index: int) -> int:
+        """The KV group of layer ``index`` (whose block tables and slots it uses)."""
+        return self._place[index][0]
 
     def scales(self, index: int) -> Dict[str, torch.Tensor]:
         """Layer ``index``'s ``k_scale``/``v_scale`` keywords for the paged ops: empty for a
@@ -223,7 +242,8 @@ class PagedKVCache:
             raise ValueError(f"with_blocks({num_blocks}) would drop blocks of a {self.num_blocks}-block cache")
         bigger = PagedKVCache(self.num_layers, self.num_kv_heads, self.head_size, self.block_size,
                               self.dtype, self.device, num_blocks=num_blocks,
-                              num_host_blocks=self.num_host_blocks, head_size_v=self.head_size_v)
+                              num_host_blocks=self.num_host_blocks, head_size_v=self.head_size_v,
+                              kv_groups=self.kv_groups)
         bigger.k_scales, bigger.v_scales = list(self.k_scales), list(self.v_scales)
         bigger.calibration, bigger._recalibrate = self.calibration, list(self._recalibrate)
         for old, new in zip(self.key_caches + self.value_caches, bigger.key_caches + bigger.value_caches):

@@ -409,7 +409,7 @@ def test_admission_of_a_recomputed_group_is_counted_exactly(free):
             mgr.admit(0, seqs, 6)
         assert mgr.device.num_free_blocks == free and not mgr.tables
         return
-    slots = mgr.admit(0, seqs, 6)
+    slots = [placed.slots for placed in mgr.admit(0, seqs, 6)]
     assert mgr.device.num_free_blocks == 0
     assert len(slots[0]) == 9  # the first sample computes the prompt
     assert [len(s) for s in slots[1:]] == [5, 5]  # the others from the prompt's partial block

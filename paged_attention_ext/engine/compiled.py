@@ -91,9 +91,10 @@ class CompiledDecode:
         n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
         self.ids = torch.zeros(n, **longs)
         self.positions = torch.zeros(n, **longs)
-        self.slots = torch.full((n,), -1, **longs)
+        groups = range(len(kv_cache.kv_groups.groups))  # a slot mapping and tables per KV group
+        self.slots = [torch.full((n,), -1, **longs) for _ in groups]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(n, table_width, dtype=torch.int32, device=device)
+        self.tables = [torch.zeros(n, table_width, dtype=torch.int32, device=device) for _ in groups]
         # A ready mask per layer type (none: attention follows the block tables), so the
         # compiled region skips transformers' mask construction; the eager steps of the same
         # model run it (and its checks).
@@ -125,12 +126,13 @@ class CompiledDecode:
             if not self.kv_cache.calibrated:
                 return False
             self._warm_up()
-        return 1 <= rows <= self.max_batch and width <= self.tables.shape[1]
+        return 1 <= rows <= self.max_batch and width <= self.tables[0].shape[1]
 
     @torch.no_grad()
-    def run(self, ids: List[int], positions: List[int], slots: List[int],
-            tables: List[List[int]], seq_lens: List[int]) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence."""
+    def run(self, ids: List[int], positions: List[int], slots: List[List[int]],
+            tables: List[List[List[int]]], seq_lens: List[int]) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence;
+        ``slots`` and ``tables`` per KV group."""
         rows = len(ids)
         if any(_identity(tensor) != identity for tensor, identity in self._frozen):
             raise RuntimeError("compile_options freezing: the model's weights changed after the "
@@ -144,25 +146,27 @@ class CompiledDecode:
         return self._call(size)[:rows]
 
     # ---- internals -------------------------------------------------------------------
-    def _stage(self, ids: List[int], positions: List[int], slots: List[int],
-               tables: List[List[int]], seq_lens: List[int]) -> int:
+    def _stage(self, ids: List[int], positions: List[int], slots: List[List[int]],
+               tables: List[List[List[int]]], seq_lens: List[int]) -> int:
         """Copy the metadata into the buffers' first rows, padding to the next size (returned)."""
         rows = len(ids)
         size = self._padded(rows)
         pad = size - rows
-        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-                             seq_lens + [0] * pad])
-        width = max(len(t) for t in tables)
+        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, seq_lens + [0] * pad]
+                            + [group_slots + [-1] * pad for group_slots in slots])
+        width = max(len(t) for t in tables[0])
         flat: List[int] = []
-        for table in tables:
-            flat += table
-            flat += [0] * (width - len(table))
+        for group_tables in tables:
+            for table in group_tables:
+                flat += table
+                flat += [0] * (width - len(table))
+        staged = torch.tensor(flat, dtype=torch.int32).view(len(tables), rows, width)
         self.ids[:size].copy_(meta[0], non_blocking=True)
         self.positions[:size].copy_(meta[1], non_blocking=True)
-        self.slots[:size].copy_(meta[2], non_blocking=True)
-        self.seq_lens[:size].copy_(meta[3], non_blocking=True)
-        self.tables[:rows, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(rows, width),
-                                         non_blocking=True)
+        self.seq_lens[:size].copy_(meta[2], non_blocking=True)
+        for g, (slot_buffer, table_buffer) in enumerate(zip(self.slots, self.tables)):
+            slot_buffer[:size].copy_(meta[3 + g], non_blocking=True)
+            table_buffer[:rows, :width].copy_(staged[g], non_blocking=True)
         return size
 
     def _padded(self, rows: int) -> int:
@@ -172,18 +176,22 @@ class CompiledDecode:
 
     def _forward(self, ids, positions, slots, tables, seq_lens) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
-        batch = PagedBatch(self.kv_cache, slot_mapping=slots, block_tables=tables,
-                           seq_lens=seq_lens, query_start_loc=None)
+        batch = PagedBatch(self.kv_cache, slot_mapping=slots[0], block_tables=tables[0],
+                           seq_lens=seq_lens, query_start_loc=None,
+                           other_groups=tuple(zip(slots[1:], tables[1:])))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
         return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
                           use_cache=False, **masks).logits[0]
 
     def _call(self, size: int) -> torch.Tensor:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
-        args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size),
-                self.slots[:size], self.tables[:size], self.seq_lens[:size])
+        slots = tuple(buffer[:size] for buffer in self.slots)
+        tables = tuple(buffer[:size] for buffer in self.tables)
+        args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size), slots, tables,
+                self.seq_lens[:size])
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
-            for tensor, dim in zip(args, (1, 1, 0, 0, 0)):
+            for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4]),
+                                   (1, 1, *[0] * (2 * len(slots)), 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
         if not self._options:
             return self._compiled(*args)

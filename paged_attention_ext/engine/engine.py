@@ -11,8 +11,9 @@ import torch
 from ..block_manager import BlockSpaceManager
 from ..block_table import block_hashes
 from ..hf import ATTN_IMPLEMENTATION
-from ..hf.support import check_config, mla_head_sizes
+from ..hf.support import check_config, layer_windows, mla_head_sizes
 from ..kv_cache import PagedKVCache
+from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
@@ -92,7 +93,12 @@ class LLMEngine:
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
         text = model.config.get_text_config()
-        check_config(model.config, text)  # an architecture the ops cannot run raises here
+        layer_types = check_config(model.config, text)  # an architecture the ops cannot run raises here
+        # Sliding-window layers get KV groups of their own, which free what leaves the window.
+        kv_groups = KVGroupLayout.from_windows(layer_windows(text, layer_types))
+        if config.record_block_contents and any(kv_groups.windows):
+            raise NotImplementedError("record_block_contents checks full-attention block tables; "
+                                      "this model has sliding-window layers, whose tables free blocks")
         heads = text.num_attention_heads
         head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
         head_size_v = None
@@ -104,10 +110,11 @@ class LLMEngine:
             head_size, config.block_size, dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
             device=model.device, num_blocks=config.num_device_blocks,
             num_host_blocks=config.num_host_blocks, head_size_v=head_size_v,
-            k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration)
+            k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration,
+            kv_groups=kv_groups)
         self.manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
                                          config.block_size, config.enable_prefix_caching,
-                                         config.watermark)
+                                         config.watermark, kv_groups.windows)
         self.scheduler = Scheduler(self.manager, config.preemption_mode,
                                    config.max_num_batched_tokens)
         decode = None
@@ -280,7 +287,7 @@ class LLMEngine:
             for seq in group.live_seqs:
                 end = len(seq.token_ids)
                 if self.contents is not None:
-                    self.contents.write(plan.slots[seq.seq_id], seq.token_ids[seq.num_computed:],
+                    self.contents.write(plan.slots[seq.seq_id][0], seq.token_ids[seq.num_computed:],
                                         range(seq.num_computed, end), seq.block_hashes)
                 seq.num_computed = end
         outputs = []

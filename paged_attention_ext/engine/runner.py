@@ -30,40 +30,45 @@ class ModelRunner:
         self.decode = decode
 
     @torch.no_grad()
-    def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[int]],
+    def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[List[int]]],
                 manager: BlockSpaceManager) -> List[torch.Tensor]:
         """Per group, fp32 logits ``[live sequences, vocab]`` of each live sequence's last token.
 
-        ``slots_of``: per sequence, the slots the block manager placed its uncomputed
-        tokens in.
+        ``slots_of``: per sequence and KV group, the slots the block manager placed its
+        uncomputed tokens in.
         """
+        num_kv_groups = manager.num_kv_groups
         ids: List[int] = []
         positions: List[int] = []
-        slots: List[int] = []
-        tables: List[List[int]] = []
+        slots: List[List[int]] = [[] for _ in range(num_kv_groups)]
+        tables: List[List[List[int]]] = [[] for _ in range(num_kv_groups)]
         seq_lens: List[int] = []
         query_lens: List[int] = []
         for group in groups:
             for seq in group.live_seqs:
                 start, end = seq.num_computed, len(seq.token_ids)
                 placed = slots_of[seq.seq_id]
-                if len(placed) != end - start:
-                    raise RuntimeError(f"sequence {seq.seq_id}: {end - start} tokens to compute, "
-                                       f"{len(placed)} slots placed")
+                if len(placed) != num_kv_groups or any(len(p) != end - start for p in placed):
+                    raise RuntimeError(f"sequence {seq.seq_id}: {end - start} tokens to compute in "
+                                       f"{num_kv_groups} KV group(s), slots placed for "
+                                       f"{[len(p) for p in placed]}")
                 ids += seq.token_ids[start:end]
                 positions += range(start, end)
-                slots += placed
-                tables.append(manager.block_ids(seq.seq_id))
+                for g in range(num_kv_groups):
+                    slots[g] += placed[g]
+                    tables[g].append(manager.block_ids(seq.seq_id, g))
                 seq_lens.append(end)
                 query_lens.append(end - start)
-        if self.decode is not None and len(ids) == len(seq_lens) and self.decode.fits(len(ids), max(map(len, tables))):
+        width = max(len(t) for t in tables[0])
+        if self.decode is not None and len(ids) == len(seq_lens) and self.decode.fits(len(ids), width):
             logits = self.decode.run(ids, positions, slots, tables, seq_lens)
         else:
             logits = self._packed(ids, positions, slots, tables, seq_lens, query_lens)
         return list(logits.float().split([len(g.live_seqs) for g in groups]))
 
-    def _packed(self, ids: List[int], positions: List[int], slots: List[int],
-                tables: List[List[int]], seq_lens: List[int], query_lens: List[int]) -> torch.Tensor:
+    def _packed(self, ids: List[int], positions: List[int], slots: List[List[int]],
+                tables: List[List[List[int]]], seq_lens: List[int],
+                query_lens: List[int]) -> torch.Tensor:
         """The eager packed forward: logits of each sequence's last token."""
         batch, last_rows = self._packed_batch(slots, tables, seq_lens, query_lens)
         device = self.kv_cache.device
@@ -71,21 +76,27 @@ class ModelRunner:
                           position_ids=torch.tensor([positions]).to(device),
                           paged_batch=batch, use_cache=False, logits_to_keep=last_rows).logits[0]
 
-    def _packed_batch(self, slots: List[int], tables: List[List[int]], seq_lens: List[int],
-                      query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
-        """The batch's tensors from the lists (one tensor per field, tables padded flat)."""
+    def _packed_batch(self, slots: List[List[int]], tables: List[List[List[int]]],
+                      seq_lens: List[int], query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
+        """The batch's tensors from the lists (per KV group a slot mapping and its tables,
+        padded flat; one tensor per field)."""
         device = self.kv_cache.device
-        width = max(len(t) for t in tables)
-        flat: List[int] = []
+        width = max(len(t) for t in tables[0])
         starts = [0]
-        for table, n in zip(tables, query_lens):
-            flat += table
-            flat += [0] * (width - len(table))
+        for n in query_lens:
             starts.append(starts[-1] + n)
+        per_group = []
+        for group_slots, group_tables in zip(slots, tables):
+            flat: List[int] = []
+            for table in group_tables:
+                flat += table
+                flat += [0] * (width - len(table))
+            per_group.append((torch.tensor(group_slots, dtype=torch.int64).to(device),
+                              torch.tensor(flat, dtype=torch.int32).view(len(group_tables), width)
+                              .to(device)))
         batch = PagedBatch(
-            self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-            block_tables=torch.tensor(flat, dtype=torch.int32).view(len(tables), width).to(device),
+            self.kv_cache, slot_mapping=per_group[0][0], block_tables=per_group[0][1],
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device))
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+            other_groups=tuple(per_group[1:]))
         return batch, (torch.tensor(starts[1:]) - 1).to(device)

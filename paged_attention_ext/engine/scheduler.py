@@ -41,7 +41,8 @@ class Preemption:
 @dataclass
 class SchedulerOutput:
     groups: List[SequenceGroup] = field(default_factory=list)  # run: every uncomputed token
-    slots: Dict[int, List[int]] = field(default_factory=dict)   # per sequence, its uncomputed tokens'
+    # per sequence and KV group, its uncomputed tokens' slots
+    slots: Dict[int, List[List[int]]] = field(default_factory=dict)
     swap_in: Mapping = field(default_factory=list)
     copies: Mapping = field(default_factory=list)     # copy-on-write, after the swap-ins
 
@@ -77,11 +78,12 @@ class Scheduler:
         """Whether :meth:`preempt` would preempt: the running groups' next tokens do not all
         fit (costs are >= 0, so the total fitting means every prefix of it fits).
 
-        A sequence's next token takes at most one block (a new one, or a copy of a shared
-        last block), so the common case is answered without asking the manager per group.
+        A sequence's next token takes at most one block per KV group (a new one, or a copy
+        of a shared last block), so the common case is answered without asking the manager
+        per group.
         """
         free = self.manager.num_free_device_blocks
-        if sum(len(g.live_seqs) for g in self.running) <= free:
+        if sum(len(g.live_seqs) for g in self.running) * self.manager.num_kv_groups <= free:
             return False
         return sum(self.manager.append_cost(g.group_id) for g in self.running) > free
 
@@ -149,7 +151,7 @@ class Scheduler:
                                            {s.seq_id: s.block_hashes for s in live})
         for seq in live:
             out.copies += placed[seq.seq_id].copies
-            out.slots[seq.seq_id] = placed[seq.seq_id].slots
+            out.slots[seq.seq_id] = placed[seq.seq_id].group_slots
         out.groups.append(group)
 
     def _preempt(self, group: SequenceGroup, out: Preemption) -> None:
@@ -169,9 +171,9 @@ class Scheduler:
     def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Allocate a prefill (new request) or a re-prefill after recompute preemption."""
         seqs, shared_len = _admission(group)
-        for seq, slots in zip(group.live_seqs, self.manager.admit(group.group_id, seqs, shared_len)):
-            seq.num_computed = len(seq.token_ids) - len(slots)
-            out.slots[seq.seq_id] = slots
+        for seq, placed in zip(group.live_seqs, self.manager.admit(group.group_id, seqs, shared_len)):
+            seq.num_computed = len(seq.token_ids) - len(placed.slots)
+            out.slots[seq.seq_id] = placed.group_slots
         self._start(group)
 
 

@@ -67,6 +67,16 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, output_atten
     refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"paged_attention_ext: {layer}")
 
 
+def _check_window(module: torch.nn.Module, sliding_window: Optional[int], batch: PagedBatch) -> None:
+    """A layer must not see further back than its KV group keeps blocks for."""
+    kept = batch.kv_cache.kv_groups.groups[batch.kv_cache.kv_group(module.layer_idx)].sliding_window
+    if kept is not None and not (sliding_window is not None and 0 < sliding_window <= kept):
+        raise ValueError(
+            f"paged_attention_ext: layer {module.layer_idx} attends with sliding_window="
+            f"{sliding_window}, but its KV group keeps only the last {kept} tokens' blocks (the "
+            "config's sliding_window and layer_types must match what the layer attends over)")
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -98,6 +108,8 @@ def paged_attention_forward(
             "or paged_batch=... to a packed forward")
     _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions, kwargs)
     key_cache, value_cache = batch.kv_cache.layer(module.layer_idx)
+    slot_mapping, block_tables = batch.tables_of(module.layer_idx)
+    _check_window(module, sliding_window, batch)
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
     sink_logits = _sinks(module, s_aux, sinks, heads, key_cache.device)
@@ -108,8 +120,7 @@ def paged_attention_forward(
                 f"paged_attention_ext: layer {module.layer_idx} stores keys {tuple(key.shape)} and "
                 f"values {tuple(value.shape)} in pools of key shape {tuple(key_cache.shape)} and "
                 f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
-        batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value),
-                             batch.slot_mapping)
+        batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value), slot_mapping)
         if batch.on_stored is not None and not torch.compiler.is_compiling():
             batch.on_stored(module.layer_idx)  # eager bookkeeping; a compiled step has none
     elif head_size_v != value_cache.shape[-1]:
@@ -119,7 +130,7 @@ def paged_attention_forward(
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    out = ops.attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale,
+    out = ops.attention(q, key_cache, value_cache, block_tables, batch.seq_lens, scale,
                         batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, sink_logits,
                         **batch.kv_cache.scales(module.layer_idx))
     if batch.query_rows is not None:

@@ -13,7 +13,7 @@ Two producers build a :class:`PagedBatch`:
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,19 @@ class PagedBatch:
     # Called with the layer index once the attention function has stored a layer's K/V
     # (a PagedCache of an MLA model, whose update() only sees the latents, counts on it).
     on_stored: Optional[Callable[[int], None]] = None
+    # A hybrid model's KV groups 1, 2, ... (kv_cache.kv_groups): their (slot_mapping,
+    # block_tables), shaped as the fields above, which are group 0's.
+    other_groups: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+    def tables_of(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of the layer's KV group."""
+        group = self.kv_cache.kv_group(layer)
+        if group == 0:
+            return self.slot_mapping, self.block_tables
+        if group > len(self.other_groups):
+            raise ValueError(f"layer {layer} is in KV group {group}, but this batch has tables for "
+                             f"{1 + len(self.other_groups)} group(s)")
+        return self.other_groups[group - 1]
 
     @classmethod
     def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[int]],

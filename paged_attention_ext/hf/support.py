@@ -12,7 +12,7 @@ when the model's attention never reads the batch it published (a model whose att
 does not go through transformers' attention interface).
 """
 
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import transformers
 
@@ -113,6 +113,16 @@ def check_config(config, text_config) -> List[str]:
                "attention interface (it does not declare _supports_attention_backend), so the "
                "paged attention would never run")
     return list(layer_types)
+
+
+def layer_windows(text_config, layer_types: Sequence[str]) -> List[Optional[int]]:
+    """Each layer's sliding window (None: full attention), from :func:`check_config`'s
+    layer types and the config's ``sliding_window``: what the block manager may free."""
+    window = getattr(text_config, "sliding_window", None)
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+        raise NotImplementedError(f"{type(text_config).__name__} has sliding-window layers but "
+                                  f"sliding_window={window!r} (a positive int is needed)")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def refuse_unapplied_kwargs(kwargs: Mapping[str, Any], ignored: AbstractSet[str], caller: str,

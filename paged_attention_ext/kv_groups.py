@@ -1,0 +1,92 @@
+"""KV groups: which layers share a block table.
+
+A model whose layers all attend the same way keeps one block table per sequence. A
+hybrid model (full-attention layers beside sliding-window ones: Gemma-2/3, GPT-OSS,
+Cohere-2) would then keep every block of its sliding layers although no query can see
+most of them again. So layers are split into *KV groups* of one attention kind and
+window, each with its own block table; a sliding group frees the blocks that fall out
+of its window (:class:`~paged_attention_ext.block_table.BlockTable`).
+
+As in vLLM's hybrid KV-cache manager, every group has the same number of layers, so a
+block (one page) is the same size in every group and all groups draw from one pool:
+physical block ``b`` of group ``g`` holds the K/V of group ``g``'s layers, layer ``j``
+of the group in pool tensor ``j``. A kind whose layer count is not a multiple of the
+group size leaves its last group short; its pages' unused part is the padding this
+layout costs (:attr:`KVGroupLayout.padded_layers`).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+Window = Optional[int]  # a sliding window in tokens; None: full attention
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    sliding_window: Window
+    layers: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    groups: Tuple[KVGroup, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, sliding_window: Window = None) -> "KVGroupLayout":
+        """Every layer in one group (a model without mixed layer kinds)."""
+        return cls((KVGroup(sliding_window, tuple(range(num_layers))),))
+
+    @classmethod
+    def from_windows(cls, windows: Sequence[Window]) -> "KVGroupLayout":
+        """Groups for layers with these windows (one entry per layer, None: full).
+
+        One kind: one group. Several: groups of as many layers as the rarest kind has,
+        full attention first, then each window in order of first appearance.
+        """
+        if not windows:
+            raise ValueError("a model needs at least one layer")
+        for layer, window in enumerate(windows):
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                       or window < 1):
+                raise ValueError(f"layer {layer}: sliding window must be a positive int or None "
+                                 f"(full attention), got {window!r}")
+        kinds: Dict[Window, List[int]] = {}
+        for layer, window in sorted(enumerate(windows), key=lambda lw: lw[1] is not None):
+            kinds.setdefault(window, []).append(layer)
+        if len(kinds) == 1:
+            [(window, layers)] = kinds.items()
+            return cls((KVGroup(window, tuple(layers)),))
+        size = min(len(layers) for layers in kinds.values())
+        return cls(tuple(KVGroup(window, tuple(layers[i:i + size]))
+                         for window, layers in kinds.items()
+                         for i in range(0, len(layers), size)))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    @property
+    def layers_per_group(self) -> int:
+        """Layers a page holds: the number of pool tensors."""
+        return max(len(g.layers) for g in self.groups)
+
+    @property
+    def padded_layers(self) -> int:
+        """Layer slots of short groups that hold nothing (memory this layout wastes per page)."""
+        return len(self.groups) * self.layers_per_group - self.num_layers
+
+    @property
+    def windows(self) -> Tuple[Window, ...]:
+        """Each group's sliding window (None: full attention)."""
+        return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def place(self, layer: int) -> Tuple[int, int]:
+        """(group, pool tensor) of a layer."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise IndexError(f"layer {layer} is not in this layout ({self.num_layers} layers)")

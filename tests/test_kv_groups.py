@@ -1,0 +1,239 @@
+"""KV groups (issue 23): the layout of a hybrid model's layers, sliding-window block tables
+that free what leaves the window, and the block manager over several groups (admission,
+forks, copy-on-write, swap, recompute, prefix-cache hits intersected across groups)."""
+
+import random
+
+import pytest
+
+from paged_attention_ext.block_allocator import BlockAllocator
+from paged_attention_ext.block_manager import BlockSpaceManager, NoFreeBlocksError, SeqSpec
+from paged_attention_ext.block_table import NULL_BLOCK, BlockTable, block_hashes
+from paged_attention_ext.kv_groups import KVGroupLayout
+
+GEMMA3_26 = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # 5 local : 1 global
+
+
+def test_layout_of_mixed_layers_has_one_page_size():
+    layout = KVGroupLayout.from_windows(GEMMA3_26)
+    assert layout.windows[0] is None and set(layout.windows[1:]) == {512}
+    assert layout.layers_per_group == 4  # the 4 full layers set the group size
+    assert [len(g.layers) for g in layout.groups] == [4, 4, 4, 4, 4, 4, 2]
+    assert layout.padded_layers == 2 and layout.num_layers == 26
+    placed = sorted(layout.place(layer) for layer in range(26))
+    assert len(set(placed)) == 26  # every layer has its own (group, pool tensor)
+    assert layout.place(5) == (0, 0) and layout.place(23) == (0, 3)
+
+
+def test_layout_of_uniform_layers_is_one_group():
+    assert KVGroupLayout.from_windows([None] * 3).groups[0].layers == (0, 1, 2)
+    sliding = KVGroupLayout.from_windows([8] * 4)
+    assert sliding.windows == (8,) and not sliding.is_hybrid
+    alternating = KVGroupLayout.from_windows([8, None] * 3)  # GPT-OSS, Gemma-2
+    assert alternating.windows == (None, 8) and alternating.layers_per_group == 3
+
+
+@pytest.mark.parametrize("bad", [[], [0], [None, -3], [None, 2.5], [True]])
+def test_layout_refuses_bad_windows(bad):
+    with pytest.raises(ValueError):
+        KVGroupLayout.from_windows(bad)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 9])
+def test_sliding_table_holds_only_its_window(window):
+    bs = 4
+    alloc = BlockAllocator(64, bs)
+    table = BlockTable(alloc, sliding_window=window)
+    table.append_tokens(10, computed=False)  # a prompt: every block until it is computed
+    assert table.live_blocks == table.blocks and len(table.blocks) == 3
+    for _ in range(40):
+        table.append_tokens(1)
+        # The newest token's query sees positions > n - 1 - window.
+        first = table.first_visible_block(table.num_tokens - 1)
+        assert all(b == NULL_BLOCK for b in table.blocks[:first])
+        assert NULL_BLOCK not in table.blocks[first:]
+        assert len(table.live_blocks) <= -(-(window - 1) // bs) + 1 + 1
+        assert alloc.num_free_blocks == 64 - len(table.live_blocks)
+    assert len(table.blocks) == -(-table.num_tokens // bs)  # logical positions kept
+    table.free()
+    assert alloc.num_free_blocks == 64
+
+
+def test_full_table_frees_nothing():
+    table = BlockTable(BlockAllocator(32, 4))
+    for _ in range(30):
+        table.append_tokens(1)
+    assert NULL_BLOCK not in table.blocks and len(table.blocks) == 8
+
+
+def test_sliding_table_refuses_truncating_into_freed_blocks():
+    table = BlockTable(BlockAllocator(32, 4), sliding_window=6)
+    for _ in range(20):
+        table.append_tokens(1)
+    table.truncate(19)  # its window is still held
+    with pytest.raises(NotImplementedError, match="freed blocks"):
+        table.truncate(6)
+    assert table.num_tokens == 19
+
+
+def hybrid(num_blocks=64, host=64, bs=4, windows=(None, 6), caching=False):
+    return BlockSpaceManager(num_blocks, host, bs, enable_prefix_caching=caching, watermark=0.0,
+                             kv_group_windows=windows)
+
+
+def test_hybrid_groups_get_their_own_blocks_and_slots():
+    mgr = hybrid()
+    placed, cached = mgr.allocate(0, 0, 10)
+    assert cached == 0 and len(placed.group_slots) == 2 and placed.slots == placed.group_slots[0]
+    full, sliding = mgr.block_ids(0, 0), mgr.block_ids(0, 1)
+    assert not set(full) & set(sliding)  # one pool, distinct blocks
+    assert mgr.num_used_device_blocks == 6
+    for _ in range(30):
+        result = mgr.append(0, 1)
+        assert [len(s) for s in result.group_slots] == [1, 1]
+        mgr.check_invariants()
+    # 40 tokens: the full group holds 10 blocks, the sliding one its window's (6 - 1 keys back).
+    assert len(mgr.block_ids(0, 0)) == 10 and NULL_BLOCK not in mgr.block_ids(0, 0)
+    assert len([b for b in mgr.block_ids(0, 1) if b != NULL_BLOCK]) <= 3
+    assert mgr.num_used_device_blocks <= 13
+    mgr.free_group(0)
+    assert mgr.num_free_device_blocks == 64
+    mgr.check_invariants()
+
+
+def test_hybrid_admission_counts_every_group():
+    mgr = hybrid(num_blocks=5)
+    assert not mgr.can_allocate(12)  # 3 blocks per group
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate(0, 0, 12)
+    assert mgr.num_free_device_blocks == 5 and not mgr.tables
+    assert mgr.can_allocate(8)
+    mgr.allocate(0, 0, 8)
+    assert mgr.num_free_device_blocks == 1
+
+
+def test_hybrid_fork_and_copy_on_write_per_group():
+    mgr = hybrid()
+    mgr.allocate(0, 0, 6)  # a partial last block in each group
+    mgr.fork(0, 1)
+    used = mgr.num_used_device_blocks
+    results = mgr.append_group(0, {0: 1, 1: 1})
+    copies = [c for r in results.values() for c in r.copies]
+    assert len(copies) == 2  # the shared partial block, once per group
+    assert mgr.num_used_device_blocks == used + 2
+    for _ in range(20):
+        mgr.append_group(0, {0: 1, 1: 1})
+        mgr.check_invariants()
+    mgr.free_seq(1)
+    mgr.free_seq(0)
+    assert mgr.num_free_device_blocks == 64
+
+
+def test_hybrid_swap_round_trip_keeps_freed_entries():
+    mgr = hybrid()
+    mgr.allocate(0, 0, 5)
+    mgr.fork(0, 1)
+    for _ in range(15):
+        mgr.append_group(0, {0: 1, 1: 1})
+    before = [(mgr.block_ids(s, 0), mgr.block_ids(s, 1)) for s in (0, 1)]
+    out = mgr.swap_out(0)
+    assert len(out) == len({b for s in (0, 1) for g in (0, 1) for b in mgr.block_ids(s, g)
+                            if b != NULL_BLOCK})
+    assert mgr.num_free_device_blocks == 64 and mgr.is_swapped_out(0)
+    mgr.check_invariants()
+    back = mgr.swap_in(0)
+    assert len(back) == len(out)
+    after = [(mgr.block_ids(s, 0), mgr.block_ids(s, 1)) for s in (0, 1)]
+    for (f0, s0), (f1, s1) in zip(before, after):
+        assert [b == NULL_BLOCK for b in s0] == [b == NULL_BLOCK for b in s1]
+        assert len(f0) == len(f1)
+    mgr.check_invariants()
+
+
+def test_prefix_hit_needs_every_group():
+    bs = 4
+    prompt = list(range(40))
+    names = block_hashes(prompt, bs)
+    mgr = hybrid(windows=(None, 6), caching=True)
+    mgr.allocate(0, 0, prompt)
+    mgr.free_group(0)  # all 10 blocks of both groups are cached now
+    _, cached = mgr.allocate(1, 1, prompt)
+    assert cached == 36  # the last block is recomputed
+    mgr.free_group(1)
+    mgr.check_invariants()
+
+    # A sliding group only needs the window before the first recomputed token: its other
+    # blocks may be gone. Evict the sliding group's early blocks only.
+    sliding_names = {n + bytes([1]) for n in names[:6]}
+    evict = [b for b, n in mgr.named_blocks().items() if n in sliding_names]
+    mgr.device.forget(evict)
+    _, cached = mgr.allocate(2, 2, prompt)
+    assert cached == 36
+    assert mgr.block_ids(2, 1)[:6] == [NULL_BLOCK] * 6  # before the window: not taken
+    mgr.free_group(2)
+
+    # Without the full group's blocks there is no hit at all.
+    mgr.device.forget([b for b, n in mgr.named_blocks().items() if n == names[0]])
+    _, cached = mgr.allocate(3, 3, prompt)
+    assert cached == 0
+    mgr.check_invariants()
+
+
+def test_prefix_hit_shortened_to_where_the_window_is_cached():
+    bs = 4
+    prompt = list(range(40))
+    names = block_hashes(prompt, bs)
+    mgr = hybrid(windows=(None, 6), caching=True)
+    mgr.allocate(0, 0, prompt)
+    mgr.free_group(0)
+    # The sliding group lost block 7: starting at 32 or 36 needs it (keys from 27 / 31).
+    mgr.device.forget([b for b, n in mgr.named_blocks().items() if n == names[7] + bytes([1])])
+    _, cached = mgr.allocate(1, 1, prompt)
+    assert cached == 28  # starting at 28 needs blocks 5 and 6 only
+    mgr.check_invariants()
+
+
+def test_hybrid_random_operations_keep_invariants():
+    """A random walk over admit / append / fork / free / swap / recompute with invariants
+    checked after every operation (reference counts, freed entries only outside windows)."""
+    rng = random.Random(4)
+    mgr = hybrid(num_blocks=48, host=48, windows=(None, 5, 9), caching=True)
+    live, swapped, next_id = {}, set(), 100
+    for step in range(400):
+        op = rng.random()
+        try:
+            if op < 0.2 and len(live) < 6:
+                prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+                names = block_hashes(prompt, 4)
+                mgr.admit(next_id, [SeqSpec(next_id, len(prompt), names)], len(prompt))
+                live[next_id] = [next_id]
+                next_id += 1
+            elif op < 0.6 and live:
+                group = rng.choice([g for g in live if g not in swapped] or [None])
+                if group is not None:
+                    mgr.append_group(group, {s: 1 for s in live[group]})
+            elif op < 0.7 and live:
+                group = rng.choice([g for g in live if g not in swapped] or [None])
+                if group is not None:
+                    mgr.fork(live[group][0], next_id)
+                    live[group].append(next_id)
+                    next_id += 1
+            elif op < 0.8 and live:
+                group = rng.choice(list(live))
+                if group in swapped:
+                    mgr.swap_in(group)
+                    swapped.discard(group)
+                else:
+                    mgr.swap_out(group)
+                    swapped.add(group)
+            elif live:
+                group = rng.choice(list(live))
+                mgr.free_group(group)
+                del live[group]
+                swapped.discard(group)
+        except NoFreeBlocksError:
+            pass
+        mgr.check_invariants()
+    for group in list(live):
+        mgr.free_group(group)
+    assert mgr.num_free_device_blocks == 48 and mgr.host.num_free_blocks == 48
