@@ -169,19 +169,23 @@ class BlockSpaceManager:
 
     # ---- lifecycle ----------------------------------------------------------------
     def allocate(self, group_id: int, seq_id: int, prompt: "int | Sequence[int]",
-                 extra_key: str = "", names: Optional[Sequence[bytes]] = None
-                 ) -> Tuple[AppendResult, int]:
+                 extra_key: str = "", names: Optional[Sequence[bytes]] = None,
+                 queries_from_start: bool = False) -> Tuple[AppendResult, int]:
         """Start a group with one sequence holding the prompt (ids, or a length).
 
         Returns the slots of the prompt tokens to prefill and how many leading tokens
         came from the prefix cache (their KV is already in place). ``names`` as in
-        :meth:`can_allocate`.
+        :meth:`can_allocate`. ``queries_from_start``: the caller computes every prompt
+        token's query, prefix hits included (a transformers forward does), so sliding
+        groups keep every block those queries read.
         """
         num_tokens, names = self._prompt(prompt, extra_key, names)
-        [placed] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens)
+        [placed] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens,
+                              queries_from_start)
         return placed, num_tokens - len(placed.slots)
 
-    def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int) -> List[AppendResult]:
+    def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int,
+              queries_from_start: bool = False) -> List[AppendResult]:
         """Start a group whose sequences share their first ``shared_len`` tokens.
 
         One sequence: a new prompt (or a recomputation). Several: a group preempted by
@@ -192,16 +196,17 @@ class BlockSpaceManager:
         computed by the first sequence.
         """
         self._check_new(group_id, [s.seq_id for s in seqs])
-        needed = self._admission_cost(seqs, shared_len)
+        first_query = 0 if queries_from_start else None
+        needed = self._admission_cost(seqs, shared_len, first_query)
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
         first, bs = seqs[0], self.block_size
         names = first.names[:shared_len // bs]
         tables = self._new_tables()
-        num_hits = self._common_hit(tables, shared_len, names)
+        num_hits = self._common_hit(tables, shared_len, names, first_query)
         for table in tables:
-            table.allocate_prompt(shared_len, names, num_hits)
+            table.allocate_prompt(shared_len, names, num_hits, first_query)
         if self.device.enable_prefix_caching:
             self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
         self._add(group_id, first.seq_id, tables)
@@ -405,9 +410,9 @@ class BlockSpaceManager:
                 for g, window in enumerate(self.kv_group_windows)]
 
     def _common_hit(self, tables: Sequence[BlockTable], num_tokens: int,
-                    names: Sequence[bytes]) -> int:
+                    names: Sequence[bytes], first_query: Optional[int] = None) -> int:
         """The most cached leading blocks every KV group can start the prompt from."""
-        possible = [t.possible_hits(num_tokens, names) for t in tables]
+        possible = [t.possible_hits(num_tokens, names, first_query) for t in tables]
         return max(h for h in range(min(map(len, possible))) if all(p[h] for p in possible))
 
     @staticmethod
@@ -427,7 +432,8 @@ class BlockSpaceManager:
         self._groups.setdefault(group_id, []).append(seq_id)
         self._group_of[seq_id] = group_id
 
-    def _admission_cost(self, seqs: Sequence[SeqSpec], shared_len: int) -> int:
+    def _admission_cost(self, seqs: Sequence[SeqSpec], shared_len: int,
+                        first_query: Optional[int] = None) -> int:
         """Device blocks :meth:`admit` takes: the prompt's (fresh blocks and evictable
         prefix hits), then each sequence's copy of the partial prompt block and growth."""
         if not seqs:
@@ -437,8 +443,9 @@ class BlockSpaceManager:
         bs = self.block_size
         names = seqs[0].names[:shared_len // bs]
         tables = self._new_tables()
-        num_hits = self._common_hit(tables, shared_len, names)
-        cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits) for t in tables)
+        num_hits = self._common_hit(tables, shared_len, names, first_query)
+        cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits, first_query)
+                   for t in tables)
         room, sharers = -shared_len % bs, len(seqs)
         for seq in seqs:
             extra = seq.num_tokens - shared_len

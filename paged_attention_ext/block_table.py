@@ -88,9 +88,14 @@ class BlockTable:
         return max(0, position - self.sliding_window + 1) // self.block_size
 
     def release_unreachable(self) -> int:
-        """Free the blocks no query from position ``num_tokens`` on can see (sliding
-        window); call it once every held token has been computed. Returns how many."""
-        dead = [b for b in range(min(self.first_visible_block(self.num_tokens), len(self.blocks)))
+        """Free the blocks no query from position ``num_tokens - 1`` on can see (sliding
+        window); call it once every held token has been computed. Returns how many.
+
+        Keeping the last token's window (not only the next one's) costs at most one block
+        and lets a caller drop the tokens it appends next again (rejected speculative
+        tokens, :meth:`truncate`)."""
+        dead = [b for b in range(min(self.first_visible_block(max(0, self.num_tokens - 1)),
+                                     len(self.blocks)))
                 if self.blocks[b] != NULL_BLOCK]
         if dead:
             # Tail first, as free(): of a chain, the head is the last evicted.
@@ -145,27 +150,31 @@ class BlockTable:
         return result
 
     def allocate_prompt(self, num_tokens: int, names: Sequence[bytes],
-                        num_hits: Optional[int] = None) -> Tuple[AppendResult, int]:
+                        num_hits: Optional[int] = None,
+                        first_query: Optional[int] = None) -> Tuple[AppendResult, int]:
         """Place a new sequence's prompt, reusing cached full blocks of its prefix.
 
         ``names`` are the prompt's full-block names. ``num_hits``: how many leading
         blocks to take from the prefix cache (one of :meth:`possible_hits`, agreed
-        across KV groups); None: the most this table can. Returns the slots of the
-        tokens that still need prefill (the first ``num_cached`` tokens are already in
-        the cache) and ``num_cached``. The last prompt token is always recomputed, so
-        its logits exist.
+        across KV groups); None: the most this table can. ``first_query``: the first
+        position whose query the caller computes (None: the first token after the hits;
+        0 for a caller that runs the hit tokens' queries too, which then read the blocks
+        before). Returns the slots of the tokens that still need prefill (the first
+        ``num_cached`` tokens are already in the cache) and ``num_cached``. The last
+        prompt token is always recomputed, so its logits exist.
         """
         if self.num_tokens:
             raise ValueError("allocate_prompt is for an empty table")
         if num_hits is None:
-            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names)) if ok)
-        needed = self._prompt_blocks(num_tokens, names, num_hits)
+            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names, first_query))
+                           if ok)
+        needed = self._prompt_blocks(num_tokens, names, num_hits, first_query)
         if needed > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
                                     f"{self.allocator.num_free_blocks} available")
         # Take the hits first so that allocating the rest cannot evict them; a sliding
         # table takes only those the first recomputed token's window reaches.
-        first = self.first_visible_block(num_hits * self.block_size)
+        first = self._first_read(num_hits, first_query)
         cached = [NULL_BLOCK] * first + [self.allocator.acquire_cached(self._pooled(names[b]))
                                          for b in range(first, num_hits)]
         fresh = self.allocator.allocate(-(-(num_tokens - num_hits * self.block_size)
@@ -177,32 +186,42 @@ class BlockTable:
         self._register_full_blocks(names)
         return AppendResult(slots=self.slots(num_cached, self.num_tokens)), num_cached
 
-    def possible_hits(self, num_tokens: int, names: Sequence[bytes]) -> List[bool]:
+    def possible_hits(self, num_tokens: int, names: Sequence[bytes],
+                      first_query: Optional[int] = None) -> List[bool]:
         """``[h]``: whether this table could start the prompt from ``h`` cached blocks.
 
         Full attention needs blocks ``0 .. h-1`` cached; a sliding window only those
-        its first recomputed token sees. Entry 0 is always true.
+        its first query (``first_query``, as in :meth:`allocate_prompt`) sees. Entry 0
+        is always true.
         """
         ok = [True]
         run = 0  # cached blocks ending at the current one
         for b, name in enumerate(names[:self._prefix_candidates(num_tokens)]):
             run = run + 1 if self.allocator.lookup(self._pooled(name)) is not None else 0
             h = b + 1
-            ok.append(run >= h - self.first_visible_block(h * self.block_size))
+            ok.append(run >= h - self._first_read(h, first_query))
             if self.sliding_window is None and not ok[-1]:
                 break  # a full-attention hit never gets longer past a miss
         return ok
 
     def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes],
-                                 num_hits: Optional[int] = None) -> int:
+                                 num_hits: Optional[int] = None,
+                                 first_query: Optional[int] = None) -> int:
         if num_hits is None:
-            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names)) if ok)
-        return self._prompt_blocks(num_tokens, names, num_hits)
+            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names, first_query))
+                           if ok)
+        return self._prompt_blocks(num_tokens, names, num_hits, first_query)
 
-    def _prompt_blocks(self, num_tokens: int, names: Sequence[bytes], num_hits: int) -> int:
+    def _first_read(self, num_hits: int, first_query: Optional[int]) -> int:
+        """The first block the prompt's queries read when ``num_hits`` blocks are cached."""
+        return self.first_visible_block(num_hits * self.block_size if first_query is None
+                                        else min(first_query, num_hits * self.block_size))
+
+    def _prompt_blocks(self, num_tokens: int, names: Sequence[bytes], num_hits: int,
+                       first_query: Optional[int] = None) -> int:
         fresh = -(-(num_tokens - num_hits * self.block_size) // self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
-        first = self.first_visible_block(num_hits * self.block_size)
+        first = self._first_read(num_hits, first_query)
         return fresh + sum(1 for b in range(first, num_hits) if self.allocator.ref_count(
             self.allocator.lookup(self._pooled(names[b]))) == 0)
 

@@ -39,8 +39,8 @@ def engine(request):
 def packed_forward(paged, kv, manager, seqs, tokens, starts, slots):
     """One packed step: ``tokens[i]`` of sequence ``seqs[i]`` begin at position ``starts[i]``."""
     tables = [manager.tables[s] for s in seqs]
-    batch = PagedBatch.build(kv, [t.blocks for t in tables], [t.num_tokens for t in tables],
-                             [len(t) for t in tokens], slots)
+    batch = PagedBatch.build(kv, [[t.blocks for t in tables]], [t.num_tokens for t in tables],
+                             [len(t) for t in tokens], [slots])
     ids = torch.tensor([sum(tokens, [])])
     positions = torch.tensor([[start + i for start, t in zip(starts, tokens) for i in range(len(t))]])
     with torch.no_grad():

@@ -48,8 +48,8 @@ def test_sliding_table_holds_only_its_window(window):
     assert table.live_blocks == table.blocks and len(table.blocks) == 3
     for _ in range(40):
         table.append_tokens(1)
-        # The newest token's query sees positions > n - 1 - window.
-        first = table.first_visible_block(table.num_tokens - 1)
+        # Held: the window of the token before the newest (so it can be dropped again).
+        first = table.first_visible_block(table.num_tokens - 2)
         assert all(b == NULL_BLOCK for b in table.blocks[:first])
         assert NULL_BLOCK not in table.blocks[first:]
         assert len(table.live_blocks) <= -(-(window - 1) // bs) + 1 + 1

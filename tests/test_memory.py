@@ -68,3 +68,59 @@ def test_cli_json_last_line(capsys):
 def test_cli_needs_a_full_shape(capsys):
     with pytest.raises(SystemExit, match="missing: kv_heads, head_size"):
         main(["memory", "--layers", "2"])
+
+
+# ---- sliding-window layers in KV groups (issue 23) ----------------------------------------
+HYBRID = ["gemma-3-27b", "gemma-3-1b", "gpt-oss-120b", "gemma-2-9b", "cohere-2-7b", "mistral-7b-v0.1"]
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+@pytest.mark.parametrize("max_len", [4096, 32768])
+def test_kv_groups_hold_their_tokens_within_a_block(preset, max_len):
+    """Each group holds at most one block more than its tokens (all, or its window) need,
+    and the sequence far less than one table for every layer once the context passes the window."""
+    shape = PRESETS[preset]
+    report = kv_report(shape, "bfloat16", max_len, block_size=16)["kv_groups"]
+    for group in report["groups"]:
+        needed = min(max_len, group["sliding_window"] or max_len)
+        assert -(-needed // 16) <= group["blocks_held"] <= -(-needed // 16) + 1
+    # The issue's estimate: full layers' share plus the sliding layers' (window + block) / context.
+    sliding = sum(1 for w in shape.windows() if w) / shape.layers
+    estimate = 1 - sliding + sliding * min(1.0, (shape.sliding_window + 16) / max_len)
+    padding = report["padded_layers"] * min(max_len, shape.sliding_window + 16) / (shape.layers * max_len)
+    assert report["fraction_of_single_table"] <= estimate + padding + 1e-9
+    if max_len > shape.sliding_window + 16:
+        assert report["saving"] > 1.5
+
+
+def test_gemma_3_at_32k_needs_a_fifth_of_one_table():
+    report = kv_report(PRESETS["gemma-3-27b"], "bfloat16", 32768, block_size=16)["kv_groups"]
+    assert report["num_groups"] == 7 and report["layers_per_group"] == 10
+    assert 5.0 < report["saving"] < 5.4  # the issue's table: ~5.2x
+
+
+def test_layer_pattern_and_window_flags(capsys):
+    assert main(["memory", "--layers", "6", "--kv-heads", "2", "--head-size", "64", "--sliding-window",
+                 "512", "--layer-pattern", "5:1", "--max-len", "8192", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    groups = report["kv_groups"]
+    assert [g["sliding_window"] for g in groups["groups"]] == [None, 512, 512, 512, 512, 512]
+    # 512 keys back from the last token (8191) start at 7680: block 480, or 479 for the token
+    # before it, which is kept so that it can be dropped again (speculative decoding).
+    assert groups["groups"][0]["blocks_held"] == 512 and groups["groups"][1]["blocks_held"] == 33
+    assert resolve_shape(None, 2, 2, 8, sliding_window=4).layer_pattern == (1, 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layer-pattern", "5-1"], "SLIDING:FULL"),
+    (["--layer-pattern", "0:0"], "SLIDING:FULL"),
+])
+def test_bad_layer_patterns_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["memory", "--layers", "2", "--kv-heads", "2", "--head-size", "8", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_pattern_with_sliding_layers_needs_a_window():
+    with pytest.raises(ValueError, match="give sliding_window"):
+        resolve_shape(None, 2, 2, 8, layer_pattern=(1, 1))

@@ -153,3 +153,34 @@ def test_cli_simulate_json_and_trace_file(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--pool-tokens", "8192", "--json"]) == 0
     replayed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert replayed["strategies"] == report["strategies"]
+
+
+# ---- KV groups (issue 23) -----------------------------------------------------------------
+
+def test_kv_groups_fit_more_long_requests_in_the_same_bytes():
+    from paged_attention_ext.kv_groups import KVGroupLayout
+    from paged_attention_ext.tools.simulator import PagedGroups
+
+    trace = [Request(3000, 64) for _ in range(40)]
+    layout = KVGroupLayout.from_windows([None if (i + 1) % 6 == 0 else 256 for i in range(12)])
+    grouped = PagedGroups(32768, 16, layout)
+    stats = replay(trace, grouped)
+    single = replay(trace, make_strategy("paged", 32768, 4096, 16))
+    # One table: 10 requests of ~3064 tokens in 32768 slots. Groups: the full layers' share
+    # (1/6) plus the sliding layers' windows, and each prompt held whole while prefilled.
+    assert single.peak_batch == 10
+    assert stats.peak_batch >= 3 * single.peak_batch
+    utilisation = grouped.group_utilisation()
+    assert len(utilisation) == 6 and all(0.5 < u <= 1.0 for u in utilisation)
+    assert grouped.manager.num_used_device_blocks == 0  # every request released
+
+
+def test_simulate_with_a_layer_pattern(tmp_path, capsys):
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("".join('{"prompt_len": 2000, "output_len": 32}\n' for _ in range(30)))
+    assert main(["simulate", "--trace", str(trace), "--max-len", "4096", "--pool-tokens", "16384",
+                 "--preset", "gemma-3-1b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    groups = report["kv_groups"]
+    assert [g["sliding_window"] for g in groups["groups"]][:2] == [None, 512]
+    assert groups["peak_batch"] > 2 * groups["peak_batch_single_table"]

@@ -63,6 +63,10 @@ class EngineConfig:
     k_scale: Optional[Union[float, Seq]] = None
     v_scale: Optional[Union[float, Seq]] = None
     kv_scale_calibration: str = "per_layer"
+    # Sliding-window layers in KV groups of their own, which free the blocks that leave the
+    # window (issue 23). False: one block table for every layer, each keeping every block
+    # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py).
+    hybrid_kv_groups: bool = True
 
 
 @dataclass
@@ -95,7 +99,8 @@ class LLMEngine:
         text = model.config.get_text_config()
         layer_types = check_config(model.config, text)  # an architecture the ops cannot run raises here
         # Sliding-window layers get KV groups of their own, which free what leaves the window.
-        kv_groups = KVGroupLayout.from_windows(layer_windows(text, layer_types))
+        kv_groups = (KVGroupLayout.from_windows(layer_windows(text, layer_types))
+                     if config.hybrid_kv_groups else KVGroupLayout.uniform(len(layer_types)))
         if config.record_block_contents and any(kv_groups.windows):
             raise NotImplementedError("record_block_contents checks full-attention block tables; "
                                       "this model has sliding-window layers, whose tables free blocks")

@@ -61,28 +61,31 @@ class PagedBatch:
         return self.other_groups[group - 1]
 
     @classmethod
-    def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[int]],
-              seq_lens: Sequence[int], query_lens: Sequence[int], slots: Sequence[int],
+    def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[Sequence[int]]],
+              seq_lens: Sequence[int], query_lens: Sequence[int], slots: Sequence[Sequence[int]],
               write_kv: bool = True, query_rows: Optional[Sequence[int]] = None,
               on_stored: Optional[Callable[[int], None]] = None) -> "PagedBatch":
-        """From plain lists: each sequence's blocks, KV length, new-token count and slots."""
+        """From plain lists, per KV group (``block_tables[g]``, ``slots[g]``): each sequence's
+        blocks and its new tokens' slots; and each sequence's KV length and new-token count."""
         device = kv_cache.device
-        width = max([1] + [len(t) for t in block_tables])
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for row, table in enumerate(block_tables):
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        width = max([1] + [len(t) for t in block_tables[0]])
+        per_group = []
+        for group_tables, group_slots in zip(block_tables, slots):
+            tables = torch.zeros(len(group_tables), width, dtype=torch.int32)
+            for row, table in enumerate(group_tables):
+                tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            per_group.append((torch.tensor(list(group_slots), dtype=torch.int64, device=device),
+                              tables.to(device)))
         starts: List[int] = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        return cls(kv_cache=kv_cache,
-                   slot_mapping=torch.tensor(list(slots), dtype=torch.int64, device=device),
-                   block_tables=tables.to(device),
+        return cls(kv_cache=kv_cache, slot_mapping=per_group[0][0], block_tables=per_group[0][1],
                    seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
                    query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                    write_kv=write_kv,
                    query_rows=(None if query_rows is None else
                                torch.tensor(list(query_rows), dtype=torch.int64, device=device)),
-                   on_stored=on_stored)
+                   on_stored=on_stored, other_groups=tuple(per_group[1:]))
 
 
 class StepBuffers:

@@ -20,8 +20,10 @@ one block table (a sequence of the manager) per batch row.
   blocks the first row registered in the same forward and skips writing them.
 * Beam search: ``reorder_cache`` forks the chosen rows' block tables and frees the old
   ones; a shared partial block is copied on the next append (copy-on-write).
-* Sliding-window layers attend with the op's ``sliding_window``; their out-of-window
-  blocks are kept (all layers share one block table per row).
+* Sliding-window layers attend with the op's ``sliding_window`` and sit in KV groups of
+  their own (:mod:`paged_attention_ext.kv_groups`): a row has one block table per group,
+  and a sliding group frees the blocks its window has left (eager mode; compile mode keeps
+  one table for every layer).
 * Compile mode (``max_cache_len``): a fixed pool and fixed-size metadata tensors
   (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the bookkeeping above runs eagerly
   *before* each forward (``prepare``, called by the mask function when generate builds the
@@ -39,10 +41,11 @@ from transformers.cache_utils import Cache
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
 from ..kv_cache import LayerScales, PagedKVCache, check_int
+from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from .batch import PagedBatch, StepBuffers, flat_tokens
 from .masks import check_mask_function
-from .support import check_config, mla_head_sizes
+from .support import check_config, layer_windows, mla_head_sizes
 
 ATTN_IMPLEMENTATION = "paged_attention_ext"
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
@@ -202,6 +205,9 @@ class PagedCache(Cache):
         self._config = text_config
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
+        # Compile mode's fixed buffers hold one table per row: one group for every layer there.
+        self.kv_groups = (KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
+                          if max_cache_len is None else KVGroupLayout.uniform(len(layer_types)))
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -288,7 +294,7 @@ class PagedCache(Cache):
         if self._mla is None:
             self._check_layer_shapes(layer_idx, keys, values)
             self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
-                          self._batch.slot_mapping)
+                          self._batch.tables_of(layer_idx)[0])
 
     def _finish_layer(self, layer_idx: int, keys: torch.Tensor) -> None:
         """Count the layer stored and hand the attention function its call."""
@@ -412,8 +418,9 @@ class PagedCache(Cache):
             "pool_bytes": self.kv.num_blocks * block_bytes if self.kv is not None else 0,
             "used_bytes": used * block_bytes,
             "blocks_used": used,
-            "block_references": sum(len(self.manager.block_ids(s)) for s in self.rows
-                                    if s is not None and self.manager.has_seq(s)),
+            "block_references": sum(len(t.live_blocks) for s in self.rows
+                                    if s is not None and self.manager.has_seq(s)
+                                    for t in self.manager.group_tables(s)),
         }
 
     # ---- consistency -----------------------------------------------------------------------
@@ -504,15 +511,16 @@ class PagedCache(Cache):
         self._layers_stored = 0
         self._batch = None
         slots, copies, _ = self._allocate(counts, q_len, keys, values)
-        tables = [self.manager.block_ids(s) if s is not None else None for s in self.rows]
-        self._reserve(1 + max((max(t) for t in tables if t), default=0))
+        tables = [[self.manager.block_ids(s, g) if s is not None else [] for s in self.rows]
+                  for g in range(self.manager.num_kv_groups)]
+        self._reserve(1 + max((b for group in tables for t in group for b in t), default=0))
         self.kv.apply_copies(copies)  # before any layer writes this step's tokens
         query_rows = None
         if sum(counts) != rows * q_len:
             query_rows = [row * q_len + i for row, count in enumerate(counts)
                           for i in range(q_len - count, q_len)]
         self._batch = PagedBatch.build(
-            self.kv, [t if t is not None else [] for t in tables],
+            self.kv, tables,
             [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows], counts, slots,
             write_kv=self._mla is not None, query_rows=query_rows,
             on_stored=self._count_stored if self._mla is not None else None)
@@ -522,10 +530,11 @@ class PagedCache(Cache):
         """Give each row's new tokens slots (new rows: a sequence, with prefix hits when
         ``keys`` and ``values`` are given to fingerprint; others: an append).
 
-        Returns the ``rows * q_len`` slots (-1: padding or a prefix hit), the copy-on-write
-        copies to apply before any layer writes, and the rows that started a sequence.
+        Returns per KV group the ``rows * q_len`` slots (-1: padding or a prefix hit), the
+        copy-on-write copies to apply before any layer writes, and the rows that started a
+        sequence.
         """
-        slots = [-1] * (len(counts) * q_len)
+        slots = [[-1] * (len(counts) * q_len) for _ in range(self.manager.num_kv_groups)]
         copies: List = []
         started: List[int] = []
         for row, count in enumerate(counts):
@@ -537,14 +546,17 @@ class PagedCache(Cache):
                 seq_id = self._new_seq_id()
                 prompt = (_fingerprints(keys[row, :, pad:], values[row, :, pad:])
                           if self.enable_prefix_caching and keys is not None else count)
-                placed, num_cached = self.manager.allocate(seq_id, seq_id, prompt)
+                # The forward computes every prompt token's query, prefix hits included.
+                placed, num_cached = self.manager.allocate(seq_id, seq_id, prompt,
+                                                           queries_from_start=True)
                 self.rows[row] = seq_id  # only once the manager knows it
                 started.append(row)
                 pad += num_cached  # prefix hits: already stored, not written again
             else:
                 placed = self.manager.append(seq_id, count)
                 copies.extend(placed.copies)
-            slots[row * q_len + pad:(row + 1) * q_len] = placed.slots
+            for group_slots, placed_slots in zip(slots, placed.group_slots):
+                group_slots[row * q_len + pad:(row + 1) * q_len] = placed_slots
         return slots, copies, started
 
     def _new_token_counts(self, rows: int, q_len: int) -> List[int]:
@@ -584,7 +596,8 @@ class PagedCache(Cache):
                         f"longer, pass PagedCache(config, max_seq_len=...) or a fixed num_blocks.")
             return
         needed = sum(self.manager.seq_append_cost(s, c) if s is not None
-                     else -(-c // self.block_size) for s, c in zip(self.rows, counts))
+                     else -(-c // self.block_size) * self.manager.num_kv_groups
+                     for s, c in zip(self.rows, counts))
         free = self.manager.num_free_device_blocks
         if needed > free and all(s is not None or c == 0 for s, c in zip(self.rows, counts)):
             # Exact for appends (new rows may need fewer blocks after prefix hits).
@@ -598,13 +611,13 @@ class PagedCache(Cache):
             capacity = self.num_blocks
         elif self._row_limit():
             # Without sharing, no row holds more blocks than its longest allowed sequence.
-            capacity = rows * -(-self._row_limit() // self.block_size)
+            capacity = rows * -(-self._row_limit() // self.block_size) * len(self.kv_groups.groups)
         else:
             raise ValueError("PagedCache: the config has no max_position_embeddings; pass "
                              "max_seq_len or num_blocks")
         self.manager = BlockSpaceManager(capacity, 0, self.block_size,
                                          enable_prefix_caching=self.enable_prefix_caching,
-                                         watermark=0.0)
+                                         watermark=0.0, kv_group_windows=self.kv_groups.windows)
         self.rows = [None] * rows
         self._pool_spec = pool_spec
         if self.num_blocks is not None:
@@ -615,7 +628,8 @@ class PagedCache(Cache):
         options = dict(self._kv_options)
         dtype = resolve_kv_cache_dtype(options.pop("kv_cache_dtype"), dtype)
         return PagedKVCache(len(self.layer_types), kv_heads, head_size, self.block_size, dtype,
-                            device, num_blocks=num_blocks, head_size_v=head_size_v, **options)
+                            device, num_blocks=num_blocks, head_size_v=head_size_v,
+                            kv_groups=self.kv_groups, **options)
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size).
@@ -708,7 +722,7 @@ class PagedCache(Cache):
             if first:
                 self._start_static(rows, dtype, device)
             self._check_static_room(counts)
-            slots, copies, started = self._allocate(counts, q_len, None, None)
+            [slots], copies, started = self._allocate(counts, q_len, None, None)  # one KV group
         except BaseException:
             if first:
                 self.reset()
@@ -799,7 +813,7 @@ class PagedCache(Cache):
             self.manager.free_seq(self.rows[row])
             self.rows[row] = None
         only = [count if row in started else 0 for row, count in enumerate(counts)]
-        placed, _, _ = self._allocate(only, q_len, keys, values)
+        [placed], _, _ = self._allocate(only, q_len, keys, values)
         for row in started:
             slots[row * q_len:(row + 1) * q_len] = placed[row * q_len:(row + 1) * q_len]
         self._unfingerprinted = []

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from statistics import mean
 from typing import Callable, Dict, List, NoReturn, Optional
 
+from ..kv_groups import KVGroupLayout
 from . import demo, memory, simulator, walkthrough, workloads
 
 Command = Callable[[argparse.Namespace], Dict]
@@ -54,6 +55,13 @@ def probability(text: str) -> float:
     return value
 
 
+def layer_pattern(text: str):
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) + int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"must be SLIDING:FULL layer counts such as 5:1, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def fail(message: str) -> NoReturn:
     raise SystemExit(f"paged-attention: error: {message}")
 
@@ -62,11 +70,7 @@ def fail(message: str) -> NoReturn:
 
 def add_memory_command(sub: argparse._SubParsersAction) -> None:
     cmd = sub.add_parser("memory", help="KV-cache bytes per token, sequence and block for a model shape")
-    cmd.add_argument("--preset", choices=sorted(memory.PRESETS),
-                     help="a known model shape; explicit flags override its fields")
-    cmd.add_argument("--layers", type=positive_int)
-    cmd.add_argument("--kv-heads", type=positive_int)
-    cmd.add_argument("--head-size", type=positive_int)
+    add_shape_arguments(cmd)
     cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16")
     cmd.add_argument("--max-len", type=positive_int, default=2048, help="tokens per sequence")
     cmd.add_argument("--block-size", type=positive_int, help="also report bytes per block")
@@ -75,11 +79,29 @@ def add_memory_command(sub: argparse._SubParsersAction) -> None:
     cmd.set_defaults(run=run_memory)
 
 
-def run_memory(args: argparse.Namespace) -> Dict:
+def add_shape_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--preset", choices=sorted(memory.PRESETS),
+                     help="a known model shape; explicit flags override its fields")
+    cmd.add_argument("--layers", type=positive_int)
+    cmd.add_argument("--kv-heads", type=positive_int)
+    cmd.add_argument("--head-size", type=positive_int)
+    cmd.add_argument("--sliding-window", type=positive_int,
+                     help="window of the sliding-window layers, in tokens")
+    cmd.add_argument("--layer-pattern", type=layer_pattern,
+                     help="SLIDING:FULL layers repeating from the first (Gemma-3 5:1, GPT-OSS 1:1; "
+                          "default with a window: every layer sliding)")
+
+
+def shape_from(args: argparse.Namespace) -> "memory.ModelShape":
     try:
-        shape = memory.resolve_shape(args.preset, args.layers, args.kv_heads, args.head_size)
+        return memory.resolve_shape(args.preset, args.layers, args.kv_heads, args.head_size,
+                                    args.sliding_window, args.layer_pattern)
     except ValueError as error:
         fail(str(error))
+
+
+def run_memory(args: argparse.Namespace) -> Dict:
+    shape = shape_from(args)
     report = {"preset": args.preset, **memory.kv_report(shape, args.dtype, args.max_len,
                                                          args.block_size, args.memory_gib)}
     size = memory.format_bytes
@@ -92,11 +114,26 @@ def run_memory(args: argparse.Namespace) -> Dict:
         blocks = f"{report['blocks_fit']} blocks, " if args.block_size is not None else ""
         rows.append((f"fits in {size(report['memory_bytes'])}", f"{report['tokens_fit']} tokens, {blocks}"
                      f"{report['sequences_fit']} sequences of {args.max_len} tokens"))
-    overridden = args.preset and any(v is not None for v in (args.layers, args.kv_heads, args.head_size))
+    groups = report.get("kv_groups")
+    if groups is not None:
+        bs = args.block_size or 16
+        for g, group in enumerate(groups["groups"]):
+            kind = (f"window {group['sliding_window']}" if group["sliding_window"] else "full attention")
+            rows.append((f"KV group {g} ({group['layers']} layers, {kind})",
+                         f"{group['blocks_held']} blocks of {bs} tokens held, {size(group['bytes_held'])}"))
+        rows.append((f"per sequence of {args.max_len} tokens, KV groups",
+                     f"{size(groups['bytes_per_sequence'])}: {groups['fraction_of_single_table']:.1%} "
+                     f"of one table for all layers ({groups['saving']:.2f}x less)"))
+        if args.memory_gib is not None:
+            rows.append(("sequences fit, KV groups", f"{groups['sequences_fit']}"))
+    overridden = args.preset and any(v is not None for v in (args.layers, args.kv_heads, args.head_size,
+                                                             args.sliding_window, args.layer_pattern))
     name = f"{args.preset} (overridden)" if overridden else args.preset or "model"
+    pattern = (f", layers {shape.layer_pattern[0]} sliding (window {shape.sliding_window}) : "
+               f"{shape.layer_pattern[1]} full" if groups is not None else "")
     print(f"{name}: {shape.layers} layers, {shape.kv_heads} KV heads, "
           f"head size {shape.head_size}, {args.dtype} ({report['dtype_bytes']} "
-          f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value)")
+          f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value){pattern}")
     width = max(len(label) for label, _ in rows) + 1
     for label, value in rows:
         print(f"  {label + ':':<{width}} {value}")
@@ -125,6 +162,9 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      help="also measure sharing in beam search of width N")
     cmd.add_argument("--beam-switch-prob", type=probability, default=0.1,
                      help="per step, chance that a beam is replaced by a child of the top beam")
+    add_shape_arguments(cmd)  # optional: a model whose sliding layers get KV groups
+    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16",
+                     help="with a model shape: bytes per token of each KV group")
     cmd.set_defaults(run=run_simulate)
 
 
@@ -163,6 +203,8 @@ def run_simulate(args: argparse.Namespace) -> Dict:
     print("utilisation: share of reserved slots holding tokens, time average and at the step storing "
           "the most tokens\nrequests fit: mean running requests while others wait; waste/request: "
           "empty reserved slots when a request finishes (docs/memory.md)")
+    if args.preset or args.layers or args.sliding_window or args.layer_pattern:
+        report["kv_groups"] = simulate_kv_groups(args, trace)
     if args.parallel_samples > 1:
         stats = simulator.parallel_sampling_savings(trace, args.parallel_samples, args.block_size)
         report["parallel_sampling"] = asdict(stats)
@@ -175,6 +217,36 @@ def run_simulate(args: argparse.Namespace) -> Dict:
         print(f"beam search, width {stats.width} (switch prob {args.beam_switch_prob}): "
               f"sharing saves {stats.saved_fraction:.1%} of KV blocks")
     return report
+
+
+def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
+    """The paged-groups strategy over the same trace and pool bytes, per KV group."""
+    shape = shape_from(args)
+    layout = KVGroupLayout.from_windows(shape.windows())
+    strategy = simulator.PagedGroups(args.pool_tokens, args.block_size, layout)
+    stats = simulator.replay(trace, strategy)
+    paged = simulator.replay(trace, simulator.make_strategy("paged", args.pool_tokens, args.max_len,
+                                                            args.block_size))
+    layer_bytes = 2 * shape.kv_heads * shape.head_size * memory.DTYPE_BYTES[args.dtype]
+    groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window,
+               "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u}
+              for g, u in zip(layout.groups, strategy.group_utilisation())]
+    fit = f"{stats.mean_batch:.1f}" if stats.mean_batch is not None else "all"
+    paged_fit = f"{paged.mean_batch:.1f}" if paged.mean_batch is not None else "all"
+    print(f"KV groups of {shape.layers} layers ({shape.layer_pattern[0]} sliding, window "
+          f"{shape.sliding_window} : {shape.layer_pattern[1]} full), same pool bytes: requests fit "
+          f"{fit} (paged, one table for every layer: {paged_fit}), {stats.preemptions} preemptions, "
+          f"{stats.steps} steps")
+    for g, group in enumerate(groups):
+        kind = f"window {group['sliding_window']}" if group["sliding_window"] else "full attention"
+        print(f"  group {g}: {group['layers']} layers, {kind}, "
+              f"{memory.format_bytes(group['bytes_per_token'])} per token, "
+              f"utilisation {group['utilisation']:.1%}")
+    return {"layers": shape.layers, "sliding_window": shape.sliding_window,
+            "layer_pattern": list(shape.layer_pattern), "groups": groups,
+            "requests_fit": stats.mean_batch, "requests_fit_single_table": paged.mean_batch,
+            "peak_batch": stats.peak_batch, "peak_batch_single_table": paged.peak_batch,
+            "preemptions": stats.preemptions, "steps": stats.steps}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -2,10 +2,18 @@
 
 Every layer stores one key and one value vector per KV head per token, so
 ``bytes_per_token = 2 * layers * kv_heads * head_size * dtype_bytes``.
+
+A model with sliding-window layers (a ``layer_pattern`` of sliding : full layers) keeps
+them in KV groups of their own (:mod:`paged_attention_ext.kv_groups`) that hold only
+their window; the report then counts each group's blocks as the block manager holds them
+while a sequence decodes, beside one block table for every layer (before issue 23).
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
+
+from ..block_manager import BlockSpaceManager
+from ..kv_groups import KVGroupLayout
 
 GIB = 1 << 30
 
@@ -15,6 +23,17 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_size: int
+    sliding_window: Optional[int] = None
+    # (sliding, full) layers, repeating from layer 0; (1, 0): every layer sliding.
+    layer_pattern: Tuple[int, int] = (0, 1)
+
+    def windows(self) -> List[Optional[int]]:
+        """Each layer's window (None: full attention)."""
+        sliding, full = self.layer_pattern
+        if self.sliding_window is None or sliding == 0:
+            return [None] * self.layers
+        period = sliding + full
+        return [self.sliding_window if i % period < sliding else None for i in range(self.layers)]
 
 
 # Published configurations (config.json of each model).
@@ -26,6 +45,13 @@ PRESETS: Dict[str, ModelShape] = {
     "mistral-7b": ModelShape(layers=32, kv_heads=8, head_size=128),
     "qwen2-7b": ModelShape(layers=28, kv_heads=4, head_size=128),
     "opt-13b": ModelShape(layers=40, kv_heads=40, head_size=128),  # the vLLM paper's model
+    # Sliding-window layers beside full ones (issue 23's shapes).
+    "gemma-3-27b": ModelShape(62, 16, 128, sliding_window=1024, layer_pattern=(5, 1)),
+    "gemma-3-1b": ModelShape(26, 1, 256, sliding_window=512, layer_pattern=(5, 1)),
+    "gpt-oss-120b": ModelShape(36, 8, 64, sliding_window=128, layer_pattern=(1, 1)),
+    "gemma-2-9b": ModelShape(42, 8, 256, sliding_window=4096, layer_pattern=(1, 1)),
+    "cohere-2-7b": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(3, 1)),
+    "mistral-7b-v0.1": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(1, 0)),
 }
 
 # fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
@@ -34,22 +60,34 @@ DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8":
 
 
 def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,
-                  kv_heads: Optional[int] = None, head_size: Optional[int] = None) -> ModelShape:
-    """A preset's shape with any explicitly given field overriding it; no preset needs all three."""
+                  kv_heads: Optional[int] = None, head_size: Optional[int] = None,
+                  sliding_window: Optional[int] = None,
+                  layer_pattern: Optional[Tuple[int, int]] = None) -> ModelShape:
+    """A preset's shape with any explicitly given field overriding it; no preset needs all three
+    sizes (a window needs a pattern, default every layer sliding)."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     base = asdict(PRESETS[preset]) if preset else {}
-    given = {k: v for k, v in dict(layers=layers, kv_heads=kv_heads, head_size=head_size).items()
-             if v is not None}
+    given = {k: v for k, v in dict(layers=layers, kv_heads=kv_heads, head_size=head_size,
+                                   sliding_window=sliding_window,
+                                   layer_pattern=layer_pattern).items() if v is not None}
     fields = {**base, **given}
     missing = [k for k in ("layers", "kv_heads", "head_size") if k not in fields]
     if missing:
         raise ValueError("give --preset or all of --layers --kv-heads --head-size "
                          f"(missing: {', '.join(missing)})")
-    bad = [k for k, v in fields.items() if v < 1]
+    bad = [k for k in ("layers", "kv_heads", "head_size", "sliding_window")
+           if fields.get(k) is not None and fields[k] < 1]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be >= 1")
-    return ModelShape(**fields)
+    pattern = tuple(fields.get("layer_pattern", (0, 1)))
+    if len(pattern) != 2 or min(pattern) < 0 or sum(pattern) < 1:
+        raise ValueError(f"layer_pattern must be (sliding, full) layer counts, got {pattern}")
+    if fields.get("sliding_window") is not None and "layer_pattern" not in fields:
+        fields["layer_pattern"] = (1, 0)  # a window alone: every layer slides (Mistral v0.1)
+    if pattern[0] and fields.get("sliding_window") is None:
+        raise ValueError(f"layer_pattern {pattern} has sliding layers: give sliding_window")
+    return ModelShape(**{**fields, "layer_pattern": tuple(fields.get("layer_pattern", (0, 1)))})
 
 
 def bytes_per_token(shape: ModelShape, dtype: str) -> int:
@@ -73,6 +111,43 @@ def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[
                       sequences_fit=memory // (per_token * max_len))
         if block_size is not None:
             report["blocks_fit"] = memory // (per_token * block_size)
+    if any(shape.windows()):
+        report["kv_groups"] = kv_group_report(shape, dtype, max_len, block_size or 16, memory_gib)
+    return report
+
+
+def held_blocks(windows: Tuple[Optional[int], ...], length: int, block_size: int) -> List[int]:
+    """Blocks each KV group holds for one sequence decoding at ``length`` tokens, as the
+    block manager holds them (a sliding group: its window plus the partial blocks at its ends)."""
+    blocks = -(-length // block_size) * len(windows)
+    manager = BlockSpaceManager(blocks, 0, block_size, watermark=0.0, kv_group_windows=windows)
+    manager.allocate(0, 0, length - 1)
+    manager.append(0, 1)  # a decode step: the sliding groups free what it cannot see
+    return [len(t.live_blocks) for t in manager.group_tables(0)]
+
+
+def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int,
+                    memory_gib: Optional[float] = None) -> Dict:
+    """Per KV group: layers, window, bytes per block, blocks held at ``max_len``; the
+    sequence's total against one block table for all layers, and the ideal (each
+    group exactly its tokens: all of them, or its window)."""
+    layout = KVGroupLayout.from_windows(shape.windows())
+    layer_block = 2 * shape.kv_heads * shape.head_size * DTYPE_BYTES[dtype] * block_size
+    page = layout.layers_per_group * layer_block
+    held = held_blocks(layout.windows, max_len, block_size)
+    groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window, "blocks_held": n,
+               "bytes_held": n * page} for g, n in zip(layout.groups, held)]
+    grouped = sum(held) * page
+    single = -(-max_len // block_size) * shape.layers * layer_block
+    ideal = sum(len(g.layers) * min(max_len, g.sliding_window or max_len) for g in layout.groups) \
+        * layer_block // block_size
+    report = {"num_groups": len(groups), "layers_per_group": layout.layers_per_group,
+              "padded_layers": layout.padded_layers, "bytes_per_block": page, "groups": groups,
+              "bytes_per_sequence": grouped, "bytes_per_sequence_single_table": single,
+              "bytes_per_sequence_ideal": ideal, "fraction_of_single_table": grouped / single,
+              "saving": single / grouped}
+    if memory_gib is not None:
+        report["sequences_fit"] = int(memory_gib * GIB) // grouped
     return report
 
 

@@ -7,7 +7,11 @@ layer; multiply by ``memory.bytes_per_token`` for bytes). Strategies:
 * ``pow2``: contiguous, the next power of two of the current length, doubled when outgrown;
 * ``oracle``: contiguous, exactly prompt + output slots (final length known in advance);
 * ``paged``: blocks of block_size slots allocated on demand by the package's
-  :class:`BlockAllocator` and :class:`BlockTable`.
+  :class:`BlockAllocator` and :class:`BlockTable`;
+* ``paged-groups`` (with a layer pattern of sliding-window and full layers): the block
+  manager's KV groups (:mod:`paged_attention_ext.kv_groups`), whose sliding groups hold only
+  their window. Its pool is the same bytes: ``pool_tokens`` slots of every layer, cut into
+  pages of one group's layers; held slots are counted in those all-layer slots.
 
 Contiguous regions are assumed to pack perfectly and to regrow in place (no external
 fragmentation, no copy), so their figures are upper bounds. docs/memory.md has the method.
@@ -20,7 +24,9 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from ..block_allocator import BlockAllocator
-from ..block_table import BlockTable
+from ..block_manager import BlockSpaceManager
+from ..block_table import NULL_BLOCK, BlockTable
+from ..kv_groups import KVGroupLayout
 from .workloads import Trace
 
 STRATEGIES = ("max_len", "pow2", "oracle", "paged")
@@ -79,6 +85,9 @@ class Strategy(Protocol):
 
     def release(self, rid: int) -> None: ...
 
+    def on_step(self) -> None:
+        """Called once per step, after the step's admissions (for per-step statistics)."""
+
     @property
     def reserved(self) -> int: ...
 
@@ -108,6 +117,9 @@ class Contiguous:
 
     def release(self, rid: int) -> None:
         self.reserved -= self.regions.pop(rid)[0]
+
+    def on_step(self) -> None:
+        pass
 
     def _resize(self, rid: int, length: int, final_len: int) -> bool:
         size = self.reserve(length, final_len)
@@ -151,9 +163,68 @@ class Paged:
     def release(self, rid: int) -> None:
         self.pool.free(self.tables.pop(rid))
 
+    def on_step(self) -> None:
+        pass
+
     @property
     def reserved(self) -> int:
         return self.pool.used_blocks * self.pool.block_size
+
+
+class PagedGroups:
+    """The block manager over a hybrid model's KV groups: each group's blocks on demand, a
+    sliding group's freed once they leave its window."""
+
+    name = "paged-groups"
+
+    def __init__(self, pool_tokens: int, block_size: int, layout: KVGroupLayout) -> None:
+        self.layout, self.block_size = layout, block_size
+        # A page holds one group's layers: the same bytes hold num_layers / layers_per_group
+        # times the pages of one all-layer block.
+        pages = pool_tokens * layout.num_layers // (layout.layers_per_group * block_size)
+        self.manager = BlockSpaceManager(pages, 0, block_size, watermark=0.0,
+                                         kv_group_windows=layout.windows)
+        self._filled = [0] * len(layout.groups)  # token-steps in each group's live blocks
+        self._slots = [0] * len(layout.groups)   # slot-steps of each group's live blocks
+
+    def admit(self, rid: int, length: int, final_len: int) -> bool:
+        if not self.manager.can_allocate(length):
+            return False
+        self.manager.allocate(rid, rid, length)
+        return True
+
+    def grow(self, rid: int, length: int) -> bool:
+        new = length - self.manager.num_tokens(rid)
+        if self.manager.seq_append_cost(rid, new) > self.manager.num_free_device_blocks:
+            return False
+        self.manager.append(rid, new)
+        return True
+
+    def held(self, rid: int) -> int:
+        pages = sum(len(t.live_blocks) for t in self.manager.group_tables(rid))
+        return self._all_layer_slots(pages)
+
+    def release(self, rid: int) -> None:
+        self.manager.free_group(rid)
+
+    def on_step(self) -> None:
+        for rid in self.manager.groups:
+            for g, table in enumerate(self.manager.group_tables(rid)):
+                live = [b for b, block in enumerate(table.blocks) if block != NULL_BLOCK]
+                if live:
+                    self._filled[g] += table.num_tokens - live[0] * self.block_size
+                    self._slots[g] += len(live) * self.block_size
+
+    def group_utilisation(self) -> List[float]:
+        """Per KV group: tokens in its live blocks over their slots, averaged over steps."""
+        return [f / s if s else 0.0 for f, s in zip(self._filled, self._slots)]
+
+    @property
+    def reserved(self) -> int:
+        return self._all_layer_slots(self.manager.num_used_device_blocks)
+
+    def _all_layer_slots(self, pages: int) -> int:
+        return pages * self.layout.layers_per_group * self.block_size // self.layout.num_layers
 
 
 def next_pow2(n: int) -> int:
@@ -233,6 +304,7 @@ def replay(trace: Trace, strategy: Strategy) -> ReplayStats:
         if not running:
             raise ValueError(f"request {waiting[0]} {trace[waiting[0]]} does not fit in an empty pool")
 
+        strategy.on_step()
         steps += 1
         reserved = strategy.reserved
         token_steps += live_tokens
