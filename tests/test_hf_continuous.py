@@ -110,14 +110,46 @@ def test_sampled_forks_equal_paged_sdpa(counted_ops):
     assert len({tuple(o.generated_tokens) for o in got}) > len(rows)  # forks drew their own
 
 
-def test_sliding_window_model_fails_its_requests():
-    """transformers keeps sliding-window layers in a ring buffer the ops cannot address:
-    continuous batching reports our error on every request and generates nothing."""
+SLIDING = {
+    # Every layer sliding: transformers' sliding allocator (a ring buffer) only.
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=6)),
+    # Sliding and full layers, attention sinks (s_aux).
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    # 5 sliding : 1 full.
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 6}, head_dim=16, sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(SLIDING))
+def test_sliding_window_models_equal_generate(architecture, counted_ops):
+    """Sliding-window layers live in transformers' ring buffer: read back through its cache
+    and attended with the window (sinks applied), continuous batching gives the greedy
+    tokens of eager ``generate`` per request, over prompts and outputs several windows long."""
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=16))
-    out = generate(model.eval(), CB_ATTN_IMPLEMENTATION, [[1, 2, 3]])
-    assert out[0].generated_tokens == []
-    assert "sliding-window ring buffer" in out[0].error
+    model = SLIDING[architecture]().eval()
+    rows = prompts(model.config.vocab_size)
+    got = generate(model, CB_ATTN_IMPLEMENTATION, rows, max_new_tokens=12)
+    assert [o.error for o in got] == [None] * len(rows)
+    model.set_attn_implementation("eager")
+    for row, out in zip(rows, got):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([row]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(row):].tolist()
+        assert out.generated_tokens == want
+    assert counted_ops["attention"] > 0
+
+
+def test_sliding_window_of_another_length_is_refused():
+    allocator = types.SimpleNamespace(sliding_window=8, supports_block_table=False)
+    cache = types.SimpleNamespace(layer_to_allocator={0: allocator})
+    layer = types.SimpleNamespace(layer_idx=0)
+    with pytest.raises(NotImplementedError, match="window 8"):
+        cb._layer_allocator(cache, layer, 4)
+    full = types.SimpleNamespace(supports_block_table=True)
+    with pytest.raises(NotImplementedError, match="full-attention"):
+        cb._layer_allocator(types.SimpleNamespace(layer_to_allocator={0: full}), layer, 4)
 
 
 def test_outside_continuous_batching_raises():

@@ -26,25 +26,11 @@ from .. import ops
 from .batch import PagedBatch, flat_tokens
 from .cache import take_batch
 from .continuous_batching import continuous_batching_attention_forward
-from .support import refuse_unapplied_kwargs
+from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_hidden_states",
                             "output_router_logits", "return_dict", "cache_position"})
-
-
-def _sinks(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:
-    """The learned per-head sink logits as fp32 ``[heads]``, or None."""
-    if s_aux is not None and sinks is not None:
-        raise ValueError("attention got both s_aux and sinks (one set of attention sinks expected)")
-    value = s_aux if s_aux is not None else sinks
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor) or value.numel() != heads:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"attention sinks (s_aux/sinks) of layer {getattr(module, 'layer_idx', '?')} "
-                         f"must be one logit per query head ({heads}), got {shape}")
-    return value.detach().reshape(heads).to(device=device, dtype=torch.float32).contiguous()
 
 
 def _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions,
@@ -112,7 +98,7 @@ def paged_attention_forward(
     _check_window(module, sliding_window, batch)
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
-    sink_logits = _sinks(module, s_aux, sinks, heads, key_cache.device)
+    sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
     if batch.write_kv:
         if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
                 or value.shape[1] != value_cache.shape[1] or head_size_v != value_cache.shape[-1]):

@@ -32,9 +32,13 @@ How transformers' cache maps onto the ops (full-attention layers, first form):
   derived so once per forward, and checked to reproduce every read and write index;
   a cache whose indices they do not reproduce raises instead of attending elsewhere.
 
-Sliding-window layers (transformers keeps them in a ring buffer, which block tables
-cannot address), the decode fast path's ``block_table`` (flash-only in transformers),
-attention sinks and any other unknown argument raise ``NotImplementedError``.
+Sliding-window layers: transformers keeps them in a ring buffer of ``sliding_window``
+slots per request (its sliding allocator, which frees what leaves the window), which
+block tables cannot address; their keys are read back through the cache's own
+``update`` (the window's ring slots in position order, then the new tokens) and the op
+attends over that gather with the layer's window, as in the second form. Attention sinks
+(GPT-OSS's ``s_aux``) are applied. The decode fast path's ``block_table`` (flash-only in
+transformers) and any other unknown argument raise ``NotImplementedError``.
 Importing :mod:`paged_attention_ext.hf` registers the function.
 """
 
@@ -44,8 +48,8 @@ import weakref
 import torch
 
 from .. import ops
-from .support import refuse_unapplied_kwargs
-from .transformers_behaviour import STRIPS_PAGED_PREFIX
+from .support import refuse_unapplied_kwargs, sink_logits_of
+from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
 ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
 
@@ -141,17 +145,22 @@ def _layout(cache, group: int, read_index: torch.Tensor, write_index: torch.Tens
     return layout
 
 
-def _refuse_ring_buffer(module: torch.nn.Module, cached_by: str) -> None:
-    raise NotImplementedError(
-        f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} is cached by {cached_by} (a sliding-window "
-        "ring buffer); the paged ops address full-attention pages only. Use sdpa for this model.")
-
-
-def _full_attention_allocator(cache, module: torch.nn.Module):
-    """The layer's allocator, refusing layer types the ops cannot address."""
+def _layer_allocator(cache, module: torch.nn.Module, sliding_window: Optional[int]):
+    """The layer's allocator: full attention (pages the ops address) or a sliding window
+    of the layer's own length (read back through the cache); anything else raises."""
     allocator = cache.layer_to_allocator[module.layer_idx]
-    if not getattr(allocator, "supports_block_table", False):
-        _refuse_ring_buffer(module, type(allocator).__name__)
+    window = getattr(allocator, "sliding_window", None)
+    if getattr(allocator, "supports_block_table", False) and window is None:
+        if sliding_window is not None:
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} attends with sliding_window="
+                f"{sliding_window} but is cached by the full-attention {type(allocator).__name__}")
+        return allocator
+    if window is None or window != sliding_window:
+        raise NotImplementedError(
+            f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} (sliding_window={sliding_window}) is "
+            f"cached by {type(allocator).__name__} (window {window}), which the paged ops cannot "
+            "read; use sdpa for this model")
     return allocator
 
 
@@ -173,20 +182,27 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float,
                             unset=(None, False))
 
 
-def _check_causal_full_attention(module: torch.nn.Module, sliding_window, is_causal) -> None:
-    if sliding_window is not None:
-        _refuse_ring_buffer(module, f"a sliding-window allocator (window {sliding_window})")
+def _check_causal(module: torch.nn.Module, is_causal) -> None:
     if is_causal is False:
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} asked for "
                                   "non-causal attention; the paged ops are causal")
 
 
-def _attend_over_pages(module, query, key, value, scale, softcap, cache, allocator, read_index,
-                       write_index, cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
+def _keys_of_type(cu_seq_lens_k, module: torch.nn.Module, sliding_window: Optional[int]):
+    """``cu_seq_lens_k`` of the layer's type (transformers passes one per type for hybrid models)."""
+    if not isinstance(cu_seq_lens_k, dict):
+        return cu_seq_lens_k
+    kind = "sliding_attention" if sliding_window is not None else "full_attention"
+    if kind not in cu_seq_lens_k:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} is {kind} but "
+                         f"cu_seq_lens_k has {sorted(cu_seq_lens_k)}")
+    return cu_seq_lens_k[kind]
+
+
+def _attend_over_pages(module, query, key, value, scale, softcap, sinks, cache, allocator,
+                       read_index, write_index, cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
     """Store the new K/V in transformers' pages and attend over them (the ``cache=`` form)."""
     group = allocator.index
-    if isinstance(cu_seq_lens_k, dict):
-        cu_seq_lens_k = cu_seq_lens_k["full_attention"]
     layout = _layout(cache, group, read_index[group], write_index[group], cu_seq_lens_q,
                      cu_seq_lens_k, allocator.tokens_per_page)
     key_pages, value_pages = allocator.get_cache_for_block_table(module.layer_idx)
@@ -202,15 +218,13 @@ def _attend_over_pages(module, query, key, value, scale, softcap, cache, allocat
     ops.write_kv(new_keys, new_values, key_cache, value_cache, write_index[group][:tokens])
     q = query[0].transpose(0, 1)[:layout.num_query_tokens].to(key_cache.dtype)
     return ops.attention(q, key_cache, value_cache, layout.block_tables, layout.seq_lens, scale,
-                         layout.query_start_loc, None, -1, softcap or 0.0, None)
+                         layout.query_start_loc, None, -1, softcap or 0.0, sinks)
 
 
-def _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens_q,
-                          cu_seq_lens_k) -> torch.Tensor:
-    """Attend over K/V the model's ``cache.update`` gathered, request after request."""
-    if isinstance(cu_seq_lens_k, dict):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} got cu_seq_lens_k per "
-                         "layer type without the cache that selects this layer's")
+def _attend_over_gathered(module, query, key, value, scale, softcap, sinks, sliding_window,
+                          cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
+    """Attend over K/V gathered request after request (by the model's ``cache.update``, or
+    read back from a sliding window's ring buffer): ``key`` ``[1, kv_heads, keys, head_dim]``."""
     device = key.device
     cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64)
     cu_k = cu_seq_lens_k.to(device=device, dtype=torch.int64)
@@ -228,7 +242,21 @@ def _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens
         max=max(key.shape[2] - 1, 0)).to(torch.int32)
     q = query[0].transpose(0, 1)[:num_query_tokens].to(key_cache.dtype)
     return ops.attention(q, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale,
-                         cu_q.to(torch.int32), None, -1, softcap or 0.0, None)
+                         cu_q.to(torch.int32), None, sliding_window or -1, softcap or 0.0, sinks)
+
+
+def _attend_over_window(module, query, key, value, scale, softcap, sinks, sliding_window, cache,
+                        read_index, write_index, cu_seq_lens_q, cu_seq_lens_k,
+                        max_length_k) -> torch.Tensor:
+    """A sliding-window layer (the ``cache=`` form): the cache stores the new K/V in its ring
+    buffer and returns the window's keys in position order, which the op attends over."""
+    keys, values = read_window(cache, key, value, module.layer_idx, read_index, write_index,
+                               cu_seq_lens_k, max_length_k)
+    # [keys, kv_heads, head_dim] -> [1, kv_heads, keys, head_dim]
+    return _attend_over_gathered(module, query, keys.transpose(0, 1).unsqueeze(0),
+                                 values.transpose(0, 1).unsqueeze(0), scale, softcap, sinks,
+                                 sliding_window, cu_seq_lens_q,
+                                 _keys_of_type(cu_seq_lens_k, module, sliding_window))
 
 
 @torch.compiler.disable  # as transformers' own paged functions: the cache is mutated in place
@@ -249,6 +277,8 @@ def continuous_batching_attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     is_causal: Optional[bool] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """Attention of one layer of a continuous-batching forward.
@@ -264,17 +294,23 @@ def continuous_batching_attention_forward(
             "(model.generate_batch, init_continuous_batching), which passes its paged cache's "
             "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
     _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
-    # A ring buffer is refused by its allocator's name where the cache is passed.
-    allocator = _full_attention_allocator(cache, module) if cache is not None else None
-    _check_causal_full_attention(module, sliding_window, is_causal)
+    allocator = _layer_allocator(cache, module, sliding_window) if cache is not None else None
+    _check_causal(module, is_causal)
     _, heads, tokens, head_dim = query.shape
     scale = scaling if scaling is not None else head_dim ** -0.5
-    if allocator is not None:
-        out = _attend_over_pages(module, query, key, value, scale, softcap, cache, allocator,
-                                 read_index, write_index, cu_seq_lens_q, cu_seq_lens_k)
+    sink_logits = sink_logits_of(module, s_aux, sinks, heads, query.device)
+    if allocator is None:  # transformers >= 5.24: the model's cache.update gathered the K/V
+        out = _attend_over_gathered(module, query, key, value, scale, softcap, sink_logits,
+                                    sliding_window, cu_seq_lens_q,
+                                    _keys_of_type(cu_seq_lens_k, module, sliding_window))
+    elif sliding_window is None:
+        out = _attend_over_pages(module, query, key, value, scale, softcap, sink_logits, cache,
+                                 allocator, read_index, write_index, cu_seq_lens_q,
+                                 _keys_of_type(cu_seq_lens_k, module, sliding_window))
     else:
-        out = _attend_over_gathered(module, query, key, value, scale, softcap, cu_seq_lens_q,
-                                    cu_seq_lens_k)
+        out = _attend_over_window(module, query, key, value, scale, softcap, sink_logits,
+                                  sliding_window, cache, read_index, write_index, cu_seq_lens_q,
+                                  cu_seq_lens_k, kwargs.get("max_length_k"))
     if out.shape[0] < tokens:
         # Padding rows: zeros, nothing reads them.
         out = torch.cat([out, out.new_zeros(tokens - out.shape[0], heads, out.shape[-1])])

@@ -14,6 +14,7 @@ does not go through transformers' attention interface).
 
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 import transformers
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -123,6 +124,21 @@ def layer_windows(text_config, layer_types: Sequence[str]) -> List[Optional[int]
         raise NotImplementedError(f"{type(text_config).__name__} has sliding-window layers but "
                                   f"sliding_window={window!r} (a positive int is needed)")
     return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def sink_logits_of(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:
+    """The learned per-head sink logits (``s_aux`` or ``sinks``, as models pass them) as
+    fp32 ``[heads]``, or None."""
+    if s_aux is not None and sinks is not None:
+        raise ValueError("attention got both s_aux and sinks (one set of attention sinks expected)")
+    value = s_aux if s_aux is not None else sinks
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != heads:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"attention sinks (s_aux/sinks) of layer {getattr(module, 'layer_idx', '?')} "
+                         f"must be one logit per query head ({heads}), got {shape}")
+    return value.detach().reshape(heads).to(device=device, dtype=torch.float32).contiguous()
 
 
 def refuse_unapplied_kwargs(kwargs: Mapping[str, Any], ignored: AbstractSet[str], caller: str,
