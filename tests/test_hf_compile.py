@@ -14,6 +14,7 @@ import transformers
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
+from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 
@@ -224,6 +225,13 @@ def test_sliding_window_and_soft_cap_architectures(arch):
     assert torch.equal(got, want)
     assert len(GRAPHS) == 1, GRAPHS
     assert_no_graph_breaks()
+    # The sliding layers' KV group freed what left its window (tables of one group each).
+    windows = cache.kv_groups.windows
+    assert windows == (None, 6)
+    for seq_id in cache.rows:
+        full, sliding = cache.manager.group_tables(seq_id)
+        assert NULL_BLOCK not in full.blocks and NULL_BLOCK in sliding.blocks
+    cache.manager.check_invariants()
 
 
 def test_chunked_prefill_compiled(models):

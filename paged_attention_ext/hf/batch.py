@@ -94,7 +94,9 @@ class StepBuffers:
     Allocated once at fixed sizes and rewritten in place before every forward, so a forward
     compiled with ``torch.compile`` reads the same tensors (same shapes, same storage) each
     step and never recompiles for new values. Python bookkeeping (block allocation, forks,
-    copy-on-write) runs before the forward and only fills these tensors.
+    copy-on-write) runs before the forward and only fills these tensors. A hybrid model's
+    KV groups each have their own block tables and slot mapping (``group_block_tables``,
+    ``group_slot_mappings``; group 0's are ``block_tables`` and ``slot_mapping``).
 
     Left padding without data-dependent shapes: batch row ``r`` of a ``[rows, q_len]``
     forward is two sequences of the attention op. Sequence ``2r`` owns the row's padding
@@ -108,60 +110,72 @@ class StepBuffers:
                  max_tokens: int, scratch_block: int, write_kv: bool,
                  on_stored: Optional[Callable[[int], None]] = None) -> None:
         device = kv_cache.device
+        groups = range(len(kv_cache.kv_groups.groups))
         self.kv_cache = kv_cache
         self.scratch_block = scratch_block
-        self.block_tables = torch.full((2 * max_rows, max_blocks_per_row), scratch_block,
-                                       dtype=torch.int32, device=device)
+        self.group_block_tables = [torch.full((2 * max_rows, max_blocks_per_row), scratch_block,
+                                              dtype=torch.int32, device=device) for _ in groups]
+        self.group_slot_mappings = [torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+                                    for _ in groups]
+        self.block_tables, self.slot_mapping = self.group_block_tables[0], self.group_slot_mappings[0]
         self.seq_lens = torch.zeros(2 * max_rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.max_rows = max_rows
-        self._tables: List[Optional[List[int]]] = [None] * max_rows  # what each row holds now
+        # What each row's table holds now, per group.
+        self._tables: List[List[Optional[List[int]]]] = [[None] * max_rows for _ in groups]
         self._write_kv = write_kv
         self._on_stored = on_stored
         self._batches: dict = {}  # (rows, q_len) -> PagedBatch of views, one object per shape
 
-    def fill(self, tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
-             query_lens: Sequence[int], q_len: int, slots: Sequence[int]) -> PagedBatch:
-        """Write one forward's metadata (per row: blocks, KV length, real new tokens; the
-        ``rows * q_len`` slots) and return the batch of views the forward reads."""
-        rows = len(tables)
+    def fill(self, tables: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
+             query_lens: Sequence[int], q_len: int, slots: Sequence[Sequence[int]]) -> PagedBatch:
+        """Write one forward's metadata (per KV group: each row's blocks and the
+        ``rows * q_len`` slots; per row: KV length, real new tokens) and return the batch
+        of views the forward reads."""
+        rows = len(seq_lens)
         width = self.block_tables.shape[1]
         if rows * 2 > self.seq_lens.shape[0] or rows * q_len > self.slot_mapping.shape[0]:
             raise ValueError(f"StepBuffers: a forward of {rows} rows x {q_len} tokens exceeds the "
                              f"buffers ({self.seq_lens.shape[0] // 2} rows, "
                              f"{self.slot_mapping.shape[0]} tokens)")
-        changed: List[int] = []
         lens: List[int] = []
         starts: List[int] = [0]
-        for row, (table, kv_len, count) in enumerate(zip(tables, seq_lens, query_lens)):
-            if self._tables[row] != table:  # most decode steps change no table
-                changed.append(row)
-                self._tables[row] = list(table)
+        for row, (kv_len, count) in enumerate(zip(seq_lens, query_lens)):
             lens += [q_len - count, kv_len]
             starts += [row * q_len + q_len - count, (row + 1) * q_len]
-        if changed:
-            # Only the rows whose blocks changed; the padding sequences' tables (even rows)
-            # hold the scratch block from the start and never change.
-            padded = [self._tables[r] + [self.scratch_block] * (width - len(self._tables[r]))
-                      for r in changed]
-            new_rows = torch.tensor(padded, dtype=torch.int32)
-            index = torch.tensor([2 * r + 1 for r in changed])
-            self.block_tables.index_copy_(0, index.to(self.block_tables.device),
-                                          new_rows.to(self.block_tables.device))
+        for group, group_tables in enumerate(tables):
+            self._fill_tables(group, group_tables, width)
         # One host tensor per buffer, copied into the fixed storage.
         self.seq_lens[:2 * rows].copy_(torch.tensor(lens, dtype=torch.int32))
         self.query_start_loc[:2 * rows + 1].copy_(torch.tensor(starts, dtype=torch.int32))
-        self.slot_mapping[:rows * q_len].copy_(torch.tensor(list(slots), dtype=torch.int64))
+        for buffer, group_slots in zip(self.group_slot_mappings, slots):
+            buffer[:rows * q_len].copy_(torch.tensor(list(group_slots), dtype=torch.int64))
         return self.batch(rows, q_len)
+
+    def _fill_tables(self, group: int, tables: Sequence[Sequence[int]], width: int) -> None:
+        """Only the rows whose blocks changed (most decode steps change none); the padding
+        sequences' tables (even rows) hold the scratch block from the start and never change."""
+        held = self._tables[group]
+        changed = [row for row, table in enumerate(tables) if held[row] != table]
+        if not changed:
+            return
+        for row in changed:
+            held[row] = list(tables[row])
+        padded = [held[r] + [self.scratch_block] * (width - len(held[r])) for r in changed]
+        new_rows = torch.tensor(padded, dtype=torch.int32)
+        index = torch.tensor([2 * r + 1 for r in changed])
+        buffer = self.group_block_tables[group]
+        buffer.index_copy_(0, index.to(buffer.device), new_rows.to(buffer.device))
 
     def batch(self, rows: int, q_len: int) -> PagedBatch:
         """The views for a ``[rows, q_len]`` forward (the same object every time)."""
         key = (rows, q_len)
         if key not in self._batches:
+            others = tuple((slots[:rows * q_len], tables[:2 * rows]) for slots, tables in
+                           zip(self.group_slot_mappings[1:], self.group_block_tables[1:]))
             self._batches[key] = PagedBatch(
                 kv_cache=self.kv_cache, slot_mapping=self.slot_mapping[:rows * q_len],
                 block_tables=self.block_tables[:2 * rows], seq_lens=self.seq_lens[:2 * rows],
                 query_start_loc=self.query_start_loc[:2 * rows + 1], write_kv=self._write_kv,
-                on_stored=self._on_stored)
+                on_stored=self._on_stored, other_groups=others)
         return self._batches[key]

@@ -22,8 +22,7 @@ one block table (a sequence of the manager) per batch row.
   ones; a shared partial block is copied on the next append (copy-on-write).
 * Sliding-window layers attend with the op's ``sliding_window`` and sit in KV groups of
   their own (:mod:`paged_attention_ext.kv_groups`): a row has one block table per group,
-  and a sliding group frees the blocks its window has left (eager mode; compile mode keeps
-  one table for every layer).
+  and a sliding group frees the blocks its window has left.
 * Compile mode (``max_cache_len``): a fixed pool and fixed-size metadata tensors
   (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the bookkeeping above runs eagerly
   *before* each forward (``prepare``, called by the mask function when generate builds the
@@ -205,9 +204,7 @@ class PagedCache(Cache):
         self._config = text_config
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
-        # Compile mode's fixed buffers hold one table per row: one group for every layer there.
-        self.kv_groups = (KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
-                          if max_cache_len is None else KVGroupLayout.uniform(len(layer_types)))
+        self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -722,7 +719,7 @@ class PagedCache(Cache):
             if first:
                 self._start_static(rows, dtype, device)
             self._check_static_room(counts)
-            [slots], copies, started = self._allocate(counts, q_len, None, None)  # one KV group
+            slots, copies, started = self._allocate(counts, q_len, None, None)
         except BaseException:
             if first:
                 self.reset()
@@ -746,7 +743,8 @@ class PagedCache(Cache):
             raise ValueError("PagedCache.prepare: the first call allocates the pools; pass the "
                              "model's dtype and device")
         width = -(-self._max_cache_len // self.block_size)
-        capacity = self.num_blocks if self.num_blocks is not None else max_rows * width
+        capacity = (self.num_blocks if self.num_blocks is not None
+                    else max_rows * width * len(self.kv_groups.groups))
         spec = self._config_pool_spec(dtype, torch.device(device))
         if self._static is None or self._static[0] != spec or self._static[2].max_rows < max_rows \
                 or self._static[1].num_blocks != capacity + 1:
@@ -757,7 +755,7 @@ class PagedCache(Cache):
             self._static = (spec, pool, buffers)
         self.manager = BlockSpaceManager(capacity, 0, self.block_size,
                                          enable_prefix_caching=self.enable_prefix_caching,
-                                         watermark=0.0)
+                                         watermark=0.0, kv_group_windows=self.kv_groups.windows)
         self.rows = [None] * rows
         self._pool_spec = spec
         self.kv = self._static[1]
@@ -767,8 +765,8 @@ class PagedCache(Cache):
         # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
         # "reduce-overhead") may then read and write them in place instead of copying them.
         buffers = self._static[2]
-        for tensor in (*self.kv.key_caches, *self.kv.value_caches, buffers.block_tables,
-                       buffers.seq_lens, buffers.query_start_loc, buffers.slot_mapping,
+        for tensor in (*self.kv.key_caches, *self.kv.value_caches, *buffers.group_block_tables,
+                       buffers.seq_lens, buffers.query_start_loc, *buffers.group_slot_mappings,
                        self._length_tensor, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
@@ -790,7 +788,8 @@ class PagedCache(Cache):
                 raise ValueError(f"PagedCache: row {row} would hold {total} tokens, more than "
                                  f"max_cache_len={self._max_cache_len}")
         needed = sum(self.manager.seq_append_cost(s, c) if s is not None
-                     else -(-c // self.block_size) for s, c in zip(self.rows, counts))
+                     else -(-c // self.block_size) * self.manager.num_kv_groups
+                     for s, c in zip(self.rows, counts))
         free = self.manager.num_free_device_blocks
         if needed > free:
             raise NoFreeBlocksError(
@@ -800,7 +799,8 @@ class PagedCache(Cache):
 
     def _fill_buffers(self) -> None:
         counts, q_len, slots = self._step
-        tables = [self.manager.block_ids(s) if s is not None else [] for s in self.rows]
+        tables = [[self.manager.block_ids(s, g) if s is not None else [] for s in self.rows]
+                  for g in range(self.manager.num_kv_groups)]
         lens = [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows]
         self._batch = self._static[2].fill(tables, lens, counts, q_len, slots)
 
@@ -813,9 +813,10 @@ class PagedCache(Cache):
             self.manager.free_seq(self.rows[row])
             self.rows[row] = None
         only = [count if row in started else 0 for row, count in enumerate(counts)]
-        [placed], _, _ = self._allocate(only, q_len, keys, values)
-        for row in started:
-            slots[row * q_len:(row + 1) * q_len] = placed[row * q_len:(row + 1) * q_len]
+        placed, _, _ = self._allocate(only, q_len, keys, values)
+        for group_slots, group_placed in zip(slots, placed):
+            for row in started:
+                group_slots[row * q_len:(row + 1) * q_len] = group_placed[row * q_len:(row + 1) * q_len]
         self._unfingerprinted = []
         self._fill_buffers()
 
