@@ -42,6 +42,11 @@ MODELS = {
     # A window shorter than the prompts, so it changes the result.
     "mistral_window": dict(architectures=["MistralForCausalLM"], model_type="mistral",
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=24),
+    # 5 sliding : 1 full layers: vLLM's hybrid KV-cache manager gives each KV group its own
+    # block tables, the sliding groups' out-of-window entries pointing at its null block.
+    "gemma3_hybrid": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                          num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+                          num_hidden_layers=6, query_pre_attn_scalar=32),
 }
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
               vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -75,6 +80,11 @@ def prompts(seed: int, count: int, shared_prefix: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------- child (one vLLM run)
 
+def _kv_cache_groups(worker) -> int:
+    """How many KV-cache groups (block tables per request) vLLM's cache manager runs."""
+    return len(worker.model_runner.kv_cache_config.kv_cache_groups)
+
+
 def _attention_classes(worker) -> list[str]:
     """Names of the attention impl classes of the worker's model (runs in the worker)."""
     from vllm.model_executor.layers.attention import Attention
@@ -105,6 +115,7 @@ def run_case(case: dict) -> dict:
                       if "preempt" in m.name)
     cached = sum(o.num_cached_tokens or 0 for o in outs)
     return dict(tokens=batches, attention=llm.collective_rpc(_attention_classes),
+                kv_cache_groups=llm.collective_rpc(_kv_cache_groups)[0],
                 preemptions=preemptions, cached_tokens_last_batch=cached)
 
 
@@ -164,6 +175,17 @@ def test_greedy_equals_vllm_cpu_backend_with_prefix_caching(model_dirs, name):
     ours = check_same(dict(model=model_dirs[name], batches=[first, second], max_tokens=12,
                            prefix_caching=True))
     assert ours["cached_tokens_last_batch"] > 0  # the prefix cache was hit
+
+
+def test_hybrid_model_runs_under_vllms_hybrid_kv_cache_manager(model_dirs):
+    """Gemma-3's sliding and full layers in KV groups of their own (vLLM frees the sliding
+    groups' out-of-window blocks), long enough to pass the window many times, under
+    preemption: the same tokens as vLLM's CPU backend."""
+    batch = prompts(seed=5, count=8, shared_prefix=0)
+    ours = check_same(dict(model=model_dirs["gemma3_hybrid"], batches=[batch], max_tokens=60,
+                           num_blocks=40))
+    assert ours["kv_cache_groups"] > 1
+    assert ours["preemptions"] > 0
 
 
 def test_greedy_equals_vllm_cpu_backend_under_preemption(model_dirs):
