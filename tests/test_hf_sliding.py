@@ -75,3 +75,15 @@ def test_sliding_groups_hold_only_their_window(models):
     # Against one table for every layer: each row would hold all its blocks in every group.
     all_blocks = sum(-(-manager.num_tokens(s) // BLOCK_SIZE) for s in cache.rows) * len(windows)
     assert cache.memory_usage()["blocks_used"] < 0.7 * all_blocks
+
+
+def test_prompt_lookup_crops_sliding_tables(models):
+    """Prompt-lookup decoding verifies candidates in multi-token forwards and crops the
+    rejected ones: the sliding tables still hold the kept tokens' windows."""
+    reference, paged = models
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 5, 6]])
+    mask = torch.ones_like(ids)
+    expected, got, cache = generate_both(models, ids, mask, max_new_tokens=30, do_sample=False,
+                                         prompt_lookup_num_tokens=3)
+    assert torch.equal(got, expected)
+    cache.manager.check_invariants()
