@@ -11,7 +11,7 @@ import torch
 import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
-from paged_case import DTYPES, make_case, query_start_loc, random_query
+from paged_case import DTYPES, free_out_of_window, make_case, query_start_loc, random_query
 
 
 def assert_matches_reference(query, case, scale, **kwargs):
@@ -46,6 +46,14 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
         query = random_query(int(qsl[-1]), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl,
                                  soft_cap=20.0, sinks=sinks)
+        # A sliding layer's table with the blocks before the window freed (-1 / stale, NaN).
+        for q_lens in (None, [1, 3, 16, 17, 40, 0]):
+            freed = free_out_of_window(case, 17, q_lens)
+            assert freed.freed > 0
+            qsl = None if q_lens is None else query_start_loc(q_lens)
+            query = random_query(len(lens) if q_lens is None else sum(q_lens), 8, head_size, dtype)
+            assert_matches_reference(query, freed, head_size ** -0.5, query_start_loc=qsl,
+                                     sliding_window=17, sinks=sinks)
 
 
 ISAS = ["generic", "avx2", "avx512", "avx512_bf16"]
