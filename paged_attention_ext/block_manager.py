@@ -366,9 +366,11 @@ class BlockSpaceManager:
                 assert table.num_tokens == tables[0].num_tokens, f"sequence {seq_id}: groups disagree"
                 assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
                     f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
-                # Freed entries only where no query from the last token on looks.
-                visible = table.first_visible_block(max(0, table.num_tokens - 1))
-                assert NULL_BLOCK not in table.blocks[visible:], (
+                # Freed entries: the leading ones, where no query from the last token on looks.
+                freed = table.num_freed
+                assert table.blocks[:freed] == [NULL_BLOCK] * freed
+                assert NULL_BLOCK not in table.blocks[freed:], f"sequence {seq_id}: a hole"
+                assert freed <= table.first_visible_block(max(0, table.num_tokens - 1)), (
                     f"sequence {seq_id}: a block its window still sees was freed")
             assert seq_id in self._groups[self._group_of[seq_id]]
         tables_in = {s for g in self._groups.values() for s in g}

@@ -71,6 +71,8 @@ class BlockTable:
         self.blocks: List[int] = []
         self.num_tokens = 0
         self.block_hashes: List[bytes] = []  # names of the leading full blocks, when given
+        # Freed entries are always the leading ones (a window only moves forward).
+        self.num_freed = 0
 
     @property
     def block_size(self) -> int:
@@ -79,7 +81,7 @@ class BlockTable:
     @property
     def live_blocks(self) -> List[int]:
         """The blocks this table holds (freed entries left out), in order."""
-        return [b for b in self.blocks if b != NULL_BLOCK]
+        return self.blocks[self.num_freed:]
 
     def first_visible_block(self, position: int) -> int:
         """The first logical block a query at ``position`` reads (0 without a window)."""
@@ -94,14 +96,13 @@ class BlockTable:
         Keeping the last token's window (not only the next one's) costs at most one block
         and lets a caller drop the tokens it appends next again (rejected speculative
         tokens, :meth:`truncate`)."""
-        dead = [b for b in range(min(self.first_visible_block(max(0, self.num_tokens - 1)),
-                                     len(self.blocks)))
-                if self.blocks[b] != NULL_BLOCK]
+        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        dead = range(self.num_freed, first)
         if dead:
             # Tail first, as free(): of a chain, the head is the last evicted.
             self.allocator.free(self.blocks[b] for b in reversed(dead))
-            for b in dead:
-                self.blocks[b] = NULL_BLOCK
+            self.blocks[self.num_freed:first] = [NULL_BLOCK] * len(dead)
+            self.num_freed = first
         return len(dead)
 
     def slots(self, start: int, end: int) -> List[int]:
@@ -180,6 +181,7 @@ class BlockTable:
         fresh = self.allocator.allocate(-(-(num_tokens - num_hits * self.block_size)
                                           // self.block_size))
         self.blocks = cached + fresh
+        self.num_freed = first
         num_cached = num_hits * self.block_size
         self.num_tokens = num_tokens
         self.block_hashes = [self._pooled(n) for n in names[:num_hits]]
@@ -235,6 +237,7 @@ class BlockTable:
         reference counts are not touched."""
         twin = BlockTable(allocator, self.sliding_window, self.group_key)
         twin.blocks, twin.num_tokens = list(self.blocks), self.num_tokens
+        twin.num_freed = self.num_freed
         twin.block_hashes = list(self.block_hashes)
         return twin
 
@@ -244,9 +247,10 @@ class BlockTable:
         prefix cache if this table is its only holder (a shared one is copied on write)."""
         self.check_truncate(num_tokens)
         keep = -(-num_tokens // self.block_size)
-        self.allocator.free(reversed(self.blocks[keep:]))
+        self.allocator.free(reversed(self.blocks[max(keep, self.num_freed):]))
         del self.blocks[keep:]
         del self.block_hashes[num_tokens // self.block_size:]
+        self.num_freed = min(self.num_freed, keep)
         self.num_tokens = num_tokens
         if (num_tokens % self.block_size and self.blocks[-1] != NULL_BLOCK
                 and self.allocator.ref_count(self.blocks[-1]) == 1):
@@ -268,6 +272,7 @@ class BlockTable:
         # chain from the head, so the head must be the last of this prompt to go.
         self.allocator.free(reversed(self.live_blocks))
         self.blocks = []
+        self.num_freed = 0
         self.num_tokens = 0
         self.block_hashes = []
 

@@ -74,6 +74,8 @@ def test_sliding_table_refuses_truncating_into_freed_blocks():
     with pytest.raises(NotImplementedError, match="freed blocks"):
         table.truncate(6)
     assert table.num_tokens == 19
+    table.truncate(0)  # nothing kept: every live block goes back
+    assert table.blocks == [] and table.allocator.num_free_blocks == 32
 
 
 def hybrid(num_blocks=64, host=64, bs=4, windows=(None, 6), caching=False):
