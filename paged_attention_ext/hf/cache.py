@@ -139,9 +139,11 @@ class PagedCache(Cache):
     Args:
         config: the model's config (layer count and layer types).
         block_size: tokens per block (>= 1).
-        num_blocks: a fixed pool size in blocks (``NoFreeBlocksError`` when exhausted).
+        num_blocks: a fixed pool size in blocks (``NoFreeBlocksError`` when exhausted). A
+            model with sliding-window layers has several KV groups (``kv_groups``): a block
+            then holds one group's layers, and each row takes blocks in every group.
             ``None`` sizes the pool to what is in use, growing it by a quarter when needed, up
-            to ``batch * ceil(max_seq_len / block_size)`` blocks.
+            to ``batch * ceil(max_seq_len / block_size)`` blocks per KV group.
         enable_prefix_caching: share the full blocks of identical prompt prefixes.
         max_seq_len: with ``num_blocks=None``, the most tokens (prompt and generated) a row
             may hold; ``None`` takes the config's ``max_position_embeddings``. A forward past
@@ -157,7 +159,7 @@ class PagedCache(Cache):
             representative.
         max_cache_len: compile mode (``is_compileable``): the most tokens (prompt and
             generated) a row may hold. The pool (``num_blocks``, default
-            ``max_batch_size * ceil(max_cache_len / block_size)``) and fixed-size block tables
+            ``max_batch_size * ceil(max_cache_len / block_size)`` per KV group) and fixed-size block tables
             and metadata tensors are allocated once and rewritten in place before every
             forward, so ``torch.compile(model.forward, fullgraph=True)`` and generate's
             ``compile_config`` run the decode steps without graph breaks or recompiles
