@@ -119,6 +119,11 @@ SLIDING = {
     # 5 sliding : 1 full.
     "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **{**TINY, "num_hidden_layers": 6}, head_dim=16, sliding_window=6)),
+    # 3 sliding : 1 full, QK norms.
+    "olmo3": lambda: transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+        **{**TINY, "num_hidden_layers": 4}, sliding_window=6)),
+    "exaone4": lambda: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
+        **{**TINY, "num_hidden_layers": 4}, sliding_window=6)),
 }
 
 
