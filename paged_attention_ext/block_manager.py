@@ -111,8 +111,9 @@ class BlockSpaceManager:
         return self._group_of[seq_id]
 
     def seq_append_cost(self, seq_id: int, num_tokens: int) -> int:
-        """New device blocks appending `num_tokens` to this one sequence takes."""
-        return sum(t.blocks_needed(num_tokens) for t in self._tables[seq_id])
+        """Device blocks appending `num_tokens` to this one sequence takes, less those its
+        sliding windows return (may be negative)."""
+        return self._append_cost((t, num_tokens) for t in self._tables[seq_id])
 
     def named_blocks(self) -> Dict[int, bytes]:
         """The device blocks in the prefix cache (used or evictable) and their names."""
@@ -205,8 +206,12 @@ class BlockSpaceManager:
         names = first.names[:shared_len // bs]
         tables = self._new_tables()
         num_hits = self._common_hit(tables, shared_len, names, first_query)
+        # Every group's hits first: allocating one group's fresh blocks may evict cached
+        # blocks, which must not be another group's hits.
         for table in tables:
-            table.allocate_prompt(shared_len, names, num_hits, first_query)
+            table.take_prefix_hits(names, num_hits, first_query)
+        for table in tables:
+            table.place_prompt(shared_len, names)
         if self.device.enable_prefix_caching:
             self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
         self._add(group_id, first.seq_id, tables)
@@ -237,11 +242,13 @@ class BlockSpaceManager:
         """
         tables = self._device_tables(seq_id)
         count = tokens if isinstance(tokens, int) else len(tokens)
-        needed = self._append_cost((t, count) for t in tables)
+        needed = self._append_cost(((t, count) for t in tables), computed)
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"sequence {seq_id}: needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
-        parts = [t.append_tokens(count, names, computed) for t in tables]
+        if computed and count:
+            self._release(tables)  # before any table allocates: the cost counted them
+        parts = [t.append_tokens(count, names, computed=False) for t in tables]
         return self._merged(parts)
 
     def append_group(self, group_id: int, num_tokens: Mapping[int, int],
@@ -257,11 +264,15 @@ class BlockSpaceManager:
                 raise ValueError(f"sequence {seq_id} is not in group {group_id}")
             if count < 0:
                 raise ValueError(f"sequence {seq_id}: number of new tokens must be >= 0, got {count}")
-        needed = self._append_cost((t, n) for s, n in num_tokens.items() for t in self._tables[s])
+        needed = self._append_cost(((t, n) for s, n in num_tokens.items() for t in self._tables[s]),
+                                   computed)
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"group {group_id}: needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
-        return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else (), computed)
+        if computed:  # every sequence's released blocks before any allocates
+            self._release(t for s, n in num_tokens.items() if n for t in self._device_tables(s))
+        return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else (),
+                                    computed=False)
                 for seq_id, count in num_tokens.items()}
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -405,6 +416,12 @@ class BlockSpaceManager:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return tables
 
+    @staticmethod
+    def _release(tables: Iterable[BlockTable]) -> None:
+        """Free what the sliding windows of these tables (all tokens computed) have left."""
+        for table in tables:
+            table.release_unreachable()
+
     def _new_tables(self) -> List[BlockTable]:
         """An empty table per KV group; group g's block names carry key g (group 0: none,
         so a single-group manager names blocks as a plain table does)."""
@@ -460,12 +477,16 @@ class BlockSpaceManager:
             cost += len(tables) * -(-max(0, extra - room) // bs)
         return cost
 
-    def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]]) -> int:
-        """Blocks that these appends, in this order, allocate: a copy of a shared partial
-        last block for every user but the last to append, then growth."""
+    def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]], computed: bool = True) -> int:
+        """Device blocks that these appends, in this order, take (less those they return:
+        may be negative): a copy of a shared partial last block for every user but the
+        last to append, then growth; ``computed`` appends first free what sliding windows
+        have left (blocks no other table holds)."""
         copied: Counter = Counter()
         cost = 0
         for table, count in appends:
+            if computed and count > 0 and table.allocator is self.device:
+                cost -= table.releasable()
             room = len(table.blocks) * self.block_size - table.num_tokens
             if room > 0 and count > 0:
                 last = table.blocks[-1]

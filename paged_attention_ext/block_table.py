@@ -89,6 +89,13 @@ class BlockTable:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
 
+    def releasable(self) -> int:
+        """Blocks :meth:`release_unreachable` would return to the pool now (those no other
+        table shares)."""
+        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        return sum(1 for b in range(self.num_freed, first)
+                   if self.allocator.ref_count(self.blocks[b]) == 1)
+
     def release_unreachable(self) -> int:
         """Free the blocks no query from position ``num_tokens - 1`` on can see (sliding
         window); call it once every held token has been computed. Returns how many.
@@ -130,10 +137,12 @@ class BlockTable:
         if count < 0:
             raise ValueError(f"number of new tokens must be >= 0, got {count}")
         needed = self.blocks_needed(count)
-        if needed > self.allocator.num_free_blocks:
+        release = computed and count > 0
+        available = self.allocator.num_free_blocks + (self.releasable() if release else 0)
+        if needed > available:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: need {needed} blocks, "
-                                    f"{self.allocator.num_free_blocks} available")
-        if computed and count:
+                                    f"{available} available")
+        if release:
             self.release_unreachable()
         fresh = self.allocator.allocate(needed)
         result = AppendResult()
@@ -173,18 +182,30 @@ class BlockTable:
         if needed > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
                                     f"{self.allocator.num_free_blocks} available")
-        # Take the hits first so that allocating the rest cannot evict them; a sliding
-        # table takes only those the first recomputed token's window reaches.
+        self.take_prefix_hits(names, num_hits, first_query)
+        return self.place_prompt(num_tokens, names)
+
+    def take_prefix_hits(self, names: Sequence[bytes], num_hits: int,
+                         first_query: Optional[int] = None) -> None:
+        """The first step of :meth:`allocate_prompt`: reference the ``num_hits`` cached
+        leading blocks (a sliding table only those its first query's window reaches).
+        Several KV groups' tables take their hits before any allocates the rest, so that
+        no allocation evicts another group's hit."""
+        if self.num_tokens or self.blocks:
+            raise ValueError("take_prefix_hits is for an empty table")
         first = self._first_read(num_hits, first_query)
-        cached = [NULL_BLOCK] * first + [self.allocator.acquire_cached(self._pooled(names[b]))
-                                         for b in range(first, num_hits)]
-        fresh = self.allocator.allocate(-(-(num_tokens - num_hits * self.block_size)
-                                          // self.block_size))
-        self.blocks = cached + fresh
+        self.blocks = [NULL_BLOCK] * first + [self.allocator.acquire_cached(self._pooled(names[b]))
+                                              for b in range(first, num_hits)]
         self.num_freed = first
-        num_cached = num_hits * self.block_size
-        self.num_tokens = num_tokens
+        self.num_tokens = num_hits * self.block_size
         self.block_hashes = [self._pooled(n) for n in names[:num_hits]]
+
+    def place_prompt(self, num_tokens: int, names: Sequence[bytes]) -> Tuple[AppendResult, int]:
+        """The second step of :meth:`allocate_prompt`: fresh blocks for the rest of the
+        prompt (the caller checked they are available)."""
+        num_cached = self.num_tokens
+        self.blocks += self.allocator.allocate(-(-(num_tokens - num_cached) // self.block_size))
+        self.num_tokens = num_tokens
         self._register_full_blocks(names)
         return AppendResult(slots=self.slots(num_cached, self.num_tokens)), num_cached
 

@@ -239,3 +239,34 @@ def test_hybrid_random_operations_keep_invariants():
     for group in list(live):
         mgr.free_group(group)
     assert mgr.num_free_device_blocks == 48 and mgr.host.num_free_blocks == 48
+
+
+def test_one_groups_allocation_cannot_evict_anothers_prefix_hit():
+    """Every group takes its hits before any allocates fresh blocks: allocating group 0's
+    rest of the prompt must not evict group 1's cached hit blocks (review finding)."""
+    mgr = BlockSpaceManager(40, 0, 2, enable_prefix_caching=True, watermark=0.0,
+                            kv_group_windows=(None, 6))
+    first, other = list(range(100, 109)), list(range(500, 521))
+    mgr.allocate(1, 1, first)
+    mgr.allocate(2, 2, other)
+    mgr.free_group(1)
+    mgr.free_group(2)
+    prompt = first[:8] + list(range(900, 926))
+    assert mgr.can_allocate(prompt)
+    _, cached = mgr.allocate(3, 3, prompt)
+    assert cached == 8
+    mgr.check_invariants()
+    mgr.free_group(3)
+    assert mgr.num_free_device_blocks == 40
+
+
+def test_appends_count_the_blocks_the_window_returns():
+    """At a block boundary a sliding table frees a block before it allocates one: a pool
+    exactly the window's size keeps decoding (review finding)."""
+    mgr = BlockSpaceManager(4, 0, 2, watermark=0.0, kv_group_windows=(6,))
+    mgr.allocate(0, 0, 7)
+    for _ in range(20):
+        assert mgr.can_append(0)
+        mgr.append(0, 1)
+        mgr.check_invariants()
+    assert mgr.num_tokens(0) == 27 and mgr.seq_append_cost(0, 1) <= 0

@@ -75,8 +75,9 @@ class Scheduler:
             self.manager.free_group(group.group_id)
 
     def must_preempt(self) -> bool:
-        """Whether :meth:`preempt` would preempt: the running groups' next tokens do not all
-        fit (costs are >= 0, so the total fitting means every prefix of it fits).
+        """Whether :meth:`preempt` would preempt: the running groups' next tokens, placed in
+        order, do not all fit (a sliding window's group may return blocks, so a cost can be
+        negative and every prefix of the order is checked).
 
         A sequence's next token takes at most one block per KV group (a new one, or a copy
         of a shared last block), so the common case is answered without asking the manager
@@ -85,7 +86,12 @@ class Scheduler:
         free = self.manager.num_free_device_blocks
         if sum(len(g.live_seqs) for g in self.running) * self.manager.num_kv_groups <= free:
             return False
-        return sum(self.manager.append_cost(g.group_id) for g in self.running) > free
+        needed = 0
+        for group in self.running:
+            needed += self.manager.append_cost(group.group_id)
+            if needed > free:
+                return True
+        return False
 
     def preempt(self) -> Preemption:
         """Preempt the latest-arrived running groups until every other one's next token fits.

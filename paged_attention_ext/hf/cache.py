@@ -361,9 +361,13 @@ class PagedCache(Cache):
             return
         self._step_open = False  # a crop comes between forwards
         # Padding is on the left, so the last columns of every row that has tokens are real.
-        for seq_id in self.rows:
-            if seq_id is not None:
-                self.manager.truncate(seq_id, max(0, self.manager.num_tokens(seq_id) - remove))
+        keep = {seq_id: max(0, self.manager.num_tokens(seq_id) - remove)
+                for seq_id in self.rows if seq_id is not None}
+        for seq_id, num_tokens in keep.items():  # every row checked before any changes
+            for table in self.manager.group_tables(seq_id):
+                table.check_truncate(num_tokens)
+        for seq_id, num_tokens in keep.items():
+            self.manager.truncate(seq_id, num_tokens)
         self._length -= remove
 
     def early_initialization(self, *args, **kwargs) -> None:
