@@ -146,7 +146,7 @@ class BlockSpaceManager:
 
     def can_admit(self, seqs: Sequence[SeqSpec], shared_len: int) -> bool:
         """Whether :meth:`admit` of these sequences fits above the watermark."""
-        return self.device.num_free_blocks - self._admission_cost(seqs, shared_len) \
+        return self.device.num_free_blocks - self._admission(seqs, shared_len)[0] \
             >= self._watermark_blocks
 
     def can_append(self, group_id: int, tokens_per_seq: int = 1, reserved: int = 0) -> bool:
@@ -198,14 +198,13 @@ class BlockSpaceManager:
         """
         self._check_new(group_id, [s.seq_id for s in seqs])
         first_query = 0 if queries_from_start else None
-        needed = self._admission_cost(seqs, shared_len, first_query)
+        needed, num_hits = self._admission(seqs, shared_len, first_query)
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
         first, bs = seqs[0], self.block_size
         names = first.names[:shared_len // bs]
         tables = self._new_tables()
-        num_hits = self._common_hit(tables, shared_len, names, first_query)
         # Every group's hits first: allocating one group's fresh blocks may evict cached
         # blocks, which must not be another group's hits.
         for table in tables:
@@ -451,10 +450,11 @@ class BlockSpaceManager:
         self._groups.setdefault(group_id, []).append(seq_id)
         self._group_of[seq_id] = group_id
 
-    def _admission_cost(self, seqs: Sequence[SeqSpec], shared_len: int,
-                        first_query: Optional[int] = None) -> int:
-        """Device blocks :meth:`admit` takes: the prompt's (fresh blocks and evictable
-        prefix hits), then each sequence's copy of the partial prompt block and growth."""
+    def _admission(self, seqs: Sequence[SeqSpec], shared_len: int,
+                   first_query: Optional[int] = None) -> Tuple[int, int]:
+        """Device blocks :meth:`admit` takes (the prompt's fresh blocks and evictable prefix
+        hits, then each sequence's copy of the partial prompt block and growth) and the
+        prefix hit, in blocks, every KV group agrees on."""
         if not seqs:
             raise ValueError("a group needs at least one sequence")
         if shared_len < 1:
@@ -475,7 +475,7 @@ class BlockSpaceManager:
                 cost += len(tables)
                 sharers -= 1
             cost += len(tables) * -(-max(0, extra - room) // bs)
-        return cost
+        return cost, num_hits
 
     def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]], computed: bool = True) -> int:
         """Device blocks that these appends, in this order, take (less those they return:

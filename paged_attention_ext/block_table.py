@@ -159,38 +159,16 @@ class BlockTable:
         self._register_full_blocks(names)
         return result
 
-    def allocate_prompt(self, num_tokens: int, names: Sequence[bytes],
-                        num_hits: Optional[int] = None,
-                        first_query: Optional[int] = None) -> Tuple[AppendResult, int]:
-        """Place a new sequence's prompt, reusing cached full blocks of its prefix.
-
-        ``names`` are the prompt's full-block names. ``num_hits``: how many leading
-        blocks to take from the prefix cache (one of :meth:`possible_hits`, agreed
-        across KV groups); None: the most this table can. ``first_query``: the first
-        position whose query the caller computes (None: the first token after the hits;
-        0 for a caller that runs the hit tokens' queries too, which then read the blocks
-        before). Returns the slots of the tokens that still need prefill (the first
-        ``num_cached`` tokens are already in the cache) and ``num_cached``. The last
-        prompt token is always recomputed, so its logits exist.
-        """
-        if self.num_tokens:
-            raise ValueError("allocate_prompt is for an empty table")
-        if num_hits is None:
-            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names, first_query))
-                           if ok)
-        needed = self._prompt_blocks(num_tokens, names, num_hits, first_query)
-        if needed > self.allocator.num_free_blocks:
-            raise NoFreeBlocksError(f"{self.allocator.name} pool: prompt needs {needed} blocks, "
-                                    f"{self.allocator.num_free_blocks} available")
-        self.take_prefix_hits(names, num_hits, first_query)
-        return self.place_prompt(num_tokens, names)
-
     def take_prefix_hits(self, names: Sequence[bytes], num_hits: int,
                          first_query: Optional[int] = None) -> None:
-        """The first step of :meth:`allocate_prompt`: reference the ``num_hits`` cached
-        leading blocks (a sliding table only those its first query's window reaches).
-        Several KV groups' tables take their hits before any allocates the rest, so that
-        no allocation evicts another group's hit."""
+        """Start a new sequence's prompt from the prefix cache: reference its ``num_hits``
+        cached leading blocks (one of :meth:`possible_hits`, agreed across KV groups; a
+        sliding table only those its first query's window reaches). ``names`` are the
+        prompt's full-block names; ``first_query``: the first position whose query the
+        caller computes (None: the first token after the hits; 0 for a caller that runs
+        the hit tokens' queries too, which then read the blocks before). Several KV
+        groups' tables take their hits before any places the rest (:meth:`place_prompt`),
+        so that no allocation evicts another group's hit."""
         if self.num_tokens or self.blocks:
             raise ValueError("take_prefix_hits is for an empty table")
         first = self._first_read(num_hits, first_query)
@@ -201,8 +179,10 @@ class BlockTable:
         self.block_hashes = [self._pooled(n) for n in names[:num_hits]]
 
     def place_prompt(self, num_tokens: int, names: Sequence[bytes]) -> Tuple[AppendResult, int]:
-        """The second step of :meth:`allocate_prompt`: fresh blocks for the rest of the
-        prompt (the caller checked they are available)."""
+        """Fresh blocks for the rest of the prompt after :meth:`take_prefix_hits` (the
+        caller checked they are available: :meth:`blocks_needed_for_prompt`). Returns the
+        slots of the tokens that still need prefill and how many leading tokens the prefix
+        cache held. The last prompt token is always recomputed, so its logits exist."""
         num_cached = self.num_tokens
         self.blocks += self.allocator.allocate(-(-(num_tokens - num_cached) // self.block_size))
         self.num_tokens = num_tokens
@@ -214,7 +194,7 @@ class BlockTable:
         """``[h]``: whether this table could start the prompt from ``h`` cached blocks.
 
         Full attention needs blocks ``0 .. h-1`` cached; a sliding window only those
-        its first query (``first_query``, as in :meth:`allocate_prompt`) sees. Entry 0
+        its first query (``first_query``, as in :meth:`take_prefix_hits`) sees. Entry 0
         is always true.
         """
         ok = [True]
@@ -227,21 +207,15 @@ class BlockTable:
                 break  # a full-attention hit never gets longer past a miss
         return ok
 
-    def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes],
-                                 num_hits: Optional[int] = None,
-                                 first_query: Optional[int] = None) -> int:
-        if num_hits is None:
-            num_hits = max(h for h, ok in enumerate(self.possible_hits(num_tokens, names, first_query))
-                           if ok)
-        return self._prompt_blocks(num_tokens, names, num_hits, first_query)
-
     def _first_read(self, num_hits: int, first_query: Optional[int]) -> int:
         """The first block the prompt's queries read when ``num_hits`` blocks are cached."""
         return self.first_visible_block(num_hits * self.block_size if first_query is None
                                         else min(first_query, num_hits * self.block_size))
 
-    def _prompt_blocks(self, num_tokens: int, names: Sequence[bytes], num_hits: int,
-                       first_query: Optional[int] = None) -> int:
+    def blocks_needed_for_prompt(self, num_tokens: int, names: Sequence[bytes], num_hits: int,
+                                 first_query: Optional[int] = None) -> int:
+        """Blocks :meth:`take_prefix_hits` and :meth:`place_prompt` take from the available
+        pool: the fresh ones and the evictable hits."""
         fresh = -(-(num_tokens - num_hits * self.block_size) // self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
         first = self._first_read(num_hits, first_query)

@@ -78,25 +78,6 @@ class ModelRunner:
 
     def _packed_batch(self, slots: List[List[int]], tables: List[List[List[int]]],
                       seq_lens: List[int], query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
-        """The batch's tensors from the lists (per KV group a slot mapping and its tables,
-        padded flat; one tensor per field)."""
-        device = self.kv_cache.device
-        width = max(len(t) for t in tables[0])
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        per_group = []
-        for group_slots, group_tables in zip(slots, tables):
-            flat: List[int] = []
-            for table in group_tables:
-                flat += table
-                flat += [0] * (width - len(table))
-            per_group.append((torch.tensor(group_slots, dtype=torch.int64).to(device),
-                              torch.tensor(flat, dtype=torch.int32).view(len(group_tables), width)
-                              .to(device)))
-        batch = PagedBatch(
-            self.kv_cache, slot_mapping=per_group[0][0], block_tables=per_group[0][1],
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
-            other_groups=tuple(per_group[1:]))
-        return batch, (torch.tensor(starts[1:]) - 1).to(device)
+        """The batch's tensors from the lists, and the rows of each sequence's last token."""
+        batch = PagedBatch.build(self.kv_cache, tables, seq_lens, query_lens, slots)
+        return batch, (batch.query_start_loc[1:] - 1).long()

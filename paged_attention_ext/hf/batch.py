@@ -71,9 +71,11 @@ class PagedBatch:
         width = max([1] + [len(t) for t in block_tables[0]])
         per_group = []
         for group_tables, group_slots in zip(block_tables, slots):
-            tables = torch.zeros(len(group_tables), width, dtype=torch.int32)
-            for row, table in enumerate(group_tables):
-                tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            flat: List[int] = []  # one host list per group, padded rows
+            for table in group_tables:
+                flat += table
+                flat += [0] * (width - len(table))
+            tables = torch.tensor(flat, dtype=torch.int32).view(len(group_tables), width)
             per_group.append((torch.tensor(list(group_slots), dtype=torch.int64, device=device),
                               tables.to(device)))
         starts: List[int] = [0]
