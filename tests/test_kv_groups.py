@@ -152,13 +152,23 @@ def test_hybrid_swap_round_trip_keeps_freed_entries():
     mgr.check_invariants()
 
 
-def test_prefix_hit_needs_every_group():
-    bs = 4
+def cached_prompt():
+    """(manager, prompt, block names) with the 40-token prompt's 10 blocks cached in both
+    groups (full attention, window 6) and nothing in use."""
     prompt = list(range(40))
-    names = block_hashes(prompt, bs)
     mgr = hybrid(windows=(None, 6), caching=True)
     mgr.allocate(0, 0, prompt)
-    mgr.free_group(0)  # all 10 blocks of both groups are cached now
+    mgr.free_group(0)
+    return mgr, prompt, block_hashes(prompt, 4)
+
+
+def forget(mgr, names):
+    """Evict the cached blocks of these (pooled) names."""
+    mgr.device.forget([b for b, n in mgr.named_blocks().items() if n in names])
+
+
+def test_prefix_hit_needs_every_group():
+    mgr, prompt, names = cached_prompt()
     _, cached = mgr.allocate(1, 1, prompt)
     assert cached == 36  # the last block is recomputed
     mgr.free_group(1)
@@ -166,30 +176,23 @@ def test_prefix_hit_needs_every_group():
 
     # A sliding group only needs the window before the first recomputed token: its other
     # blocks may be gone. Evict the sliding group's early blocks only.
-    sliding_names = {n + bytes([1]) for n in names[:6]}
-    evict = [b for b, n in mgr.named_blocks().items() if n in sliding_names]
-    mgr.device.forget(evict)
+    forget(mgr, {n + bytes([1]) for n in names[:6]})
     _, cached = mgr.allocate(2, 2, prompt)
     assert cached == 36
     assert mgr.block_ids(2, 1)[:6] == [NULL_BLOCK] * 6  # before the window: not taken
     mgr.free_group(2)
 
     # Without the full group's blocks there is no hit at all.
-    mgr.device.forget([b for b, n in mgr.named_blocks().items() if n == names[0]])
+    forget(mgr, {names[0]})
     _, cached = mgr.allocate(3, 3, prompt)
     assert cached == 0
     mgr.check_invariants()
 
 
 def test_prefix_hit_shortened_to_where_the_window_is_cached():
-    bs = 4
-    prompt = list(range(40))
-    names = block_hashes(prompt, bs)
-    mgr = hybrid(windows=(None, 6), caching=True)
-    mgr.allocate(0, 0, prompt)
-    mgr.free_group(0)
+    mgr, prompt, names = cached_prompt()
     # The sliding group lost block 7: starting at 32 or 36 needs it (keys from 27 / 31).
-    mgr.device.forget([b for b, n in mgr.named_blocks().items() if n == names[7] + bytes([1])])
+    forget(mgr, {names[7] + bytes([1])})
     _, cached = mgr.allocate(1, 1, prompt)
     assert cached == 28  # starting at 28 needs blocks 5 and 6 only
     mgr.check_invariants()
