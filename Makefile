@@ -161,6 +161,6 @@ cuda-build-check: $(CUDA_STAMP)
 		--build-lib $(CUDA_CHECK_DIR)/lib --build-temp $(CUDA_CHECK_DIR)/tmp \
 		> $(CUDA_CHECK_DIR)/build.log 2>&1 || { tail -n 60 $(CUDA_CHECK_DIR)/build.log; exit 1; }
 	@$(CUDA_PY) -c "import torch; torch.ops.load_library('$(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so'); \
-		ops = ['attention', 'attention_with_lse', 'attention_out', 'write_kv', 'copy_blocks', 'swap_blocks']; \
+		ops = ['attention', 'attention_with_lse', 'attention_out', 'shared_prefix_attention', 'merge_attention_states', 'write_kv', 'copy_blocks', 'swap_blocks']; \
 		missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key('paged::' + op, 'CUDA')]; \
 		assert not missing, f'no CUDA kernel for {missing}'; print('cuda-build-check: sm_90 build OK, CUDA kernels of', len(ops), 'ops registered')"

@@ -1,5 +1,6 @@
-// The three public forms of paged.attention, written once over a backend's
-// `attention_into` (validate, then compute into `out` and optionally `lse`).
+// The public forms of paged.attention (and of the shared-prefix op, the same computation
+// with every query after its keys), written once over a backend's `attention_into`
+// (validate, then compute into `out` and optionally `lse`).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -33,7 +34,13 @@ inline std::vector<int64_t> out_sizes(const at::Tensor& query, const at::Tensor&
   return sizes;
 }
 
-using AttentionIntoFn = void (*)(const char* op, at::Tensor& out,
+// Where a sequence's query rows sit among its keys.
+enum class QueryPlacement {
+  kLastPositions,  // paged.attention: the last q_len positions, causal within them
+  kAfterKeys,      // paged.shared_prefix_attention: after every key (each sees them all)
+};
+
+using AttentionIntoFn = void (*)(const char* op, QueryPlacement placement, at::Tensor& out,
                                  const std::optional<at::Tensor>& lse, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -53,7 +60,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
                      double soft_cap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
-  Into("paged.attention", out, std::nullopt, query, key_cache, value_cache, block_tables,
+  Into("paged.attention", QueryPlacement::kLastPositions, out, std::nullopt, query, key_cache, value_cache, block_tables,
        seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
   return out;
 }
@@ -71,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
   if (query.dim() == 3) {
     lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
   }
-  Into("paged.attention_with_lse", out, lse, query, key_cache, value_cache, block_tables,
+  Into("paged.attention_with_lse", QueryPlacement::kLastPositions, out, lse, query, key_cache, value_cache, block_tables,
        seq_lens, scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
   return {out, *lse};
 }
@@ -84,8 +91,27 @@ void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const 
                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                    double soft_cap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  Into("paged.attention_out", out, lse, query, key_cache, value_cache, block_tables, seq_lens,
+  Into("paged.attention_out", QueryPlacement::kLastPositions, out, lse, query, key_cache, value_cache, block_tables, seq_lens,
        scale, query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks, k_scale, v_scale);
+}
+
+// Attention of each group's queries over its shared prefix (no ALiBi, no window: both
+// depend on the query's position, which the op does not know).
+template <AttentionIntoFn Into>
+std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    double scale, double soft_cap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  at::Tensor out = at::empty(out_sizes(query, value_cache), query.options());
+  std::optional<at::Tensor> lse;
+  if (query.dim() == 3) {
+    lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
+  }
+  Into("paged.shared_prefix_attention", QueryPlacement::kAfterKeys, out, lse, query, key_cache,
+       value_cache, block_tables, seq_lens, scale, query_start_loc, std::nullopt, -1, soft_cap,
+       sinks, k_scale, v_scale);
+  return {out, *lse};
 }
 
 template <AttentionIntoFn Into>
@@ -93,6 +119,7 @@ void register_attention_variants(torch::Library& m) {
   m.impl("attention", &attention<Into>);
   m.impl("attention_with_lse", &attention_with_lse<Into>);
   m.impl("attention_out", &attention_out<Into>);
+  m.impl("shared_prefix_attention", &shared_prefix_attention<Into>);
 }
 
 }  // namespace paged

@@ -311,7 +311,7 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
 void check_attention_metadata(const char* op, const AttentionShape& s,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const std::optional<at::Tensor>& query_start_loc,
-                              int64_t sliding_window) {
+                              int64_t sliding_window, bool queries_after_keys) {
   const int64_t capacity = s.max_blocks_per_seq * s.block_size;
   const int32_t* table = block_tables.data_ptr<int32_t>();
   const int64_t row_stride = block_tables.stride(0);
@@ -349,9 +349,38 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
     const int64_t q_len = int64_t(read_i32(qsl, i + 1)) - read_i32(qsl, i);
     TORCH_CHECK_VALUE(q_len >= 0, op, ": query_start_loc must be non-decreasing; entry ", i + 1,
                       " is below entry ", i);
-    TORCH_CHECK_VALUE(q_len <= read_i32(seq_lens, i), op, ": sequence ", i, " has ", q_len,
+    TORCH_CHECK_VALUE(queries_after_keys || q_len <= read_i32(seq_lens, i), op, ": sequence ", i, " has ", q_len,
                       " query tokens in query_start_loc but seq_lens[", i, "] = ",
                       read_i32(seq_lens, i), " (queries are the last q_len tokens of the sequence)");
+  }
+}
+
+void check_merge_args(const char* op, at::TensorList outputs, at::TensorList lses) {
+  TORCH_CHECK_VALUE(!outputs.empty() && outputs.size() == lses.size(), op,
+                    ": arguments 'outputs' and 'lses' must list the same number (>= 1) of partial "
+                    "results, got ", outputs.size(), " and ", lses.size());
+  const at::Tensor& first = outputs[0];
+  check_rank(op, "outputs[0]", first, 3, "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK_TYPE(is_supported_float(first.scalar_type()), op,
+                   ": argument 'outputs[0]' must be float32, float16 or bfloat16, got ",
+                   first.scalar_type());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const std::string o = "outputs[" + std::to_string(i) + "]";
+    const std::string l = "lses[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(outputs[i].sizes() == first.sizes(), op, ": argument '", o,
+                      "' must have the shape of 'outputs[0]' ", first.sizes(), ", got ",
+                      outputs[i].sizes());
+    check_dtype(op, o.c_str(), outputs[i], first.scalar_type());
+    check_same_device(op, o.c_str(), outputs[i], first, "outputs[0]");
+    TORCH_CHECK_VALUE(outputs[i].stride(2) == 1 || first.size(2) <= 1, op, ": argument '", o,
+                      "' must be contiguous in its last dimension, got strides ",
+                      outputs[i].strides());
+    check_rank(op, l.c_str(), lses[i], 2, "[num_tokens, num_heads]");
+    TORCH_CHECK_VALUE(lses[i].size(0) == first.size(0) && lses[i].size(1) == first.size(1), op,
+                      ": argument '", l, "' must have shape [", first.size(0), ", ", first.size(1),
+                      "] (num_tokens, num_heads of 'outputs[0]'), got ", lses[i].sizes());
+    check_dtype(op, l.c_str(), lses[i], at::kFloat);
+    check_same_device(op, l.c_str(), lses[i], first, "outputs[0]");
   }
 }
 

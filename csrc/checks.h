@@ -41,11 +41,17 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
 // the block table covers, the ids of the blocks attention reads within the pool
 // (with a sliding window, not those wholly before it), query_start_loc consistent
-// with num_tokens and seq_lens.
+// with num_tokens and, unless the queries sit after the keys (the shared-prefix op), no
+// sequence with more queries than tokens.
 void check_attention_metadata(const char* op, const AttentionShape& shape,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const std::optional<at::Tensor>& query_start_loc,
-                              int64_t sliding_window);
+                              int64_t sliding_window, bool queries_after_keys = false);
+
+// paged.merge_attention_states' partial results: as many outputs as lses (at least one),
+// outputs [num_tokens, num_heads, head_size] of one float dtype with the last dim
+// contiguous, lses fp32 [num_tokens, num_heads], all on one device.
+void check_merge_args(const char* op, at::TensorList outputs, at::TensorList lses);
 
 // key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
 // head_size_v] against their caches, which differ at most in head size.

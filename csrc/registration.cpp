@@ -68,6 +68,14 @@ TORCH_LIBRARY(paged, m) {
       "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
       "Tensor? query_start_loc=None, Tensor? alibi_slopes=None, int sliding_window=-1, "
       "float soft_cap=0.0, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  // Each group's query rows (query_start_loc) over its shared prefix (a row of block_tables,
+  // seq_lens tokens), every query after every key: the first level of cascade attention.
+  m.def(
+      "shared_prefix_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "float soft_cap=0.0, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) "
+      "-> (Tensor, Tensor)");
+  m.def("merge_attention_states(Tensor[] outputs, Tensor[] lses) -> (Tensor, Tensor)");
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
@@ -79,7 +87,8 @@ TORCH_LIBRARY(paged, m) {
 }
 
 TORCH_LIBRARY_IMPL(paged, Autograd, m) {
-  for (const char* op : {"attention", "attention_with_lse", "attention_out", "write_kv",
+  for (const char* op : {"attention", "attention_with_lse", "attention_out",
+                         "shared_prefix_attention", "merge_attention_states", "write_kv",
                          "copy_blocks", "swap_blocks"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
   }

@@ -13,6 +13,8 @@ from .ops import (
     attention_with_lse,
     copy_blocks,
     cpu_isa,
+    merge_attention_states,
+    shared_prefix_attention,
     swap_blocks,
     write_kv,
 )
@@ -23,6 +25,8 @@ __all__ = [
     "attention_with_lse",
     "copy_blocks",
     "cpu_isa",
+    "merge_attention_states",
+    "shared_prefix_attention",
     "swap_blocks",
     "write_kv",
 ]

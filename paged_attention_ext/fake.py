@@ -134,6 +134,44 @@ def _attention_out_fake(out, lse: Optional[torch.Tensor], query, key_cache, valu
     return None
 
 
+@torch.library.register_fake("paged::shared_prefix_attention")
+def _shared_prefix_attention_fake(query, key_cache, value_cache, block_tables, seq_lens,
+                                  query_start_loc, scale, soft_cap=0.0, sinks=None, k_scale=None,
+                                  v_scale=None):
+    _check_attention_args("paged.shared_prefix_attention", query, key_cache, value_cache,
+                          block_tables, seq_lens, query_start_loc, None, sinks, k_scale, v_scale)
+    lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+    return query.new_empty(_out_shape(query, value_cache)), lse
+
+
+@torch.library.register_fake("paged::merge_attention_states")
+def _merge_attention_states_fake(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
+    op = "paged.merge_attention_states"
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError(f"{op}: arguments 'outputs' and 'lses' must list the same number (>= 1) "
+                         f"of partial results, got {len(outputs)} and {len(lses)}")
+    first = outputs[0]
+    tensors = {f"outputs[{i}]": t for i, t in enumerate(outputs)}
+    tensors.update({f"lses[{i}]": t for i, t in enumerate(lses)})
+    _check_devices(op, "outputs[0]", first, **tensors)
+    if first.dim() != 3:
+        raise ValueError(f"{op}: argument 'outputs[0]' must be 3-D [num_tokens, num_heads, "
+                         f"head_size], got shape {tuple(first.shape)}")
+    for i, (o, l) in enumerate(zip(outputs, lses)):
+        if o.dtype != first.dtype or first.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: argument 'outputs[{i}]' must have dtype {first.dtype} "
+                            f"(float32, float16 or bfloat16), got {o.dtype}")
+        if o.shape != first.shape:
+            raise ValueError(f"{op}: argument 'outputs[{i}]' must have the shape of 'outputs[0]' "
+                             f"{list(first.shape)}, got {list(o.shape)}")
+        if l.dtype != torch.float32:
+            raise TypeError(f"{op}: argument 'lses[{i}]' must have dtype torch.float32, got {l.dtype}")
+        if l.shape != first.shape[:2]:
+            raise ValueError(f"{op}: argument 'lses[{i}]' must have shape {list(first.shape[:2])} "
+                             f"(num_tokens, num_heads of 'outputs[0]'), got {list(l.shape)}")
+    return first.new_empty(first.shape), first.new_empty(first.shape[:2], dtype=torch.float32)
+
+
 @torch.library.register_fake("paged::write_kv")
 def _write_kv_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     op = "paged.write_kv"

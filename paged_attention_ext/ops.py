@@ -68,6 +68,8 @@ __all__ = [
     "attention",
     "attention_with_lse",
     "attention_out",
+    "shared_prefix_attention",
+    "merge_attention_states",
     "write_kv",
     "copy_blocks",
     "swap_blocks",
@@ -266,6 +268,108 @@ def attention_out(
                                   scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
                                   sinks, k_scale, v_scale)
     return out
+
+
+def shared_prefix_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of groups of queries over a prefix each group shares: the first level of
+    cascade attention.
+
+    Sequences that share their first blocks (samples or beams of one prompt, requests with
+    a common system prompt) read those blocks once per group here instead of once per
+    sequence: every prefix block serves all the group's query rows and the query heads of
+    its KV head. The rest of each sequence (its suffix) goes to :func:`attention_with_lse`
+    with its own block table, and :func:`merge_attention_states` combines the two, exactly
+    (:mod:`paged_attention_ext.cascade` plans and runs all three).
+
+    Group ``g`` is one shared prefix: its keys are ``seq_lens[g]`` tokens read through row
+    ``g`` of ``block_tables`` (any length, a partial last block included), its queries the
+    rows ``[query_start_loc[g], query_start_loc[g + 1])`` of ``query`` (any number; decode
+    rows, or several rows per sequence). Every query comes after the whole prefix, so it
+    sees every prefix key: no causal mask. A group with ``seq_lens[g] == 0`` sees nothing.
+
+    ALiBi and sliding windows depend on each query's position, which this op does not
+    know: it has no such arguments, and a model with either runs the plain op
+    (:func:`paged_attention_ext.cascade.plan_cascade` is not used for it).
+
+    Args:
+        query, key_cache, value_cache, scale, soft_cap, k_scale, v_scale: as in
+            :func:`attention`.
+        block_tables: int32 ``[num_groups, max_blocks]``, each group's prefix blocks.
+        seq_lens: int32 ``[num_groups]``, each prefix's length in tokens.
+        query_start_loc: int32 ``[num_groups + 1]``, cumulative: ``0`` first, ``num_tokens``
+            last.
+        sinks: as in :func:`attention`; counted in this op's ``lse``, so give them to this
+            op only, not also to the suffix's :func:`attention_with_lse`.
+
+    Returns:
+        ``(out, lse)`` as :func:`attention_with_lse` returns them.
+
+    Example (two samples of one 20-token prompt, each with 3 tokens of its own)::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> key_cache, value_cache = torch.randn(6, 2, 16, 32), torch.randn(6, 2, 16, 32)
+        >>> tables = torch.tensor([[4, 1, 2], [4, 1, 3]], dtype=torch.int32)  # block 4 shared
+        >>> lens = torch.tensor([19, 19], dtype=torch.int32)
+        >>> query = torch.randn(2, 4, 32)                    # decode rows, GQA 2:1
+        >>> whole = pa.attention(query, key_cache, value_cache, tables, lens, 0.2)
+        >>> prefix = pa.shared_prefix_attention(
+        ...     query, key_cache, value_cache, tables[:1, :1], torch.tensor([16], dtype=torch.int32),
+        ...     torch.tensor([0, 2], dtype=torch.int32), 0.2)
+        >>> suffix = pa.attention_with_lse(query, key_cache, value_cache, tables[:, 1:],
+        ...                                lens - 16, 0.2)
+        >>> out, lse = pa.merge_attention_states([prefix[0], suffix[0]], [prefix[1], suffix[1]])
+        >>> torch.testing.assert_close(out, whole)
+    """
+    return torch.ops.paged.shared_prefix_attention(query, key_cache, value_cache, block_tables,
+                                                   seq_lens, query_start_loc, scale, soft_cap,
+                                                   sinks, k_scale, v_scale)
+
+
+def merge_attention_states(outputs: Sequence[torch.Tensor],
+                           lses: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attention results over disjoint keys into one, by their log-sum-exps.
+
+    With ``w_k = exp(lses[k] - max_k lses[k])`` per (row, head):
+    ``out = sum_k w_k outputs[k] / sum_k w_k`` and ``lse = max + log(sum_k w_k)``, so
+    the result equals attention over the union of the parts' keys (and merges again). A
+    part with ``lse = -inf`` saw no key and is not read (its output may hold anything); a
+    row no part saw gets 0 and ``-inf``; a NaN ``lse`` makes the row NaN.
+
+    Args:
+        outputs: 1 to 16 tensors ``[num_tokens, num_heads, head_size]`` of one float dtype
+            and shape, last dim contiguous (other strides free).
+        lses: fp32 ``[num_tokens, num_heads]`` each, as :func:`attention_with_lse` and
+            :func:`shared_prefix_attention` return them.
+
+    Returns:
+        ``(out, lse)``: new contiguous tensors, ``out`` in the outputs' dtype (computed in
+        fp32), ``lse`` fp32.
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> o1, o2 = torch.ones(1, 2, 4), torch.zeros(1, 2, 4)
+        >>> lse1, lse2 = torch.zeros(1, 2), torch.tensor([[0.0, float("-inf")]])
+        >>> out, lse = pa.merge_attention_states([o1, o2], [lse1, lse2])
+        >>> out[0, :, 0].tolist(), lse[0].tolist()   # head 0: equal weights; head 1: only o1
+        ([0.5, 1.0], [0.6931471824645996, 0.0])
+    """
+    if not outputs:  # the dispatcher needs a tensor to pick a backend
+        raise ValueError("paged.merge_attention_states: arguments 'outputs' and 'lses' must list "
+                         "the same number (>= 1) of partial results, got none")
+    return torch.ops.paged.merge_attention_states(list(outputs), list(lses))
 
 
 def write_kv(

@@ -56,6 +56,37 @@ def query_rows(seq_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor]) 
     return [(starts[i], starts[i + 1] - starts[i]) for i in range(seq_lens.shape[0])]
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            soft_cap: float, bias: Optional[torch.Tensor], visible: torch.Tensor,
+            sink: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``q`` [q_len, heads, head_size] over ``keys``/``values`` [heads, kv_len, ...]:
+    (out [q_len, heads, head_size_v], lse [q_len, heads]); ``visible`` [q_len, kv_len]."""
+    q = q.transpose(0, 1)  # [heads, q_len, head_size]
+    num_heads, q_len = q.shape[0], q.shape[1]
+    scores = scale * (q @ keys.transpose(1, 2))  # [heads, q_len, kv_len]
+    if soft_cap > 0:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # The sink: one more logit per head in the denominator, with no value.
+    sink_column = sink[:, None, None].expand(num_heads, q_len, 1)
+    row_lse = torch.logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
+    # -inf where a row sees nothing and has no sink.
+    probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(q.dtype).min))
+    return (probs @ values).transpose(0, 1), row_lse.transpose(0, 1)
+
+
+def _no_keys_state(query: torch.Tensor, num_heads: int, head_size_v: int, compute: torch.dtype,
+                   sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, sink) of rows that see no key: output 0, lse the sink (-inf without)."""
+    num_tokens = query.shape[0]
+    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=compute, device=query.device)
+    no_sink = torch.full((num_heads,), float("-inf"), dtype=compute, device=query.device)
+    sink = no_sink if sinks is None else sinks.to(compute)
+    return out, sink.expand(num_tokens, num_heads).clone(), sink
+
+
 def attention_with_lse(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -74,14 +105,9 @@ def attention_with_lse(
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     key_cache = dequantize(key_cache, k_scale, compute)
     value_cache = dequantize(value_cache, v_scale, compute)
-    num_tokens, num_heads, _ = query.shape
+    num_heads = query.shape[1]
     group = num_heads // key_cache.shape[1]
-    head_size_v = value_cache.shape[3]
-    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=compute, device=query.device)
-    # A row that sees no key: output 0, lse the sink (-inf without sinks).
-    no_sink = torch.full((num_heads,), float("-inf"), dtype=compute, device=query.device)
-    sink = no_sink if sinks is None else sinks.to(compute)
-    lse = sink.expand(num_tokens, num_heads).clone()
+    out, lse, sink = _no_keys_state(query, num_heads, value_cache.shape[3], compute, sinks)
 
     for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
         kv_len = int(seq_lens[i])
@@ -96,27 +122,16 @@ def attention_with_lse(
                                   first_block).repeat_interleave(group, dim=0)
         values = gather_sequence_kv(value_cache, block_tables[i], kv_len,
                                     first_block).repeat_interleave(group, dim=0)
-        q = query[row:row + q_len].to(compute).transpose(0, 1)  # [heads, q_len, head_size]
-
-        scores = scale * (q @ keys.transpose(1, 2))  # [heads, q_len, kv_len]
-        if soft_cap > 0:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(start, kv_len, device=query.device)[None, :]
-        if alibi_slopes is not None:
-            scores = scores + alibi_slopes.to(compute)[:, None, None] * (k_pos - q_pos)
         visible = k_pos <= q_pos
         if sliding_window > 0:
             visible &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-
-        # The sink: one more logit per head in the denominator, with no value.
-        sink_column = sink[:, None, None].expand(num_heads, q_len, 1)
-        row_lse = torch.logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
-        # -inf where a row sees nothing and has no sink.
-        probs = torch.exp(scores - row_lse[..., None].clamp_min(torch.finfo(compute).min))
-        out[row:row + q_len] = (probs @ values).transpose(0, 1)
-        lse[row:row + q_len] = row_lse.transpose(0, 1)
+        bias = None
+        if alibi_slopes is not None:
+            bias = alibi_slopes.to(compute)[:, None, None] * (k_pos - q_pos)
+        out[row:row + q_len], lse[row:row + q_len] = _attend(
+            query[row:row + q_len].to(compute), keys, values, scale, soft_cap, bias, visible, sink)
     return out.to(query.dtype), lse
 
 
@@ -138,6 +153,53 @@ def attention(
     return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
                               query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
                               k_scale, v_scale)[0]
+
+
+def shared_prefix_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    key_cache = dequantize(key_cache, k_scale, compute)
+    value_cache = dequantize(value_cache, v_scale, compute)
+    num_heads = query.shape[1]
+    group = num_heads // key_cache.shape[1]
+    out, lse, sink = _no_keys_state(query, num_heads, value_cache.shape[3], compute, sinks)
+    for g, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
+        prefix_len = int(seq_lens[g])
+        if q_len == 0 or prefix_len == 0:
+            continue
+        keys = gather_sequence_kv(key_cache, block_tables[g], prefix_len).repeat_interleave(group, dim=0)
+        values = gather_sequence_kv(value_cache, block_tables[g], prefix_len).repeat_interleave(group, dim=0)
+        # Every query of the group comes after the whole prefix: no mask.
+        visible = torch.ones(q_len, prefix_len, dtype=torch.bool, device=query.device)
+        out[row:row + q_len], lse[row:row + q_len] = _attend(
+            query[row:row + q_len].to(compute), keys, values, scale, soft_cap, None, visible, sink)
+    return out.to(query.dtype), lse
+
+
+def merge_attention_states(outputs: List[torch.Tensor],
+                           lses: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    compute = torch.float64 if outputs[0].dtype == torch.float64 else torch.float32
+    lse = torch.stack([l.to(compute) for l in lses])  # [parts, tokens, heads]
+    merged_lse = torch.logsumexp(lse, dim=0)
+    seen = merged_lse > float("-inf")
+    weights = torch.where(seen, torch.exp(lse - merged_lse.where(seen, 0)), 0)
+    out = torch.zeros(outputs[0].shape, dtype=compute, device=outputs[0].device)
+    for w, o in zip(weights, outputs):
+        # A part that saw nothing (weight 0) is not read: its output may be anything.
+        out += torch.where(w[..., None] > 0, w[..., None] * o.to(compute), 0)
+    out = out.masked_fill(merged_lse.isnan()[..., None], float("nan"))  # a NaN lse stays visible
+    return out.to(outputs[0].dtype), merged_lse.to(torch.float32)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -636,3 +636,172 @@ def kv_format_unused_slots_do_not_change_output(device, kv, poison):
     poison_unused(case, poison)
     after, _ = attention_with_lse(device, query, case, 0.125, **extra)
     assert torch.equal(before, after)
+
+
+# ---- shared prefixes (cascade attention) ------------------------------------------------------
+
+@dataclasses.dataclass
+class SharedPrefixCase:
+    """Groups of sequences over one cache: group ``g``'s prefix is row ``g`` of
+    ``prefixes`` (``prefixes.seq_lens[g]`` tokens); sequence ``i`` of the batch (rows of
+    ``whole``) is its group's prefix blocks followed by blocks of its own, in random
+    physical order, every unused slot NaN."""
+
+    whole: PagedCase
+    prefixes: PagedCase          # block_tables / seq_lens: one row per group
+    group_of: List[int]          # the group of each sequence
+    suffix_lens: List[int]
+
+    @property
+    def group_starts(self) -> torch.Tensor:
+        """query_start_loc of the groups for one decode row per sequence."""
+        counts = [self.group_of.count(g) for g in range(len(self.prefixes.seq_lens))]
+        return query_start_loc(counts)
+
+    def suffix_tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's own blocks and lengths (its table after the prefix blocks)."""
+        bs = self.whole.block_size
+        tables = torch.full_like(self.whole.block_tables, 1 << 30)
+        for i, g in enumerate(self.group_of):
+            skip = int(self.prefixes.seq_lens[g]) // bs
+            tables[i, :tables.shape[1] - skip] = self.whole.block_tables[i, skip:]
+        return tables, torch.tensor(self.suffix_lens, dtype=torch.int32)
+
+
+def shared_prefix_case(prefix_lens: Sequence[int], group_sizes: Sequence[int],
+                       suffix_lens: Sequence[int], num_kv_heads: int, head_size: int,
+                       block_size: int, dtype: torch.dtype, seed: int = 0) -> SharedPrefixCase:
+    """Sequences grouped in order (``group_sizes``), each with its suffix length. A prefix
+    that ends inside a block is only used by the shared-prefix op alone (a suffix table
+    starts on a block boundary)."""
+    group_of = [g for g, n in enumerate(group_sizes) for _ in range(n)]
+    assert len(group_of) == len(suffix_lens)
+    base = make_case(list(prefix_lens) + list(suffix_lens), num_kv_heads, head_size, block_size,
+                     dtype, seed=seed)
+    num_groups = len(prefix_lens)
+    width = base.block_tables.shape[1] * 2
+    tables = torch.full((len(group_of), width), 1 << 30, dtype=torch.int32)
+    lens = []
+    for i, g in enumerate(group_of):
+        prefix_blocks = -(-prefix_lens[g] // block_size)
+        own_blocks = -(-suffix_lens[i] // block_size)
+        row = torch.cat([base.block_tables[g, :prefix_blocks],
+                         base.block_tables[num_groups + i, :own_blocks]])
+        tables[i, :row.numel()] = row
+        lens.append(prefix_lens[g] + suffix_lens[i])
+    whole = dataclasses.replace(base, block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    prefixes = dataclasses.replace(base, block_tables=base.block_tables[:num_groups].clone(),
+                                   seq_lens=base.seq_lens[:num_groups].clone())
+    return SharedPrefixCase(whole, prefixes, group_of, list(suffix_lens))
+
+
+def shared_prefix_attention(device: str, query: torch.Tensor, case: PagedCase,
+                            group_starts: torch.Tensor, scale: float, **kwargs):
+    dev = on_device(case, device)
+    moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    out, lse = pa.shared_prefix_attention(query.to(device), dev.key_cache, dev.value_cache,
+                                          dev.block_tables, dev.seq_lens, group_starts.to(device),
+                                          scale, **moved)
+    return out.cpu(), lse.cpu()
+
+
+def assert_prefix_matches_reference(device: str, query: torch.Tensor, case: PagedCase,
+                                    group_starts: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
+    out, lse = shared_prefix_attention(device, query, case, group_starts, scale, **kwargs)
+    oracle_query = query.double() if case.key_cache.dtype in FP8_DTYPES else query
+    want, want_lse = ref.shared_prefix_attention(oracle_query, case.key_cache, case.value_cache,
+                                                 case.block_tables, case.seq_lens, group_starts,
+                                                 scale, **kwargs)
+    assert out.dtype == query.dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-5)
+    return out
+
+
+def cascade(device: str, query: torch.Tensor, case: SharedPrefixCase, scale: float,
+            sinks: Optional[torch.Tensor] = None, **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of ``case.whole`` as prefix op + suffix attention + merge."""
+    prefix = shared_prefix_attention(device, query, case.prefixes, case.group_starts, scale,
+                                     sinks=sinks, **kwargs)
+    tables, lens = case.suffix_tables()
+    suffix = attention_with_lse(device, query, dataclasses.replace(case.whole, block_tables=tables,
+                                                                   seq_lens=lens), scale, **kwargs)
+    out, lse = pa.merge_attention_states([prefix[0].to(device), suffix[0].to(device)],
+                                         [prefix[1].to(device), suffix[1].to(device)])
+    return out.cpu(), lse.cpu()
+
+
+@scenario(dtype=DTYPES, block_size=[1, 16, 64], heads=[(8, 2), (4, 4)])
+def shared_prefix_edge_lengths(device, dtype, block_size, heads):
+    # Prefixes of 1, bs-1, bs, bs+1 and longer tokens, one of none; groups of 1 to 5 rows;
+    # GQA and MHA; unused slots NaN. Then several rows per sequence (speculative rows).
+    num_heads, num_kv_heads = heads
+    prefix_lens = [1, max(1, block_size - 1), block_size, block_size + 1, 3 * block_size + 5, 0]
+    sizes = [3, 1, 2, 5, 2, 2]
+    case = shared_prefix_case(prefix_lens, sizes, [1] * sum(sizes), num_kv_heads, 64, block_size, dtype)
+    query = random_query(sum(sizes), num_heads, 64, dtype)
+    out = assert_prefix_matches_reference(device, query, case.prefixes, case.group_starts, 0.125)
+    assert (out[-2:] == 0).all(), "a group without prefix sees nothing"
+    starts = query_start_loc([s * 3 for s in sizes])
+    query = random_query(int(starts[-1]), num_heads, 64, dtype, seed=3)
+    assert_prefix_matches_reference(device, query, case.prefixes, starts, 0.125)
+
+
+@scenario(dtype=DTYPES)
+def shared_prefix_sinks_soft_cap_and_long_prefix(device, dtype):
+    # A prefix long enough for split-KV partitions, sinks (counted once, in this op) and soft cap.
+    case = shared_prefix_case([5000, 40], [8, 3], [1] * 11, 2, 128, 16, dtype)
+    query = random_query(11, 8, 128, dtype)
+    sinks = random_sinks(8)
+    assert_prefix_matches_reference(device, query, case.prefixes, case.group_starts, 128 ** -0.5,
+                                    sinks=sinks, soft_cap=3.0)
+
+
+@scenario(fmt=FP8_FORMATS[:4] + FLOAT_LAYOUTS)
+def shared_prefix_kv_formats(device, fmt):
+    # fp8 caches (per-layer and per-head scales) and strided layouts.
+    case = shared_prefix_case([17, 33, 64], [2, 4, 1], [1] * 7, 2, 64, 16, torch.float32)
+    prefixes, extra = with_format(case.prefixes, fmt)
+    query = random_query(7, 8, 64, torch.bfloat16 if fmt.cache_dtype else torch.float32)
+    assert_prefix_matches_reference(device, query, prefixes, case.group_starts, 0.125, **extra)
+
+
+@scenario(dtype=DTYPES, block_size=[1, 16, 32], heads=[(8, 2), (32, 8), (4, 4)])
+def cascade_equals_plain_attention(device, dtype, block_size, heads):
+    # Prefix op + suffix attention + merge == attention over each whole sequence, with
+    # suffixes of 0 (the query's position past the prefix), 1, bs - 1, bs and bs + 1 tokens.
+    num_heads, num_kv_heads = heads
+    bs = block_size
+    suffixes = [0, 1, max(1, bs - 1), bs, bs + 1, 1, 7, 2 * bs + 3]
+    case = shared_prefix_case([bs, 5 * bs, 2 * bs], [3, 4, 1], suffixes, num_kv_heads, 64, bs, dtype)
+    query = random_query(len(suffixes), num_heads, 64, dtype)
+    for sinks in (None, random_sinks(num_heads)):
+        out, lse = cascade(device, query, case, 0.125, sinks=sinks)
+        want, want_lse = ref.attention_with_lse(query, case.whole.key_cache, case.whole.value_cache,
+                                                case.whole.block_tables, case.whole.seq_lens, 0.125,
+                                                sinks=sinks)
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@scenario(dtype=DTYPES, parts=[1, 2, 5, 16])
+def merge_attention_states_matches_reference(device, dtype, parts):
+    # Strided outputs; parts that saw nothing (lse -inf, output NaN: never read); rows no
+    # part saw; large lse differences.
+    gen = torch.Generator().manual_seed(parts)
+    outputs, lses = [], []
+    for k in range(parts):
+        wide = torch.randn(6, 4, 48 + 8 * k, generator=gen).to(dtype)
+        out = wide[..., :48]
+        lse = torch.randn(6, 4, generator=gen) * 30
+        lse[k % 6, :2] = float("-inf")
+        out[k % 6, :2] = float("nan")
+        lse[5] = float("-inf")
+        outputs.append(out)
+        lses.append(lse)
+    got, got_lse = pa.merge_attention_states([o.to(device) for o in outputs], [l.to(device) for l in lses])
+    want, want_lse = ref.merge_attention_states(outputs, lses)
+    assert got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOLERANCES[dtype])
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+    assert (got[5] == 0).all() and got_lse[5].isneginf().all()

@@ -6,7 +6,7 @@
 // __syncwarp are barriers, and warp shuffles exchange values through a per-warp
 // buffer between two barriers. Slow, but it executes the kernels' own code:
 // planner, key schedule, score and value phases, warp merge, sinks, the split
-// results and the merge kernel; write_kv (copying and fp8-quantizing) and copy_blocks;
+// results and the merge kernel, merge_attention_states; write_kv (copying and fp8-quantizing) and copy_blocks;
 // the fp8 conversions (fp8.cuh's software path, the one sm_80 runs: the hardware
 // conversion of sm_89+ is not emulated). Built and driven by tests/test_cuda_emulated.py
 // (ctypes); needs the CUDA headers (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h), not
@@ -100,6 +100,7 @@ using std::min;
 
 #include "attention_kernels.cuh"
 #include "cache_kernels.cuh"
+#include "merge_states.cuh"
 
 // ---- the driver --------------------------------------------------------------------------
 namespace paged::cuda {
@@ -168,6 +169,7 @@ struct EmuArgs {
   int64_t lse_token_stride;
   int64_t multiprocessors, ctas_per_sm;
   int64_t num_partitions;  // out: the plan's split count
+  int64_t queries_after_keys;  // shared_prefix_attention
 };
 
 extern "C" int emu_attention(EmuArgs* a) {
@@ -204,6 +206,7 @@ extern "C" int emu_attention(EmuArgs* a) {
   p.scale = float(a->scale);
   p.soft_cap = float(a->soft_cap);
   p.sliding_window = int(a->sliding_window);
+  p.queries_after_keys = int(a->queries_after_keys);
   p.out = a->out;
   p.out_token_stride = a->out_token_stride;
   p.out_head_stride = a->out_head_stride;
@@ -240,6 +243,14 @@ extern "C" int emu_attention(EmuArgs* a) {
     case paged::ScalarKind::kFloat8E4M3: run_attention<AnyFloat, Fp8E4M3>(p); break;
     case paged::ScalarKind::kFloat8E5M2: run_attention<AnyFloat, Fp8E5M2>(p); break;
   }
+  return 0;
+}
+
+// merge_attention_states with MergeStatesParams' layout, as launch_merge_states runs it.
+extern "C" int emu_merge_states(const paged::cuda::MergeStatesParams* p) {
+  using namespace paged::cuda;
+  run_grid(dim3(unsigned(int64_t(p->num_tokens) * p->num_heads)),
+           [&] { merge_states_kernel<AnyFloat>(*p); });
   return 0;
 }
 

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 
+import attention_scenarios as scenarios
 from paged_attention_ext import reference as ref
 from paged_attention_ext.layouts import from_nhd, split_kv
 from paged_case import TOLERANCES, free_out_of_window, make_case, query_start_loc, random_query
@@ -48,7 +49,25 @@ class EmuArgs(ctypes.Structure):
         + [("scale", ctypes.c_double), ("soft_cap", ctypes.c_double), ("out", ctypes.c_void_p),
            ("out_token_stride", ctypes.c_int64), ("out_head_stride", ctypes.c_int64), ("lse", ctypes.c_void_p),
            ("lse_token_stride", ctypes.c_int64), ("multiprocessors", ctypes.c_int64),
-           ("ctas_per_sm", ctypes.c_int64), ("num_partitions", ctypes.c_int64)]
+           ("ctas_per_sm", ctypes.c_int64), ("num_partitions", ctypes.c_int64),
+           ("queries_after_keys", ctypes.c_int64)]
+    )
+
+
+MAX_MERGE_INPUTS = 16
+
+
+class MergeStatesParams(ctypes.Structure):
+    _fields_ = (
+        [("kind", ctypes.c_int32), ("num_inputs", ctypes.c_int32),
+         ("outputs", ctypes.c_void_p * MAX_MERGE_INPUTS),
+         ("out_token_stride", ctypes.c_int64 * MAX_MERGE_INPUTS),
+         ("out_head_stride", ctypes.c_int64 * MAX_MERGE_INPUTS),
+         ("lses", ctypes.c_void_p * MAX_MERGE_INPUTS),
+         ("lse_token_stride", ctypes.c_int64 * MAX_MERGE_INPUTS),
+         ("lse_head_stride", ctypes.c_int64 * MAX_MERGE_INPUTS)]
+        + [(n, ctypes.c_int32) for n in ("num_tokens", "num_heads", "head_size")]
+        + [("out", ctypes.c_void_p), ("lse", ctypes.c_void_p)]
     )
 
 
@@ -91,6 +110,7 @@ def emulator(fp8_path="software"):
     library = ctypes.CDLL(lib)
     library.emu_attention.argtypes = [ctypes.POINTER(EmuArgs)]
     library.emu_write_kv.argtypes = [ctypes.POINTER(EmuWriteKv)]
+    library.emu_merge_states.argtypes = [ctypes.POINTER(MergeStatesParams)]
     library.emu_copy_blocks.argtypes = [ctypes.POINTER(CopyCache), ctypes.POINTER(CopyCache), ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64]
     library.emu_quantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
@@ -109,9 +129,12 @@ def scale_stride(scale):
 
 def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc=None,
                        alibi_slopes=None, sliding_window=-1, soft_cap=0.0, sinks=None, k_scale=None,
-                       v_scale=None, ctas_per_sm=3, multiprocessors=132, fp8_path="software"):
+                       v_scale=None, ctas_per_sm=3, multiprocessors=132, fp8_path="software",
+                       queries_after_keys=False):
     """The CUDA kernels' answer (out, lse, number of splits), computed on the CPU. The caches
-    may be strided views (as the host code passes their strides)."""
+    may be strided views (as the host code passes their strides). ``queries_after_keys``:
+    shared_prefix_attention (block_tables / seq_lens are the groups' prefixes,
+    query_start_loc their rows)."""
     lib = emulator(fp8_path)
     num_tokens, num_heads, _ = query.shape
     keep = [t.contiguous() if t is not None else None
@@ -131,7 +154,8 @@ def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, sc
                 num_blocks=key_cache.shape[0], max_blocks_per_seq=tables.shape[1], sliding_window=sliding_window,
                 scale=scale, soft_cap=soft_cap, out=ptr(out), out_token_stride=out.stride(0),
                 out_head_stride=out.stride(1), lse=ptr(lse), lse_token_stride=lse.stride(0),
-                multiprocessors=multiprocessors, ctas_per_sm=ctas_per_sm)
+                multiprocessors=multiprocessors, ctas_per_sm=ctas_per_sm,
+                queries_after_keys=int(queries_after_keys))
     lib.emu_attention(ctypes.byref(a))
     return out, lse, a.num_partitions
 
@@ -532,3 +556,75 @@ def test_copy_blocks(layout, dtype):
     emulator().emu_copy_blocks(ctypes.byref(k_rows), ctypes.byref(v_rows), mapping.data_ptr(), 3, num_blocks)
     assert torch.equal(key.contiguous().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(value.contiguous().view(torch.uint8), want_v.view(torch.uint8))
+
+
+# ---- shared_prefix_attention and merge_attention_states ------------------------------------
+
+def emulated_prefix_attention(query, case, group_starts, scale, **kwargs):
+    return emulated_attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                              scale, query_start_loc=group_starts, queries_after_keys=True, **kwargs)
+
+
+@pytest.mark.parametrize("dtype,heads", [(torch.float32, (8, 2)), (torch.bfloat16, (4, 4)),
+                                         (torch.float32, (16, 1))])
+def test_shared_prefix_attention(dtype, heads):
+    # Prefixes of 1, bs-1, bs, bs+1, long (split-KV) and 0 tokens; groups of 1 to 3 rows, then
+    # 2 rows per sequence; GQA groups within and beyond one CTA's 8 query vectors; sinks.
+    num_heads, num_kv_heads = heads
+    case = scenarios.shared_prefix_case([1, 15, 16, 17, 600, 0], [2, 1, 1, 3, 2, 1], [1] * 10,
+                                        num_kv_heads, 64, 16, dtype)
+    sinks = scenarios.random_sinks(num_heads)
+    for starts in (case.group_starts, query_start_loc([4, 2, 2, 6, 4, 2])):
+        query = random_query(int(starts[-1]), num_heads, 64, dtype)
+        for extra in ({}, dict(sinks=sinks, soft_cap=4.0)):
+            out, lse, splits = emulated_prefix_attention(query, case.prefixes, starts, 0.125, **extra)
+            want, want_lse = ref.shared_prefix_attention(query, case.prefixes.key_cache,
+                                                         case.prefixes.value_cache,
+                                                         case.prefixes.block_tables,
+                                                         case.prefixes.seq_lens, starts, 0.125, **extra)
+            torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[dtype])
+            torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_shared_prefix_fp8_nhd():
+    case = scenarios.shared_prefix_case([17, 300], [3, 2], [1] * 5, 2, 64, 16, torch.float32)
+    prefixes, extra = scenarios.with_format(case.prefixes, scenarios.KVFormat(torch.float8_e4m3fn, True, "NHD"))
+    query = random_query(5, 8, 64, torch.bfloat16)
+    out, lse, _ = emulated_prefix_attention(query, prefixes, case.group_starts, 0.125, **extra)
+    want, want_lse = ref.shared_prefix_attention(query.double(), prefixes.key_cache, prefixes.value_cache,
+                                                 prefixes.block_tables, prefixes.seq_lens,
+                                                 case.group_starts, 0.125, **extra)
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-5)
+
+
+def emulated_merge(outputs, lses):
+    out = torch.full(outputs[0].shape, float("nan"), dtype=outputs[0].dtype)
+    lse = torch.full(outputs[0].shape[:2], float("nan"))
+    p = MergeStatesParams(kind=KINDS[out.dtype], num_inputs=len(outputs), num_tokens=out.shape[0],
+                          num_heads=out.shape[1], head_size=out.shape[2], out=ptr(out), lse=ptr(lse))
+    for k, (o, l) in enumerate(zip(outputs, lses)):
+        p.outputs[k], p.out_token_stride[k], p.out_head_stride[k] = ptr(o), o.stride(0), o.stride(1)
+        p.lses[k], p.lse_token_stride[k], p.lse_head_stride[k] = ptr(l), l.stride(0), l.stride(1)
+    emulator().emu_merge_states(ctypes.byref(p))
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 3, 16])
+def test_merge_attention_states(dtype, parts):
+    gen = torch.Generator().manual_seed(parts)
+    outputs, lses = [], []
+    for k in range(parts):
+        out = torch.randn(5, 3, 136 + 8 * k, generator=gen).to(dtype)[..., :136]  # > 128 lanes: two strips
+        lse = torch.randn(3, 5, generator=gen).t() * 20  # strided lse
+        lse[k % 5, 0] = float("-inf")
+        out[k % 5, 0] = float("nan")  # never read: its weight is 0
+        outputs.append(out)
+        lses.append(lse)
+    lses[0][4, 2] = float("nan")
+    got, got_lse = emulated_merge(outputs, lses)
+    want, want_lse = ref.merge_attention_states(outputs, lses)
+    torch.testing.assert_close(got.float(), want.float(), equal_nan=True, **TOLERANCES[dtype])
+    torch.testing.assert_close(got_lse, want_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert got[4, 2].isnan().all(), "a NaN lse makes its row NaN"

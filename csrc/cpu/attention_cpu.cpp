@@ -1,5 +1,5 @@
-// CPU implementation of paged.attention / attention_with_lse / attention_out:
-// validates, splits the call into work items, runs the ISA kernel on them in
+// CPU implementation of paged.attention / attention_with_lse / attention_out and
+// shared_prefix_attention: validates, splits the call into work items, runs the ISA kernel on them in
 // parallel, and merges split-KV partitions into the caller's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,7 +40,7 @@ struct QueryTile {
 
 Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
                const std::optional<at::Tensor>& query_start_loc, int64_t sliding_window,
-               int max_threads) {
+               QueryPlacement placement, int max_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -60,6 +60,13 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
     }
     for (int32_t r0 = 0; r0 < q_len; r0 += int32_t(rows_per_tile)) {
       const int32_t r1 = int32_t(std::min<int64_t>(q_len, r0 + rows_per_tile));
+      if (placement == QueryPlacement::kAfterKeys) {
+        // Every row at the last key's position or later sees every key (no window then).
+        tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, kv_len - 1, 0, kv_len});
+        longest = std::max<int64_t>(longest, kv_len);
+        query_key_pairs += int64_t(kv_len) * (r1 - r0);
+        continue;
+      }
       // Decode rows of padded sequences (kv_len 0) sit at position -1 and see nothing.
       const int32_t first_pos = kv_len - q_len + r0;
       const int32_t last_pos = kv_len - q_len + r1 - 1;
@@ -185,7 +192,8 @@ void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, co
   });
 }
 
-void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
+void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
+                    const std::optional<at::Tensor>& lse,
                     const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
@@ -198,7 +206,8 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
                                                 seq_lens, scale, query_start_loc, alibi_slopes,
                                                 sliding_window, soft_cap, sinks, k_scale, v_scale,
                                                 &out, lse.has_value() ? &*lse : nullptr);
-  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc, sliding_window);
+  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc, sliding_window,
+                           placement == QueryPlacement::kAfterKeys);
   if (s.num_tokens == 0) return;
 
   const std::optional<at::Tensor> slopes =
@@ -211,7 +220,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   };
   const std::optional<at::Tensor> k_scales = scale_row(k_scale), v_scales = scale_row(v_scale);
   const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, max_threads);
+  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, placement, max_threads);
 
   AttentionParams p{};
   p.kind = scalar_kind(key_cache.scalar_type());

@@ -1,4 +1,5 @@
-// CUDA implementation of paged.attention / attention_with_lse / attention_out.
+// CUDA implementation of paged.attention / attention_with_lse / attention_out and
+// shared_prefix_attention.
 //
 // Shapes, dtypes and devices are validated on the host. The metadata values
 // (block ids, seq_lens, query_start_loc) live on the device and are not read
@@ -30,7 +31,8 @@ int multiprocessor_count(int device) {
   return count;
 }
 
-void attention_into(const char* op, at::Tensor& out, const std::optional<at::Tensor>& lse,
+void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
+                    const std::optional<at::Tensor>& lse,
                     const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale,
@@ -96,6 +98,7 @@ void attention_into(const char* op, at::Tensor& out, const std::optional<at::Ten
   p.scale = float(scale);
   p.soft_cap = float(soft_cap);
   p.sliding_window = int(sliding_window);  // checked <= INT32_MAX
+  p.queries_after_keys = placement == QueryPlacement::kAfterKeys;
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);

@@ -119,8 +119,11 @@ __device__ bool locate_tile(const AttentionParams& p, Tile& tile) {
   // The host bounds the capacity by kMaxKeyPositions; int64 all the same.
   const int64_t capacity = p.num_blocks > 0 ? int64_t(p.max_blocks_per_seq) * p.block_size : 0;
   const int kv_len = int(min(max(int64_t(p.seq_lens[seq]), int64_t(0)), capacity));
-  // The sequence's query rows are its last (seq_end - seq_begin) positions.
-  tile = {seq, row_begin, row_end, kv_len - (seq_end - seq_begin) + (row_begin - seq_begin)};
+  // The sequence's query rows are its last (seq_end - seq_begin) positions, or (shared
+  // prefix) all sit at its last key's position.
+  const int first_pos = p.queries_after_keys ? kv_len - 1
+                                             : kv_len - (seq_end - seq_begin) + (row_begin - seq_begin);
+  tile = {seq, row_begin, row_end, first_pos};
   return true;
 }
 
@@ -191,7 +194,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
   const int num_q = num_rows * num_cta_heads;  // <= kQ; query m: row m / num_cta_heads, head m % num_cta_heads
 
   // Keys the tile can see (causal, sliding window), then this split's chunks.
-  const int last_pos = tile.first_pos + num_rows - 1;
+  const int row_step = p.queries_after_keys ? 0 : 1;  // position step between query rows
+  const int last_pos = tile.first_pos + row_step * (num_rows - 1);
   const int kv_begin = window_start(tile.first_pos, p.sliding_window);
   const int kv_end = max(kv_begin, last_pos + 1);
   const bool split = p.num_partitions > 1;
@@ -221,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_ker
   }
   if (threadIdx.x < kQ) {
     const int m = threadIdx.x;
-    pos_s[m] = tile.first_pos + m / num_cta_heads;
+    pos_s[m] = tile.first_pos + row_step * (m / num_cta_heads);
     first_key_s[m] = window_start(pos_s[m], p.sliding_window);
     slope_s[m] = (p.alibi_slopes != nullptr && m < num_q) ? p.alibi_slopes[head_begin + m % num_cta_heads] : 0.0f;
   }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../merge_limits.h"
 #include "../scalar_kind.h"
 #include "attention_plan.h"
 
@@ -66,6 +67,9 @@ struct AttentionParams {
   float scale;
   float soft_cap;      // <= 0: disabled
   int sliding_window;  // <= 0: disabled
+  // 0: a sequence's query rows are its last positions (causal); 1: every query row sits
+  // after all its keys and sees each of them (shared_prefix_attention; no window, ALiBi).
+  int queries_after_keys;
 
   // Work decomposition (attention_plan.h: plan_attention). A CTA owns
   // rows_per_tile query rows of one sequence times heads_per_cta query heads
@@ -109,6 +113,22 @@ inline void set_plan(AttentionParams& p, const AttentionPlan& plan) {
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached).
 cudaError_t attention_ctas_per_sm(ScalarKind cache_kind, int head_size, int head_size_v, int query_bucket,
                                   int* ctas);
+
+// merge_attention_states: num_inputs partial results (strided, head dim contiguous) into
+// the contiguous out [num_tokens, num_heads, head_size] (dtype `kind`) and lse.
+struct MergeStatesParams {
+  ScalarKind kind;
+  int num_inputs;
+  const void* outputs[kMaxMergeInputs];
+  int64_t out_token_stride[kMaxMergeInputs], out_head_stride[kMaxMergeInputs];
+  const float* lses[kMaxMergeInputs];
+  int64_t lse_token_stride[kMaxMergeInputs], lse_head_stride[kMaxMergeInputs];
+  int num_tokens, num_heads, head_size;
+  void* out;
+  float* lse;
+};
+
+cudaError_t launch_merge_states(const MergeStatesParams& params, cudaStream_t stream);
 
 // Attention, plus the partition merge when num_partitions > 1, on `stream`.
 cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream);
