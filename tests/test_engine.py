@@ -176,3 +176,16 @@ def test_request_larger_than_pool_raises(models):
     with pytest.raises(RuntimeError, match="cannot fit"):
         while engine.has_unfinished():
             engine.step()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_cascade_attention_gives_identical_tokens(models, requests, expected, prefix_caching):
+    # Every sharing run takes the cascade split (samples, beams, prompts on cached blocks).
+    engine, outputs, _ = serve(models[0], requests, num_device_blocks=256,
+                               enable_prefix_caching=prefix_caching, cascade_min_saved_tokens=1)
+    assert outputs == expected
+    cascade = engine.report()["cascade"]
+    assert cascade["steps"] > 0 and cascade["saved_key_reads"] > 0
+    # The default threshold leaves these short prompts on the plain path.
+    default, _, _ = serve(models[0], requests[:4], num_device_blocks=256)
+    assert default.report()["cascade"] == {"steps": 0, "saved_key_reads": 0}

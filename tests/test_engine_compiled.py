@@ -194,3 +194,21 @@ def test_recompile_limit_raises_clearly(model):
     requests = make_requests(3, seed=3)
     _, expected, _ = serve(model, requests, num_device_blocks=64)
     assert expected and all(expected.values())
+
+
+@pytest.mark.parametrize("sizes", [None, (3, 8, 64)])
+def test_cascade_decode_graph_equals_eager_without_recompiles(model, sizes):
+    # Every sharing run takes the cascade split; its graph is compiled at warm-up (with
+    # padded sizes too, whose padding rows form empty groups) and never recompiles. Two
+    # long requests that share nothing decode on their own at the end (the plain graph).
+    requests = make_requests() + [Request(f"solo{i}", [11 + i, 12, 13], SamplingParams(max_new_tokens=40))
+                                  for i in range(2)]
+    _, expected, _ = serve(model, requests, num_device_blocks=256, cascade_min_saved_tokens=None)
+    engine, outputs, new_graphs = serve(model, requests, num_device_blocks=256, compile_decode=True,
+                                        compile_backend="eager", decode_batch_sizes=sizes,
+                                        cascade_min_saved_tokens=1)
+    assert outputs == expected
+    decode = engine.runner.decode
+    assert 0 < decode.cascade_calls < decode.calls, "both graphs ran"
+    assert engine.report()["cascade"]["steps"] >= decode.cascade_calls
+    assert new_graphs == 0 and not counters["graph_break"] and not counters["recompiles"]

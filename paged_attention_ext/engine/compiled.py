@@ -16,6 +16,11 @@ written) and seq_len 0 (nothing read, output zero), so their logits are ignored.
   (compiled) forward on all-padding buffers, replayed after the metadata copy; a batch
   runs in the graph of the next size up.
 
+Cascade attention (shared prefixes read once, :mod:`paged_attention_ext.cascade`) has a
+graph of its own per size: the host plans each step from the block tables and picks the
+plain or the cascade graph, whose split lives in fixed buffers too (one group per row at
+most, padded with empty groups).
+
 Sampling stays outside (it is per request, on the logits). Batches larger than the largest
 size run the eager path.
 """
@@ -27,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..cascade import CascadePlan, layout_cascade, padded_rows, unsplit_layout
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
@@ -61,11 +67,42 @@ def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
     return tuple(s for s in [1, 2, 4] + list(range(8, max_batch + 1, 8)) if s <= max_batch)
 
 
+class _CascadeBuffers:
+    """A KV group's cascade split at fixed shapes: ``rows`` groups (empty ones padding the
+    step's runs) and one suffix per row, decode form (one query row per sequence)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        ints = dict(dtype=torch.int32, device=device)
+        self.prefix_tables = torch.zeros(rows, width, **ints)
+        self.prefix_lens = torch.zeros(rows, **ints)
+        self.group_starts = torch.zeros(rows + 1, **ints)
+        self.suffix_tables = torch.zeros(rows, width, **ints)
+        self.suffix_lens = torch.zeros(rows, **ints)
+
+    def stage(self, layout, size: int) -> None:
+        groups = len(layout.prefix_lens)
+        pad = size - groups
+        width = max([1] + [len(t) for t in layout.prefix_tables + layout.suffix_tables])
+        self.prefix_tables[:groups, :width].copy_(padded_rows(layout.prefix_tables, width))
+        self.suffix_tables[:size, :width].copy_(padded_rows(layout.suffix_tables, width))
+        lens = torch.tensor([layout.prefix_lens + [0] * pad, layout.suffix_lens],
+                            dtype=torch.int32)
+        self.prefix_lens[:size].copy_(lens[0])
+        self.suffix_lens[:size].copy_(lens[1])
+        self.group_starts[:size + 1].copy_(
+            torch.tensor(layout.group_starts + [layout.group_starts[-1]] * pad, dtype=torch.int32))
+
+    def views(self, size: int) -> Tuple[torch.Tensor, ...]:
+        return (self.prefix_tables[:size], self.prefix_lens[:size], self.group_starts[:size + 1],
+                self.suffix_tables[:size], self.suffix_lens[:size])
+
+
 class CompiledDecode:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, table_width: int,
                  max_batch: int, backend: str = "inductor",
                  sizes: Optional[Sequence[int]] = None,
-                 options: Optional[Mapping[str, Any]] = None) -> None:
+                 options: Optional[Mapping[str, Any]] = None,
+                 cascade_min_saved_tokens: Optional[int] = None) -> None:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.cuda_graphs = device.type == "cuda"
@@ -95,6 +132,13 @@ class CompiledDecode:
         self.slots = [torch.full((n,), -1, **longs) for _ in groups]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.tables = [torch.zeros(n, table_width, dtype=torch.int32, device=device) for _ in groups]
+        # Cascade buffers for the KV groups without a window (the others attend plainly).
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self._cascade = ([None if group.sliding_window is not None else
+                          _CascadeBuffers(n, table_width, device) for group in kv_cache.kv_groups.groups]
+                         if cascade_min_saved_tokens is not None else [])
+        self.cascade_calls = 0  # decode steps run with the cascade split
+        self.cascade_saved_tokens = 0
         # A ready mask per layer type (none: attention follows the block tables), so the
         # compiled region skips transformers' mask construction; the eager steps of the same
         # model run it (and its checks).
@@ -139,11 +183,12 @@ class CompiledDecode:
                                "compiled decode froze them; build a new engine")
         self.calls += 1
         size = self._stage(ids, positions, slots, tables, seq_lens)
+        cascade = self._stage_cascade(tables, seq_lens, size)
         if self.cuda_graphs:
-            graph, logits = self._graphs[size]
+            graph, logits = self._graphs[(size, cascade)]
             graph.replay()
             return logits[:rows]
-        return self._call(size)[:rows]
+        return self._call(size, cascade)[:rows]
 
     # ---- internals -------------------------------------------------------------------
     def _stage(self, ids: List[int], positions: List[int], slots: List[List[int]],
@@ -169,29 +214,61 @@ class CompiledDecode:
             table_buffer[:rows, :width].copy_(staged[g], non_blocking=True)
         return size
 
+    def _stage_cascade(self, tables: List[List[List[int]]], seq_lens: List[int], size: int) -> bool:
+        """Plan the step's cascade split per KV group and copy it into the buffers; whether
+        any group takes it (then the cascade graph runs)."""
+        if size < 2 or not self._cascade:
+            return False
+        pad = size - len(seq_lens)
+        lens = seq_lens + [0] * pad
+        layouts = [None if buffers is None else
+                   layout_cascade(list(group_tables) + [[]] * pad, lens, [1] * size,
+                                  self.kv_cache.block_size, self.cascade_min_saved_tokens)
+                   for buffers, group_tables in zip(self._cascade, tables)]
+        if all(layout is None for layout in layouts):
+            return False
+        for buffers, layout, group_tables in zip(self._cascade, layouts, tables):
+            if buffers is not None:  # a group without shared prefixes this step: no split
+                buffers.stage(layout or unsplit_layout(list(group_tables) + [[]] * pad, lens,
+                                                       [1] * size), size)
+        self.cascade_calls += 1
+        self.cascade_saved_tokens += sum(layout.saved_tokens for layout in layouts if layout is not None)
+        return True
+
+    def _stage_unsplit(self, size: int) -> None:
+        """A valid split of an all-padding batch (warm-up): one empty group."""
+        for buffers in self._cascade:
+            if buffers is not None:
+                buffers.stage(unsplit_layout([[]] * size, [0] * size, [1] * size), size)
+
     def _padded(self, rows: int) -> int:
         if not self.sizes:
             return rows
         return next(s for s in self.sizes if s >= rows)
 
-    def _forward(self, ids, positions, slots, tables, seq_lens) -> torch.Tensor:
+    def _forward(self, ids, positions, slots, tables, seq_lens, cascade=()) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
+        plans = tuple(None if views is None else CascadePlan(*views, query_start_loc=None)
+                      for views in cascade)
         batch = PagedBatch(self.kv_cache, slot_mapping=slots[0], block_tables=tables[0],
                            seq_lens=seq_lens, query_start_loc=None,
-                           other_groups=tuple(zip(slots[1:], tables[1:])))
+                           other_groups=tuple(zip(slots[1:], tables[1:])), cascades=plans)
         masks = {} if self._masks is None else {"attention_mask": self._masks}
         return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
                           use_cache=False, **masks).logits[0]
 
-    def _call(self, size: int) -> torch.Tensor:
+    def _call(self, size: int, cascade: bool = False) -> torch.Tensor:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
         slots = tuple(buffer[:size] for buffer in self.slots)
         tables = tuple(buffer[:size] for buffer in self.tables)
+        splits = tuple(None if buffers is None else buffers.views(size)
+                       for buffers in self._cascade) if cascade else ()
         args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size), slots, tables,
-                self.seq_lens[:size])
+                self.seq_lens[:size], splits)
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
-            for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4]),
-                                   (1, 1, *[0] * (2 * len(slots)), 0)):
+            split_tensors = [t for views in splits if views is not None for t in views]
+            for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *split_tensors),
+                                   (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(split_tensors))):
                 torch._dynamo.mark_dynamic(tensor, dim)
         if not self._options:
             return self._compiled(*args)
@@ -234,18 +311,26 @@ class CompiledDecode:
             smallest = self.sizes[0] if self.sizes else 1
             for size in sorted({smallest, self.max_batch}):
                 self._call(size)
+            if self._cascade and self.max_batch >= 2:
+                size = max(2, smallest)
+                self._stage_unsplit(size)
+                self._call(size, cascade=True)
             return
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._call(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._call(size)
-            pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            for cascade in ((False, True) if self._cascade and size >= 2 else (False,)):
+                if cascade:
+                    self._stage_unsplit(size)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._call(size, cascade)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._call(size, cascade)
+                pool = graph.pool()
+                self._graphs[(size, cascade)] = (graph, logits)
         torch.cuda.synchronize()
+

@@ -10,6 +10,7 @@ import torch
 
 from ..block_manager import BlockSpaceManager
 from ..block_table import block_hashes
+from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..hf import ATTN_IMPLEMENTATION
 from ..hf.support import check_config, layer_windows, mla_head_sizes
 from ..kv_cache import PagedKVCache
@@ -67,6 +68,11 @@ class EngineConfig:
     # window (issue 23). False: one block table for every layer, each keeping every block
     # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py).
     hybrid_kv_groups: bool = True
+    # Cascade attention (issue 24, docs/cascade.md): running sequences that share prefix
+    # blocks (samples, beams, requests on one cached prompt) read them once per step where
+    # that saves at least this many key reads ((sharers - 1) * prefix tokens); None: plain
+    # attention only (the baseline of bench/bench_cascade.py).
+    cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS
 
 
 @dataclass
@@ -131,8 +137,8 @@ class LLMEngine:
                         -(-getattr(text, "max_position_embeddings", 1 << 30) // config.block_size))
             decode = CompiledDecode(model, self.kv_cache, width, config.max_decode_batch,
                                     config.compile_backend, config.decode_batch_sizes,
-                                    config.compile_options)
-        self.runner = ModelRunner(model, self.kv_cache, decode)
+                                    config.compile_options, config.cascade_min_saved_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, decode, config.cascade_min_saved_tokens)
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
         self.vocab_size = text.vocab_size
@@ -207,8 +213,11 @@ class LLMEngine:
         decode = self.runner.decode
         compiled = (None if decode is None else
                     {"steps": decode.calls, "compile_and_warmup_s": decode.warmup_s})
+        cascade = {"steps": self.runner.cascade_steps + (decode.cascade_calls if decode else 0),
+                   "saved_key_reads": self.runner.cascade_saved_tokens
+                   + (decode.cascade_saved_tokens if decode else 0)}
         return {**self.metrics.report(self.manager), "compiled_decode": compiled,
-                "config": asdict(self.config)}
+                "cascade": cascade, "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:

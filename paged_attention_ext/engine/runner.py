@@ -24,10 +24,14 @@ from .sequence import SequenceGroup
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache,
-                 decode: Optional[CompiledDecode] = None) -> None:
+                 decode: Optional[CompiledDecode] = None,
+                 cascade_min_saved_tokens: Optional[int] = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.decode = decode
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self.cascade_steps = 0          # steps that ran cascade attention
+        self.cascade_saved_tokens = 0   # key reads (per layer and KV head) their prefixes saved
 
     @torch.no_grad()
     def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[List[int]]],
@@ -79,5 +83,12 @@ class ModelRunner:
     def _packed_batch(self, slots: List[List[int]], tables: List[List[List[int]]],
                       seq_lens: List[int], query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
         """The batch's tensors from the lists, and the rows of each sequence's last token."""
-        batch = PagedBatch.build(self.kv_cache, tables, seq_lens, query_lens, slots)
+        batch = PagedBatch.build(self.kv_cache, tables, seq_lens, query_lens, slots,
+                                 cascade_min_saved_tokens=self.cascade_min_saved_tokens)
+        self._count_cascade([plan.saved_tokens for plan in batch.cascades if plan is not None])
         return batch, (batch.query_start_loc[1:] - 1).long()
+
+    def _count_cascade(self, saved: List[int]) -> None:
+        if saved:
+            self.cascade_steps += 1
+            self.cascade_saved_tokens += sum(saved)

@@ -116,9 +116,15 @@ def paged_attention_forward(
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    out = ops.attention(q, key_cache, value_cache, block_tables, batch.seq_lens, scale,
-                        batch.query_start_loc, None, sliding_window or -1, softcap or 0.0, sink_logits,
-                        **batch.kv_cache.scales(module.layer_idx))
+    cascade = batch.cascade_of(module.layer_idx)
+    if cascade is not None and cascade.applies_to(sliding_window, None):
+        # Shared prefixes read once (paged_attention_ext.cascade); the same result.
+        out = cascade.run(q, key_cache, value_cache, scale, softcap or 0.0, sink_logits,
+                          **batch.kv_cache.scales(module.layer_idx))
+    else:
+        out = ops.attention(q, key_cache, value_cache, block_tables, batch.seq_lens, scale,
+                            batch.query_start_loc, None, sliding_window or -1, softcap or 0.0,
+                            sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if batch.query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)

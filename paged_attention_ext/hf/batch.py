@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..cascade import CascadePlan, plan_cascade
 from ..kv_cache import PagedKVCache
 
 
@@ -49,6 +50,14 @@ class PagedBatch:
     # A hybrid model's KV groups 1, 2, ... (kv_cache.kv_groups): their (slot_mapping,
     # block_tables), shaped as the fields above, which are group 0's.
     other_groups: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # Per KV group, the step's cascade split (shared prefixes read once), or None: the
+    # plain op. Empty: none for any group.
+    cascades: Tuple[Optional[CascadePlan], ...] = ()
+
+    def cascade_of(self, layer: int) -> Optional[CascadePlan]:
+        """The cascade plan of the layer's KV group, if the step has one."""
+        group = self.kv_cache.kv_group(layer)
+        return self.cascades[group] if group < len(self.cascades) else None
 
     def tables_of(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(slot_mapping, block_tables) of the layer's KV group."""
@@ -64,9 +73,14 @@ class PagedBatch:
     def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[Sequence[int]]],
               seq_lens: Sequence[int], query_lens: Sequence[int], slots: Sequence[Sequence[int]],
               write_kv: bool = True, query_rows: Optional[Sequence[int]] = None,
-              on_stored: Optional[Callable[[int], None]] = None) -> "PagedBatch":
+              on_stored: Optional[Callable[[int], None]] = None,
+              cascade_min_saved_tokens: Optional[int] = None) -> "PagedBatch":
         """From plain lists, per KV group (``block_tables[g]``, ``slots[g]``): each sequence's
-        blocks and its new tokens' slots; and each sequence's KV length and new-token count."""
+        blocks and its new tokens' slots; and each sequence's KV length and new-token count.
+
+        ``cascade_min_saved_tokens``: plan cascade attention for the groups without a
+        sliding window (:func:`~paged_attention_ext.cascade.plan_cascade`, where it saves at
+        least that many key reads); None: the plain op only."""
         device = kv_cache.device
         width = max([1] + [len(t) for t in block_tables[0]])
         per_group = []
@@ -87,7 +101,22 @@ class PagedBatch:
                    write_kv=write_kv,
                    query_rows=(None if query_rows is None else
                                torch.tensor(list(query_rows), dtype=torch.int64, device=device)),
-                   on_stored=on_stored, other_groups=tuple(per_group[1:]))
+                   on_stored=on_stored, other_groups=tuple(per_group[1:]),
+                   cascades=cls._plan_cascades(kv_cache, block_tables, seq_lens, query_lens,
+                                               cascade_min_saved_tokens))
+
+    @staticmethod
+    def _plan_cascades(kv_cache: PagedKVCache, block_tables: Sequence[Sequence[Sequence[int]]],
+                       seq_lens: Sequence[int], query_lens: Sequence[int],
+                       min_saved_tokens: Optional[int]) -> Tuple[Optional[CascadePlan], ...]:
+        if min_saved_tokens is None:
+            return ()
+        plans = tuple(
+            None if group.sliding_window is not None else
+            plan_cascade(tables, seq_lens, query_lens, kv_cache.block_size, kv_cache.device,
+                         min_saved_tokens)
+            for group, tables in zip(kv_cache.kv_groups.groups, block_tables))
+        return plans if any(plan is not None for plan in plans) else ()
 
 
 class StepBuffers:

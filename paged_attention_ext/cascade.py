@@ -1,0 +1,190 @@
+"""Cascade attention: sequences that share their first blocks read them once per step.
+
+Samples and beams of one prompt, and requests whose prompts hit the same prefix-cache
+blocks, hold one copy of the shared blocks; plain decode attention still reads that copy
+once per sequence. A :class:`CascadePlan` splits a batch's attention into
+
+1. :func:`~paged_attention_ext.ops.shared_prefix_attention` over each group's shared
+   prefix, every prefix block read once for all the group's query rows;
+2. :func:`~paged_attention_ext.ops.attention_with_lse` over each sequence's own blocks
+   (its table after the prefix);
+3. :func:`~paged_attention_ext.ops.merge_attention_states` of the two, which is exact.
+
+As FlashInfer's wrappers do, :func:`plan_cascade` runs once per step on the host, from the
+block tables and lengths alone (never from device data, so a compiled or captured step
+stays valid), and :meth:`CascadePlan.run` once per layer. It returns None where the split
+does not pay: no group whose shared prefix saves at least ``min_saved_tokens`` key reads,
+such as a single sequence or two sharing a short prompt; the plain op runs then.
+
+A group is a run of consecutive sequences of the batch (the engine and ``PagedCache``
+keep the samples and beams of a request next to each other); its prefix is the blocks
+every member holds at the same logical positions, whole blocks before each member's
+first query. ALiBi and sliding windows depend on each query's position, which the
+shared-prefix op does not know: layers with them run the plain op (:meth:`applies_to`).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops
+
+# Key reads a group must save per step ((members - 1) * prefix tokens) before the split
+# pays for its two extra ops; bench/bench_cascade.py measures the crossover.
+DEFAULT_MIN_SAVED_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """One step's split of a batch (its packed query rows) into shared prefixes and suffixes.
+
+    ``prefix_*``: one row per group (groups of one sequence, or that do not pay, have
+    length 0); ``group_starts``: each group's query rows. ``suffix_*``: one row per
+    sequence of the batch, its blocks after its group's prefix; ``query_start_loc`` the
+    batch's own.
+    """
+
+    prefix_block_tables: torch.Tensor  # int32 [num_groups, width]
+    prefix_lens: torch.Tensor          # int32 [num_groups]
+    group_starts: torch.Tensor         # int32 [num_groups + 1]
+    suffix_block_tables: torch.Tensor  # int32 [num_seqs, width]
+    suffix_lens: torch.Tensor          # int32 [num_seqs]
+    query_start_loc: Optional[torch.Tensor]  # int32 [num_seqs + 1]; None: one row per sequence
+    saved_tokens: int = 0              # key reads per KV head the prefixes save this step
+
+    @staticmethod
+    def applies_to(sliding_window: Optional[int], alibi_slopes: Optional[torch.Tensor]) -> bool:
+        """Whether a layer can run the split (no window, no ALiBi)."""
+        return (sliding_window is None or sliding_window <= 0) and alibi_slopes is None
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            scale: float, soft_cap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+            k_scale: Optional[torch.Tensor] = None,
+            v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One layer's attention of the batch's query rows; equals :func:`ops.attention` with
+        the batch's own tables (sinks are counted once, in the prefix part)."""
+        prefix_out, prefix_lse = ops.shared_prefix_attention(
+            query, key_cache, value_cache, self.prefix_block_tables, self.prefix_lens,
+            self.group_starts, scale, soft_cap, sinks, k_scale, v_scale)
+        suffix_out, suffix_lse = ops.attention_with_lse(
+            query, key_cache, value_cache, self.suffix_block_tables, self.suffix_lens, scale,
+            self.query_start_loc, None, -1, soft_cap, None, k_scale, v_scale)
+        return ops.merge_attention_states([prefix_out, suffix_out], [prefix_lse, suffix_lse])[0]
+
+
+def _common_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(limit, len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class CascadeLayout:
+    """A :class:`CascadePlan` as host lists (tables unpadded): what a step with fixed
+    buffers copies into them."""
+
+    prefix_tables: List[List[int]]
+    prefix_lens: List[int]
+    group_starts: List[int]
+    suffix_tables: List[List[int]]
+    suffix_lens: List[int]
+    query_start_loc: List[int]
+    saved_tokens: int
+
+
+def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                query_lens: Sequence[int], block_size: int,
+                min_saved_tokens: int) -> List[Tuple[int, int, int]]:
+    """``(first sequence, end, shared blocks)`` runs covering the batch in order; shared
+    blocks 0 where a run does not pay. A sequence joins the current run while the run's
+    saving ``(members - 1) * shared`` does not drop (a member that shares less shortens the
+    prefix of all). Sequences without query rows (padding) join whichever run holds them."""
+    runs: List[Tuple[int, int, int, int]] = []
+    start, anchor, common, members = 0, -1, 0, 0
+    for i, table in enumerate(block_tables):
+        if query_lens[i] == 0:
+            continue
+        usable = max(0, seq_lens[i] - query_lens[i]) // block_size  # whole blocks before its queries
+        if anchor >= 0:
+            shared = _common_length(block_tables[anchor], table, min(common, usable))
+            if shared > 0 and members * shared >= (members - 1) * common:
+                common, members = shared, members + 1
+                continue
+            runs.append((start, i, common, members))
+            start = i
+        anchor, common, members = i, usable, 1
+    if block_tables:
+        runs.append((start, len(block_tables), common, members))
+    threshold = max(1, min_saved_tokens)
+    return [(s, e, c if (m - 1) * c * block_size >= threshold else 0) for s, e, c, m in runs]
+
+
+def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                   query_lens: Sequence[int], block_size: int,
+                   min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS) -> Optional[CascadeLayout]:
+    """The split of a batch as host lists, or None where it does not pay (see
+    :func:`plan_cascade`)."""
+    runs = find_groups(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
+    if not any(shared for _, _, shared in runs):
+        return None
+    layout = CascadeLayout([], [], [0], [], [], [0], 0)
+    saved = 0
+    for first, end, shared in runs:
+        layout.prefix_tables.append(list(block_tables[first][:shared]))
+        layout.prefix_lens.append(shared * block_size)
+        members = 0
+        for i in range(first, end):
+            rows = query_lens[i]
+            members += rows > 0
+            layout.suffix_tables.append(list(block_tables[i][shared:]) if rows else [])
+            layout.suffix_lens.append(seq_lens[i] - shared * block_size if rows else 0)
+            layout.query_start_loc.append(layout.query_start_loc[-1] + rows)
+        layout.group_starts.append(layout.query_start_loc[-1])
+        saved += max(0, members - 1) * shared * block_size
+    return dataclasses.replace(layout, saved_tokens=saved)
+
+
+def unsplit_layout(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                   query_lens: Sequence[int]) -> CascadeLayout:
+    """The layout that splits nothing: one group with an empty prefix, every sequence whole
+    (for a step whose fixed graph runs the split)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return CascadeLayout([[]], [0], [0, starts[-1]], [list(t) for t in block_tables],
+                         list(seq_lens), starts, 0)
+
+
+def padded_rows(rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """int32 ``[len(rows), width]``, each row zero padded (entries past a length are never read)."""
+    flat: List[int] = []
+    for row in rows:
+        flat += row
+        flat += [0] * (width - len(row))
+    return torch.tensor(flat, dtype=torch.int32).view(len(rows), width)
+
+
+def plan_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                 query_lens: Sequence[int], block_size: int, device: torch.device,
+                 min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS) -> Optional[CascadePlan]:
+    """The split of a batch (each sequence's block ids, KV length including its
+    ``query_lens`` new tokens, which are packed in order), or None where it does not pay:
+    no group saves ``min_saved_tokens`` key reads per step."""
+    layout = layout_cascade(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
+    if layout is None:
+        return None
+    width = max([1] + [len(t) for t in block_tables])
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device)
+
+    return CascadePlan(prefix_block_tables=padded_rows(layout.prefix_tables, width).to(device),
+                       prefix_lens=tensor(layout.prefix_lens), group_starts=tensor(layout.group_starts),
+                       suffix_block_tables=padded_rows(layout.suffix_tables, width).to(device),
+                       suffix_lens=tensor(layout.suffix_lens),
+                       query_start_loc=tensor(layout.query_start_loc),
+                       saved_tokens=layout.saved_tokens)
