@@ -25,7 +25,7 @@ shared-prefix op does not know: layers with them run the plain op (:meth:`applie
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +53,11 @@ class CascadePlan:
     suffix_lens: torch.Tensor          # int32 [num_seqs]
     query_start_loc: Optional[torch.Tensor]  # int32 [num_seqs + 1]; None: one row per sequence
     saved_tokens: int = 0              # key reads per KV head the prefixes save this step
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The plan's metadata tensors (a compiled step marks their batch dimension dynamic)."""
+        return (self.prefix_block_tables, self.prefix_lens, self.group_starts,
+                self.suffix_block_tables, self.suffix_lens)
 
     @staticmethod
     def applies_to(sliding_window: Optional[int], alibi_slopes: Optional[torch.Tensor]) -> bool:
@@ -96,14 +101,22 @@ class CascadeLayout:
     saved_tokens: int
 
 
+class Run(NamedTuple):
+    """Consecutive sequences ``[first, end)``; ``shared`` leading blocks of ``anchor`` (the
+    first with query rows) are everyone's prefix, 0 where the run does not pay."""
+
+    first: int
+    end: int
+    shared: int
+    anchor: int
+
+
 def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
-                query_lens: Sequence[int], block_size: int,
-                min_saved_tokens: int) -> List[Tuple[int, int, int]]:
-    """``(first sequence, end, shared blocks)`` runs covering the batch in order; shared
-    blocks 0 where a run does not pay. A sequence joins the current run while the run's
+                query_lens: Sequence[int], block_size: int, min_saved_tokens: int) -> List[Run]:
+    """Runs covering the batch in order. A sequence joins the current run while the run's
     saving ``(members - 1) * shared`` does not drop (a member that shares less shortens the
     prefix of all). Sequences without query rows (padding) join whichever run holds them."""
-    runs: List[Tuple[int, int, int, int]] = []
+    runs: List[Tuple[int, int, int, int, int]] = []
     start, anchor, common, members = 0, -1, 0, 0
     for i, table in enumerate(block_tables):
         if query_lens[i] == 0:
@@ -114,13 +127,14 @@ def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
             if shared > 0 and members * shared >= (members - 1) * common:
                 common, members = shared, members + 1
                 continue
-            runs.append((start, i, common, members))
+            runs.append((start, i, common, anchor, members))
             start = i
         anchor, common, members = i, usable, 1
     if block_tables:
-        runs.append((start, len(block_tables), common, members))
+        runs.append((start, len(block_tables), common, max(anchor, start), members))
     threshold = max(1, min_saved_tokens)
-    return [(s, e, c if (m - 1) * c * block_size >= threshold else 0) for s, e, c, m in runs]
+    return [Run(s, e, c if (m - 1) * c * block_size >= threshold else 0, a)
+            for s, e, c, a, m in runs]
 
 
 def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
@@ -129,12 +143,12 @@ def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
     """The split of a batch as host lists, or None where it does not pay (see
     :func:`plan_cascade`)."""
     runs = find_groups(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
-    if not any(shared for _, _, shared in runs):
+    if not any(run.shared for run in runs):
         return None
     layout = CascadeLayout([], [], [0], [], [], [0], 0)
     saved = 0
-    for first, end, shared in runs:
-        layout.prefix_tables.append(list(block_tables[first][:shared]))
+    for first, end, shared, anchor in runs:
+        layout.prefix_tables.append(list(block_tables[anchor][:shared]))
         layout.prefix_lens.append(shared * block_size)
         members = 0
         for i in range(first, end):
@@ -188,3 +202,41 @@ def plan_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
                        suffix_lens=tensor(layout.suffix_lens),
                        query_start_loc=tensor(layout.query_start_loc),
                        saved_tokens=layout.saved_tokens)
+
+
+class CascadeBuffers:
+    """A :class:`CascadePlan` at fixed shapes for compiled and captured steps: up to
+    ``max_groups`` groups and ``max_seqs`` sequences, rewritten in place each step. A
+    step's groups are padded with empty ones (no prefix, no rows), so the plan's shapes
+    depend on the batch size alone."""
+
+    def __init__(self, max_seqs: int, max_groups: int, width: int, device: torch.device) -> None:
+        ints = dict(dtype=torch.int32, device=device)
+        self.prefix_tables = torch.zeros(max_groups, width, **ints)
+        self.prefix_lens = torch.zeros(max_groups, **ints)
+        self.group_starts = torch.zeros(max_groups + 1, **ints)
+        self.suffix_tables = torch.zeros(max_seqs, width, **ints)
+        self.suffix_lens = torch.zeros(max_seqs, **ints)
+
+    def stage(self, layout: CascadeLayout, num_seqs: int, num_groups: int) -> None:
+        """Copy a layout of ``num_seqs`` sequences in, padded to ``num_groups`` groups."""
+        groups = len(layout.prefix_lens)
+        if groups > num_groups or len(layout.suffix_lens) != num_seqs:
+            raise ValueError(f"CascadeBuffers: a split of {groups} groups and "
+                             f"{len(layout.suffix_lens)} sequences does not fit {num_groups} "
+                             f"groups of {num_seqs} sequences")
+        pad = num_groups - groups
+        width = max([1] + [len(t) for t in layout.prefix_tables + layout.suffix_tables])
+        self.prefix_tables[:groups, :width].copy_(padded_rows(layout.prefix_tables, width))
+        self.suffix_tables[:num_seqs, :width].copy_(padded_rows(layout.suffix_tables, width))
+        self.prefix_lens[:num_groups].copy_(torch.tensor(layout.prefix_lens + [0] * pad, dtype=torch.int32))
+        self.suffix_lens[:num_seqs].copy_(torch.tensor(layout.suffix_lens, dtype=torch.int32))
+        self.group_starts[:num_groups + 1].copy_(
+            torch.tensor(layout.group_starts + [layout.group_starts[-1]] * pad, dtype=torch.int32))
+
+    def plan(self, num_seqs: int, num_groups: int,
+             query_start_loc: Optional[torch.Tensor] = None) -> CascadePlan:
+        """The plan over views of the buffers (``query_start_loc`` None: decode rows)."""
+        return CascadePlan(self.prefix_tables[:num_groups], self.prefix_lens[:num_groups],
+                           self.group_starts[:num_groups + 1], self.suffix_tables[:num_seqs],
+                           self.suffix_lens[:num_seqs], query_start_loc)

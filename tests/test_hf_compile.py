@@ -297,3 +297,30 @@ def test_forward_stopped_between_layers_is_refused(models, monkeypatch):
     cache.reset()
     want = generate(reference, ids, mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(generate(paged, ids, mask, cache, max_new_tokens=6, do_sample=False), want)
+
+
+@pytest.mark.parametrize("search", ["samples", "beams"])
+def test_cascade_decode_graph(models, search):
+    """num_return_sequences (generate's compile_config) and beams (a compiled forward, beams
+    forking between steps) with the cascade split on every decode step, from compile mode's
+    fixed cascade buffers: the same tokens, one decode graph, no graph breaks."""
+    reference, paged = models
+    ids, mask = left_padded([13, 9], seed=4)
+    kwargs = (dict(do_sample=True, num_return_sequences=3) if search == "samples"
+              else dict(do_sample=False, num_beams=3, num_return_sequences=2))
+    want = generate(reference, ids, mask, seed=6, max_new_tokens=12, **kwargs)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN,
+                       cascade_min_saved_tokens=1)
+    forward = paged.forward
+    if search == "beams":
+        paged.forward = torch.compile(forward, fullgraph=True, backend=counting_backend)
+    try:
+        got = generate(paged, ids, mask, cache, seed=6, max_new_tokens=12, **kwargs,
+                       **({"compile_config": compile_config()} if search == "samples" else {}))
+    finally:
+        paged.forward = forward
+    assert torch.equal(got, want)
+    assert cache.cascade_forwards >= 11  # every decode step
+    assert len(GRAPHS) == (1 if search == "samples" else 2), GRAPHS  # (prefill and) decode
+    assert_no_graph_breaks()
+    cache.manager.check_invariants()

@@ -66,11 +66,14 @@ def left_padded(lengths, seed=0):
     return hf_tiny.left_padded(lengths, seed, vocab_size=TINY["vocab_size"])
 
 
-def generate_both(models, ids, mask, seed=None, **kwargs):
-    """Reference and paged outputs of the same generate call, plus the PagedCache."""
+def generate_both(models, ids, mask, seed=None, cascade_min_saved_tokens=None, **kwargs):
+    """Reference and paged outputs of the same generate call, plus the PagedCache
+    (``cascade_min_saved_tokens``: as PagedCache takes it; None: its default)."""
     reference, paged = models
     outputs = []
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    extra_cache = {} if cascade_min_saved_tokens is None else dict(
+        cascade_min_saved_tokens=cascade_min_saved_tokens)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, **extra_cache)
     for model, extra in ((reference, {}), (paged, {"past_key_values": cache})):
         if seed is not None:
             torch.manual_seed(seed)
@@ -129,6 +132,21 @@ def test_beam_search(models):
     assert torch.equal(got, expected)
     usage = cache.memory_usage()
     assert usage["blocks_used"] < usage["block_references"]  # beams share forked blocks
+    check_no_leaks(cache, rows=8)
+
+
+@pytest.mark.parametrize("search", ["samples", "beams"])
+def test_cascade_attention_gives_identical_tokens(models, search):
+    # Every decode step reads the shared prompt blocks once per prompt (samples) or per
+    # request's beams (forked, their sharing changing each step).
+    ids, mask = left_padded([13, 10], seed=3)
+    kwargs = (dict(do_sample=True, num_return_sequences=4) if search == "samples"
+              else dict(do_sample=False, num_beams=4, num_return_sequences=2))
+    expected, got, cache = generate_both(models, ids, mask, seed=5, max_new_tokens=10,
+                                         cascade_min_saved_tokens=1, **kwargs)
+    assert torch.equal(got, expected)
+    sliding_only = all(g.sliding_window is not None for g in cache.kv_groups.groups)
+    assert (cache.cascade_forwards == 0) == sliding_only  # Mistral: every layer has a window
     check_no_leaks(cache, rows=8)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadePlan, layout_cascade, padded_rows, unsplit_layout
+from ..cascade import CascadeBuffers, layout_cascade, unsplit_layout
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
@@ -65,36 +65,6 @@ def _identity(tensor: torch.Tensor) -> Tuple[int, Optional[int]]:
 def default_cuda_sizes(max_batch: int) -> Tuple[int, ...]:
     """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to ``max_batch``."""
     return tuple(s for s in [1, 2, 4] + list(range(8, max_batch + 1, 8)) if s <= max_batch)
-
-
-class _CascadeBuffers:
-    """A KV group's cascade split at fixed shapes: ``rows`` groups (empty ones padding the
-    step's runs) and one suffix per row, decode form (one query row per sequence)."""
-
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        ints = dict(dtype=torch.int32, device=device)
-        self.prefix_tables = torch.zeros(rows, width, **ints)
-        self.prefix_lens = torch.zeros(rows, **ints)
-        self.group_starts = torch.zeros(rows + 1, **ints)
-        self.suffix_tables = torch.zeros(rows, width, **ints)
-        self.suffix_lens = torch.zeros(rows, **ints)
-
-    def stage(self, layout, size: int) -> None:
-        groups = len(layout.prefix_lens)
-        pad = size - groups
-        width = max([1] + [len(t) for t in layout.prefix_tables + layout.suffix_tables])
-        self.prefix_tables[:groups, :width].copy_(padded_rows(layout.prefix_tables, width))
-        self.suffix_tables[:size, :width].copy_(padded_rows(layout.suffix_tables, width))
-        lens = torch.tensor([layout.prefix_lens + [0] * pad, layout.suffix_lens],
-                            dtype=torch.int32)
-        self.prefix_lens[:size].copy_(lens[0])
-        self.suffix_lens[:size].copy_(lens[1])
-        self.group_starts[:size + 1].copy_(
-            torch.tensor(layout.group_starts + [layout.group_starts[-1]] * pad, dtype=torch.int32))
-
-    def views(self, size: int) -> Tuple[torch.Tensor, ...]:
-        return (self.prefix_tables[:size], self.prefix_lens[:size], self.group_starts[:size + 1],
-                self.suffix_tables[:size], self.suffix_lens[:size])
 
 
 class CompiledDecode:
@@ -135,7 +105,7 @@ class CompiledDecode:
         # Cascade buffers for the KV groups without a window (the others attend plainly).
         self.cascade_min_saved_tokens = cascade_min_saved_tokens
         self._cascade = ([None if group.sliding_window is not None else
-                          _CascadeBuffers(n, table_width, device) for group in kv_cache.kv_groups.groups]
+                          CascadeBuffers(n, n, table_width, device) for group in kv_cache.kv_groups.groups]
                          if cascade_min_saved_tokens is not None else [])
         self.cascade_calls = 0  # decode steps run with the cascade split
         self.cascade_saved_tokens = 0
@@ -230,7 +200,7 @@ class CompiledDecode:
         for buffers, layout, group_tables in zip(self._cascade, layouts, tables):
             if buffers is not None:  # a group without shared prefixes this step: no split
                 buffers.stage(layout or unsplit_layout(list(group_tables) + [[]] * pad, lens,
-                                                       [1] * size), size)
+                                                       [1] * size), size, size)
         self.cascade_calls += 1
         self.cascade_saved_tokens += sum(layout.saved_tokens for layout in layouts if layout is not None)
         return True
@@ -239,7 +209,7 @@ class CompiledDecode:
         """A valid split of an all-padding batch (warm-up): one empty group."""
         for buffers in self._cascade:
             if buffers is not None:
-                buffers.stage(unsplit_layout([[]] * size, [0] * size, [1] * size), size)
+                buffers.stage(unsplit_layout([[]] * size, [0] * size, [1] * size), size, size)
 
     def _padded(self, rows: int) -> int:
         if not self.sizes:
@@ -248,8 +218,7 @@ class CompiledDecode:
 
     def _forward(self, ids, positions, slots, tables, seq_lens, cascade=()) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
-        plans = tuple(None if views is None else CascadePlan(*views, query_start_loc=None)
-                      for views in cascade)
+        plans = tuple(None if views is None else views for views in cascade)
         batch = PagedBatch(self.kv_cache, slot_mapping=slots[0], block_tables=tables[0],
                            seq_lens=seq_lens, query_start_loc=None,
                            other_groups=tuple(zip(slots[1:], tables[1:])), cascades=plans)
@@ -261,12 +230,12 @@ class CompiledDecode:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
         slots = tuple(buffer[:size] for buffer in self.slots)
         tables = tuple(buffer[:size] for buffer in self.tables)
-        splits = tuple(None if buffers is None else buffers.views(size)
+        splits = tuple(None if buffers is None else buffers.plan(size, size)
                        for buffers in self._cascade) if cascade else ()
         args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size), slots, tables,
                 self.seq_lens[:size], splits)
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
-            split_tensors = [t for views in splits if views is not None for t in views]
+            split_tensors = [t for plan in splits if plan is not None for t in plan.tensors()]
             for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *split_tensors),
                                    (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(split_tensors))):
                 torch._dynamo.mark_dynamic(tensor, dim)

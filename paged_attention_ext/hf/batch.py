@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadePlan, plan_cascade
+from ..cascade import CascadeBuffers, CascadePlan, layout_cascade, plan_cascade, unsplit_layout
 from ..kv_cache import PagedKVCache
 
 
@@ -135,11 +135,17 @@ class StepBuffers:
     positions output zeros as in the eager path; sequence ``2r + 1`` owns its real tokens
     and attends over the row's blocks. Unused table entries are never read (``seq_lens``
     bounds them).
+
+    With ``cascade_min_saved_tokens``, a forward whose rows share prompt blocks gets the
+    cascade split (:mod:`paged_attention_ext.cascade`) in fixed buffers too (one group per
+    sequence at most): its batch is a second object per shape, so a compiled forward has
+    one graph for each.
     """
 
     def __init__(self, kv_cache: PagedKVCache, max_rows: int, max_blocks_per_row: int,
                  max_tokens: int, scratch_block: int, write_kv: bool,
-                 on_stored: Optional[Callable[[int], None]] = None) -> None:
+                 on_stored: Optional[Callable[[int], None]] = None,
+                 cascade_min_saved_tokens: Optional[int] = None) -> None:
         device = kv_cache.device
         groups = range(len(kv_cache.kv_groups.groups))
         self.kv_cache = kv_cache
@@ -156,7 +162,18 @@ class StepBuffers:
         self._tables: List[List[Optional[List[int]]]] = [[None] * max_rows for _ in groups]
         self._write_kv = write_kv
         self._on_stored = on_stored
-        self._batches: dict = {}  # (rows, q_len) -> PagedBatch of views, one object per shape
+        self._batches: dict = {}  # (rows, q_len, cascade) -> PagedBatch of views, one per shape
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self._cascade = ([None if group.sliding_window is not None else
+                          CascadeBuffers(2 * max_rows, 2 * max_rows, max_blocks_per_row, device)
+                          for group in kv_cache.kv_groups.groups]
+                         if cascade_min_saved_tokens is not None else [])
+        self.cascade_forwards = 0  # forwards that took the split
+
+    def cascade_tensors(self) -> List[torch.Tensor]:
+        """The cascade buffers (fixed addresses, like the others)."""
+        return [t for b in self._cascade if b is not None
+                for t in (b.prefix_tables, b.prefix_lens, b.group_starts, b.suffix_tables, b.suffix_lens)]
 
     def fill(self, tables: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
              query_lens: Sequence[int], q_len: int, slots: Sequence[Sequence[int]]) -> PagedBatch:
@@ -181,7 +198,34 @@ class StepBuffers:
         self.query_start_loc[:2 * rows + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         for buffer, group_slots in zip(self.group_slot_mappings, slots):
             buffer[:rows * q_len].copy_(torch.tensor(list(group_slots), dtype=torch.int64))
-        return self.batch(rows, q_len)
+        return self.batch(rows, q_len, self._stage_cascade(tables, lens, starts))
+
+    def _stage_cascade(self, tables: Sequence[Sequence[Sequence[int]]], lens: List[int],
+                       starts: List[int]) -> bool:
+        """Plan the forward's split over its 2 * rows sequences (padding ones included) per
+        KV group without a window and stage it; whether any group takes it."""
+        if not self._cascade:
+            return False
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        layouts = []
+        for buffers, group_tables in zip(self._cascade, tables):
+            if buffers is None:
+                layouts.append(None)
+                continue
+            seq_tables = [table for t in group_tables for table in ([self.scratch_block], list(t))]
+            layouts.append(layout_cascade(seq_tables, lens, query_lens, self.kv_cache.block_size,
+                                          self.cascade_min_saved_tokens))
+        if all(layout is None for layout in layouts):
+            return False
+        for buffers, layout, group_tables in zip(self._cascade, layouts, tables):
+            if buffers is None:
+                continue
+            if layout is None:  # this group shares nothing this forward: one empty group
+                seq_tables = [table for t in group_tables for table in ([self.scratch_block], list(t))]
+                layout = unsplit_layout(seq_tables, lens, query_lens)
+            buffers.stage(layout, len(lens), len(lens))
+        self.cascade_forwards += 1
+        return True
 
     def _fill_tables(self, group: int, tables: Sequence[Sequence[int]], width: int) -> None:
         """Only the rows whose blocks changed (most decode steps change none); the padding
@@ -198,15 +242,19 @@ class StepBuffers:
         buffer = self.group_block_tables[group]
         buffer.index_copy_(0, index.to(buffer.device), new_rows.to(buffer.device))
 
-    def batch(self, rows: int, q_len: int) -> PagedBatch:
-        """The views for a ``[rows, q_len]`` forward (the same object every time)."""
-        key = (rows, q_len)
+    def batch(self, rows: int, q_len: int, cascade: bool = False) -> PagedBatch:
+        """The views for a ``[rows, q_len]`` forward (the same object every time), with the
+        staged cascade split or without."""
+        key = (rows, q_len, cascade)
         if key not in self._batches:
             others = tuple((slots[:rows * q_len], tables[:2 * rows]) for slots, tables in
                            zip(self.group_slot_mappings[1:], self.group_block_tables[1:]))
+            starts = self.query_start_loc[:2 * rows + 1]
+            plans = tuple(None if b is None else b.plan(2 * rows, 2 * rows, starts)
+                          for b in self._cascade) if cascade else ()
             self._batches[key] = PagedBatch(
                 kv_cache=self.kv_cache, slot_mapping=self.slot_mapping[:rows * q_len],
                 block_tables=self.block_tables[:2 * rows], seq_lens=self.seq_lens[:2 * rows],
-                query_start_loc=self.query_start_loc[:2 * rows + 1], write_kv=self._write_kv,
-                on_stored=self._on_stored, other_groups=others)
+                query_start_loc=starts, write_kv=self._write_kv,
+                on_stored=self._on_stored, other_groups=others, cascades=plans)
         return self._batches[key]

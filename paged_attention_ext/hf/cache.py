@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache
 
 from ..block_allocator import NoFreeBlocksError
 from ..block_manager import BlockSpaceManager
+from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
@@ -165,6 +166,10 @@ class PagedCache(Cache):
             ``compile_config`` run the decode steps without graph breaks or recompiles
             (docs/huggingface.md, "Compiled decoding"). Excludes ``max_seq_len``.
         max_batch_size: compile mode: the most batch rows (default: the first forward's).
+        cascade_min_saved_tokens: rows that share prompt blocks (``num_return_sequences``,
+            beams, repeated prompts) read them once per decode step (cascade attention,
+            :mod:`paged_attention_ext.cascade`) where that saves at least this many key
+            reads per step; ``None``: plain attention only. The tokens are the same.
 
     The pools take the dtype, device and head shapes (key and value head sizes may differ)
     of the first keys and values stored. One instance serves one ``generate`` call (or
@@ -183,7 +188,8 @@ class PagedCache(Cache):
                  enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None,
                  kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
                  v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
-                 max_cache_len: Optional[int] = None, max_batch_size: Optional[int] = None) -> None:
+                 max_cache_len: Optional[int] = None, max_batch_size: Optional[int] = None,
+                 cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
                             f"model's config), got {type(config).__name__}")
@@ -192,6 +198,7 @@ class PagedCache(Cache):
         check_int("PagedCache: max_seq_len", max_seq_len, 1, optional=True)
         check_int("PagedCache: max_cache_len", max_cache_len, 1, optional=True)
         check_int("PagedCache: max_batch_size", max_batch_size, 1, optional=True)
+        check_int("PagedCache: cascade_min_saved_tokens", cascade_min_saved_tokens, 1, optional=True)
         if max_cache_len is None and max_batch_size is not None:
             raise ValueError("PagedCache: max_batch_size sizes the compile mode, which max_cache_len "
                              "turns on; pass max_cache_len too")
@@ -214,6 +221,7 @@ class PagedCache(Cache):
         self.max_seq_len = max_seq_len
         self._max_cache_len = max_cache_len
         self._max_batch_size = max_batch_size
+        self._cascade_min_saved_tokens = cascade_min_saved_tokens
         # MLA (DeepSeek-V2/V3): update() gets compressed latents; the attention function
         # stores the keys and values transformers expands from them (these head sizes).
         self._mla: Optional[Tuple[int, int]] = mla_head_sizes(text_config)
@@ -241,6 +249,7 @@ class PagedCache(Cache):
         self._layers_stored = 0  # update() calls of the current forward
         self._forwards_done = 0  # forwards whose every layer stored its K/V
         self._broken: Optional[str] = None  # why the cache must be reset before more use
+        self.cascade_forwards = 0  # forwards whose shared prompt blocks were read once (cascade)
         # Compile mode: the prepared forward (per-row new-token counts, q_len, slots), whether
         # no eager update has consumed it yet, and the rows it started without prefix
         # fingerprints (an eager first forward redoes them with fingerprints).
@@ -526,7 +535,9 @@ class PagedCache(Cache):
             self.kv, tables,
             [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows], counts, slots,
             write_kv=self._mla is not None, query_rows=query_rows,
-            on_stored=self._count_stored if self._mla is not None else None)
+            on_stored=self._count_stored if self._mla is not None else None,
+            cascade_min_saved_tokens=self._cascade_min_saved_tokens)
+        self.cascade_forwards += bool(self._batch.cascades)
 
     def _allocate(self, counts: Sequence[int], q_len: int, keys: Optional[torch.Tensor],
                   values: Optional[torch.Tensor]) -> Tuple[List[int], List, List[int]]:
@@ -757,7 +768,8 @@ class PagedCache(Cache):
             pool = self._new_pool(capacity + 1, spec)  # the last block: the scratch block
             buffers = StepBuffers(pool, max_rows, width, max_rows * self._max_cache_len,
                                   scratch_block=capacity, write_kv=self._mla is not None,
-                                  on_stored=self._count_stored if self._mla is not None else None)
+                                  on_stored=self._count_stored if self._mla is not None else None,
+                                  cascade_min_saved_tokens=self._cascade_min_saved_tokens)
             self._static = (spec, pool, buffers)
         self.manager = BlockSpaceManager(capacity, 0, self.block_size,
                                          enable_prefix_caching=self.enable_prefix_caching,
@@ -773,7 +785,7 @@ class PagedCache(Cache):
         buffers = self._static[2]
         for tensor in (*self.kv.key_caches, *self.kv.value_caches, *buffers.group_block_tables,
                        buffers.seq_lens, buffers.query_start_loc, *buffers.group_slot_mappings,
-                       self._length_tensor, self._consumed):
+                       *buffers.cascade_tensors(), self._length_tensor, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
     def _config_pool_spec(self, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -809,6 +821,7 @@ class PagedCache(Cache):
                   for g in range(self.manager.num_kv_groups)]
         lens = [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows]
         self._batch = self._static[2].fill(tables, lens, counts, q_len, slots)
+        self.cascade_forwards += bool(self._batch.cascades)
 
     def _fingerprint_started_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """An eager first forward: place the rows the step started again, now with prefix
