@@ -93,6 +93,13 @@ def _attention_classes(worker) -> list[str]:
     return sorted({type(m.impl).__name__ for m in model.modules() if isinstance(m, Attention)})
 
 
+def _cascade_steps(worker) -> int:
+    """Steps the backend's metadata builders built with a cascade split (runs in the worker)."""
+    return sum(getattr(builder, "cascade_steps", 0)
+               for groups in getattr(worker.model_runner, "attn_groups", [])
+               for group in groups for builder in group.metadata_builders)
+
+
 def run_case(case: dict) -> dict:
     """Generate greedily with vLLM as ``case`` says; the tokens per batch and what ran."""
     from vllm import LLM, SamplingParams
@@ -116,7 +123,8 @@ def run_case(case: dict) -> dict:
     cached = sum(o.num_cached_tokens or 0 for o in outs)
     return dict(tokens=batches, attention=llm.collective_rpc(_attention_classes),
                 kv_cache_groups=llm.collective_rpc(_kv_cache_groups)[0],
-                preemptions=preemptions, cached_tokens_last_batch=cached)
+                preemptions=preemptions, cached_tokens_last_batch=cached,
+                cascade_steps=sum(llm.collective_rpc(_cascade_steps)))
 
 
 def run_vllm(case: dict, plugin: bool, timeout: float = 900) -> dict:
@@ -132,6 +140,8 @@ def run_vllm(case: dict, plugin: bool, timeout: float = 900) -> dict:
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin
+    if "cascade_min_saved_tokens" in case:
+        env["PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS"] = str(case["cascade_min_saved_tokens"])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case, f)
     try:
@@ -186,6 +196,19 @@ def test_hybrid_model_runs_under_vllms_hybrid_kv_cache_manager(model_dirs):
                            num_blocks=64))
     assert ours["kv_cache_groups"] > 1
     assert ours["preemptions"] > 0
+
+
+def test_cascade_split_planned_from_shared_prompt_blocks(model_dirs):
+    """vLLM 0.32 passes no common prefix (it removed cascade attention); on the CPU the
+    builder plans the split from the block table: requests on the cached shared prompt
+    read its blocks once per step, with the CPU backend's tokens."""
+    batch = prompts(seed=6, count=6, shared_prefix=70)
+    ours = check_same(dict(model=model_dirs["llama"], batches=[batch, batch], max_tokens=12,
+                           prefix_caching=True, cascade_min_saved_tokens=1))
+    assert ours["cascade_steps"] > 0
+    off = run_vllm(dict(model=model_dirs["llama"], batches=[batch], max_tokens=4,
+                        prefix_caching=True, cascade_min_saved_tokens="none"), plugin=True)
+    assert off["cascade_steps"] == 0
 
 
 def test_greedy_equals_vllm_cpu_backend_under_preemption(model_dirs):

@@ -151,3 +151,58 @@ def test_unequal_key_and_value_head_sizes_raise():
                              head_size_v=128, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="equal key and value head sizes"):
         PagedAttentionBackend.customize_spec(spec)
+
+
+def builder_for(block_size: int, threshold=1):
+    """The metadata builder without vLLM's config (build reads only the spec's block size)."""
+    from paged_attention_ext.vllm.backend import PagedAttentionMetadataBuilder
+
+    builder = PagedAttentionMetadataBuilder.__new__(PagedAttentionMetadataBuilder)
+    builder.kv_cache_spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                                              head_size=HEAD_SIZE, dtype=torch.float32)
+    builder.cascade_min_saved_tokens = threshold
+    builder.cascade_steps = 0
+    return builder
+
+
+@pytest.mark.parametrize("common_prefix_len", [0, 40])
+def test_cascade_split_equals_plain_attention(common_prefix_len):
+    """Four requests on one 2-block prompt (one prefilling its own tokens after the hit), and
+    an unrelated one: the builder's split (planned from the block table, or vLLM's common
+    prefix, rounded down to whole blocks) gives the plain op's output."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    torch.manual_seed(1)
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "auto")
+    kv = page_view(torch.float32)
+    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
+    key_cache.normal_()
+    value_cache.normal_()
+    shared = [5, 2]
+    tables = [shared + [7], shared + [8], shared + [9], shared + [10], [11, 0, 1]]
+    if common_prefix_len:  # vLLM's common prefix spans every request
+        tables[4] = shared + [11]
+    block_table = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = torch.tensor([40, 41, 45, 33, 40], dtype=torch.int32)
+    q_lens = [1, 1, 6, 1, 1]
+    starts = torch.tensor([0, 1, 2, 8, 9, 10], dtype=torch.int32)
+    m = CommonAttentionMetadata(query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=seq_lens,
+                                num_reqs=5, num_actual_tokens=10, max_query_len=max(q_lens),
+                                max_seq_len=45, block_table_tensor=block_table,
+                                slot_mapping=torch.full((10,), -1, dtype=torch.int64))
+    builder = builder_for(BLOCK_SIZE)
+    metadata = builder.build(common_prefix_len, m)
+    assert metadata.cascade is not None and builder.cascade_steps == 1
+    query = torch.randn(10, HEADS, HEAD_SIZE)
+    output = torch.zeros(10, HEADS, HEAD_SIZE)
+    impl.forward(Layer(1.0), query, None, None, kv, metadata, output)
+    want = reference.attention(query, key_cache, value_cache, block_table, seq_lens,
+                               HEAD_SIZE ** -0.5, starts)
+    torch.testing.assert_close(output, want)
+    # A layer with a window attends plainly over the same metadata.
+    windowed = PagedAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, 8, "auto")
+    windowed.forward(Layer(1.0), query, None, None, kv, metadata, output)
+    torch.testing.assert_close(output, reference.attention(query, key_cache, value_cache, block_table,
+                                                           seq_lens, HEAD_SIZE ** -0.5, starts,
+                                                           sliding_window=8))
+    assert builder_for(BLOCK_SIZE, threshold=None).build(common_prefix_len, m).cascade is None

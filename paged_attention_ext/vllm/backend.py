@@ -3,6 +3,13 @@ values, one multi-token ``paged.attention`` call serves the whole batch (prefill
 chunked prefill, prefix hits and mixes of them), with vLLM's block table, sequence lengths,
 query start locations and slot mapping passed straight through.
 
+Cascade attention (:mod:`paged_attention_ext.cascade`): where vLLM passes a common prefix
+length (older releases and out-of-tree runners; vLLM 0.32 has removed cascade attention and
+always passes 0), every request of the step shares that prefix; otherwise, on the CPU, where
+the block table is a host tensor, the builder plans the split itself from the block ids
+(parallel samples and requests on cached prompt blocks share them), as the engine does.
+``PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS`` sets the plan's threshold (``none``: off).
+
 KV cache layout: each layer's cache holds the key tiles of all its blocks, then the value
 tiles, each an HND ``[num_kv_heads, block_size, head_size]`` tile, so the two halves are the
 ops' contiguous key and value caches (views, no copy). vLLM describes a page as
@@ -10,6 +17,7 @@ ops' contiguous key and value caches (views, no copy). vLLM describes a page as
 state each (the whole block's tile) and the ``LHBNC`` order (the slot outside the block).
 """
 
+import os
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
@@ -28,6 +36,18 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from paged_attention_ext import ops
+from paged_attention_ext.cascade import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
+
+
+def cascade_threshold() -> Optional[int]:
+    """PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS: an integer >= 1, or "none" (no cascade)."""
+    value = os.environ.get("PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS", str(DEFAULT_MIN_SAVED_TOKENS))
+    if value.strip().lower() == "none":
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError("PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS must be an integer >= 1 or "
+                         f"'none', got {value!r}")
+    return int(value)
 
 
 # vLLM allocates fp8 caches as uint8; the ops read them as these formats.
@@ -116,14 +136,18 @@ class PagedAttentionMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # int32 [num_reqs], context including this step's tokens
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens], -1 for padding
+    cascade: Optional[CascadePlan] = None  # shared prefixes read once (layers without a window)
+    cascade_block_size: int = 0  # the block size the plan counted in
 
 
 class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
-    """Passes vLLM's common metadata through; the ops need no per-step planning."""
+    """Passes vLLM's common metadata through, plus the step's cascade split where one pays."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         # Abstract in vLLM's base class, which stores all four.
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.cascade_min_saved_tokens = cascade_threshold()
+        self.cascade_steps = 0  # steps built with a split
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedAttentionMetadata:
@@ -131,13 +155,44 @@ class PagedAttentionMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetad
         if m.causal is not True:
             raise NotImplementedError(
                 "paged_attention_ext's vLLM backend supports causal attention only")
+        block_size = self.kv_cache_spec.block_size
+        cascade = self._cascade(common_prefix_len, m, block_size)
+        self.cascade_steps += cascade is not None
         return PagedAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
+            cascade=cascade,
+            cascade_block_size=block_size,
         )
+
+    def _cascade(self, common_prefix_len: int, m: CommonAttentionMetadata,
+                 block_size: int) -> Optional[CascadePlan]:
+        if self.cascade_min_saved_tokens is None:
+            return None
+        shared = common_prefix_len // block_size
+        if shared > 0:
+            # vLLM's common prefix: every request of the step, from device tensors only
+            # (no sync; a captured graph replays it).
+            prefix = shared * block_size
+            return CascadePlan(
+                prefix_block_tables=m.block_table_tensor[:1, :shared],
+                prefix_lens=torch.full((1,), prefix, dtype=torch.int32, device=m.seq_lens.device),
+                group_starts=m.query_start_loc[[0, m.num_reqs]],
+                suffix_block_tables=m.block_table_tensor[:m.num_reqs, shared:],
+                suffix_lens=m.seq_lens[:m.num_reqs] - prefix,
+                query_start_loc=m.query_start_loc[:m.num_reqs + 1],
+                saved_tokens=(m.num_reqs - 1) * prefix)
+        if m.block_table_tensor.device.type != "cpu":
+            return None  # planning from block ids would read the device
+        lens = m.seq_lens[:m.num_reqs].tolist()
+        starts = m.query_start_loc_cpu[:m.num_reqs + 1].tolist()
+        rows = m.block_table_tensor[:m.num_reqs, :-(-max(lens, default=0) // block_size)].tolist()
+        tables = [row[:-(-n // block_size)] for row, n in zip(rows, lens)]
+        return plan_cascade(tables, lens, [b - a for a, b in zip(starts, starts[1:])], block_size,
+                            m.block_table_tensor.device, self.cascade_min_saved_tokens)
 
 
 class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
@@ -216,6 +271,12 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             self.alibi_slopes = self.alibi_slopes.to(query.device)  # built on the host
         key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size,
                                                 self.fp8)
+        plan = m.cascade
+        if (plan is not None and plan.applies_to(self.sliding_window, self.alibi_slopes)
+                and key_cache.shape[2] == m.cascade_block_size):
+            output[:n] = plan.run(query[:n], key_cache, value_cache, self.scale, self.soft_cap,
+                                  self.sinks, **self._scales(layer))
+            return output
         ops.attention_out(output[:n], query[:n], key_cache, value_cache, m.block_table,
                           m.seq_lens, self.scale, m.query_start_loc, self.alibi_slopes,
                           self.sliding_window, self.soft_cap, sinks=self.sinks,
