@@ -135,19 +135,23 @@ def op_time(quick: bool) -> Dict:
 
 
 def threshold_sweep(quick: bool) -> Dict:
-    """Forced split over plain, 2 sequences (32/8 heads, bf16) sharing P tokens; the saved
-    reads (sharers - 1) x P at which the split breaks even sets the default threshold."""
+    """Forced split over plain, 2 and 4 sequences (32/8 heads, bf16) sharing P tokens: the
+    saved reads (sharers - 1) x P at which the split breaks even set the default threshold."""
     rows = {}
-    for prefix in (128, 256, 512, 1024, 2048, 4096):
-        case = shared_batch(2, prefix, 32, 32, 8, torch.bfloat16)
-        calls = candidates(case, 1)
-        timings = time_interleaved({"plain": calls["plain"], "split": calls["split"]}, warmup=3,
-                                   reps=10 if quick else 40)
-        rows[str(prefix)] = {"plain_us": timings["plain"].median_s * 1e6,
-                             "split_us": timings["split"].median_s * 1e6,
-                             "speedup": timings["plain"].median_s / timings["split"].median_s}
-        print(f"sweep 2 sequences sharing {prefix:5d}: plain {rows[str(prefix)]['plain_us']:8.0f} us"
-              f"  split {rows[str(prefix)]['split_us']:8.0f} us  {rows[str(prefix)]['speedup']:.2f}x")
+    for seqs in (2, 4):
+        for prefix in (256, 512, 1024, 2048, 4096):
+            case = shared_batch(seqs, prefix, 32, 32, 8, torch.bfloat16)
+            calls = candidates(case, 1)
+            timings = time_interleaved({"plain": calls["plain"], "split": calls["split"]},
+                                       warmup=3, reps=10 if quick else 40)
+            row = {"sequences": seqs, "prefix": prefix, "saved_key_reads": (seqs - 1) * prefix,
+                   "plain_us": timings["plain"].median_s * 1e6,
+                   "split_us": timings["split"].median_s * 1e6,
+                   "speedup": timings["plain"].median_s / timings["split"].median_s}
+            rows[f"{seqs}x{prefix}"] = row
+            print(f"sweep {seqs} sequences sharing {prefix:5d} (saves {row['saved_key_reads']:5d}): "
+                  f"plain {row['plain_us']:8.0f} us  split {row['split_us']:8.0f} us  "
+                  f"{row['speedup']:.2f}x")
     return rows
 
 

@@ -32,8 +32,10 @@ import torch
 from . import ops
 
 # Key reads a group must save per step ((members - 1) * prefix tokens) before the split
-# pays for its two extra ops; bench/bench_cascade.py measures the crossover.
-DEFAULT_MIN_SAVED_TOKENS = 1024
+# pays for its two extra ops: bench/bench_cascade.py's sweep (AMD EPYC, AVX2, 2 threads,
+# bf16, 32/8 heads) broke even between 3072 and 6144 (4 sequences sharing 1024 tokens:
+# 0.92x, sharing 2048: 1.05x; 2 sharing 4096: 0.93x).
+DEFAULT_MIN_SAVED_TOKENS = 6144
 
 
 @dataclass(frozen=True)

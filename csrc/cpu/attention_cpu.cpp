@@ -141,7 +141,8 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
 void run_items(const AttentionParams& params, const Plan& plan) {
   const AttentionKernelFn kernel = attention_kernel_for(params.kind);
   const int64_t padded_head = (std::max(params.head_size, params.head_size_v) + 15) / 16 * 16;
-  const int64_t workspace_floats = kernel_workspace_floats(int(padded_head), plan.max_queries_per_item);
+  const int64_t workspace_floats =
+      kernel_workspace_floats(int(padded_head), plan.max_queries_per_item + kWorkspacePaddingQueries);
   const int64_t n = int64_t(plan.items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(plan.num_threads) if (plan.num_threads > 1)
   for (int64_t i = 0; i < n; ++i) {
@@ -253,6 +254,7 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
   p.scale = float(scale);
   p.soft_cap = float(soft_cap);
   p.sliding_window = int(sliding_window);
+  p.queries_after_keys = placement == QueryPlacement::kAfterKeys;
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
   const bool direct = plan.max_parts == 1 && out.scalar_type() == at::kFloat;

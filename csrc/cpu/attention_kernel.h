@@ -177,9 +177,16 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
 }
 #endif  // PAGED_ISA_AVX512_BF16
 
+#include "lane_kernel.h"
+
 // kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
+  // A shared prefix with at least a vector of queries per KV head: queries in lanes.
+  if (P.queries_after_keys && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+    lane_work_item<T>(P, w, ws);
+    return;
+  }
   const int hs = kHeadSize > 0 ? kHeadSize : P.head_size;
   const int hsv = kHeadSize > 0 ? kHeadSize : P.head_size_v;
   const int hsp = (hs + VW - 1) / VW * VW;
@@ -213,8 +220,17 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
                      q_bits + m0 * hsp, score_scale, acc + m0 * hspv, scores + m0 * kKeyChunk,
                      run_max + m0, run_sum + m0};
   };
-  // Rows of whole vectors are read in place; others are converted to fp32 rows first.
-  const bool in_place = hsp == hs && hspv == hsv;
+  // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
+  // are 16-bit and fp8 rows that many queries share (a shared prefix: shared_prefix_attention):
+  // read in place, each row would be widened again by every query tile; converted, once
+  // (bf16 rows with bf16 dot products need no widening and stay in place).
+#if PAGED_ISA_AVX512_BF16
+  constexpr bool kDotsWithoutWidening = std::is_same_v<T, Bf16>;
+#else
+  constexpr bool kDotsWithoutWidening = false;
+#endif
+  const bool widen_once = sizeof(T) < sizeof(float) && !kDotsWithoutWidening && per_head >= kWidenOnceQueries;
+  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),
@@ -370,7 +386,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       c = next;
     }
   } else {
-    // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
+    // Ragged head sizes, or rows many queries share: convert each chunk into zero-padded
+    // fp32 rows first.
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hspv);
     const float* k_rows[kKeyChunk];

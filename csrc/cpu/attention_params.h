@@ -42,6 +42,9 @@ struct AttentionParams {
   float scale;
   float soft_cap;      // <= 0: disabled
   int sliding_window;  // <= 0: disabled
+  // Every query sits after every key (shared_prefix_attention): items with many queries
+  // per KV head take the lane kernel (lane_kernel.h).
+  bool queries_after_keys;
 
   // fp32 results ([head_size_v] rows), one slot per (partition, token, head):
   //   o   at out + part*out_part_stride + token*out_token_stride + head*out_head_stride
@@ -73,9 +76,16 @@ struct WorkItem {
 
 // Most keys per online-softmax step (some fp32 items take half, see attention_kernel.h).
 constexpr int kKeyChunk = 32;
+// Queries of one KV head from which a work item widens 16-bit and fp8 rows to fp32 once
+// per chunk instead of in every register tile (attention_kernel.h).
+constexpr int kWidenOnceQueries = 8;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;
+
+// Queries beyond an item's own the workspace is sized for: the lane kernel rounds a KV
+// head's queries up to whole vectors.
+constexpr int kWorkspacePaddingQueries = 16;
 
 // Floats of per-thread scratch a kernel needs; head_size_padded is the larger of the key
 // and value head sizes rounded up to whole vectors (an upper bound when they differ).

@@ -302,6 +302,16 @@ static inline void prefetch_row(const void* row, int bytes) {
   for (int off = 0; off < bytes; off += 64) prefetch(p + off);
 }
 
+// A row into L2 only (prefetcht1), for data read a phase later by a working set that
+// fills L1.
+static inline void prefetch_row_l2(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(p + off, 0, 2);
+    asm volatile("");
+  }
+}
+
 // Prefetching mirrors the loads: while a phase reads bytes [x, x + 64) of its row t,
 // it prefetches the same bytes of row t of the next phase's rows (`ahead`, nullable).
 // Misses then stay in flight at the pace of the arithmetic instead of in bursts.

@@ -1,0 +1,269 @@
+// The CPU kernel for work items whose queries all see every key of the item and are many
+// per KV head (shared_prefix_attention: the queries of a group over its shared prefix).
+// Included by attention_kernel.h, inside the ISA namespace.
+//
+// Queries sit in vector lanes. The item transposes its scaled queries once, qt[d][m], and
+// for each chunk of keys computes the scores s[t][m] as register tiles of KT keys by MT
+// query vectors (each key element broadcast, each query vector loaded once per KT keys),
+// so no score needs a horizontal sum; the online softmax runs down the lanes (one max,
+// exp and sum per query vector); the weighted values acc[m][d] accumulate in tiles of MR
+// queries by DV value vectors. Every K and V row is read once per item, as in the general
+// kernel, but each serves all the item's queries from registers.
+
+// Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
+// (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 ones; at least ten
+// accumulators cover the FMA latency on two pipes).
+constexpr int kLaneScoreKeys = VW == 16 ? 8 : 6;
+constexpr int kLaneScoreVecs = VW == 16 ? 3 : 2;
+constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
+constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
+constexpr int kLaneChunk = kKeyChunk;
+
+// s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors.
+template <int KT, int MT>
+static inline void lane_score_tile(const float* qt, int mp, const float* const* k, int hs, float* s,
+                                   int m0) {
+  vfloat acc[KT][MT];
+  for (int i = 0; i < KT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = vfloat{};
+  for (int d = 0; d < hs; ++d) {
+    vfloat q[MT];
+    for (int j = 0; j < MT; ++j) q[j] = load(qt + int64_t(d) * mp + m0 + j * VW);
+    for (int i = 0; i < KT; ++i) {
+      const vfloat kd = splat(k[i][d]);
+      for (int j = 0; j < MT; ++j) acc[i][j] += kd * q[j];
+    }
+  }
+  for (int i = 0; i < KT; ++i)
+    for (int j = 0; j < MT; ++j) store(s + int64_t(i) * mp + m0 + j * VW, acc[i][j]);
+}
+
+template <int KT>
+static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k, int hs,
+                                        float* s) {
+  int m = 0;
+  for (; m + kLaneScoreVecs * VW <= mp; m += kLaneScoreVecs * VW)
+    lane_score_tile<KT, kLaneScoreVecs>(qt, mp, k, hs, s, m);
+  for (; m < mp; m += VW) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m);
+}
+
+// The last r < KT keys of a chunk in one tile of r keys.
+template <int R>
+static inline void lane_scores_tail(const float* qt, int mp, const float* const* k, int r, int hs,
+                                    float* s) {
+  if constexpr (R > 0) {
+    if (r == R) return lane_scores_for_keys<R>(qt, mp, k, hs, s);
+    lane_scores_tail<R - 1>(qt, mp, k, r, hs, s);
+  }
+}
+
+// The next chunk's stored rows, fetched into L2 a few rows per score tile: spread over the
+// chunk's arithmetic, the misses stay in flight instead of overflowing the miss buffers
+// in one burst (and into L1 they would evict the queries and accumulators).
+template <typename T>
+struct LaneAhead {
+  const T* const* k;
+  const T* const* v;
+  int n;
+  int k_bytes, v_bytes;
+
+  void fetch(int begin, int end) const {
+    for (int t = begin; t < end && t < n; ++t) {
+      prefetch_row_l2(k[t], k_bytes);
+      prefetch_row_l2(v[t], v_bytes);
+    }
+  }
+};
+
+// Scores of the chunk's n keys with every query: s[t][m].
+template <typename T>
+static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
+                               float* s, const LaneAhead<T>& ahead) {
+  int t = 0;
+  for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
+    ahead.fetch(t, t + kLaneScoreKeys);
+    lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp);
+  }
+  ahead.fetch(t, ahead.n);
+  lane_scores_tail<kLaneScoreKeys - 1>(qt, mp, k + t, n - t, hs, s + int64_t(t) * mp);
+}
+
+// acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
+template <int MR, int DV>
+static inline void lane_value_tile(float* acc, int hspv, const float* p, int mp,
+                                   const float* const* v, int n, int m0, int d0) {
+  vfloat a[MR][DV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < DV; ++j) a[r][j] = load(acc + int64_t(m0 + r) * hspv + d0 + j * VW);
+  for (int t = 0; t < n; ++t) {
+    vfloat vt[DV];
+    for (int j = 0; j < DV; ++j) vt[j] = load(v[t] + d0 + j * VW);
+    const float* pt = p + int64_t(t) * mp + m0;
+    for (int r = 0; r < MR; ++r) {
+      const vfloat pr = splat(pt[r]);
+      for (int j = 0; j < DV; ++j) a[r][j] += pr * vt[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < DV; ++j) store(acc + int64_t(m0 + r) * hspv + d0 + j * VW, a[r][j]);
+}
+
+template <int MR>
+static inline void lane_values_for_rows(float* acc, int hspv, const float* p, int mp,
+                                        const float* const* v, int n, int m0) {
+  int d = 0;
+  for (; d + kLaneValueVecs * VW <= hspv; d += kLaneValueVecs * VW)
+    lane_value_tile<MR, kLaneValueVecs>(acc, hspv, p, mp, v, n, m0, d);
+  for (; d < hspv; d += VW) lane_value_tile<MR, 1>(acc, hspv, p, mp, v, n, m0, d);
+}
+
+// The probability-weighted values of the chunk for the first `m` queries.
+static inline void lane_values(float* acc, int hspv, const float* p, int mp, const float* const* v,
+                               int n, int m) {
+  int r = 0;
+  for (; r + kLaneValueRows <= m; r += kLaneValueRows)
+    lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
+  for (; r + 2 <= m; r += 2) lane_values_for_rows<2>(acc, hspv, p, mp, v, n, r);
+  for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
+}
+
+// One work item of shared_prefix_attention (every query sees keys [kv_begin, kv_end)),
+// KV head by KV head. Scratch: (m rounded up to VW) x (hsp + chunk + hspv + 2) plus a
+// chunk of widened keys and values and one query row, within kernel_workspace_floats of
+// m + kWorkspacePaddingQueries queries.
+template <typename T>
+void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  const int hs = P.head_size, hsv = P.head_size_v;
+  const int hsp = (hs + VW - 1) / VW * VW, hspv = (hsv + VW - 1) / VW * VW;
+  const int group = P.num_heads / P.num_kv_heads;
+  const int m = (w.row_end - w.row_begin) * group;  // queries of one KV head
+  const int mp = (m + VW - 1) / VW * VW;
+  float* qt = ws;                                // [hs][mp] scaled queries, transposed
+  float* s = qt + int64_t(mp) * hsp;             // [chunk][mp] scores, then probabilities
+  float* acc = s + int64_t(mp) * kLaneChunk;     // [mp][hspv] unnormalised outputs
+  float* run_max = acc + int64_t(mp) * hspv;     // [mp]
+  float* run_sum = run_max + mp;                 // [mp]
+  float* kf = run_sum + mp;                      // [chunk][hsp] widened keys
+  float* vf = kf + int64_t(kLaneChunk) * hsp;    // [chunk][hspv] widened values, zero padded
+  float* row = vf + int64_t(kLaneChunk) * hspv;  // [hsp] one query row in fp32
+  // Keys are copied (widened) into an L1 scratch chunk: the score tiles broadcast their
+  // elements from several rows at once, which measured 1.4x slower from the cache's rows
+  // in place (fp32, 4096 keys). fp32 values are read in place when their rows are whole
+  // vectors (one row at a time); other values are widened once per chunk.
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const bool values_in_place = kFloat && hsv == hspv;
+  if (!values_in_place) std::memset(vf, 0, sizeof(float) * kLaneChunk * hspv);
+  constexpr float kUnit = StoredUnit<T>::value;
+  const char* query = static_cast<const char*>(P.query);
+  const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
+  const T* key_cache = static_cast<const T*>(P.key_cache);
+  const T* value_cache = static_cast<const T*>(P.value_cache);
+  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
+  const bool soft_cap = P.soft_cap > 0.0f;
+  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+
+  for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
+    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
+    std::memset(qt, 0, sizeof(float) * mp * hsp);
+    for (int i = 0; i < m; ++i) {
+      const int token = w.row_begin + i / group, head = kv * group + i % group;
+      query_row_to_float(P.query_kind,
+                         query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem,
+                         row, hs);
+      for (int d = 0; d < hs; ++d) qt[int64_t(d) * mp + i] = row[d] * q_scale;
+    }
+    std::fill(run_max, run_max + mp, -__builtin_inff());
+    std::fill(run_sum, run_sum + mp, 0.0f);
+    std::memset(acc, 0, sizeof(float) * mp * hspv);
+    const int64_t k_head = kv * P.k_head_stride, v_head = kv * P.v_head_stride;
+    // The stored rows of keys [j0, j0 + n) of this head.
+    const T* k_src[2][kLaneChunk];
+    const T* v_src[2][kLaneChunk];
+    auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
+      for (int t = 0; t < n; ++t) {
+        const int j = j0 + t;
+        const int64_t block = table[j / P.block_size], slot = j % P.block_size;
+        k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
+        v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
+      }
+    };
+    const float* k_rows[kLaneChunk];
+    const float* v_rows[kLaneChunk];
+    int current = 0;
+    locate(w.kv_begin, std::min(kLaneChunk, w.kv_end - w.kv_begin), k_src[0], v_src[0]);
+    for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += kLaneChunk) {
+      const int n = std::min(kLaneChunk, w.kv_end - j0);
+      // The next chunk's rows are fetched while this one computes (LaneAhead).
+      const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
+      if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
+      const LaneAhead<T> ahead{k_src[1 - current], v_src[1 - current], next_n,
+                               int(hs * sizeof(T)), int(hsv * sizeof(T))};
+      for (int t = 0; t < n; ++t) {
+        row_to_float(k_src[current][t], kf + int64_t(t) * hsp, hs);
+        k_rows[t] = kf + int64_t(t) * hsp;
+        if (values_in_place) {
+          v_rows[t] = reinterpret_cast<const float*>(v_src[current][t]);
+        } else {
+          row_to_float(v_src[current][t], vf + int64_t(t) * hspv, hsv);
+          v_rows[t] = vf + int64_t(t) * hspv;
+        }
+      }
+      current = 1 - current;
+      lane_scores(qt, mp, k_rows, n, hs, s, ahead);
+      if (soft_cap)
+        for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
+      // The online softmax down the lanes: per query vector one max, exp and sum.
+      for (int v0 = 0; v0 < mp; v0 += VW) {
+        vfloat top = load(s + v0);
+        for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+        const vfloat old = load(run_max + v0);
+        const vfloat now = vmax(old, top);
+        vfloat total{};
+        for (int t = 0; t < n; ++t) {
+          const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
+          store(s + int64_t(t) * mp + v0, p);
+          total += p;
+        }
+        float alpha[VW];
+        for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
+        for (int l = 0; l < VW && v0 + l < m; ++l) {
+          if (alpha[l] == 1.0f) continue;
+          float* am = acc + int64_t(v0 + l) * hspv;
+          const vfloat a = splat(alpha[l]);
+          for (int d = 0; d < hspv; d += VW) store(am + d, load(am + d) * a);
+        }
+        vfloat alphas;
+        std::memcpy(&alphas, alpha, sizeof(alphas));
+        store(run_sum + v0, load(run_sum + v0) * alphas + total);
+        store(run_max + v0, now);
+      }
+      lane_values(acc, hspv, s, mp, v_rows, n, m);
+    }
+    // As the general kernel's epilogue: the sink (partition 0), the fp8 value scale, lse.
+    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * kUnit : 1.0f;
+    for (int i = 0; i < m; ++i) {
+      const int token = w.row_begin + i / group, head = kv * group + i % group;
+      float top = run_max[i], sum = run_sum[i], keep = 1.0f;
+      if (P.sinks && w.partition == 0) {
+        const float sink = P.sinks[head];
+        if (sink > top) {
+          keep = std::exp(top - sink);
+          sum = sum * keep + 1.0f;
+          top = sink;
+        } else if (top != -__builtin_inff()) {
+          sum += std::exp(sink - top);
+        }
+      }
+      const bool any = sum > 0.0f;
+      const float inv = any ? keep / sum * v_factor : 0.0f;
+      float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
+                 head * P.out_head_stride;
+      const float* am = acc + int64_t(i) * hspv;
+      for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+      if (P.lse) {
+        P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
+            any ? top + std::log(sum) : -__builtin_inff();
+      }
+    }
+  }
+}
