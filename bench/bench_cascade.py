@@ -16,8 +16,8 @@ Method
   each path reached (the split is compute-bound, the plain op bandwidth-bound).
 * **Engine**: ``LLMEngine`` (eager steps) on a random-weight Llama shaped so that attention
   is most of a decode step at 2k context (4 layers, hidden 512, 8 heads of 128, MHA,
-  intermediate 512, fp32): parallel sampling (2 requests, n = 8, 2048-token prompts, 64
-  new tokens) and a common system prompt (32 requests, a 2048-token shared prefix already
+  intermediate 512, fp32): parallel sampling (2 requests, n = 8, 2048-token prompts, 128
+  new tokens each, the prompts' prefill included) and a common system prompt (32 requests, a 2048-token shared prefix already
   in the prefix cache, 32 tokens of their own, 32 new tokens). Tokens/s with the split
   (default threshold) against ``cascade_min_saved_tokens=None``, the same workload in the
   same run, alternated. The attention share is the time spent in the attention calls
@@ -193,7 +193,7 @@ def workload(kind: str, quick: bool, rng: torch.Generator):
     prefix = 1024 if quick else 2048
     if kind == "parallel_sampling":
         reqs = [Request(f"s{i}", torch.randint(1, 1000, (prefix,), generator=rng).tolist(),
-                        SamplingParams(max_new_tokens=16 if quick else 64, n=8, temperature=1.0,
+                        SamplingParams(max_new_tokens=16 if quick else 128, n=8, temperature=1.0,
                                        seed=i)) for i in range(2)]
         return [], reqs
     system = torch.randint(1, 1000, (prefix,), generator=rng).tolist()

@@ -504,6 +504,32 @@ def print_table(report):
             print(f"{name}: {r['gbps']:.1f} GB/s{extra}")
 
 
+def bench_cascade(timer, device, quick, reps):
+    """Decode of 8 (quick: 4) sequences sharing a 4096-token prompt (64 own tokens each),
+    32/8 heads: the plain op against the cascade plan's three ops (issue 24)."""
+    from paged_attention_ext.cascade import plan_cascade
+
+    seqs, prefix, own, heads, kv_heads = (4, 1024, 64, 32, 8) if quick else (8, 4096, 64, 32, 8)
+    prefix_blocks, own_blocks = prefix // BLOCK_SIZE, own // BLOCK_SIZE
+    tables = [list(range(prefix_blocks)) + [prefix_blocks + i * own_blocks + j for j in range(own_blocks)]
+              for i in range(seqs)]
+    num_blocks = prefix_blocks + seqs * own_blocks
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, HEAD_SIZE)
+    key = torch.randn(shape, generator=g, device=device).to(DTYPE)
+    value = torch.randn(shape, generator=g, device=device).to(DTYPE)
+    query = torch.randn(seqs, heads, HEAD_SIZE, generator=g, device=device).to(DTYPE)
+    table = torch.tensor(tables, dtype=torch.int32, device=device)
+    lens = torch.full((seqs,), prefix + own, dtype=torch.int32, device=device)
+    plan = plan_cascade(tables, [prefix + own] * seqs, [1] * seqs, BLOCK_SIZE, device, 1)
+    plain = lambda: pa.attention(query, key, value, table, lens, HEAD_SIZE ** -0.5)  # noqa: E731
+    split = lambda: plan.run(query, key, value, HEAD_SIZE ** -0.5)  # noqa: E731
+    plain_s, split_s = timer(plain, reps), timer(split, reps)
+    return {"sequences": seqs, "prefix": prefix, "own": own, "heads": f"{heads}/{kv_heads}",
+            "plain_us": plain_s * 1e6, "cascade_us": split_s * 1e6, "speedup": plain_s / split_s,
+            "max_abs_diff": max_diff(split(), plain())}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cuda.json"))
@@ -550,6 +576,11 @@ def main():
         print_table(report)
         print(f"wrote {out}")
         return
+    try:  # cheap, and new (issue 24): before the long sweep
+        report["cascade"] = bench_cascade(timer, device, args.quick, reps)
+    except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+        report["cascade"] = {"error": error_text(e)}
+    save()
     bench_decode(timer, device, copy_gbps, configs, args.budget_s, reps, report["decode"], save)
     try:
         report["decode_padded"] = bench_padded(timer, device, copy_gbps, args.quick, reps)

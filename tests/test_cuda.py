@@ -712,6 +712,16 @@ def sanitizer_scenario():
     pa.write_kv(torch.randn(3, 2, 64, device=CUDA).to(dtype), torch.randn(3, 2, 64, device=CUDA).to(dtype),
                 gpu.key_cache, gpu.value_cache, torch.tensor([3, -1, 40], device=CUDA), **scales)
     pa.copy_blocks([gpu.key_cache], [gpu.value_cache], torch.tensor([[0, 2]], device=CUDA))
+    # cascade: the shared-prefix op (with a split) and the merge of its result with a suffix
+    import attention_scenarios as scenarios
+    shared = scenarios.shared_prefix_case([700, 16, 0], [3, 2, 1], [1, 5, 17, 1, 2, 9], 2, 64, 16, dtype)
+    query = random_query(6, 8, 64, dtype)
+    scenarios.assert_prefix_matches_reference("cuda", query, shared.prefixes, shared.group_starts, 0.1,
+                                              sinks=scenarios.random_sinks(8))
+    out, lse = scenarios.cascade("cuda", query, shared, 0.1)
+    want = ref.attention(query, shared.whole.key_cache, shared.whole.value_cache, shared.whole.block_tables,
+                         shared.whole.seq_lens, 0.1)
+    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
     torch.cuda.synchronize()
 
 

@@ -47,16 +47,6 @@ static inline void lane_scores_for_keys(const float* qt, int mp, const float* co
   for (; m < mp; m += VW) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m);
 }
 
-// The last r < KT keys of a chunk in one tile of r keys.
-template <int R>
-static inline void lane_scores_tail(const float* qt, int mp, const float* const* k, int r, int hs,
-                                    float* s) {
-  if constexpr (R > 0) {
-    if (r == R) return lane_scores_for_keys<R>(qt, mp, k, hs, s);
-    lane_scores_tail<R - 1>(qt, mp, k, r, hs, s);
-  }
-}
-
 // The next chunk's stored rows, fetched into L2 a few rows per score tile: spread over the
 // chunk's arithmetic, the misses stay in flight instead of overflowing the miss buffers
 // in one burst (and into L1 they would evict the queries and accumulators).
@@ -75,17 +65,27 @@ struct LaneAhead {
   }
 };
 
-// Scores of the chunk's n keys with every query: s[t][m].
+// Scores of the chunk's n keys with every query: s[t][m]. With one vector of queries
+// (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
 template <typename T>
 static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
                                float* s, const LaneAhead<T>& ahead) {
   int t = 0;
-  for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
-    ahead.fetch(t, t + kLaneScoreKeys);
-    lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp);
+  if (mp == VW) {
+    constexpr int kKeys = 2 * kLaneScoreKeys;
+    for (; t + kKeys <= n; t += kKeys) {
+      ahead.fetch(t, t + kKeys);
+      lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0);
+    }
+  } else {
+    for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
+      ahead.fetch(t, t + kLaneScoreKeys);
+      lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp);
+    }
   }
   ahead.fetch(t, ahead.n);
-  lane_scores_tail<kLaneScoreKeys - 1>(qt, mp, k + t, n - t, hs, s + int64_t(t) * mp);
+  for (; t + 4 <= n; t += 4) lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp);
+  for (; t < n; ++t) lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp);
 }
 
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
