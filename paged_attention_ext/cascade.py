@@ -242,3 +242,23 @@ class CascadeBuffers:
         return CascadePlan(self.prefix_tables[:num_groups], self.prefix_lens[:num_groups],
                            self.group_starts[:num_groups + 1], self.suffix_tables[:num_seqs],
                            self.suffix_lens[:num_seqs], query_start_loc)
+
+
+def stage_split(buffers: Sequence[Optional[CascadeBuffers]],
+                block_tables: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
+                query_lens: Sequence[int], block_size: int,
+                min_saved_tokens: int) -> Optional[int]:
+    """One fixed-shape step: plan each KV group's split (a group whose buffers are None
+    attends plainly) and, if any group takes one, stage every group's (an unsplit layout
+    for the others, whose graph runs the split too). Returns the key reads saved, or None:
+    run the plain step."""
+    layouts = [None if b is None else
+               layout_cascade(tables, seq_lens, query_lens, block_size, min_saved_tokens)
+               for b, tables in zip(buffers, block_tables)]
+    if all(layout is None for layout in layouts):
+        return None
+    for b, layout, tables in zip(buffers, layouts, block_tables):
+        if b is not None:
+            b.stage(layout or unsplit_layout(tables, seq_lens, query_lens), len(seq_lens),
+                    len(seq_lens))
+    return sum(layout.saved_tokens for layout in layouts if layout is not None)

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadeBuffers, layout_cascade, unsplit_layout
+from ..cascade import CascadeBuffers, stage_split, unsplit_layout
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 
@@ -185,24 +185,18 @@ class CompiledDecode:
         return size
 
     def _stage_cascade(self, tables: List[List[List[int]]], seq_lens: List[int], size: int) -> bool:
-        """Plan the step's cascade split per KV group and copy it into the buffers; whether
-        any group takes it (then the cascade graph runs)."""
+        """Plan the step's split per KV group into the buffers; whether the cascade graph
+        runs (padding rows, seq_len 0, form empty groups)."""
         if size < 2 or not self._cascade:
             return False
         pad = size - len(seq_lens)
-        lens = seq_lens + [0] * pad
-        layouts = [None if buffers is None else
-                   layout_cascade(list(group_tables) + [[]] * pad, lens, [1] * size,
-                                  self.kv_cache.block_size, self.cascade_min_saved_tokens)
-                   for buffers, group_tables in zip(self._cascade, tables)]
-        if all(layout is None for layout in layouts):
+        saved = stage_split(self._cascade, [list(t) + [[]] * pad for t in tables],
+                            seq_lens + [0] * pad, [1] * size, self.kv_cache.block_size,
+                            self.cascade_min_saved_tokens)
+        if saved is None:
             return False
-        for buffers, layout, group_tables in zip(self._cascade, layouts, tables):
-            if buffers is not None:  # a group without shared prefixes this step: no split
-                buffers.stage(layout or unsplit_layout(list(group_tables) + [[]] * pad, lens,
-                                                       [1] * size), size, size)
         self.cascade_calls += 1
-        self.cascade_saved_tokens += sum(layout.saved_tokens for layout in layouts if layout is not None)
+        self.cascade_saved_tokens += saved
         return True
 
     def _stage_unsplit(self, size: int) -> None:

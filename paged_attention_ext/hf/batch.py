@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadeBuffers, CascadePlan, layout_cascade, plan_cascade, unsplit_layout
+from ..cascade import CascadeBuffers, CascadePlan, plan_cascade, stage_split
 from ..kv_cache import PagedKVCache
 
 
@@ -202,30 +202,17 @@ class StepBuffers:
 
     def _stage_cascade(self, tables: Sequence[Sequence[Sequence[int]]], lens: List[int],
                        starts: List[int]) -> bool:
-        """Plan the forward's split over its 2 * rows sequences (padding ones included) per
-        KV group without a window and stage it; whether any group takes it."""
+        """Plan and stage the forward's split over its 2 * rows sequences (each row's
+        padding sequence, then its real one); whether it runs."""
         if not self._cascade:
             return False
-        query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        layouts = []
-        for buffers, group_tables in zip(self._cascade, tables):
-            if buffers is None:
-                layouts.append(None)
-                continue
-            seq_tables = [table for t in group_tables for table in ([self.scratch_block], list(t))]
-            layouts.append(layout_cascade(seq_tables, lens, query_lens, self.kv_cache.block_size,
-                                          self.cascade_min_saved_tokens))
-        if all(layout is None for layout in layouts):
-            return False
-        for buffers, layout, group_tables in zip(self._cascade, layouts, tables):
-            if buffers is None:
-                continue
-            if layout is None:  # this group shares nothing this forward: one empty group
-                seq_tables = [table for t in group_tables for table in ([self.scratch_block], list(t))]
-                layout = unsplit_layout(seq_tables, lens, query_lens)
-            buffers.stage(layout, len(lens), len(lens))
-        self.cascade_forwards += 1
-        return True
+        sequences = [[table for t in group for table in ([self.scratch_block], list(t))]
+                     for group in tables]
+        saved = stage_split(self._cascade, sequences, lens,
+                            [b - a for a, b in zip(starts, starts[1:])], self.kv_cache.block_size,
+                            self.cascade_min_saved_tokens)
+        self.cascade_forwards += saved is not None
+        return saved is not None
 
     def _fill_tables(self, group: int, tables: Sequence[Sequence[int]], width: int) -> None:
         """Only the rows whose blocks changed (most decode steps change none); the padding
