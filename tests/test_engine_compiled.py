@@ -185,8 +185,9 @@ def test_inductor_decode_equals_eager(model, options):
 
 def test_recompile_limit_raises_clearly(model):
     # Engines over one model share its graphs; once torch's per-function limit is full, a
-    # new shape is refused at engine creation, and the eager engine still serves.
-    with torch._dynamo.config.patch(recompile_limit=2):
+    # new shape is refused at engine creation, and the eager engine still serves. An engine
+    # compiles three graphs on the CPU: batch size 1, every size >= 2, and the cascade one.
+    with torch._dynamo.config.patch(recompile_limit=3):
         LLMEngine(model, EngineConfig(block_size=BLOCK, compile_decode=True, compile_backend="eager"))
         with pytest.raises(RuntimeError, match="recompile_limit"):
             LLMEngine(model, EngineConfig(block_size=2 * BLOCK, compile_decode=True,

@@ -38,7 +38,8 @@ from ..kv_cache import PagedKVCache
 
 
 # torch keeps at most `recompile_limit` (8) graphs per code object, and each engine adds two
-# (CPU) or one per batch size (CUDA). Each model gets copies of `_forward`'s code, so engines
+# (CPU) or one per batch size (CUDA), plus the cascade split's (one on CPU, one per size >= 2
+# on CUDA) when it is on. Each model gets copies of `_forward`'s code, so engines
 # over different models do not fill one shared cache, while engines over the same model reuse
 # its graphs. A copy serves one backend and set of inductor options (dynamo's guards do not
 # see the config a graph was compiled under) and, with freezing, one state of the weights
