@@ -574,16 +574,16 @@ def test_shared_prefix_attention(dtype, heads):
     case = scenarios.shared_prefix_case([1, 15, 16, 17, 600, 0], [2, 1, 1, 3, 2, 1], [1] * 10,
                                         num_kv_heads, 64, 16, dtype)
     sinks = scenarios.random_sinks(num_heads)
-    for starts in (case.group_starts, query_start_loc([4, 2, 2, 6, 4, 2])):
+    for starts, extra in ((case.group_starts, {}),
+                          (query_start_loc([4, 2, 2, 6, 4, 2]), dict(sinks=sinks, soft_cap=4.0))):
         query = random_query(int(starts[-1]), num_heads, 64, dtype)
-        for extra in ({}, dict(sinks=sinks, soft_cap=4.0)):
-            out, lse, splits = emulated_prefix_attention(query, case.prefixes, starts, 0.125, **extra)
-            want, want_lse = ref.shared_prefix_attention(query, case.prefixes.key_cache,
-                                                         case.prefixes.value_cache,
-                                                         case.prefixes.block_tables,
-                                                         case.prefixes.seq_lens, starts, 0.125, **extra)
-            torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[dtype])
-            torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+        out, lse, _ = emulated_prefix_attention(query, case.prefixes, starts, 0.125, **extra)
+        want, want_lse = ref.shared_prefix_attention(query, case.prefixes.key_cache,
+                                                     case.prefixes.value_cache,
+                                                     case.prefixes.block_tables,
+                                                     case.prefixes.seq_lens, starts, 0.125, **extra)
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_shared_prefix_fp8_nhd():
