@@ -34,7 +34,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import transformers
@@ -42,21 +42,10 @@ import transformers
 from paged_attention_ext import cascade, ops
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.engine.models import random_pair
+from bench_kv_groups import cpu_model
 from timing import time_interleaved
 
 BLOCK_SIZE = 16
-FMA_PEAK_NOTE = "bench/microbench/fma_peak.cpp measures the machine's fp32 FMA ceiling"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ---- op -------------------------------------------------------------------------------------

@@ -77,14 +77,20 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return (probs @ values).transpose(0, 1), row_lse.transpose(0, 1)
 
 
-def _no_keys_state(query: torch.Tensor, num_heads: int, head_size_v: int, compute: torch.dtype,
-                   sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, sink) of rows that see no key: output 0, lse the sink (-inf without)."""
-    num_tokens = query.shape[0]
-    out = torch.zeros(num_tokens, num_heads, head_size_v, dtype=compute, device=query.device)
+def _start(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+           sinks: Optional[torch.Tensor]):
+    """(key values, value values, GQA group, out, lse, sink) before any row is attended:
+    the dequantized caches in the compute dtype, and every row as one that sees no key
+    (output 0, lse the sink, -inf without sinks)."""
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    keys, values = dequantize(key_cache, k_scale, compute), dequantize(value_cache, v_scale, compute)
+    num_tokens, num_heads = query.shape[:2]
+    out = torch.zeros(num_tokens, num_heads, values.shape[3], dtype=compute, device=query.device)
     no_sink = torch.full((num_heads,), float("-inf"), dtype=compute, device=query.device)
     sink = no_sink if sinks is None else sinks.to(compute)
-    return out, sink.expand(num_tokens, num_heads).clone(), sink
+    lse = sink.expand(num_tokens, num_heads).clone()
+    return keys, values, num_heads // keys.shape[1], out, lse, sink
 
 
 def attention_with_lse(
@@ -102,12 +108,8 @@ def attention_with_lse(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    key_cache = dequantize(key_cache, k_scale, compute)
-    value_cache = dequantize(value_cache, v_scale, compute)
-    num_heads = query.shape[1]
-    group = num_heads // key_cache.shape[1]
-    out, lse, sink = _no_keys_state(query, num_heads, value_cache.shape[3], compute, sinks)
+    key_cache, value_cache, group, out, lse, sink = _start(query, key_cache, value_cache, k_scale,
+                                                           v_scale, sinks)
 
     for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
         kv_len = int(seq_lens[i])
@@ -129,9 +131,9 @@ def attention_with_lse(
             visible &= k_pos > q_pos - sliding_window
         bias = None
         if alibi_slopes is not None:
-            bias = alibi_slopes.to(compute)[:, None, None] * (k_pos - q_pos)
+            bias = alibi_slopes.to(out.dtype)[:, None, None] * (k_pos - q_pos)
         out[row:row + q_len], lse[row:row + q_len] = _attend(
-            query[row:row + q_len].to(compute), keys, values, scale, soft_cap, bias, visible, sink)
+            query[row:row + q_len].to(out.dtype), keys, values, scale, soft_cap, bias, visible, sink)
     return out.to(query.dtype), lse
 
 
@@ -168,12 +170,8 @@ def shared_prefix_attention(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    key_cache = dequantize(key_cache, k_scale, compute)
-    value_cache = dequantize(value_cache, v_scale, compute)
-    num_heads = query.shape[1]
-    group = num_heads // key_cache.shape[1]
-    out, lse, sink = _no_keys_state(query, num_heads, value_cache.shape[3], compute, sinks)
+    key_cache, value_cache, group, out, lse, sink = _start(query, key_cache, value_cache, k_scale,
+                                                           v_scale, sinks)
     for g, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
         prefix_len = int(seq_lens[g])
         if q_len == 0 or prefix_len == 0:
@@ -183,7 +181,7 @@ def shared_prefix_attention(
         # Every query of the group comes after the whole prefix: no mask.
         visible = torch.ones(q_len, prefix_len, dtype=torch.bool, device=query.device)
         out[row:row + q_len], lse[row:row + q_len] = _attend(
-            query[row:row + q_len].to(compute), keys, values, scale, soft_cap, None, visible, sink)
+            query[row:row + q_len].to(out.dtype), keys, values, scale, soft_cap, None, visible, sink)
     return out.to(query.dtype), lse
 
 

@@ -37,11 +37,14 @@ def test_reference_equals_plain_attention_row_by_row():
         torch.testing.assert_close(lse[row:row + 1], want_lse)
 
 
-@pytest.mark.parametrize("isa", scenarios_isas := ["generic", "avx2", "avx512", "avx512_bf16"])
+ISAS = ["generic", "avx2", "avx512", "avx512_bf16"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype, monkeypatch):
     best = pa.cpu_isa()
-    if scenarios_isas.index(isa) > scenarios_isas.index(best):
+    if ISAS.index(isa) > ISAS.index(best):
         pytest.skip(f"this CPU supports up to {best}")
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
     assert pa.cpu_isa() == isa
