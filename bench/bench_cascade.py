@@ -271,8 +271,13 @@ def main() -> None:
     if args.only in (None, "engine"):
         report["engine"] = engine_throughput(args.quick)
     report["machine"]["load_average_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = Path(args.out)
+    if args.only and out.exists():  # one phase again: keep the file's other phases
+        report = {**json.loads(out.read_text()), **report,
+                  "machine_" + args.only: report["machine"]}
+        report["machine"] = json.loads(out.read_text())["machine"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -144,6 +144,11 @@ def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
                    min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS) -> Optional[CascadeLayout]:
     """The split of a batch as host lists, or None where it does not pay (see
     :func:`plan_cascade`)."""
+    # An upper bound first (every sequence but one sharing the longest prefix any could
+    # have), so a batch that cannot pay costs one pass over its lengths.
+    usable = [max(0, n - q) for n, q in zip(seq_lens, query_lens) if q > 0]
+    if len(usable) < 2 or (len(usable) - 1) * max(usable) < max(1, min_saved_tokens):
+        return None
     runs = find_groups(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
     if not any(run.shared for run in runs):
         return None
