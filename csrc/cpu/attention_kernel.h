@@ -220,17 +220,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
                      q_bits + m0 * hsp, score_scale, acc + m0 * hspv, scores + m0 * kKeyChunk,
                      run_max + m0, run_sum + m0};
   };
-  // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
-  // are 16-bit and fp8 rows that many queries share (a shared prefix: shared_prefix_attention):
-  // read in place, each row would be widened again by every query tile; converted, once
-  // (bf16 rows with bf16 dot products need no widening and stay in place).
-#if PAGED_ISA_AVX512_BF16
-  constexpr bool kDotsWithoutWidening = std::is_same_v<T, Bf16>;
-#else
-  constexpr bool kDotsWithoutWidening = false;
-#endif
-  const bool widen_once = sizeof(T) < sizeof(float) && !kDotsWithoutWidening && per_head >= kWidenOnceQueries;
-  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
+  // Rows of whole vectors are read in place; others are converted to fp32 rows first.
+  const bool in_place = hsp == hs && hspv == hsv;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),
@@ -386,8 +377,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       c = next;
     }
   } else {
-    // Ragged head sizes, or rows many queries share: convert each chunk into zero-padded
-    // fp32 rows first.
+    // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hspv);
     const float* k_rows[kKeyChunk];

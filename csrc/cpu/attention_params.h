@@ -76,9 +76,6 @@ struct WorkItem {
 
 // Most keys per online-softmax step (some fp32 items take half, see attention_kernel.h).
 constexpr int kKeyChunk = 32;
-// Queries of one KV head from which a work item widens 16-bit and fp8 rows to fp32 once
-// per chunk instead of in every register tile (attention_kernel.h).
-constexpr int kWidenOnceQueries = 8;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item).
 constexpr int kMaxQueriesPerItem = 64;
