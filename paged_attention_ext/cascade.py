@@ -23,7 +23,6 @@ first query. ALiBi and sliding windows depend on each query's position, which th
 shared-prefix op does not know: layers with them run the plain op (:meth:`applies_to`).
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -105,12 +104,14 @@ class CascadeLayout:
 
 class Run(NamedTuple):
     """Consecutive sequences ``[first, end)``; ``shared`` leading blocks of ``anchor`` (the
-    first with query rows) are everyone's prefix, 0 where the run does not pay."""
+    first with query rows) are the prefix of its ``members`` (the sequences with query
+    rows), 0 where the run does not pay."""
 
     first: int
     end: int
     shared: int
     anchor: int
+    members: int
 
 
 def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
@@ -118,7 +119,7 @@ def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
     """Runs covering the batch in order. A sequence joins the current run while the run's
     saving ``(members - 1) * shared`` does not drop (a member that shares less shortens the
     prefix of all). Sequences without query rows (padding) join whichever run holds them."""
-    runs: List[Tuple[int, int, int, int, int]] = []
+    runs: List[Run] = []
     start, anchor, common, members = 0, -1, 0, 0
     for i, table in enumerate(block_tables):
         if query_lens[i] == 0:
@@ -129,14 +130,14 @@ def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
             if shared > 0 and members * shared >= (members - 1) * common:
                 common, members = shared, members + 1
                 continue
-            runs.append((start, i, common, anchor, members))
+            runs.append(Run(start, i, common, anchor, members))
             start = i
         anchor, common, members = i, usable, 1
     if block_tables:
-        runs.append((start, len(block_tables), common, max(anchor, start), members))
+        runs.append(Run(start, len(block_tables), common, max(anchor, start), members))
     threshold = max(1, min_saved_tokens)
-    return [Run(s, e, c if (m - 1) * c * block_size >= threshold else 0, a)
-            for s, e, c, a, m in runs]
+    return [run if (run.members - 1) * run.shared * block_size >= threshold else run._replace(shared=0)
+            for run in runs]
 
 
 def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
@@ -152,21 +153,18 @@ def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
     runs = find_groups(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
     if not any(run.shared for run in runs):
         return None
-    layout = CascadeLayout([], [], [0], [], [], [0], 0)
-    saved = 0
-    for first, end, shared, anchor in runs:
+    layout = CascadeLayout([], [], [0], [], [], [0],
+                           sum((run.members - 1) * run.shared * block_size for run in runs))
+    for first, end, shared, anchor, _ in runs:
         layout.prefix_tables.append(list(block_tables[anchor][:shared]))
         layout.prefix_lens.append(shared * block_size)
-        members = 0
         for i in range(first, end):
             rows = query_lens[i]
-            members += rows > 0
             layout.suffix_tables.append(list(block_tables[i][shared:]) if rows else [])
             layout.suffix_lens.append(seq_lens[i] - shared * block_size if rows else 0)
             layout.query_start_loc.append(layout.query_start_loc[-1] + rows)
         layout.group_starts.append(layout.query_start_loc[-1])
-        saved += max(0, members - 1) * shared * block_size
-    return dataclasses.replace(layout, saved_tokens=saved)
+    return layout
 
 
 def unsplit_layout(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
@@ -240,6 +238,11 @@ class CascadeBuffers:
         self.suffix_lens[:num_seqs].copy_(torch.tensor(layout.suffix_lens, dtype=torch.int32))
         self.group_starts[:num_groups + 1].copy_(
             torch.tensor(layout.group_starts + [layout.group_starts[-1]] * pad, dtype=torch.int32))
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        """Every buffer (a compiled forward marks their addresses static)."""
+        return (self.prefix_tables, self.prefix_lens, self.group_starts, self.suffix_tables,
+                self.suffix_lens)
 
     def plan(self, num_seqs: int, num_groups: int,
              query_start_loc: Optional[torch.Tensor] = None) -> CascadePlan:

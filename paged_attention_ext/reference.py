@@ -8,7 +8,7 @@ in :mod:`paged_attention_ext.ops`. Caches are read through indexing, so any stri
 (NHD, a joint K/V tensor, see :mod:`paged_attention_ext.layouts`) works as it is.
 """
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -93,6 +93,23 @@ def _start(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     return keys, values, num_heads // keys.shape[1], out, lse, sink
 
 
+def _sequences(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor], group: int,
+               first_block: Callable[[int, int], int]):
+    """Each sequence with queries and keys: (first row, q_len, kv_len, first key position,
+    keys, values), its cached rows from block ``first_block(kv_len, q_len)`` on, repeated
+    for the query heads of each KV head."""
+    for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
+        kv_len = int(seq_lens[i])
+        if q_len == 0 or kv_len == 0:
+            continue
+        first = first_block(kv_len, q_len)
+        keys = gather_sequence_kv(key_cache, block_tables[i], kv_len, first)
+        values = gather_sequence_kv(value_cache, block_tables[i], kv_len, first)
+        yield (row, q_len, kv_len, first * key_cache.shape[2],
+               keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0))
+
+
 def attention_with_lse(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -111,19 +128,14 @@ def attention_with_lse(
     key_cache, value_cache, group, out, lse, sink = _start(query, key_cache, value_cache, k_scale,
                                                            v_scale, sinks)
 
-    for i, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
-        kv_len = int(seq_lens[i])
-        if q_len == 0 or kv_len == 0:
-            continue
+    def first_block(kv_len: int, q_len: int) -> int:
         # Blocks wholly before the first query's window are never read.
-        first_block = 0
-        if sliding_window > 0:
-            first_block = max(0, kv_len - q_len - sliding_window + 1) // key_cache.shape[2]
-        start = first_block * key_cache.shape[2]
-        keys = gather_sequence_kv(key_cache, block_tables[i], kv_len,
-                                  first_block).repeat_interleave(group, dim=0)
-        values = gather_sequence_kv(value_cache, block_tables[i], kv_len,
-                                    first_block).repeat_interleave(group, dim=0)
+        if sliding_window <= 0:
+            return 0
+        return max(0, kv_len - q_len - sliding_window + 1) // key_cache.shape[2]
+
+    for row, q_len, kv_len, start, keys, values in _sequences(
+            key_cache, value_cache, block_tables, seq_lens, query_start_loc, group, first_block):
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(start, kv_len, device=query.device)[None, :]
         visible = k_pos <= q_pos
@@ -172,12 +184,9 @@ def shared_prefix_attention(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     key_cache, value_cache, group, out, lse, sink = _start(query, key_cache, value_cache, k_scale,
                                                            v_scale, sinks)
-    for g, (row, q_len) in enumerate(query_rows(seq_lens, query_start_loc)):
-        prefix_len = int(seq_lens[g])
-        if q_len == 0 or prefix_len == 0:
-            continue
-        keys = gather_sequence_kv(key_cache, block_tables[g], prefix_len).repeat_interleave(group, dim=0)
-        values = gather_sequence_kv(value_cache, block_tables[g], prefix_len).repeat_interleave(group, dim=0)
+    for row, q_len, prefix_len, _, keys, values in _sequences(
+            key_cache, value_cache, block_tables, seq_lens, query_start_loc, group,
+            lambda kv_len, q_len: 0):
         # Every query of the group comes after the whole prefix: no mask.
         visible = torch.ones(q_len, prefix_len, dtype=torch.bool, device=query.device)
         out[row:row + q_len], lse[row:row + q_len] = _attend(

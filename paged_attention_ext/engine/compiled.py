@@ -213,10 +213,9 @@ class CompiledDecode:
 
     def _forward(self, ids, positions, slots, tables, seq_lens, cascade=()) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
-        plans = tuple(None if views is None else views for views in cascade)
         batch = PagedBatch(self.kv_cache, slot_mapping=slots[0], block_tables=tables[0],
                            seq_lens=seq_lens, query_start_loc=None,
-                           other_groups=tuple(zip(slots[1:], tables[1:])), cascades=plans)
+                           other_groups=tuple(zip(slots[1:], tables[1:])), cascades=tuple(cascade))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
         return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
                           use_cache=False, **masks).logits[0]

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadeBuffers, CascadePlan, plan_cascade, stage_split
+from ..cascade import CascadeBuffers, CascadePlan, padded_rows, plan_cascade, stage_split
 from ..kv_cache import PagedKVCache
 
 
@@ -85,13 +85,8 @@ class PagedBatch:
         width = max([1] + [len(t) for t in block_tables[0]])
         per_group = []
         for group_tables, group_slots in zip(block_tables, slots):
-            flat: List[int] = []  # one host list per group, padded rows
-            for table in group_tables:
-                flat += table
-                flat += [0] * (width - len(table))
-            tables = torch.tensor(flat, dtype=torch.int32).view(len(group_tables), width)
             per_group.append((torch.tensor(list(group_slots), dtype=torch.int64, device=device),
-                              tables.to(device)))
+                              padded_rows(group_tables, width).to(device)))
         starts: List[int] = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -172,8 +167,7 @@ class StepBuffers:
 
     def cascade_tensors(self) -> List[torch.Tensor]:
         """The cascade buffers (fixed addresses, like the others)."""
-        return [t for b in self._cascade if b is not None
-                for t in (b.prefix_tables, b.prefix_lens, b.group_starts, b.suffix_tables, b.suffix_lens)]
+        return [t for b in self._cascade if b is not None for t in b.tensors()]
 
     def fill(self, tables: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
              query_lens: Sequence[int], q_len: int, slots: Sequence[Sequence[int]]) -> PagedBatch:
