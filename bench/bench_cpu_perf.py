@@ -54,14 +54,17 @@ from cpu_perf.cache_ops import bench_cache_ops
 from cpu_perf.config import FULL, QUICK
 from cpu_perf.decode import bench_cache_resident, bench_decode, bench_long_context
 from cpu_perf.fp8_layouts import bench_fp8_layouts, fp8_targets
+from cpu_perf.isa_matrix import bench_isa_matrix
 from cpu_perf.machine import allocate, load, memory_info
 from cpu_perf.multi_token import bench_multi_token
 from cpu_perf.report import evaluate, print_targets, write_plots
 from cpu_perf.sweeps import bench_block_sweep, bench_context_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("decode", "fp8_layouts", "context_sweep", "long_context", "block_sweep",
-            "cache_resident", "multi_token", "cache_ops")
+SECTIONS = ("decode", "fp8_layouts", "isa_matrix", "context_sweep", "long_context",
+            "block_sweep", "cache_resident", "multi_token", "cache_ops")
+# Sections with pools of their own (the others share the 4 GiB of `allocate`).
+OWN_POOLS = {"fp8_layouts", "isa_matrix"}
 DEFAULT_OUT = RESULTS / "cpu_perf.json"
 
 
@@ -103,7 +106,7 @@ def main() -> None:
     started = time.perf_counter()
     machine = machine_info()
     print(", ".join(f"{k}={v}" for k, v in machine.items()) + f", loadavg={load()}", flush=True)
-    shared_pools = any(name != "fp8_layouts" for name in args.sections)
+    shared_pools = any(name not in OWN_POOLS for name in args.sections)
     mem = allocate() if shared_pools else None
     memory = memory_info(mem) if shared_pools else {}
     print(f"memory: {memory}", flush=True)
@@ -114,6 +117,7 @@ def main() -> None:
     runners: Dict[str, Callable[[], object]] = {
         "decode": lambda: bench_decode(mem, plan),
         "fp8_layouts": lambda: bench_fp8_layouts(plan),
+        "isa_matrix": lambda: bench_isa_matrix(plan),
         "context_sweep": lambda: bench_context_sweep(mem, plan),
         "long_context": lambda: bench_long_context(mem, plan, args.threads),
         "block_sweep": lambda: bench_block_sweep(mem, plan),

@@ -128,6 +128,49 @@ def test_fp8_conversion_of_every_byte(isa, fp8, monkeypatch):
     assert torch.equal(out[~want.isnan(), 0, 0], want[~want.isnan()])
 
 
+# (query heads, KV heads): groups of 1 to 8 queries per KV head, so every register-tile
+# shape of each ISA runs (AVX2: 2 x 4 tiles, and for fp8 rows 4 x 2 tiles with a 2 x 4 tile
+# for a pair left over, then single queries; AVX-512: 4 x 4), in decode and with several
+# query rows per sequence.
+TILE_HEADS = [(3, 3), (6, 3), (6, 2), (8, 2), (12, 2), (8, 1)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES + list(scenarios.FP8_DTYPES), ids=str)
+def test_register_tiles_on_every_instruction_set(isa, dtype, monkeypatch):
+    select_isa(isa, monkeypatch)
+    lens = [1, 31, 32, 33, 70]
+    for num_heads, num_kv_heads in TILE_HEADS:
+        for head_size in (64, 128):
+            base = make_case(lens, num_kv_heads, head_size, 16, torch.float32 if dtype.itemsize == 1 else dtype)
+            case, extra = (scenarios.with_format(base, scenarios.KVFormat(dtype))
+                           if dtype.itemsize == 1 else (base, {}))
+            query_dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype
+            for q_lens in (None, [1, 3, 2, 5, 4]):
+                qsl = None if q_lens is None else query_start_loc(q_lens)
+                query = random_query(len(lens) if q_lens is None else sum(q_lens), num_heads,
+                                     head_size, query_dtype)
+                assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, **extra)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp16_conversion_of_every_bit_pattern(isa, monkeypatch):
+    """Each of the 65536 fp16 bit patterns (subnormals, infinities, NaN included) comes out
+    of the value path exactly: row j's query sees value row j alone, which holds 64 patterns."""
+    select_isa(isa, monkeypatch)
+    head_size, rows = 64, 1024
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    value_cache = patterns.view(rows // 16, 1, 16, head_size).clone()
+    key_cache = torch.zeros_like(value_cache)
+    tables = torch.arange(rows // 16, dtype=torch.int32).expand(rows, rows // 16).contiguous()
+    lens = torch.arange(1, rows + 1, dtype=torch.int32)  # row j's query sits at position j
+    query = torch.zeros(rows, 1, head_size, dtype=torch.float16)
+    out = pa.attention(query, key_cache, value_cache, tables, lens, 1.0, sliding_window=1)
+    want = patterns.view(rows, 1, head_size)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])
+
+
 @pytest.mark.parametrize("layout", ["NHD", "joint", "padded", "odd"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_layouts_on_every_instruction_set(layout, dtype, monkeypatch):

@@ -4,15 +4,15 @@
 //
 //   bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
 //
-// The script compiles SOURCE_DIR's csrc/cpu/isa_avx512_bf16.cpp (the kernel this
-// machine dispatches to) with setup.py's flags plus any -D flags given, links it with this
-// file, and runs decode items of B=1, 32 query heads, head size 128, context 2048, block
+// The script compiles SOURCE_DIR's csrc/cpu/isa_$ISA.cpp (ISA=avx512_bf16 by default;
+// generic, avx2, avx512 for the other kernels) with setup.py's flags plus any -D flags
+// given, links it with this file, and runs decode items of B=1, 32 query heads, head size 128, context 2048, block
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
 // bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 512 KiB each by default, inside the 2 MiB L2.
 // Two source trees compared one after the other give the change's cost; the numbers are
 // best-of-five in thread CPU time and move a few percent between runs on this shared machine.
-// It calls the avx512_bf16 kernel directly: a CPU without AVX512_BF16 cannot run it.
+// It calls that ISA's kernel directly: the CPU must support the ISA.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -28,8 +28,16 @@
 
 #include "attention_params.h"  // from the measured tree (kernel_cycles.sh sets -I)
 
+#ifndef KERNEL_ISA
+#define KERNEL_ISA avx512_bf16
+#endif
+#define KERNEL_ENTRY_TOKENS(isa) isa##_attention_kernel
+#define KERNEL_ENTRY(isa) KERNEL_ENTRY_TOKENS(isa)
+#define KERNEL_NAME_TOKENS(isa) #isa
+#define KERNEL_NAME(isa) KERNEL_NAME_TOKENS(isa)
+
 namespace paged::cpu {
-AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
+AttentionKernelFn KERNEL_ENTRY(KERNEL_ISA)(ScalarKind kind);
 }
 
 namespace {
@@ -161,7 +169,7 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   const int item_heads = std::clamp(kMaxQueriesPerItem / group, 1, kv_heads);
   const WorkItem item{0, 0, item_heads, 0, 1, kContext - 1, 0, kContext, 0};
   std::vector<float> workspace(kernel_workspace_floats(kHead, item_heads * group));
-  const AttentionKernelFn kernel = avx512_bf16_attention_kernel(kind);
+  const AttentionKernelFn kernel = KERNEL_ENTRY(KERNEL_ISA)(kind);
 
   const int reps = 40;
   double best = 1e30;
@@ -183,11 +191,12 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
 int main(int argc, char** argv) {
   const size_t resident = argc > 1 ? size_t(std::atol(argv[1])) : size_t(512) << 10;
   const double ghz = core_ghz();
-  std::printf("core clock %.2f GHz, %zu KiB of K and of V\n", ghz, resident >> 10);
+  std::printf("kernel %s, core clock %.2f GHz, %zu KiB of K and of V\n", KERNEL_NAME(KERNEL_ISA), ghz,
+              resident >> 10);
   const struct { const char* name; int kind; } kinds[] = {
       {"fp32", 0}, {"fp16", 1}, {"bf16", 2}, {"e4m3", 3}, {"e5m2", 4}};
   for (const auto& k : kinds) {
-    if (avx512_bf16_attention_kernel(ScalarKind(k.kind)) == nullptr) continue;  // older tree
+    if (KERNEL_ENTRY(KERNEL_ISA)(ScalarKind(k.kind)) == nullptr) continue;  // older tree
     for (const int kv_heads : {32, 8}) measure(k.name, ScalarKind(k.kind), kv_heads, resident, ghz);
   }
 }

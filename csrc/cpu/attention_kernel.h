@@ -37,34 +37,46 @@ struct ItemState {
   float* run_sum;  // [num_queries]
 };
 
-// Scores of every query with the chunk's n keys, in register tiles. The first query
-// tile prefetches `ahead` (see prefetch_same_line).
+// Scores of G queries from query m on (a tile) with the chunk's n keys: K at a time, the
+// last n % K one by one. `ahead` is prefetched by the tile of query 0 (see
+// prefetch_same_line).
+template <int G, int K, typename Q, typename R>
+static inline void tile_scores(const ItemState& st, const Q* q, int m, const R* const* k_rows,
+                               int n, const R* const* ahead) {
+  const int hsp = st.hsp;
+  const Q* qm = q + int64_t(m) * hsp;
+  float* s = st.scores + int64_t(m) * kKeyChunk;
+  auto ahead_at = [&](int t) { return m == 0 && ahead ? ahead + t : nullptr; };
+  const int full_keys = n / K * K;
+  for (int t = 0; t < full_keys; t += K) dot_tile<G, K>(qm, hsp, k_rows + t, s + t, ahead_at(t));
+  for (int g = 0; g < G; ++g)
+    for (int t = full_keys; t < n; ++t)
+      s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp, g == 0 ? ahead_at(t) : nullptr);
+}
+
+// Scores of every query with the chunk's n keys: register tiles (kTileQueries; a pair
+// tile for 2 left over where tiles hold 4 queries of 8 lanes), then single queries.
 template <typename Q, typename R>
 static inline void chunk_scores(const ItemState& st, const Q* q, const R* const* k_rows, int n,
                                 const R* const* ahead) {
+  constexpr int G = kTileQueries<R>;
   const int hsp = st.hsp;
-  const int full_queries = st.num_queries / QT * QT;
-  const int full_keys = n / 4 * 4;
-  auto ahead_at = [&](int m, int t) { return m == 0 && ahead ? ahead + t : nullptr; };
-  for (int m = 0; m < full_queries; m += QT) {
+  int m = 0;
+  for (; m + G <= st.num_queries; m += G) tile_scores<G, VW / G>(st, q, m, k_rows, n, ahead);
+  if constexpr (G == 4 && VW == 8)
+    for (; m + 2 <= st.num_queries; m += 2) tile_scores<2, 4>(st, q, m, k_rows, n, ahead);
+  for (; m < st.num_queries; ++m) {
     const Q* qm = q + int64_t(m) * hsp;
     float* s = st.scores + int64_t(m) * kKeyChunk;
-    for (int t = 0; t < full_keys; t += 4) dot_tile(qm, hsp, k_rows + t, s + t, ahead_at(m, t));
-    for (int g = 0; g < QT; ++g)
-      for (int t = full_keys; t < n; ++t)
-        s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp, g == 0 ? ahead_at(m, t) : nullptr);
-  }
-  for (int m = full_queries; m < st.num_queries; ++m) {
-    const Q* qm = q + int64_t(m) * hsp;
-    float* s = st.scores + int64_t(m) * kKeyChunk;
+    const R* const* row_ahead = m == 0 ? ahead : nullptr;
     int t = 0;
-    for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t, ahead_at(m, t));
-    for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp, ahead_at(m, t));
+    for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t, row_ahead ? row_ahead + t : nullptr);
+    for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp, row_ahead ? row_ahead + t : nullptr);
   }
   if constexpr (std::is_same_v<Q, uint16_t>) {  // unscaled bf16 queries
     const vfloat scale = splat(st.scale);
-    for (int m = 0; m < st.num_queries; ++m) {
-      float* s = st.scores + int64_t(m) * kKeyChunk;
+    for (int i = 0; i < st.num_queries; ++i) {
+      float* s = st.scores + int64_t(i) * kKeyChunk;
       for (int t = 0; t < kKeyChunk; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
     }
   }
@@ -129,15 +141,25 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
   }
 }
 
-// Probability-weighted values of the chunk, in register tiles; `ahead` as in chunk_scores.
+// Probability-weighted values of G queries from query m on (a tile).
+template <int G, int V, typename R>
+static inline void tile_values(const ItemState& st, int m, const R* const* v_rows, int n,
+                               const R* const* ahead) {
+  accumulate_tile<G, V>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
+                        v_rows, n, m == 0 ? ahead : nullptr);
+}
+
+// Probability-weighted values of the chunk, in the register tiles of chunk_scores; `ahead`
+// as there.
 template <typename R>
 static inline void chunk_values(const ItemState& st, const R* const* v_rows, int n,
                                 const R* const* ahead) {
-  const int full_queries = st.num_queries / QT * QT;
-  for (int m = 0; m < full_queries; m += QT)
-    accumulate_tile(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                    v_rows, n, m == 0 ? ahead : nullptr);
-  for (int m = full_queries; m < st.num_queries; ++m)
+  constexpr int G = kTileQueries<R>;
+  int m = 0;
+  for (; m + G <= st.num_queries; m += G) tile_values<G, VW / G>(st, m, v_rows, n, ahead);
+  if constexpr (G == 4 && VW == 8)
+    for (; m + 2 <= st.num_queries; m += 2) tile_values<2, 4>(st, m, v_rows, n, ahead);
+  for (; m < st.num_queries; ++m)
     accumulate_values(st.acc + int64_t(m) * st.hspv, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
                       st.hspv, m == 0 ? ahead : nullptr);
 }
@@ -149,11 +171,12 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
 __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st,
                                                                      const Bf16* const* v_rows, int n,
                                                                      const Bf16* const* ahead) {
-  uint32_t pairs[QT * kKeyChunk / 2];
-  const int full_queries = st.num_queries / QT * QT;
-  for (int m = 0; m < full_queries; m += QT) {
-    probability_pairs<QT>(st.scores + int64_t(m) * kKeyChunk, pairs);
-    accumulate_pairs<QT>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
+  constexpr int G = kTileQueries<Bf16>;
+  uint32_t pairs[G * kKeyChunk / 2];
+  const int full_queries = st.num_queries / G * G;
+  for (int m = 0; m < full_queries; m += G) {
+    probability_pairs<G>(st.scores + int64_t(m) * kKeyChunk, pairs);
+    accumulate_pairs<G>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
                          m == 0 ? ahead : nullptr);
   }
   for (int m = full_queries; m < st.num_queries; ++m) {
@@ -167,9 +190,10 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
 template <typename T>
 static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows, int n,
                                     const T* const* ahead) {
-  const int full_queries = st.num_queries / QT * QT;
-  for (int m = 0; m < full_queries; m += QT)
-    accumulate_fp8<QT>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
+  constexpr int G = kTileQueries<T>;
+  const int full_queries = st.num_queries / G * G;
+  for (int m = 0; m < full_queries; m += G)
+    accumulate_fp8<G>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
                        v_rows, n, m == 0 ? ahead : nullptr);
   for (int m = full_queries; m < st.num_queries; ++m)
     accumulate_fp8<1>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
@@ -226,7 +250,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),
   // when the query is bf16 (a wider query rounded to bf16 would lose its exactness) and
-  // fewer than QT queries share a KV head. Measured (kernel_cycles, head size 128, time per
+  // fewer than a tile's queries share a KV head. Measured (kernel_cycles, head size 128, time per
   // item on a loaded host): e4m3 32/32 heads -16% against fp32 FMAs; with register tiles
   // (32/8) +10%; e5m2, whose fp16 widening is one shift, +6% at 32/32.
   constexpr bool kFp8 = sizeof(T) == 1;
@@ -234,7 +258,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
   const bool bf16_dot =
       kBf16Dot && in_place &&
-      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 && per_head < QT : hs % 32 == 0);
+      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 && per_head < kTileQueries<T> : hs % 32 == 0);
   const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
   const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;  // fp8 -> fp32 lookups
 #else

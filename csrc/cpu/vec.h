@@ -61,6 +61,24 @@ static inline float hsum(vfloat v) {
 template <typename V>
 static inline V vmax(V a, V b) { return a > b ? a : b; }
 
+#if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
+// The baseline: without AVX, GCC compares a vector wider than 16 bytes lane by lane in
+// scalar code (a cmov per lane), so its lane masks come from 16-byte halves and its selects
+// are bit operations.
+static inline vint less_mask(vfloat a, vfloat b) {
+  typedef int32_t v4int __attribute__((vector_size(16)));
+  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
+  auto low = [](vfloat v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); };
+  auto high = [](vfloat v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); };
+  const v4int m0 = low(a) < low(b), m1 = high(a) < high(b);
+  return __builtin_shufflevector(m0, m1, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+static inline vfloat select(vint mask, vfloat yes, vfloat no) {
+  return (vfloat)(((vint)yes & mask) | ((vint)no & ~mask));
+}
+static inline vfloat vmax(vfloat a, vfloat b) { return select(less_mask(b, a), a, b); }
+#endif
+
 static inline float hmax(vfloat v) {
 #if PAGED_VEC_WIDTH == 16
   const v8float a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
@@ -137,6 +155,27 @@ static inline float to_float(Fp8E5M2 x) { return to_float(Fp16{half_bits(x)}); }
 static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
 
 // ---- vector conversions: VW elements of the cache type -> VW floats ---------
+
+// fp16 bits (one per 32-bit lane) to fp32 without F16C, branch-free: normal values are
+// rebiased in the exponent bits, subnormals are their integer mantissa times 2^-24 (both
+// exact), exponent 31 is inf / NaN.
+static inline vfloat half_bits_to_float(vuint h) {
+  const vuint sign = (h & 0x8000u) << 16;
+  const vuint exponent = h & 0x7c00u;
+  const vuint mantissa = h & 0x3ffu;
+  const vuint normal = ((h & 0x7fffu) << 13) + (112u << 23);
+  const vuint special = 0x7f800000u | (mantissa << 13);
+  const vuint subnormal = (vuint)(__builtin_convertvector((vint)mantissa, vfloat) * splat(0x1p-24f));
+  // Selects as bit masks made by shifts: without AVX GCC compares wide vectors lane by
+  // lane in scalar code. exponent - 1 is negative only for 0; exponent + 0x400 reaches
+  // bit 15 only for 0x7c00.
+  const vuint is_subnormal = (vuint)((vint)(exponent - 1u) >> 31);
+  const vuint is_special = (vuint)((vint)((exponent + 0x400u) << 16) >> 31);
+  const vuint bits = (subnormal & is_subnormal) | (special & is_special) |
+                     (normal & ~(is_subnormal | is_special));
+  return (vfloat)(bits | sign);
+}
+
 static inline vfloat load_as_float(const float* p) { return load(p); }
 static inline vfloat load_as_float(const Bf16* p) {
   // bf16 is the top half of an fp32: widen and shift.
@@ -158,9 +197,9 @@ static inline vfloat load_as_float(const Fp16* p) {
 #elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  vfloat v;
-  for (int i = 0; i < VW; ++i) v[i] = to_float(p[i]);
-  return v;
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  return half_bits_to_float(__builtin_convertvector(h, vuint));
 #endif
 }
 
@@ -200,14 +239,20 @@ static inline vfloat load_as_float(const Fp8E4M3* p) {
   return halves_to_float(h_or(h, h_and(nan, h_splat(0x7e00))));
 }
 #else
-template <typename T>
-static inline vfloat load_fp8_scalar(const T* p) {
-  vfloat v;
-  for (int i = 0; i < VW; ++i) v[i] = to_float(p[i]);
-  return v;
+// Without F16C: the bytes become fp16 bits as in half_bits (one per 32-bit lane).
+typedef uint8_t vbytes __attribute__((vector_size(VW)));
+static inline vuint fp8_bytes(const void* p) {
+  vbytes b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vuint);
 }
-static inline vfloat load_as_float(const Fp8E5M2* p) { return load_fp8_scalar(p); }
-static inline vfloat load_as_float(const Fp8E4M3* p) { return load_fp8_scalar(p); }
+static inline vfloat load_as_float(const Fp8E5M2* p) { return half_bits_to_float(fp8_bytes(p) << 8); }
+static inline vfloat load_as_float(const Fp8E4M3* p) {
+  const vuint b = fp8_bytes(p);
+  const vuint h = ((b & 0x80u) << 8) | ((b & 0x7fu) << 7);
+  const vuint is_nan = (vuint)((vint)(((b & 0x7fu) + 1u) << 24) >> 31);  // magnitude 0x7f
+  return half_bits_to_float(h | (is_nan & 0x7e00u));
+}
 #endif
 
 // Two vectors (elements [0, VW) and [VW, 2 VW)) at once. AVX-512 widens 32 fp8 bytes with
@@ -236,6 +281,27 @@ static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
   const __m512i magnitude_bits = _mm512_set1_epi16(0x3f80);
   const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, magnitude_bits), magnitude_bits);
   halves32_to_float(_mm512_mask_blend_epi16(nan, h, _mm512_set1_epi16(0x7e00)), a, b);
+}
+#endif
+
+#if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+// AVX2: 16 fp8 bytes as one ymm of 16-bit lanes, half the integer instructions per element
+// of two single loads; an e4m3 NaN lane becomes 0xffff (an fp16 NaN) by one OR.
+static inline __m256i fp8_lanes16(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline void halves16_to_float(__m256i h, vfloat& a, vfloat& b) {
+  a = (vfloat)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = (vfloat)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
+  halves16_to_float(_mm256_slli_epi16(fp8_lanes16(p), 8), a, b);
+}
+static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(fp8_lanes16(p), 7), _mm256_set1_epi16(short(0xbf80)));
+  const __m256i magnitude_bits = _mm256_set1_epi16(0x3f80);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), magnitude_bits);
+  halves16_to_float(_mm256_or_si256(h, nan), a, b);
 }
 #endif
 
@@ -279,14 +345,24 @@ static inline vfloat vexp(vfloat x) {
 // exponent bits (0 below the normal range, the largest finite result above it).
 static inline vfloat vexp(vfloat x) {
   const vfloat lo = splat(-87.33654f);
-  const vfloat xc = x < lo ? lo : (x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x);
+  const vfloat hi = splat(88.3762626647949f);
+#if PAGED_ISA_F16C
+  const vfloat xc = x < lo ? lo : (x > hi ? hi : x);
+#else
+  const vint below = less_mask(x, lo);
+  const vfloat xc = select(below, lo, select(less_mask(hi, x), hi, x));
+#endif
   const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest
   const vfloat n = (xc * splat(1.44269504088896341f) + magic) - magic;
   vfloat r = xc - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
   const vint e = (__builtin_convertvector(n, vint) + 127) << 23;
   const vfloat result = exp_reduced(r) * (vfloat)e;
+#if PAGED_ISA_F16C
   return x < lo ? vfloat{} : result;
+#else
+  return select(below, vfloat{}, result);
+#endif
 }
 #endif
 
@@ -393,18 +469,28 @@ static inline void accumulate_values(float* acc, const float* p, const R* const*
   for (; d < hsp; d += VW) accumulate_block<1>(acc, p, v, n, d, ahead);
 }
 
-// Query rows per register tile: 4 x 4 accumulators fit AVX-512's 32 registers,
-// 2 x 4 fit the 16 of AVX2 and SSE.
-constexpr int QT = VW == 16 ? 4 : 2;
+// Register tiles: the queries of a tile share every loaded (and widened) key or value
+// vector. A score tile holds G x VW/G accumulators (VW/G keys), a value tile as many
+// (VW/G vectors of the row). AVX-512's 32 registers take 4 x 4. The 16 of AVX2 and SSE
+// take 2 x 4, or 4 x 2 for fp8 rows: their widening costs more than their multiply-adds,
+// so a tile covering a whole group of 4 queries (32/8 heads) widens each row once, not
+// twice (kernel_cycles, AVX2, 32/8: e4m3 -37%, e5m2 -14% per item; fp32 and fp16 rows
+// measured 7-11% slower in 4 x 2 tiles). Two queries left over then take a 2 x 4 tile.
+template <typename R>
+constexpr int kTileQueries = VW == 16 || sizeof(R) == 1 ? 4 : 2;
 
-// The QT x 4 accumulators of a score tile summed to QT x 4 scores by one transpose
-// tree (each level halves the lanes per accumulator and packs two vectors into one):
-// cheaper than QT separate four-way sums. Scores land in s[g * kKeyChunk + i].
-static inline void hsum_tile(const vfloat (&acc)[QT][4], float* s) {
+// The G x K accumulators of a score tile summed to G x K scores by one transpose tree
+// (each level halves the lanes per accumulator and packs two vectors into one): cheaper
+// than separate four-way sums. G x K is one vector of sums; scores land in
+// s[g * kKeyChunk + i].
+template <int G, int K>
+__attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[G][K], float* s) {
+  static_assert(G * K == VW, "a tile sums to one vector");
+  auto flat = [&](int f) { return acc[f / K][f % K]; };
 #if PAGED_VEC_WIDTH == 16
   vfloat l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i) {
-    const vfloat a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
+    const vfloat a = flat(2 * i), b = flat(2 * i + 1);
     l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
             __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
@@ -424,7 +510,7 @@ static inline void hsum_tile(const vfloat (&acc)[QT][4], float* s) {
 #else
   vfloat l1[4], l2[2];
   for (int i = 0; i < 4; ++i) {
-    const vfloat a = acc[(2 * i) / 4][(2 * i) % 4], b = acc[(2 * i + 1) / 4][(2 * i + 1) % 4];
+    const vfloat a = flat(2 * i), b = flat(2 * i + 1);
     l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
             __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
   }
@@ -436,82 +522,77 @@ static inline void hsum_tile(const vfloat (&acc)[QT][4], float* s) {
   const vfloat r = __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
                    __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
-  for (int g = 0; g < QT; ++g) std::memcpy(s + g * kKeyChunk, reinterpret_cast<const float*>(&r) + 4 * g, 16);
+  for (int g = 0; g < G; ++g)
+    std::memcpy(s + g * kKeyChunk, reinterpret_cast<const float*>(&r) + K * g, sizeof(float) * K);
 }
 
-
-// Scores of QT queries (rows of q, hsp apart) with 4 keys: QT x 4 register accumulators,
-// so every loaded key vector serves QT queries and every query vector 4 keys.
-template <typename R>
-static inline void dot_tile(const float* q, int hsp, const R* const* k, float* s,
-                            const R* const* ahead) {
-  vfloat acc[QT][4];
-  for (int g = 0; g < QT; ++g)
-    for (int i = 0; i < 4; ++i) acc[g][i] = vfloat{};
+// Scores of G queries (rows of q, hsp apart) with K keys: G x K register accumulators,
+// so every loaded key vector serves G queries and every query vector K keys.
+// Forced inline, as is hsum_tile: GCC kept these tiles out of line, a call per 4 keys.
+template <int G, int K, typename R>
+__attribute__((always_inline)) static inline void dot_tile(const float* q, int hsp, const R* const* k,
+                                                           float* s, const R* const* ahead) {
+  vfloat acc[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < K; ++i) acc[g][i] = vfloat{};
   int d = 0;
   if constexpr (sizeof(R) == 1) {  // fp8: rows widened two vectors at a time (load2_as_float)
     for (; d + 2 * VW <= hsp; d += 2 * VW) {
-      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
-      vfloat lo[4], hi[4];
-      for (int i = 0; i < 4; ++i) load2_as_float(k[i] + d, lo[i], hi[i]);
-      for (int g = 0; g < QT; ++g) {
+      for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
+      vfloat lo[K], hi[K];
+      for (int i = 0; i < K; ++i) load2_as_float(k[i] + d, lo[i], hi[i]);
+      for (int g = 0; g < G; ++g) {
         const vfloat q0 = load(q + int64_t(g) * hsp + d), q1 = load(q + int64_t(g) * hsp + d + VW);
-        for (int i = 0; i < 4; ++i) acc[g][i] += q0 * lo[i];
-        for (int i = 0; i < 4; ++i) acc[g][i] += q1 * hi[i];
+        for (int i = 0; i < K; ++i) acc[g][i] += q0 * lo[i];
+        for (int i = 0; i < K; ++i) acc[g][i] += q1 * hi[i];
       }
     }
   }
   for (; d < hsp; d += VW) {
-    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
-    const vfloat k0 = load_as_float(k[0] + d), k1 = load_as_float(k[1] + d),
-                 k2 = load_as_float(k[2] + d), k3 = load_as_float(k[3] + d);
-    for (int g = 0; g < QT; ++g) {
+    for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
+    vfloat kv[K];
+    for (int i = 0; i < K; ++i) kv[i] = load_as_float(k[i] + d);
+    for (int g = 0; g < G; ++g) {
       const vfloat qv = load(q + int64_t(g) * hsp + d);
-      acc[g][0] += qv * k0;
-      acc[g][1] += qv * k1;
-      acc[g][2] += qv * k2;
-      acc[g][3] += qv * k3;
+      for (int i = 0; i < K; ++i) acc[g][i] += qv * kv[i];
     }
   }
-  hsum_tile(acc, s);
+  hsum_tile<G, K>(acc, s);
 }
 
-// acc[g] += sum_t p[g][t] * v[t] for QT queries: QT x 4 register accumulators per step,
-// so every loaded value vector serves QT queries.
-template <typename R>
+// acc[g] += sum_t p[g][t] * v[t] for G queries: G x V register accumulators per step,
+// so every loaded value vector serves G queries.
+template <int G, int V, typename R>
 static inline void accumulate_tile(float* acc, int hsp, const float* p, const R* const* v, int n,
                                    const R* const* ahead) {
+  static_assert(V % 2 == 0, "value vectors are loaded in pairs");
   int d = 0;
-  for (; d + 4 * VW <= hsp; d += 4 * VW) {
-    vfloat a[QT][4];
-    for (int g = 0; g < QT; ++g)
-      for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
+  for (; d + V * VW <= hsp; d += V * VW) {
+    vfloat a[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
     for (int t = 0; t < n; ++t) {
-      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, t, d + i * VW);
+      for (int i = 0; i < V; ++i) prefetch_same_line(ahead, t, d + i * VW);
       const R* vr = v[t] + d;
-      vfloat v0, v1, v2, v3;
-      load2_as_float(vr, v0, v1);
-      load2_as_float(vr + 2 * VW, v2, v3);
-      for (int g = 0; g < QT; ++g) {
+      vfloat x[V];
+      for (int i = 0; i < V; i += 2) load2_as_float(vr + i * VW, x[i], x[i + 1]);
+      for (int g = 0; g < G; ++g) {
         const vfloat pg = splat(p[g * kKeyChunk + t]);
-        a[g][0] += pg * v0;
-        a[g][1] += pg * v1;
-        a[g][2] += pg * v2;
-        a[g][3] += pg * v3;
+        for (int i = 0; i < V; ++i) a[g][i] += pg * x[i];
       }
     }
-    for (int g = 0; g < QT; ++g)
-      for (int i = 0; i < 4; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
   }
   for (; d < hsp; d += VW) {
-    vfloat a[QT];
-    for (int g = 0; g < QT; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
+    vfloat a[G];
+    for (int g = 0; g < G; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
     for (int t = 0; t < n; ++t) {
       prefetch_same_line(ahead, t, d);
       const vfloat vt = load_as_float(v[t] + d);
-      for (int g = 0; g < QT; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
+      for (int g = 0; g < G; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
     }
-    for (int g = 0; g < QT; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
+    for (int g = 0; g < G; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
   }
 }
 
@@ -523,16 +604,18 @@ static inline __m512bh load_bf16x32(const void* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
+template <int G, int K>
 static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
                             const Bf16* const* ahead) {
-  __m512 acc[QT][4];
-  for (int g = 0; g < QT; ++g)
+  static_assert(G == 4 && K == 4, "the AVX-512 score tile");
+  __m512 acc[G][K];
+  for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int d = 0; d < hsp; d += 32) {
     for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     const __m512bh k0 = load_bf16x32(k[0] + d), k1 = load_bf16x32(k[1] + d),
                    k2 = load_bf16x32(k[2] + d), k3 = load_bf16x32(k[3] + d);
-    for (int g = 0; g < QT; ++g) {
+    for (int g = 0; g < G; ++g) {
       const __m512bh qv = load_bf16x32(q + int64_t(g) * hsp + d);
       acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
       acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
@@ -540,10 +623,10 @@ static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, fl
       acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
     }
   }
-  vfloat sums[QT][4];
-  for (int g = 0; g < QT; ++g)
+  vfloat sums[G][K];
+  for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) sums[g][i] = (vfloat)acc[g][i];
-  hsum_tile(sums, s);
+  hsum_tile<G, K>(sums, s);
 }
 
 static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out,
@@ -671,17 +754,18 @@ static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, f
     for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
 }
 
-template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+template <int G, int K, typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
 static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
                             const T* const* ahead) {
-  __m512 acc[QT][4];
-  for (int g = 0; g < QT; ++g)
+  static_assert(G == 4 && K == 4, "the AVX-512 score tile");
+  __m512 acc[G][K];
+  for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int d = 0; d < hsp; d += 64) {
     for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     __m512i first[4], second[4];
     for (int i = 0; i < 4; ++i) fp8_to_bf16x64(k[i] + d, first[i], second[i]);
-    for (int g = 0; g < QT; ++g) {
+    for (int g = 0; g < G; ++g) {
       const __m512bh q0 = load_bf16x32(q + int64_t(g) * hsp + d);
       const __m512bh q1 = load_bf16x32(q + int64_t(g) * hsp + d + 32);
       for (int i = 0; i < 4; ++i) {
@@ -690,10 +774,10 @@ static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float
       }
     }
   }
-  vfloat sums[QT][4];
-  for (int g = 0; g < QT; ++g)
+  vfloat sums[G][K];
+  for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) sums[g][i] = (vfloat)acc[g][i];
-  hsum_tile(sums, s);
+  hsum_tile<G, K>(sums, s);
 }
 
 template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>

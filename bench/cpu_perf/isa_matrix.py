@@ -1,0 +1,275 @@
+"""Every kernel this CPU can run, every cache dtype, side by side (issue 25).
+
+For each head layout (32/32 and 32/8 heads; B=16, context 2048, block 16, head size 128)
+one round-robin loop (``timing.py``) times, for each instruction set the CPU supports
+(``PAGED_ATTENTION_CPU_ISA`` lowers the kernel per call) and each cache dtype (fp32, bf16,
+fp16, e4m3, e5m2; fp8 with a bf16 query and scales of 1), the decode call from DRAM, and
+the 1 GiB read. Each cache has its own huge-page pools, blocks in a random physical order,
+checked against the reference first. Per row:
+
+* GB/s of KV and % of the read in the same rounds (paired);
+* KV elements per second against the same ISA's fp32 row (paired time ratio), and fp8
+  against bf16 (paired);
+* the arithmetic limit: the same call with its KV resident in L2 (every block table
+  cycling over 256 KiB of blocks), timed in a loop of its own, and the ISA's multiply-add
+  ceiling (``bench/microbench/fma_peak.cpp``, compiled and run here) as the GB/s the row
+  would reach if every multiply-add slot of both cores did its multiply-adds: a decode
+  query-key pair costs 2 x head size of them, so a KV element costs (query heads / KV heads)
+  and a KV byte that over its size.
+
+A row meets the target when it reads at >= 80% of the read, or, when the ISA's
+multiply-add ceiling itself is below 80% of the read (the arithmetic cannot keep up with
+memory), when it runs at >= 80% of its own L2 rate (DRAM adds little beyond the
+arithmetic). Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
+per ISA and dtype in one more loop, in GFLOP/s against the same ceiling.
+"""
+
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+import paged_attention_ext as pa
+from paged_attention_ext import reference
+
+from timing import Candidate, time_interleaved_samples
+
+from .config import (BATCH, BLOCK_SIZE, CONTEXT, HEAD_SIZE, KV_HEADS, MT_KV_HEADS, MT_QUERIES,
+                     MT_SEQ_LEN, NUM_HEADS, READ_BYTES, Plan)
+from paged_attention_ext.host_memory import zeros_huge_pages
+
+from .machine import Pool, random_pattern, rate_summary, ratios, with_isa
+from .multi_token import visible_pairs
+
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+QUERY_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "e4m3": torch.bfloat16, "e5m2": torch.bfloat16}
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3, "e4m3": 2e-2, "e5m2": 2e-2}
+# fma_peak.cpp's compiler flags per kernel: the instruction set the kernel is compiled for.
+FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"],
+             "avx512_bf16": ["-mavx512f"]}
+FMA_SOURCE = Path(__file__).resolve().parent.parent / "microbench" / "fma_peak.cpp"
+TARGET = 0.8
+L2_BYTES = 256 << 10
+
+
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "avx512vbmi", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_details() -> Dict[str, object]:
+    """Vendor, family / model and the instruction-set flags the kernels care about."""
+    info: Dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if ":" in line:
+            key, value = (x.strip() for x in line.split(":", 1))
+            info.setdefault(key, value)
+        elif info:
+            break
+    flags = set(info.get("flags", "").split())
+    return {"model_name": info.get("model name"), "vendor": info.get("vendor_id"),
+            "family": info.get("cpu family"), "model": info.get("model"),
+            "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def supported_isas() -> List[str]:
+    best = pa.cpu_isa()
+    return list(ISAS[: ISAS.index(best) + 1]) if best in ISAS else [best]
+
+
+def fma_ceiling(isa: str, runs: int = 3) -> Optional[float]:
+    """Lane multiply-adds per second on two threads for ``isa``, the best of ``runs`` (a
+    ceiling: a run that shared a core reads low). None without g++."""
+    if shutil.which("g++") is None:
+        return None
+    best = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "fma_peak")
+        subprocess.run(["g++", "-O2", *FMA_FLAGS[isa], "-fopenmp", str(FMA_SOURCE), "-o", binary],
+                       check=True)
+        for _ in range(runs):
+            out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+            # "...: fp32 multiply-adds: 1 thread X G/s, 2 threads Y G/s (...)"
+            best = max(best, float(out.split("2 threads")[1].split("G/s")[0]) * 1e9)
+    return best
+
+
+class DecodeCandidate:
+    """One cache dtype at one head layout: its pools, a DRAM call and an L2-resident call."""
+
+    def __init__(self, dtype_name: str, kv_heads: int, table: torch.Tensor, seed: int):
+        dtype = DTYPES[dtype_name]
+        self.dtype_name = dtype_name
+        blocks_per_seq = table.shape[1]
+        num_blocks = table.numel()
+        shape = (num_blocks, kv_heads, BLOCK_SIZE, HEAD_SIZE)
+        elements = num_blocks * kv_heads * BLOCK_SIZE * HEAD_SIZE
+        self.pools = [Pool(elements * dtype.itemsize, True) for _ in range(2)]
+        for i, pool in enumerate(self.pools):
+            pool.fill(random_pattern(torch.float32, seed + i).to(dtype))
+        self.key, self.value = (pool.tensor(dtype, shape) for pool in self.pools)
+        gen = torch.Generator().manual_seed(seed)
+        self.query = torch.randn(BATCH, NUM_HEADS, HEAD_SIZE, generator=gen).to(QUERY_DTYPE[dtype_name])
+        self.scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
+        self.table = table
+        block_bytes = 2 * kv_heads * BLOCK_SIZE * HEAD_SIZE * dtype.itemsize
+        distinct = max(1, L2_BYTES // block_bytes)
+        self.l2_table = (torch.arange(num_blocks) % distinct).to(torch.int32).view(BATCH, blocks_per_seq)
+        self.lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32)
+        self.kv_elements = 2 * BATCH * CONTEXT * kv_heads * HEAD_SIZE
+        self.kv_bytes = self.kv_elements * dtype.itemsize
+
+    def run(self, table: torch.Tensor) -> torch.Tensor:
+        return pa.attention(self.query, self.key, self.value, table, self.lens, HEAD_SIZE ** -0.5,
+                            **self.scales)
+
+    def check(self, isa: str) -> float:
+        """Max abs error of sequence 0 on ``isa`` against the reference."""
+        got = with_isa(isa, lambda: self.run(self.table))()[:1].float()
+        used = self.table[0].long()
+        want = reference.attention(self.query[:1], self.key[used], self.value[used],
+                                   torch.arange(self.table.shape[1], dtype=torch.int32)[None],
+                                   self.lens[:1], HEAD_SIZE ** -0.5, **self.scales).float()
+        error = (got - want).abs().max().item()
+        if not error <= TOLERANCE[self.dtype_name]:
+            raise AssertionError(f"{isa} {self.dtype_name} decode differs from reference by {error:.3g}")
+        return error
+
+
+def ceiling_gbps(fma_per_s: Optional[float], kv_heads: int, itemsize: int) -> Optional[float]:
+    """GB/s of KV at which every multiply-add slot is busy: a KV element costs `group` of them."""
+    if fma_per_s is None:
+        return None
+    return fma_per_s / (NUM_HEADS // kv_heads) * itemsize / 1e9
+
+
+def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]], plan: Plan,
+                 read: torch.Tensor) -> List[Dict[str, object]]:
+    blocks_per_seq = -(-CONTEXT // BLOCK_SIZE)
+    table = torch.randperm(BATCH * blocks_per_seq, dtype=torch.int32).view(BATCH, blocks_per_seq)
+    cases = {name: DecodeCandidate(name, kv_heads, table, seed=10 * i)
+             for i, name in enumerate(DTYPES)}
+    errors = {(isa, name): case.check(isa) for isa in isas for name, case in cases.items()}
+    dram: Dict[str, Candidate] = {"read": read.sum}
+    l2: Dict[str, Candidate] = {}
+    for isa in isas:
+        for name, case in cases.items():
+            dram[f"{isa}/{name}"] = with_isa(isa, lambda case=case: case.run(case.table))
+            l2[f"{isa}/{name}"] = with_isa(isa, lambda case=case: case.run(case.l2_table))
+    s = time_interleaved_samples(dram, plan.warmup, plan.decode_reps)
+    s_l2 = time_interleaved_samples(l2, plan.warmup, max(3, plan.decode_reps // 3))
+    read_rate = rate_summary(s["read"], READ_BYTES)
+    rows = []
+    for isa in isas:
+        for name, case in cases.items():
+            key = f"{isa}/{name}"
+            t, t_l2 = s[key], s_l2[key]
+            ceiling = ceiling_gbps(fma[isa], kv_heads, DTYPES[name].itemsize)
+            row = {"isa": isa, "dtype": name, "num_heads": NUM_HEADS, "num_kv_heads": kv_heads,
+                   "batch": BATCH, "context": CONTEXT, "block_size": BLOCK_SIZE,
+                   "head_size": HEAD_SIZE, "kv_bytes": case.kv_bytes,
+                   "max_abs_error_seq0": errors[(isa, name)],
+                   "dram": rate_summary(t, case.kv_bytes) | ratios(t, case.kv_bytes, s["read"], READ_BYTES),
+                   "l2": rate_summary(t_l2, case.kv_bytes),
+                   "read_bandwidth": read_rate,
+                   "fma_ceiling_gbps": ceiling,
+                   "elements_vs_fp32_paired": statistics.median(
+                       f / a for a, f in zip(t, s[f"{isa}/fp32"])),
+                   "samples_s": {"dram": t, "l2": t_l2}}
+            if DTYPES[name].itemsize == 1:
+                row["speedup_over_bf16_paired"] = statistics.median(
+                    b / a for a, b in zip(t, s[f"{isa}/bf16"]))
+            row["verdict"] = verdict(row)
+            rows.append(row)
+            print_row(row)
+    del cases
+    return rows
+
+
+def verdict(row: Dict[str, object]) -> Dict[str, object]:
+    read = row["read_bandwidth"]["rate_median"]
+    ceiling = row["fma_ceiling_gbps"]
+    pct_read = row["dram"]["pct_paired"] / 100
+    of_l2 = row["dram"]["rate_median"] / row["l2"]["rate_median"]
+    compute_bound = ceiling is not None and ceiling < TARGET * read
+    met = pct_read >= TARGET or (compute_bound and of_l2 >= TARGET)
+    return {"bound": "arithmetic" if compute_bound else "memory", "pct_of_read": round(100 * pct_read, 1),
+            "dram_of_l2": round(of_l2, 3),
+            "l2_of_ceiling": round(row["l2"]["rate_median"] / ceiling, 3) if ceiling else None,
+            "met": met}
+
+
+def bench_multi_token_isas(isas: List[str], fma: Dict[str, Optional[float]], plan: Plan
+                           ) -> List[Dict[str, object]]:
+    """A 512-token chunk over 4096 tokens (32/8 heads) per ISA and dtype, one loop."""
+    num_blocks = MT_SEQ_LEN // BLOCK_SIZE
+    table = torch.randperm(num_blocks, dtype=torch.int32).view(1, -1)
+    lens = torch.tensor([MT_SEQ_LEN], dtype=torch.int32)
+    starts = torch.tensor([0, MT_QUERIES], dtype=torch.int32)
+    flops = 4 * NUM_HEADS * HEAD_SIZE * visible_pairs(MT_SEQ_LEN, MT_QUERIES)
+    shape = (num_blocks, MT_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+    candidates: Dict[str, Candidate] = {}
+    for name, dtype in DTYPES.items():
+        gen = torch.Generator().manual_seed(7)
+        k = torch.randn(shape, generator=gen).to(dtype)
+        v = torch.randn(shape, generator=gen).to(dtype)
+        q = torch.randn(MT_QUERIES, NUM_HEADS, HEAD_SIZE, generator=gen).to(QUERY_DTYPE[name])
+        scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
+        out = torch.empty_like(q)
+        args = (q, k, v, table, lens, HEAD_SIZE ** -0.5, starts)
+        want = reference.attention(*args, **scales).float()
+        for isa in isas:
+            def run(args=args, scales=scales, out=out):
+                return pa.attention_out(out, *args, **scales)
+            call = with_isa(isa, run)
+            error = (call().float() - want).abs().max().item()
+            if not error <= 10 * TOLERANCE[name]:
+                raise AssertionError(f"{isa} {name} multi-token differs from reference by {error:.3g}")
+            candidates[f"{isa}/{name}"] = call
+    s = time_interleaved_samples(candidates, 1, max(3, plan.mt_reps // 2))
+    rows = []
+    for key, t in s.items():
+        isa, name = key.split("/")
+        rate = rate_summary(t, flops)
+        ceiling = 2 * fma[isa] / 1e9 if fma[isa] else None
+        rows.append({"isa": isa, "dtype": name, "seq_len": MT_SEQ_LEN, "queries": MT_QUERIES,
+                     "num_heads": NUM_HEADS, "num_kv_heads": MT_KV_HEADS, "flops": flops,
+                     "paged": rate, "fma_ceiling_gflops": ceiling,
+                     "of_ceiling": rate["rate_median"] / ceiling if ceiling else None,
+                     "vs_fp32_paired": statistics.median(f / a for a, f in zip(t, s[f"{isa}/fp32"]))})
+        r = rows[-1]
+        print(f"multi-token [{isa:>11}] {name:4} {rate['rate_median']:6.1f} GFLOP/s"
+              + (f" ({100 * r['of_ceiling']:.0f}% of {ceiling:.0f})" if ceiling else "")
+              + f" | vs fp32 {r['vs_fp32_paired']:.2f}x", flush=True)
+    return rows
+
+
+def print_row(row: Dict[str, object]) -> None:
+    d, l2, v = row["dram"], row["l2"], row["verdict"]
+    ceiling = f"{row['fma_ceiling_gbps']:6.1f}" if row["fma_ceiling_gbps"] else "   n/a"
+    fp8 = f" | vs bf16 {row['speedup_over_bf16_paired']:.2f}x" if "speedup_over_bf16_paired" in row else ""
+    print(f"isa [{row['isa']:>11}] {row['dtype']:4} 32/{row['num_kv_heads']:<2} | DRAM {d['rate_median']:5.1f} GB/s "
+          f"{d['pct_paired']:4.0f}% of read {row['read_bandwidth']['rate_median']:.1f} | L2 "
+          f"{l2['rate_median']:6.1f} | FMA ceiling {ceiling} | elements vs fp32 "
+          f"{row['elements_vs_fp32_paired']:.2f}x{fp8} | {v['bound']}, {'met' if v['met'] else 'NOT met'}",
+          flush=True)
+
+
+def bench_isa_matrix(plan: Plan) -> Dict[str, object]:
+    isas = supported_isas()
+    fma = {isa: fma_ceiling(isa) for isa in isas}
+    print("fp32 multiply-adds/s, two threads: "
+          + ", ".join(f"{isa} {v / 1e9:.1f} G" if v else f"{isa} n/a" for isa, v in fma.items()), flush=True)
+    read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
+    read.fill_(1.0)
+    decode = [row for kv_heads in KV_HEADS for row in bench_layout(kv_heads, isas, fma, plan, read)]
+    del read
+    return {"cpu": cpu_details(), "isas": isas, "fma_per_s_two_threads": fma, "decode": decode,
+            "multi_token": bench_multi_token_isas(isas, fma, plan)}
