@@ -27,6 +27,9 @@ Allocating once also avoids repeated multi-GiB alloc/free churn, which on this V
 Sections: decode (fp32/bf16/fp16 x 32/32 and 32/8 heads, B=16, ctx 2048, block 16),
 fp8_layouts (fp8 e4m3/e5m2 and NHD views against the bf16 HND cache, B=16 ctx 2048 and B=1
 ctx 32k; ``--sections fp8_layouts`` runs it alone, without the 4 GiB of shared pools),
+isa_matrix (every kernel the CPU supports x every cache dtype, 32/32 and 32/8, beside the
+read, each row's L2-resident rate and the ISA's multiply-add ceiling: issue 25; pools of its
+own like fp8_layouts),
 context sweep 512..32k (B=16, or the largest B whose K fits the 1 GiB pool), batch 1 at
 32k with 1 and 2 threads, block-size sweep 1..256, a diagnostic with the KV resident in
 L3 (the kernel's speed with DRAM out of the way), multi-token GFLOP/s against matmul,
@@ -36,7 +39,8 @@ Further runs of the same build go into that one file, under ``repeat_runs``: wri
 elsewhere with ``--out`` and fold them in with ``--add-repeat``.
 
 The sections live in ``bench/cpu_perf/``: ``config`` (shapes, sizes, plans), ``machine``
-(pools, references, statistics), ``decode``, ``sweeps``, ``multi_token``, ``cache_ops``
+(pools, references, statistics), ``decode``, ``fp8_layouts``, ``isa_matrix``, ``sweeps``,
+``multi_token``, ``cache_ops``
 and ``report`` (targets, plots); this script runs them in order and writes the report.
 """
 
