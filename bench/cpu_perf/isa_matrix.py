@@ -23,34 +23,34 @@ memory), when it runs at >= 80% of that ceiling. Multi-token (a 512-token causal
 per ISA and dtype in one more loop, in GFLOP/s against the same ceiling.
 """
 
+import functools
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference
+from paged_attention_ext.host_memory import zeros_huge_pages
 
 from timing import Candidate, time_interleaved_samples
 
+from . import config
 from .config import (BATCH, BLOCK_SIZE, CONTEXT, HEAD_SIZE, KV_HEADS, MT_KV_HEADS, MT_QUERIES,
                      MT_SEQ_LEN, NUM_HEADS, READ_BYTES, Plan)
-from paged_attention_ext.host_memory import zeros_huge_pages
-
 from .machine import Pool, random_pattern, rate_summary, ratios, with_isa
 from .multi_token import visible_pairs
 
 ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-QUERY_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "e4m3": torch.bfloat16, "e5m2": torch.bfloat16}
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3, "e4m3": 2e-2, "e5m2": 2e-2}
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DTYPES = {**config.DTYPES, **FP8}
+QUERY_DTYPE = {**config.DTYPES, **{name: torch.bfloat16 for name in FP8}}
+TOLERANCE = {**config.TOLERANCE, **{name: 2e-2 for name in FP8}}
 # fma_peak.cpp's compiler flags per kernel: the instruction set the kernel is compiled for.
 FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"],
              "avx512_bf16": ["-mavx512f"]}
@@ -83,15 +83,17 @@ def supported_isas() -> List[str]:
     return list(ISAS[: ISAS.index(best) + 1]) if best in ISAS else [best]
 
 
-def fma_ceiling(isa: str, runs: int = 3) -> Optional[float]:
-    """Lane multiply-adds per second on two threads for ``isa``, the best of ``runs`` (a
+@functools.lru_cache(maxsize=None)
+def fma_ceiling(flags: Tuple[str, ...], runs: int = 3) -> Optional[float]:
+    """Lane multiply-adds per second on two threads of fma_peak.cpp compiled with ``flags``
+    (FMA_FLAGS; kernels sharing them share one measurement), the best of ``runs`` (a
     ceiling: a run that shared a core reads low). None without g++."""
     if shutil.which("g++") is None:
         return None
     best = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         binary = os.path.join(tmp, "fma_peak")
-        subprocess.run(["g++", "-O2", *FMA_FLAGS[isa], "-fopenmp", str(FMA_SOURCE), "-o", binary],
+        subprocess.run(["g++", "-O2", *flags, "-fopenmp", str(FMA_SOURCE), "-o", binary],
                        check=True)
         for _ in range(runs):
             out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
@@ -263,7 +265,7 @@ def print_row(row: Dict[str, object]) -> None:
 
 def bench_isa_matrix(plan: Plan) -> Dict[str, object]:
     isas = supported_isas()
-    fma = {isa: fma_ceiling(isa) for isa in isas}
+    fma = {isa: fma_ceiling(tuple(FMA_FLAGS[isa])) for isa in isas}
     print("fp32 multiply-adds/s, two threads: "
           + ", ".join(f"{isa} {v / 1e9:.1f} G" if v else f"{isa} n/a" for isa, v in fma.items()), flush=True)
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
