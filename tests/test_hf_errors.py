@@ -17,7 +17,7 @@ from transformers.masking_utils import chunked_causal_mask_function, sliding_win
 from paged_attention_ext.block_allocator import NoFreeBlocksError
 from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
-from paged_attention_ext.hf.cache import publish_padding_mask
+from paged_attention_ext.hf.handoff import publish_padding_mask
 from paged_attention_ext.kv_cache import PagedKVCache
 
 from hf_tiny import TINY as TINY_256

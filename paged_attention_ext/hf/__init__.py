@@ -22,9 +22,11 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from .attention import paged_attention_forward  # noqa: E402
 from .batch import PagedBatch  # noqa: E402
-from .cache import ATTN_IMPLEMENTATION, PagedCache, publish_padding_mask  # noqa: E402
+from .cache import PagedCache  # noqa: E402
+from .compiled_cache import CompiledPagedCache  # noqa: E402
 from .continuous_batching import ATTN_IMPLEMENTATION as CB_ATTN_IMPLEMENTATION  # noqa: E402
 from .continuous_batching import continuous_batching_attention_forward  # noqa: E402
+from .handoff import ATTN_IMPLEMENTATION, publish_padding_mask  # noqa: E402
 from .support import check_config  # noqa: E402
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
@@ -37,5 +39,5 @@ if CB_ATTN_IMPLEMENTATION == ATTN_IMPLEMENTATION:
 else:
     AttentionInterface.register(CB_ATTN_IMPLEMENTATION, continuous_batching_attention_forward)
 
-__all__ = ["ATTN_IMPLEMENTATION", "CB_ATTN_IMPLEMENTATION", "PagedBatch", "PagedCache", "check_config",
-           "paged_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "CB_ATTN_IMPLEMENTATION", "CompiledPagedCache", "PagedBatch",
+           "PagedCache", "check_config", "paged_attention_forward"]

@@ -24,8 +24,8 @@ import torch
 
 from .. import ops
 from .batch import PagedBatch, flat_tokens
-from .cache import take_batch
 from .continuous_batching import continuous_batching_attention_forward
+from .handoff import take_batch
 from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.

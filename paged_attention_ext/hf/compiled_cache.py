@@ -1,0 +1,227 @@
+"""The compile mode of the paged cache: fixed pools and metadata for ``torch.compile``.
+
+``PagedCache(config, max_cache_len=...)`` (or ``CompiledPagedCache``) allocates a fixed pool
+and fixed-size metadata tensors (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the
+bookkeeping of :class:`~paged_attention_ext.hf.PagedCache` runs eagerly *before* each
+forward (``prepare``, called by the mask function when generate builds the masks eagerly),
+so a compiled forward only writes K/V at the prepared slots and attends.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..kv_cache import PagedKVCache, check_int
+from .batch import StepBuffers
+from .cache import PagedCache, PoolSpec
+from .handoff import (LayerCall, cancel_preparation, publish_layer_call, request_preparation,
+                      take_padding_mask)
+from .placement import RowLimit, RowPlacement
+
+
+class CompiledPagedCache(PagedCache):
+    """:class:`PagedCache` in compile mode (``is_compileable``); ``PagedCache(config,
+    max_cache_len=...)`` returns one. Same arguments; ``max_cache_len`` is required."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self._max_cache_len is None:
+            raise TypeError("CompiledPagedCache: pass max_cache_len (the most tokens a row may hold)")
+        # (pool spec, pools, metadata buffers), kept across reset() so that a compiled
+        # forward keeps reading the same tensors.
+        self._static: Optional[Tuple[PoolSpec, PagedKVCache, StepBuffers]] = None
+
+    def _clear(self) -> None:
+        super()._clear()
+        # The prepared forward (per-row new-token counts, q_len, slots), whether no eager
+        # update has consumed it yet, and the rows it started without prefix fingerprints
+        # (an eager first forward redoes them with fingerprints).
+        self._step: Optional[Tuple[List[int], int, List[List[int]]]] = None
+        self._step_open = False
+        self._unfingerprinted: List[int] = []
+        # A tensor for get_seq_length inside a compiled forward (an int would recompile).
+        self._length_tensor = torch.zeros((), dtype=torch.int64)
+        # Set by a compiled forward (it runs no Python): the prepared step was consumed.
+        self._consumed = torch.zeros((), dtype=torch.bool)
+
+    # ---- the transformers Cache interface ------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V at the slots prepared before the forward."""
+        if torch.compiler.is_compiling():
+            return self._traced_update(key_states, value_states, layer_idx)
+        cancel_preparation(self)  # left by a mask function that is not ours
+        self._check_call(layer_idx)
+        try:
+            if layer_idx == 0:
+                self._begin_eager_forward(key_states, value_states)
+            self._write_layer(layer_idx, key_states, value_states)
+        except BaseException as error:
+            self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
+            raise
+        self._finish_layer(layer_idx, key_states)
+        return key_states, value_states
+
+    def _traced_update(self, keys: torch.Tensor, values: torch.Tensor,
+                       layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Traced once per shape: only tensor work on the prepared buffers (Python state
+        changes here would happen at trace time only)."""
+        batch = self._batch
+        if batch is None or batch.slot_mapping.shape[0] != keys.shape[0] * keys.shape[2]:
+            raise RuntimeError("PagedCache: this compiled forward was not prepared; call "
+                               "cache.prepare(batch_size, num_new_tokens, attention_mask, dtype, "
+                               "device) before each compiled forward of your own loop")
+        if layer_idx == 0:
+            # Run twice on one preparation (a loop that forgot prepare()), it would write
+            # over the last step's slots: refuse at run time instead.
+            torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
+                                "cache.prepare(...) since the previous one")
+            self._consumed.fill_(True)
+        self._write_layer(layer_idx, keys, values)
+        publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch))
+        return keys, values
+
+    def _begin_eager_forward(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        rows, _, q_len, _ = keys.shape
+        if not self._step_open:  # a forward whose masks were not built through ours
+            self._prepare_step(rows, q_len, take_padding_mask(), keys.dtype, keys.device)
+        if self._step[1] != q_len or len(self.rows) != rows:
+            raise ValueError(f"PagedCache: the forward has {rows} rows x {q_len} tokens, "
+                             f"prepared were {len(self.rows)} x {self._step[1]}")
+        if self._unfingerprinted and self.enable_prefix_caching:
+            self._fingerprint_started_rows(keys, values)
+        self._step_open = False
+        self._state.begin()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if torch.compiler.is_compiling():
+            return self._length_tensor  # set before the forward; an int would recompile
+        return self._length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
+        if not torch.compiler.is_compiling():
+            request_preparation(self)  # the mask function called next prepares the forward
+        return self._max_cache_len, 0  # constant: the mask function ignores it
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        if self._static is not None:  # the fixed pool is kept: its calibrated scales are not
+            self._static[1].recalibrate()
+        super().reset()
+
+    def _between_forwards(self) -> None:
+        self._step_open = False
+
+    # ---- preparation ----------------------------------------------------------------------
+    def prepare(self, batch_size: int, num_new_tokens: int,
+                attention_mask: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device] = None) -> None:
+        """Place the next forward's tokens and fill the metadata it reads.
+
+        ``generate`` needs no call: it builds the masks eagerly before every forward of a
+        compileable cache, and the mask function prepares the forward then (an eager forward
+        prepares itself too). A loop of your own that calls a *compiled* forward calls this
+        before each call, with the forward's batch size, new-token count and 2D
+        ``attention_mask`` (``[batch, past + new]``, 0 = left padding; None = no padding).
+        ``dtype`` and ``device`` (the model's) allocate the pools on the first call.
+        """
+        check_int("PagedCache.prepare: batch_size", batch_size, 1)
+        check_int("PagedCache.prepare: num_new_tokens", num_new_tokens, 1)
+        self._prepare_step(batch_size, num_new_tokens, attention_mask, dtype, device)
+
+    def prepare_from_mask(self, mask: Optional[torch.Tensor], kwargs: dict) -> None:
+        """The eager mask-function call before a forward (:mod:`.handoff`): prepare it, once.
+
+        generate may build two masks (full and sliding layers) per forward, and an eager
+        forward builds its own again; those find the step already placed: a 2D mask as wide
+        as the tokens placed, or no mask while a placed step awaits its eager forward.
+        """
+        q_len = kwargs["q_length"]
+        if self._step_open and self._step is not None and self._step[1] == q_len and (
+                mask.shape[-1] == self._length if mask is not None else not self._consumed.item()):
+            return
+        self._prepare_step(kwargs["batch_size"], q_len, mask, kwargs.get("dtype"), kwargs.get("device"))
+
+    def _prepare_step(self, rows: int, q_len: int, mask: Optional[torch.Tensor],
+                      dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        self._state.check_usable()
+        if self._state.interrupted:
+            self._refuse(self._state.interruption())
+        counts = self._check_new_tokens(rows, q_len, mask)
+        first = self._placement is None
+        try:
+            if first:
+                self._start_static(rows, dtype, device)
+            self._placement.check_room(
+                counts, RowLimit(self._max_cache_len, f"max_cache_len={self._max_cache_len}"),
+                pool_advice="pass a larger num_blocks", new_rows_exact=True)
+            slots, copies, started = self._placement.place(counts, q_len)
+        except BaseException:
+            if first:
+                self.reset()
+            raise
+        self.kv.apply_copies(copies)  # before any layer writes this step's tokens
+        self._length += q_len
+        self._length_tensor.fill_(self._length)
+        self._step = (counts, q_len, slots)
+        self._unfingerprinted = started
+        self._step_open = True
+        self._consumed.fill_(False)
+        self._fill_buffers()
+
+    def _start_static(self, rows: int, dtype: Optional[torch.dtype],
+                      device: Optional[torch.device]) -> None:
+        max_rows = self._max_batch_size or rows
+        if rows > max_rows:
+            raise ValueError(f"PagedCache: the forward has {rows} rows, more than max_batch_size="
+                             f"{max_rows}")
+        if dtype is None or device is None:
+            raise ValueError("PagedCache.prepare: the first call allocates the pools; pass the "
+                             "model's dtype and device")
+        width = -(-self._max_cache_len // self.block_size)
+        capacity = (self.num_blocks if self.num_blocks is not None
+                    else max_rows * width * len(self.kv_groups.groups))
+        spec = self._storage.config_shape + (dtype, torch.device(device))
+        if self._static is None or self._static[0] != spec or self._static[2].max_rows < max_rows \
+                or self._static[1].num_blocks != capacity + 1:
+            pool = self._new_pool(capacity + 1, spec)  # the last block: the scratch block
+            in_attention = self._storage.in_attention
+            buffers = StepBuffers(pool, max_rows, width, max_rows * self._max_cache_len,
+                                  scratch_block=capacity, write_kv=in_attention,
+                                  on_stored=self._count_stored if in_attention else None,
+                                  cascade_min_saved_tokens=self._cascade_min_saved_tokens)
+            self._static = (spec, pool, buffers)
+        self._placement = RowPlacement(rows, capacity, self.block_size, self.enable_prefix_caching,
+                                       self.kv_groups)
+        self._pool_spec = spec
+        self.kv = self._static[1]
+        # On the pools' device, so the compiled graph touches no host tensor.
+        self._length_tensor = self._length_tensor.to(spec[4])
+        self._consumed = self._consumed.to(spec[4])
+        # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
+        # "reduce-overhead") may then read and write them in place instead of copying them.
+        buffers = self._static[2]
+        for tensor in (*self.kv.key_caches, *self.kv.value_caches, *buffers.group_block_tables,
+                       buffers.seq_lens, buffers.query_start_loc, *buffers.group_slot_mappings,
+                       *buffers.cascade_tensors(), self._length_tensor, self._consumed):
+            torch._dynamo.mark_static_address(tensor)
+
+    def _fill_buffers(self) -> None:
+        counts, q_len, slots = self._step
+        self._batch = self._static[2].fill(self._placement.tables(), self._placement.seq_lens(),
+                                           counts, q_len, slots)
+        self.cascade_forwards += bool(self._batch.cascades)
+
+    def _fingerprint_started_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """An eager first forward: place the rows the step started again, now with prefix
+        fingerprints of their K/V (nothing is written yet), so repeated prompts share."""
+        counts, q_len, slots = self._step
+        self._placement.replace_rows(self._unfingerprinted, counts, q_len, keys, values, slots)
+        self._unfingerprinted = []
+        self._fill_buffers()
