@@ -16,7 +16,7 @@ from transformers import CompileConfig
 
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine.models import random_pair
-from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 
 from hf_tiny import TINY, left_padded
 
@@ -193,6 +193,13 @@ def test_compile_mode_limits_and_arguments(models):
         PagedCache(config, max_cache_len=0)
     assert not PagedCache(config).is_compileable
     assert PagedCache(config, max_cache_len=16).is_compileable
+    # The compile mode is a class of its own, whichever way it is asked for.
+    assert type(PagedCache(config)) is PagedCache
+    assert type(PagedCache(config, 16, None, True, None, "auto", None, None, "per_layer", 16)) \
+        is CompiledPagedCache
+    assert CompiledPagedCache(config, max_cache_len=16).get_max_length() == 16
+    with pytest.raises(TypeError, match="pass max_cache_len"):
+        CompiledPagedCache(config)
     with torch.no_grad():
         cache = PagedCache(config, block_size=BLOCK_SIZE, max_cache_len=12, max_batch_size=2)
         with pytest.raises(ValueError, match="more than max_batch_size=2"):
