@@ -222,15 +222,21 @@ class PagedCache(Cache):
         """
         self._check_call(layer_idx)
         plan = self._plan_forward(key_states, value_states) if layer_idx == 0 else None
+        return self._store_layer(layer_idx, key_states, value_states, plan)
+
+    def _store_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                     plan: Optional[Tuple[List[int], PoolSpec]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0 begins the forward; every layer stores its K/V and hands its call on. A
+        failure from here on leaves the history partly written (:meth:`_fail`)."""
         try:
-            if plan is not None:
-                self._place(key_states, value_states, *plan)
-            self._write_layer(layer_idx, key_states, value_states)
+            if layer_idx == 0:
+                self._begin_forward(keys, values, plan)
+            self._write_layer(layer_idx, keys, values)
         except BaseException as error:
             self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
             raise
-        self._finish_layer(layer_idx, key_states)
-        return key_states, value_states
+        self._finish_layer(layer_idx, keys)
+        return keys, values
 
     def _write_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one layer's new K/V at the prepared slots (MLA: the attention function does)."""
@@ -436,8 +442,10 @@ class PagedCache(Cache):
             self._placement.check_left_padding(counts, q_len)
         return counts
 
-    def _place(self, keys: torch.Tensor, values: torch.Tensor, counts: List[int], spec: PoolSpec) -> None:
+    def _begin_forward(self, keys: torch.Tensor, values: torch.Tensor,
+                       plan: Tuple[List[int], PoolSpec]) -> None:
         """Place this forward's new tokens and build its PagedBatch."""
+        counts, spec = plan
         rows, _, q_len, _ = keys.shape
         if self._placement is None:
             self._start(rows, spec)

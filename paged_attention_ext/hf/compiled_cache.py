@@ -52,15 +52,7 @@ class CompiledPagedCache(PagedCache):
             return self._traced_update(key_states, value_states, layer_idx)
         cancel_preparation(self)  # left by a mask function that is not ours
         self._check_call(layer_idx)
-        try:
-            if layer_idx == 0:
-                self._begin_eager_forward(key_states, value_states)
-            self._write_layer(layer_idx, key_states, value_states)
-        except BaseException as error:
-            self._fail(f"layer {layer_idx}'s update raised {type(error).__name__}: {error}")
-            raise
-        self._finish_layer(layer_idx, key_states)
-        return key_states, value_states
+        return self._store_layer(layer_idx, key_states, value_states)
 
     def _traced_update(self, keys: torch.Tensor, values: torch.Tensor,
                        layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +73,8 @@ class CompiledPagedCache(PagedCache):
         publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch))
         return keys, values
 
-    def _begin_eager_forward(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _begin_forward(self, keys: torch.Tensor, values: torch.Tensor, plan: None = None) -> None:
+        """An eager forward: takes the step prepared before it (or prepares one now)."""
         rows, _, q_len, _ = keys.shape
         if not self._step_open:  # a forward whose masks were not built through ours
             self._prepare_step(rows, q_len, take_padding_mask(), keys.dtype, keys.device)
