@@ -99,7 +99,7 @@ class Scheduler:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Undo every change to the blocks, the queues and the queued groups' statuses and
-        computed tokens if the block raises (the engine's step; see ``LLMEngine.step``)."""
+        computed tokens if the body of the ``with`` raises (see ``LLMEngine.step``)."""
         manager = self._manager.checkpoint()
         queues = [list(q) for q in (self.waiting, self.running, self.swapped)]
         groups = [(g, g.status, [(s, s.num_computed) for s in g.seqs]) for q in queues for g in q]
@@ -203,7 +203,7 @@ class Scheduler:
         """Room for the token each live sequence sampled last step."""
         live = group.live_seqs
         placed = self._manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
-                                           {s.seq_id: s.block_hashes for s in live})
+                                            {s.seq_id: s.block_hashes for s in live})
         for seq in live:
             out.copies += placed[seq.seq_id].copies
             out.slots[seq.seq_id] = placed[seq.seq_id].group_slots
