@@ -5,11 +5,14 @@ Groups are admitted, preempted and restored as a whole (all-or-nothing), so a st
 never runs with part of a group's blocks. The manager owns two allocators over the
 same block shape: the device pool and a host swap pool, and every block table.
 
-A scheduler only asks questions (``can_admit``, ``can_append``, ``can_swap_in``,
-``can_swap_out``) and applies the answers (``admit``, ``append_group``, ``swap_in``,
-``swap_out``, ``free_group``); each of those returns what the step must do with the
-cache: the slots to write, the blocks to copy (copy-on-write) and to swap. Every
-method either succeeds or raises with no state changed.
+A scheduler asks and acts in one call where the answer decides the action: ``try_admit``
+and ``try_swap_in`` place a group or return None with nothing changed (as vLLM's
+``allocate_slots``); ``append_cost`` counts the blocks that a group's next tokens take, for
+the scheduler's reservations before it places them (``append_group``). Every action
+returns what the step must do with the cache: the slots to write, the blocks to copy
+(copy-on-write) and to swap. Every method either succeeds (or answers None) or raises with
+no state changed. How many blocks tokens take is :func:`block_table.blocks_needed`'s
+arithmetic, here only summed over tables and KV groups.
 
 A hybrid model's sequences hold one block table per KV group (``kv_group_windows``,
 :mod:`paged_attention_ext.kv_groups`), all over the one device pool: every question
@@ -24,12 +27,10 @@ from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import NULL_BLOCK, AppendResult, BlockTable, block_hashes
+from .block_table import NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes, blocks_needed
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSpec"]
-
-BlockMapping = List[Tuple[int, int]]  # rows for paged.swap_blocks
 
 
 class SeqSpec(NamedTuple):
@@ -38,6 +39,14 @@ class SeqSpec(NamedTuple):
     seq_id: int
     num_tokens: int
     names: Sequence[bytes] = ()  # its full blocks' names (block_hashes), with prefix caching
+
+
+class _MovePlan(NamedTuple):
+    """A group's move to another pool (:meth:`BlockSpaceManager._move_plan`)."""
+
+    reuse: Dict[int, bytes]  # blocks whose content the target still caches, by name
+    to_copy: List[int]       # distinct blocks to copy
+    needed: int              # blocks the move takes from the target's available ones
 
 
 class Checkpoint(NamedTuple):
@@ -115,6 +124,11 @@ class BlockSpaceManager:
         sliding windows return (may be negative)."""
         return self._append_cost((t, num_tokens) for t in self._tables[seq_id])
 
+    def new_seq_cost(self, num_tokens: int) -> int:
+        """Device blocks a new sequence of `num_tokens` tokens takes in every KV group,
+        without prefix-cache hits."""
+        return self.num_kv_groups * blocks_needed(num_tokens, self.block_size)
+
     def named_blocks(self) -> Dict[int, bytes]:
         """The device blocks in the prefix cache (used or evictable) and their names."""
         return self.device.named_blocks()
@@ -162,7 +176,8 @@ class BlockSpaceManager:
     def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
         """Whether the swapped-out group fits back above the watermark, together with the
         next `tokens_per_seq` tokens of each of its sequences."""
-        needed = self._swap_in_cost(group_id) + self.append_cost(group_id, tokens_per_seq)
+        needed = self._move_plan(group_id, self.device).needed
+        needed += self.append_cost(group_id, tokens_per_seq)
         return self.device.num_free_blocks - needed >= self._watermark_blocks
 
     def can_swap_out(self, group_id: int) -> bool:
@@ -202,27 +217,17 @@ class BlockSpaceManager:
         if needed > self.device.num_free_blocks:
             raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
                                     f"{self.device.num_free_blocks} available")
-        first, bs = seqs[0], self.block_size
-        names = first.names[:shared_len // bs]
-        tables = self._new_tables()
-        # Every group's hits first: allocating one group's fresh blocks may evict cached
-        # blocks, which must not be another group's hits.
-        for table in tables:
-            table.take_prefix_hits(names, num_hits, first_query)
-        for table in tables:
-            table.place_prompt(shared_len, names)
-        if self.device.enable_prefix_caching:
-            self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
-        self._add(group_id, first.seq_id, tables)
-        for seq in seqs[1:]:
-            self.fork(first.seq_id, seq.seq_id)
-        self.append_group(group_id, {s.seq_id: s.num_tokens - shared_len for s in seqs},
-                          {s.seq_id: s.names for s in seqs}, computed=False)
-        # Copy-on-write copies of the prompt's partial block are not needed: its
-        # content does not exist yet, every sequence computes its own copy.
-        starts = [num_hits * bs] + [shared_len // bs * bs] * (len(seqs) - 1)
-        return [self._placed(self._tables[seq.seq_id], start, seq.num_tokens)
-                for seq, start in zip(seqs, starts)]
+        return self._place_group(group_id, seqs, shared_len, num_hits, first_query)
+
+    def try_admit(self, group_id: int, seqs: Sequence[SeqSpec],
+                  shared_len: int) -> Optional[List[AppendResult]]:
+        """:meth:`admit` if the group fits above the watermark (:meth:`can_admit`); None,
+        with nothing changed, if it does not."""
+        self._check_new(group_id, [s.seq_id for s in seqs])
+        needed, num_hits = self._admission(seqs, shared_len)
+        if self.device.num_free_blocks - needed < self._watermark_blocks:
+            return None
+        return self._place_group(group_id, seqs, shared_len, num_hits)
 
     def fork(self, parent_seq: int, child_seq: int) -> None:
         """A new sequence of the parent's group sharing all its blocks (never allocates)."""
@@ -298,7 +303,7 @@ class BlockSpaceManager:
             self.free_seq(seq_id)
 
     # ---- swapping -------------------------------------------------------------------
-    def swap_out(self, group_id: int) -> BlockMapping:
+    def swap_out(self, group_id: int) -> List[BlockPair]:
         """Move the group's blocks to host memory; returns (device, host) rows to copy.
 
         Each distinct device block is copied once, so sharing inside the group
@@ -306,16 +311,20 @@ class BlockSpaceManager:
         """
         return self._move_group(group_id, self.device, self.host)
 
-    def swap_in(self, group_id: int) -> BlockMapping:
+    def swap_in(self, group_id: int) -> List[BlockPair]:
         """Bring a swapped-out group back; returns (host, device) rows to copy.
 
         Full blocks still cached on the device are re-used, not copied (not in the rows).
         """
-        mapping = self._move_group(group_id, self.host, self.device)
-        for seq_id in self._groups[group_id]:
-            for table in self._tables[seq_id]:
-                table.register_full_blocks()
-        return mapping
+        return self._move_group(group_id, self.host, self.device)
+
+    def try_swap_in(self, group_id: int) -> Optional[List[BlockPair]]:
+        """:meth:`swap_in` if the group fits back above the watermark together with the next
+        token of each of its sequences (:meth:`can_swap_in`); None, with nothing changed,
+        if it does not."""
+        return self._move_group(group_id, self.host, self.device,
+                                keep_free=self._watermark_blocks + self.append_cost(group_id),
+                                or_none=True)
 
     def is_swapped_out(self, group_id: int) -> bool:
         return self._tables[self._groups[group_id][0]][0].allocator is self.host
@@ -374,7 +383,7 @@ class BlockSpaceManager:
             for table, window in zip(tables, self.kv_group_windows):
                 assert table.sliding_window == window
                 assert table.num_tokens == tables[0].num_tokens, f"sequence {seq_id}: groups disagree"
-                assert len(table.blocks) == -(-table.num_tokens // self.block_size), (
+                assert len(table.blocks) == blocks_needed(table.num_tokens, self.block_size), (
                     f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
                 # Freed entries: the leading ones, where no query from the last token on looks.
                 freed = table.num_freed
@@ -465,59 +474,82 @@ class BlockSpaceManager:
         num_hits = self._common_hit(tables, shared_len, names, first_query)
         cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits, first_query)
                    for t in tables)
-        room, sharers = -shared_len % bs, len(seqs)
+        sharers = len(seqs)  # holders of the prompt's partial last block
         for seq in seqs:
             extra = seq.num_tokens - shared_len
             if extra < 0:
                 raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} tokens, fewer than "
                                  f"the {shared_len} it shares")
-            if room and extra and sharers > 1:  # copy-on-write; the last sharer writes in place
-                cost += len(tables)
-                sharers -= 1
-            cost += len(tables) * -(-max(0, extra - room) // bs)
+            copy = extra > 0 and sharers > 1  # copy-on-write; the last sharer writes in place
+            sharers -= copy
+            cost += len(tables) * blocks_needed(extra, bs, shared_len, copy_last=copy)
         return cost, num_hits
+
+    def _place_group(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int,
+                     num_hits: int, first_query: Optional[int] = None) -> List[AppendResult]:
+        """Place an admission whose blocks were counted (:meth:`_admission`) and fit."""
+        first, bs = seqs[0], self.block_size
+        names = first.names[:shared_len // bs]
+        tables = self._new_tables()
+        # Every group's hits first: allocating one group's fresh blocks may evict cached
+        # blocks, which must not be another group's hits.
+        for table in tables:
+            table.take_prefix_hits(names, num_hits, first_query)
+        for table in tables:
+            table.place_prompt(shared_len, names)
+        if self.device.enable_prefix_caching:
+            self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
+        self._add(group_id, first.seq_id, tables)
+        for seq in seqs[1:]:
+            self.fork(first.seq_id, seq.seq_id)
+        self.append_group(group_id, {s.seq_id: s.num_tokens - shared_len for s in seqs},
+                          {s.seq_id: s.names for s in seqs}, computed=False)
+        # Copy-on-write copies of the prompt's partial block are not needed: its
+        # content does not exist yet, every sequence computes its own copy.
+        starts = [num_hits * bs] + [shared_len // bs * bs] * (len(seqs) - 1)
+        return [self._placed(self._tables[seq.seq_id], start, seq.num_tokens)
+                for seq, start in zip(seqs, starts)]
 
     def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]], computed: bool = True) -> int:
         """Device blocks that these appends, in this order, take (less those they return:
         may be negative): a copy of a shared partial last block for every user but the
         last to append, then growth; ``computed`` appends first free what sliding windows
         have left (blocks no other table holds)."""
-        copied: Counter = Counter()
+        copied: Counter = Counter()  # copies of each shared last block counted so far
         cost = 0
         for table, count in appends:
             if computed and count > 0 and table.allocator is self.device:
                 cost -= table.releasable()
-            room = len(table.blocks) * self.block_size - table.num_tokens
-            if room > 0 and count > 0:
-                last = table.blocks[-1]
-                if table.allocator.ref_count(last) - copied[last] > 1:
-                    copied[last] += 1
-                    cost += 1
-            cost += -(-max(0, count - room) // self.block_size)
+            last = table.blocks[-1] if table.blocks else NULL_BLOCK
+            copy = count > 0 and table.shares_last_block(copied[last])
+            if copy:
+                copied[last] += 1
+            cost += blocks_needed(count, self.block_size, table.num_tokens, copy_last=copy)
         return cost
 
-    def _swap_in_cost(self, group_id: int) -> int:
-        # Blocks still cached on the device come back without a copy; only those that
-        # are evictable (count 0) leave the available pool.
-        cached = self._cached_on_device(group_id)
-        return sum(1 for b in self._distinct_blocks(group_id) if b not in cached or
-                   self.device.ref_count(self.device.lookup(cached[b])) == 0)
+    def _move_plan(self, group_id: int, target: BlockAllocator) -> _MovePlan:
+        """What moving the group to `target` copies, re-uses and takes from its pool."""
+        # Swapping in, full blocks whose content is still cached on the device (e.g. a
+        # system prompt other groups share) are taken from there instead of copied; only
+        # those that are evictable (count 0) leave the available pool.
+        reuse = self._cached_on_device(group_id) if target is self.device else {}
+        to_copy = [b for b in self._distinct_blocks(group_id) if b not in reuse]
+        evictable_hits = sum(1 for h in reuse.values() if target.ref_count(target.lookup(h)) == 0)
+        return _MovePlan(reuse, to_copy, len(to_copy) + evictable_hits)
 
-    def _move_group(self, group_id: int, source: BlockAllocator,
-                    target: BlockAllocator) -> BlockMapping:
+    def _move_group(self, group_id: int, source: BlockAllocator, target: BlockAllocator,
+                    keep_free: int = 0, or_none: bool = False) -> Optional[List[BlockPair]]:
+        """Move the group's blocks from `source` to `target`, leaving `keep_free` of the
+        target's blocks available; if they do not fit, raise (`or_none`: return None)."""
         tables = [t for s in self._groups[group_id] for t in self._tables[s]]
         if any(t.allocator is not source for t in tables):
             raise ValueError(f"group {group_id} is not in the {source.name} pool")
-        distinct = self._distinct_blocks(group_id)
-        # Swapping in, full blocks whose content is still cached on the device (e.g. a
-        # system prompt other groups share) are taken from there instead of copied.
-        reuse = self._cached_on_device(group_id) if target is self.device else {}
-        to_copy = [b for b in distinct if b not in reuse]
-        evictable_hits = sum(1 for h in reuse.values() if target.ref_count(target.lookup(h)) == 0)
-        if len(to_copy) + evictable_hits > target.num_free_blocks:
+        reuse, to_copy, needed = self._move_plan(group_id, target)
+        if needed + keep_free > target.num_free_blocks:
+            if or_none:
+                return None
             raise NoFreeBlocksError(f"{target.name} pool: group {group_id} needs "
-                                    f"{len(to_copy) + evictable_hits} blocks, "
-                                    f"{target.num_free_blocks} available")
+                                    f"{needed} blocks, {target.num_free_blocks} available")
         references = Counter(b for t in tables for b in t.live_blocks)
         mapping = {old: target.acquire_cached(content) for old, content in reuse.items()}
         copied = dict(zip(to_copy, target.allocate(len(to_copy))))
@@ -529,6 +561,8 @@ class BlockSpaceManager:
         source.free(list(references.elements())[::-1])
         for table in tables:
             table.remap(target, mapping)
+            if target is self.device:  # back on the device: its full blocks are cached again
+                table.register_full_blocks()
         return sorted(copied.items())
 
     def _cached_on_device(self, group_id: int) -> Dict[int, bytes]:

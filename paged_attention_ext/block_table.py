@@ -26,8 +26,20 @@ from typing import List, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
 
-BlockCopy = Tuple[int, int]  # (src, dst) rows for paged.copy_blocks
+# (source, destination) block rows: a copy-on-write copy (paged.copy_blocks) or a swap
+# between the device and the host pool (paged.swap_blocks).
+BlockPair = Tuple[int, int]
 NULL_BLOCK = -1  # a sliding-window table's freed entry
+
+
+def blocks_needed(num_new_tokens: int, block_size: int, num_held: int = 0,
+                  copy_last: bool = False) -> int:
+    """Blocks that ``num_new_tokens`` tokens take after ``num_held`` held ones: the new
+    blocks past the partial last one, plus its copy if ``copy_last`` (copy-on-write of a
+    shared block). ``num_held=0``: the blocks a new sequence of that many tokens fills."""
+    room = -num_held % block_size
+    copy = int(copy_last and room > 0 and num_new_tokens > 0)
+    return copy + -(-max(0, num_new_tokens - room) // block_size)
 
 
 def chain_hash(parent: Optional[bytes], tokens: Sequence[int], extra_key: str = "") -> bytes:
@@ -54,7 +66,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: str = "",
 @dataclass
 class AppendResult:
     slots: List[int] = field(default_factory=list)  # for paged.write_kv, one per new token
-    copies: List[BlockCopy] = field(default_factory=list)  # apply with copy_blocks first
+    copies: List[BlockPair] = field(default_factory=list)  # apply with copy_blocks first
     # With several KV groups: each group's slots for the same tokens (group_slots[0] is
     # ``slots``); a layer writes to its group's. Empty for a single table.
     group_slots: List[List[int]] = field(default_factory=list)
@@ -117,13 +129,18 @@ class BlockTable:
         bs, blocks = self.block_size, self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def blocks_needed(self, num_new_tokens: int) -> int:
-        """Blocks an append of this many tokens would allocate (copy-on-write included)."""
-        room = len(self.blocks) * self.block_size - self.num_tokens
-        copy = int(room > 0 and num_new_tokens > 0 and
-                   self.allocator.ref_count(self.blocks[-1]) > 1)
-        grow = max(0, num_new_tokens - room)
-        return copy + -(-grow // self.block_size)
+    def shares_last_block(self, copied_away: int = 0) -> bool:
+        """Whether the partial last block has another holder, so an append copies it first
+        (copy-on-write). ``copied_away``: how many of its holders copy it away before this
+        table appends (the appends of one step: the last sharer writes in place)."""
+        return (self.num_tokens % self.block_size != 0
+                and self.allocator.ref_count(self.blocks[-1]) - copied_away > 1)
+
+    def blocks_needed(self, num_new_tokens: int, copied_away: int = 0) -> int:
+        """Blocks an append of this many tokens would allocate (copy-on-write included;
+        ``copied_away`` as in :meth:`shares_last_block`)."""
+        return blocks_needed(num_new_tokens, self.block_size, self.num_tokens,
+                             copy_last=self.shares_last_block(copied_away))
 
     def append_tokens(self, count: int, names: Sequence[bytes] = (),
                       computed: bool = True) -> AppendResult:
@@ -146,8 +163,7 @@ class BlockTable:
             self.release_unreachable()
         fresh = self.allocator.allocate(needed)
         result = AppendResult()
-        room = len(self.blocks) * self.block_size - self.num_tokens
-        if room > 0 and count > 0 and self.allocator.ref_count(self.blocks[-1]) > 1:
+        if count > 0 and self.shares_last_block():
             shared, private = self.blocks[-1], fresh.pop(0)
             result.copies.append((shared, private))
             self.blocks[-1] = private
@@ -184,7 +200,7 @@ class BlockTable:
         slots of the tokens that still need prefill and how many leading tokens the prefix
         cache held. The last prompt token is always recomputed, so its logits exist."""
         num_cached = self.num_tokens
-        self.blocks += self.allocator.allocate(-(-(num_tokens - num_cached) // self.block_size))
+        self.blocks += self.allocator.allocate(blocks_needed(num_tokens - num_cached, self.block_size))
         self.num_tokens = num_tokens
         self._register_full_blocks(names)
         return AppendResult(slots=self.slots(num_cached, self.num_tokens)), num_cached
@@ -216,7 +232,7 @@ class BlockTable:
                                  first_query: Optional[int] = None) -> int:
         """Blocks :meth:`take_prefix_hits` and :meth:`place_prompt` take from the available
         pool: the fresh ones and the evictable hits."""
-        fresh = -(-(num_tokens - num_hits * self.block_size) // self.block_size)
+        fresh = blocks_needed(num_tokens - num_hits * self.block_size, self.block_size)
         # Hits on evictable blocks take them out of the available pool too.
         first = self._first_read(num_hits, first_query)
         return fresh + sum(1 for b in range(first, num_hits) if self.allocator.ref_count(
@@ -241,7 +257,7 @@ class BlockTable:
         first). A block left partial will have its free slots written, so it leaves the
         prefix cache if this table is its only holder (a shared one is copied on write)."""
         self.check_truncate(num_tokens)
-        keep = -(-num_tokens // self.block_size)
+        keep = blocks_needed(num_tokens, self.block_size)
         self.allocator.free(reversed(self.blocks[max(keep, self.num_freed):]))
         del self.blocks[keep:]
         del self.block_hashes[num_tokens // self.block_size:]
@@ -256,7 +272,7 @@ class BlockTable:
         kept token's window reads (a sliding table may have freed them)."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot keep {num_tokens} of {self.num_tokens} tokens")
-        keep = -(-num_tokens // self.block_size)
+        keep = blocks_needed(num_tokens, self.block_size)
         if NULL_BLOCK in self.blocks[self.first_visible_block(max(0, num_tokens - 1)):keep]:
             raise NotImplementedError(
                 f"cannot go back to {num_tokens} tokens: this sliding-window table "

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import ops
+from .block_table import BlockPair
 from .host_memory import zeros_huge_pages
 from .kv_groups import KVGroupLayout
 from .quantization import (CALIBRATIONS, FLOAT_DTYPES, FP8_DTYPES, ScaleLike, calibrate,
@@ -253,18 +254,18 @@ class PagedKVCache:
             new.copy_(old)
         return bigger
 
-    def apply_copies(self, copies: Sequence[Tuple[int, int]]) -> None:
+    def apply_copies(self, copies: Sequence[BlockPair]) -> None:
         """Copy-on-write / fork copies for every layer in one op call."""
         if copies:
             # The CUDA kernel reads the mapping on the device, the CPU one on the host.
             ops.copy_blocks(self.key_caches, self.value_caches, self._mapping(copies, self.device))
 
-    def swap_out(self, mapping: Sequence[Tuple[int, int]]) -> None:
+    def swap_out(self, mapping: Sequence[BlockPair]) -> None:
         """Copy (device block, host block) rows from the device pools to the host pools."""
         self._swap(mapping, self.key_caches + self.value_caches,
                    self.host_key_caches + self.host_value_caches)
 
-    def swap_in(self, mapping: Sequence[Tuple[int, int]]) -> None:
+    def swap_in(self, mapping: Sequence[BlockPair]) -> None:
         """Copy (host block, device block) rows from the host pools to the device pools."""
         self._swap(mapping, self.host_key_caches + self.host_value_caches,
                    self.key_caches + self.value_caches)
@@ -289,5 +290,5 @@ class PagedKVCache:
             ops.swap_blocks(src, dst, rows)
 
     @staticmethod
-    def _mapping(pairs: Sequence[Tuple[int, int]], device: torch.device) -> torch.Tensor:
+    def _mapping(pairs: Sequence[BlockPair], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(pairs), dtype=torch.int64, device=device).view(-1, 2)

@@ -8,7 +8,7 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext.block_allocator import BlockAllocator, NoFreeBlocksError
 from paged_attention_ext.block_manager import BlockSpaceManager, SeqSpec
-from paged_attention_ext.block_table import BlockTable
+from paged_attention_ext.block_table import BlockTable, blocks_needed
 from paged_attention_ext.kv_cache import PagedKVCache
 
 
@@ -424,6 +424,58 @@ def test_swap_in_counts_the_next_token(free):
     mgr.swap_out(0)
     mgr.allocate(1, 1, 4)  # leaves `free` device blocks
     assert mgr.can_swap_in(0) == (free == 2)
+
+
+def test_blocks_needed_counts_growth_and_the_copy_of_a_shared_partial_block():
+    assert [blocks_needed(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert blocks_needed(2, 4, num_held=6) == 0 and blocks_needed(3, 4, num_held=6) == 1
+    assert blocks_needed(2, 4, num_held=6, copy_last=True) == 1  # copy-on-write first
+    assert blocks_needed(1, 4, num_held=8, copy_last=True) == 1  # a full block is never copied
+    assert blocks_needed(0, 4, num_held=6, copy_last=True) == 0
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 4)])
+def test_new_seq_cost_is_what_a_new_sequence_takes_in_every_kv_group(windows):
+    mgr = BlockSpaceManager(32, 0, 4, watermark=0.0, kv_group_windows=windows)
+    for group, num_tokens in enumerate((1, 4, 9)):
+        free = mgr.num_free_device_blocks
+        assert mgr.new_seq_cost(num_tokens) == len(windows) * -(-num_tokens // 4)
+        mgr.allocate(group, group, num_tokens)
+        assert free - mgr.num_free_device_blocks == mgr.new_seq_cost(num_tokens)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("free", [7, 8])
+def test_try_admit_places_the_group_or_changes_nothing(free):
+    """The group of test_admission_of_a_recomputed_group_is_counted_exactly takes 7 blocks;
+    with one block kept spare it fits in 8 free blocks, not in 7."""
+    mgr = BlockSpaceManager(10, 0, 4, watermark=0.1)
+    mgr.allocate(9, 9, 4 * (10 - free))  # leaves `free` blocks
+    seqs = [SeqSpec(s, 9) for s in range(3)]
+    assert mgr.can_admit(seqs, 6) == (free == 8)
+    before = snapshot(mgr.device)
+    placed = mgr.try_admit(0, seqs, 6)
+    if free == 8:
+        assert [len(p.slots) for p in placed] == [9, 5, 5] and mgr.num_free_device_blocks == 1
+    else:
+        assert placed is None and snapshot(mgr.device) == before and not mgr.holds(0)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("free", [1, 2])
+def test_try_swap_in_counts_the_next_token_and_changes_nothing_when_full(free):
+    mgr = BlockSpaceManager(1 + free, 4, 4, watermark=0.0)
+    mgr.allocate(0, 0, 4)  # one full block: the next token needs a new one
+    mgr.swap_out(0)
+    mgr.allocate(1, 1, 4)  # leaves `free` device blocks
+    before = snapshot(mgr.device), snapshot(mgr.host)
+    mapping = mgr.try_swap_in(0)
+    if free == 2:
+        assert mapping == [(0, 1)] and not mgr.is_swapped_out(0)
+    else:
+        assert mapping is None and (snapshot(mgr.device), snapshot(mgr.host)) == before
+        assert mgr.is_swapped_out(0)
+    mgr.check_invariants()
 
 
 def test_bad_counts_and_ids_raise_value_error_without_change():

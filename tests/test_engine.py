@@ -78,10 +78,10 @@ def serve(model, requests, **config):
 
 
 def assert_all_blocks_released(engine):
-    usage = engine.manager.usage()
+    usage = engine.scheduler.manager.usage()
     assert usage["device_blocks_used"] == 0 and usage["host_blocks_used"] == 0
-    assert engine.manager.device.num_free_blocks == engine.manager.device.num_blocks
-    assert not engine.manager.tables and not engine.manager.groups
+    assert engine.scheduler.manager.device.num_free_blocks == engine.scheduler.manager.device.num_blocks
+    assert not engine.scheduler.manager.tables and not engine.scheduler.manager.groups
 
 
 def test_matches_transformers_generate(models, requests, expected):

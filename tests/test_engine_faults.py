@@ -97,7 +97,7 @@ def expected(models, pool):
 def state(engine: LLMEngine):
     """Everything a failed step must leave as it was (the prefix cache's unused blocks
     aside: it may forget blocks the failed step evicted)."""
-    m = engine.manager
+    m = engine.scheduler.manager
     sched = engine.scheduler
     return (
         [[g.request.request_id for g in q] for q in (sched.waiting, sched.running, sched.swapped)],
@@ -116,9 +116,9 @@ def state(engine: LLMEngine):
 
 
 def assert_all_blocks_released(engine: LLMEngine) -> None:
-    usage = engine.manager.usage()
+    usage = engine.scheduler.manager.usage()
     assert usage["device_blocks_used"] == 0 and usage["host_blocks_used"] == 0
-    assert not engine.manager.tables and not engine.has_unfinished()
+    assert not engine.scheduler.manager.tables and not engine.has_unfinished()
 
 
 # Bounded for CI (2 cores): no shrinking, so a failure reports its first example at once;
@@ -209,7 +209,7 @@ def test_deep_check_finds_a_cached_block_with_the_wrong_tokens(models, pool):
     engine.add_request(pool[1])  # shares the system prompt: its first blocks get named
     engine.step()
     engine.check_invariants(deep=True)
-    named = engine.manager.device.named_blocks()
+    named = engine.scheduler.manager.device.named_blocks()
     assert named
     engine.contents.device[next(iter(named))].tokens[0] += 1  # as if the wrong K/V were written
     engine.check_invariants()  # the shallow check cannot see it

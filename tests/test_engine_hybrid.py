@@ -59,7 +59,7 @@ def serve(paged, **overrides):
 
     def check(_output):
         engine.check_invariants()
-        manager = engine.manager
+        manager = engine.scheduler.manager
         for seq_id in list(manager.tables):
             for table in manager.group_tables(seq_id):
                 if table.sliding_window is not None and table.allocator is manager.device:
@@ -110,8 +110,8 @@ def test_sliding_groups_free_their_blocks(shape):
     while engine.has_unfinished():
         engine.step()
         if engine.has_unfinished():
-            [seq_id] = list(engine.manager.tables)
-            snapshot = [list(t.blocks) for t in engine.manager.group_tables(seq_id)]
+            [seq_id] = list(engine.scheduler.manager.tables)
+            snapshot = [list(t.blocks) for t in engine.scheduler.manager.group_tables(seq_id)]
     layout = engine.kv_cache.kv_groups
     full_blocks = len(snapshot[0])
     for blocks, window in zip(snapshot, layout.windows):
@@ -119,7 +119,7 @@ def test_sliding_groups_free_their_blocks(shape):
             assert NULL_BLOCK not in blocks
         else:
             assert len(blocks) == full_blocks and blocks.count(NULL_BLOCK) >= full_blocks - 3
-    assert engine.manager.num_used_device_blocks == 0  # finished: everything returned
+    assert engine.scheduler.manager.num_used_device_blocks == 0  # finished: everything returned
     held = sum(len(b) - b.count(NULL_BLOCK) for b in snapshot)
     full_groups = sum(1 for w in layout.windows if w is None)
     assert held <= full_groups * full_blocks + (len(layout.windows) - full_groups) * 3

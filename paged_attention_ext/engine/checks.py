@@ -2,19 +2,19 @@
 
 from typing import Mapping, Optional
 
-from ..block_manager import BlockSpaceManager
 from .contents import BlockContents
 from .scheduler import Scheduler
 from .sequence import GroupStatus, SequenceGroup
 
 
-def check_engine(manager: BlockSpaceManager, scheduler: Scheduler,
-                 groups: Mapping[str, SequenceGroup], contents: Optional[BlockContents]) -> None:
+def check_engine(scheduler: Scheduler, groups: Mapping[str, SequenceGroup],
+                 contents: Optional[BlockContents]) -> None:
     """Raise AssertionError naming the first request found inconsistent.
 
     ``contents``: also check every named block and every sequence's computed tokens
     against the record of what was written (see :class:`BlockContents`).
     """
+    manager = scheduler.manager
     manager.check_invariants()
     queues = {GroupStatus.WAITING: scheduler.waiting, GroupStatus.RUNNING: scheduler.running,
               GroupStatus.SWAPPED: scheduler.swapped}

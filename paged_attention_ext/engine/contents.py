@@ -8,9 +8,9 @@ from what was really written there.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..block_table import chain_hash
+from ..block_table import BlockPair, chain_hash
 
 
 @dataclass
@@ -38,15 +38,15 @@ class BlockContents:
                 record = self.device[block] = BlockRecord(parent)
             record.tokens[offset:] = [None] * (offset - len(record.tokens)) + [token]
 
-    def copy(self, copies: Iterable[Tuple[int, int]]) -> None:
+    def copy(self, copies: Iterable[BlockPair]) -> None:
         for src, dst in copies:
             self.device[dst] = _clone(self.device.get(src))
 
-    def swap_out(self, mapping: Iterable[Tuple[int, int]]) -> None:
+    def swap_out(self, mapping: Iterable[BlockPair]) -> None:
         for device_block, host_block in mapping:
             self.host[host_block] = _clone(self.device.get(device_block))
 
-    def swap_in(self, mapping: Iterable[Tuple[int, int]]) -> None:
+    def swap_in(self, mapping: Iterable[BlockPair]) -> None:
         for host_block, device_block in mapping:
             self.device[device_block] = _clone(self.host.get(host_block))
 

@@ -1,15 +1,14 @@
 """The engine loop: schedule, move blocks, one packed forward, choose tokens, stream."""
 
-import contextlib
 import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Sequence as Seq, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Sequence as Seq, Union
 
 import torch
 
 from ..block_manager import BlockSpaceManager
-from ..block_table import block_hashes
+from ..block_table import block_hashes, blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..hf import ATTN_IMPLEMENTATION
 from ..hf.support import check_config, layer_windows, mla_head_sizes
@@ -123,18 +122,19 @@ class LLMEngine:
             num_host_blocks=config.num_host_blocks, head_size_v=head_size_v,
             k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration,
             kv_groups=kv_groups)
-        self.manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
-                                         config.block_size, config.enable_prefix_caching,
-                                         config.watermark, kv_groups.windows)
-        self.scheduler = Scheduler(self.manager, config.preemption_mode,
-                                   config.max_num_batched_tokens)
+        # The scheduler is the block manager's only client: the engine goes through it.
+        self.scheduler = Scheduler(
+            BlockSpaceManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
+                              config.enable_prefix_caching, config.watermark, kv_groups.windows),
+            config.preemption_mode, config.max_num_batched_tokens)
         decode = None
         if config.compile_options and not config.compile_decode:
             raise ValueError("compile_options apply to the compiled decode: set compile_decode=True")
         if config.compile_decode:
             # The longest table a sequence can have: the pool, or the model's positions.
             width = min(config.num_device_blocks,
-                        -(-getattr(text, "max_position_embeddings", 1 << 30) // config.block_size))
+                        blocks_needed(getattr(text, "max_position_embeddings", 1 << 30),
+                                      config.block_size))
             decode = CompiledDecode(model, self.kv_cache, width, config.max_decode_batch,
                                     config.compile_backend, config.decode_batch_sizes,
                                     config.compile_options, config.cascade_min_saved_tokens)
@@ -207,7 +207,7 @@ class LLMEngine:
         if deep and self.contents is None:
             raise ValueError("check_invariants(deep=True) needs "
                              "EngineConfig(record_block_contents=True)")
-        check_engine(self.manager, self.scheduler, self._groups, self.contents if deep else None)
+        check_engine(self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
         decode = self.runner.decode
@@ -216,7 +216,7 @@ class LLMEngine:
         cascade = {"steps": self.runner.cascade_steps + (decode.cascade_calls if decode else 0),
                    "saved_key_reads": self.runner.cascade_saved_tokens
                    + (decode.cascade_saved_tokens if decode else 0)}
-        return {**self.metrics.report(self.manager), "compiled_decode": compiled,
+        return {**self.metrics.report(self.scheduler), "compiled_decode": compiled,
                 "cascade": cascade, "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
@@ -234,37 +234,19 @@ class LLMEngine:
         # Most steps preempt nothing: they skip the first transaction (and its checkpoint).
         preemption = Preemption()
         if self.scheduler.must_preempt():
-            with self._transaction():
+            with self.scheduler.transaction():
                 preemption = self.scheduler.preempt()
                 self.kv_cache.swap_out(preemption.swap_out)
             if self.contents is not None:
                 self.contents.swap_out(preemption.swap_out)
             self.metrics.on_preempt(preemption.counts)
-        with self._transaction():
+        with self.scheduler.transaction():
             plan = self.scheduler.schedule(admit=not preemption.any)
             self.kv_cache.swap_in(plan.swap_in)
             self.kv_cache.apply_copies(plan.copies)
-            logits = self.runner.forward(plan.groups, plan.slots, self.manager) if plan.groups else []
+            logits = self.runner.forward(plan) if plan.groups else []
             choices = self._choose_all(plan.groups, logits)
         return self._commit(plan, choices)
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """Undo every state change of the block if it raises (see :meth:`step`)."""
-        manager = self.manager.checkpoint()
-        queues = [list(q) for q in (self.scheduler.waiting, self.scheduler.running,
-                                    self.scheduler.swapped)]
-        groups = [(g, g.status, [(s, s.num_computed) for s in g.seqs]) for g in self._groups.values()]
-        try:
-            yield
-        except BaseException:
-            self.manager.rollback(manager)
-            self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped = queues
-            for group, status, seqs in groups:
-                group.status = status
-                for seq, num_computed in seqs:
-                    seq.num_computed = num_computed
-            raise
 
     def _choose_all(self, groups: List[SequenceGroup], logits: List[torch.Tensor]) -> List[_Choice]:
         """Every group's next tokens, without changing the groups: the requests' generators
@@ -293,7 +275,7 @@ class LLMEngine:
 
     def _commit(self, plan: SchedulerOutput, choices: List["_Choice"]) -> List[RequestOutput]:
         """Adopt a step that ran: record what was written, append the chosen tokens, stream."""
-        self.metrics.on_step(self.manager, self.scheduler.running)
+        self.metrics.on_step(self.scheduler)
         if self.contents is not None:
             self.contents.swap_in(plan.swap_in)
             self.contents.copy(plan.copies)
@@ -330,7 +312,7 @@ class LLMEngine:
             for _ in range(params.n - 1):
                 child = Sequence(next(self._ids), list(parent.token_ids), parent.prompt_len,
                                  parent.num_computed, block_hashes=list(parent.block_hashes))
-                self.manager.fork(parent.seq_id, child.seq_id)
+                self.scheduler.fork(parent, child)
                 group.seqs.append(child)
         new_tokens: List[List[int]] = []
         for seq, token in zip(group.seqs, choice.tokens):
@@ -342,7 +324,7 @@ class LLMEngine:
             new_tokens.append([token])
             if token in params.eos_token_ids or len(seq.output_ids) >= params.max_new_tokens:
                 seq.finished = True
-                self.manager.free_seq(seq.seq_id)
+                self.scheduler.release(seq)
         return new_tokens
 
     def _advance_beams(self, group: SequenceGroup, choice: "_Choice") -> List[List[int]]:
@@ -355,14 +337,14 @@ class LLMEngine:
         parents = {p for p, _ in new_beams}
         for row, seq in enumerate(old):
             if row not in parents:
-                self.manager.free_seq(seq.seq_id)
+                self.scheduler.release(seq)
         # A beam continued more than once forks; its blocks are shared, copied on write.
         seqs: List[Sequence] = []
         reused = set()
         for parent, token in new_beams:
             if parent in reused:
                 seq = Sequence(next(self._ids), [], old[parent].prompt_len, old[parent].num_computed)
-                self.manager.fork(old[parent].seq_id, seq.seq_id)
+                self.scheduler.fork(old[parent], seq)
             else:
                 seq = old[parent]
                 reused.add(parent)

@@ -3,11 +3,10 @@
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
-from ..block_manager import BlockSpaceManager
-from .scheduler import PREEMPTION_MODES
-from .sequence import SequenceGroup
+from ..block_table import blocks_needed
+from .scheduler import PREEMPTION_MODES, Scheduler
 
 
 USAGE_EVERY = 8  # steps between samples of the block tables' sharing and fill
@@ -54,13 +53,14 @@ class EngineMetrics:
         for mode, count in preempted.items():
             self.preemptions[mode] += count
 
-    def on_step(self, manager: BlockSpaceManager, running: Sequence[SequenceGroup]) -> None:
-        """A step ran: sample the pool as its forward saw it.
+    def on_step(self, scheduler: Scheduler) -> None:
+        """A step ran: sample the pool (read through the scheduler) as its forward saw it.
 
         Blocks in use are counted every step (the peak is exact); the sharing and fill
         statistics walk every block table, so they are sampled every USAGE_EVERY steps
         (the first included), keeping that walk out of most steps.
         """
+        manager = scheduler.manager
         self.steps += 1
         self.blocks_used.append(manager.num_used_device_blocks)
         if self.steps % USAGE_EVERY == 1 % USAGE_EVERY:
@@ -72,17 +72,18 @@ class EngineMetrics:
         # A contiguous cache reserves max length for every sequence up front.
         bs = manager.block_size
         self.contiguous_blocks.append(sum(
-            g.request.params.num_seqs * -(-(len(g.request.prompt) + g.request.params.max_new_tokens) // bs)
-            for g in running))
+            g.request.params.num_seqs
+            * blocks_needed(len(g.request.prompt) + g.request.params.max_new_tokens, bs)
+            for g in scheduler.running))
 
     # ---- report ---------------------------------------------------------------------
-    def report(self, manager: BlockSpaceManager) -> Dict:
+    def report(self, scheduler: Scheduler) -> Dict:
         elapsed = max((self.end or 0.0) - (self.start or 0.0), 1e-9)
         ttft = [r.token_times[0] - r.arrival for r in self.requests.values() if r.token_times]
         # Per-token latency: the gaps between a request's steps after its first token.
         gaps = [b - a for r in self.requests.values() for a, b in zip(r.token_times, r.token_times[1:])]
         peak = max(self.blocks_used, default=0)
-        usage = manager.usage()
+        usage = scheduler.manager.usage()
         return {
             "requests": len(self.requests),
             "steps": self.steps,

@@ -11,15 +11,14 @@ A step in which every sequence computes one token (a decode step) goes through t
 one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from ..block_manager import BlockSpaceManager
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
 from .compiled import CompiledDecode
-from .sequence import SequenceGroup
+from .scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -34,24 +33,21 @@ class ModelRunner:
         self.cascade_saved_tokens = 0   # key reads (per layer and KV head) their prefixes saved
 
     @torch.no_grad()
-    def forward(self, groups: Sequence[SequenceGroup], slots_of: Mapping[int, List[List[int]]],
-                manager: BlockSpaceManager) -> List[torch.Tensor]:
-        """Per group, fp32 logits ``[live sequences, vocab]`` of each live sequence's last token.
-
-        ``slots_of``: per sequence and KV group, the slots the block manager placed its
-        uncomputed tokens in.
-        """
-        num_kv_groups = manager.num_kv_groups
+    def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
+        """Per scheduled group, fp32 logits ``[live sequences, vocab]`` of each live
+        sequence's last token, its uncomputed tokens written at the step's slots and read
+        through the step's block tables."""
+        num_kv_groups = len(self.kv_cache.kv_groups.groups)
         ids: List[int] = []
         positions: List[int] = []
         slots: List[List[int]] = [[] for _ in range(num_kv_groups)]
         tables: List[List[List[int]]] = [[] for _ in range(num_kv_groups)]
         seq_lens: List[int] = []
         query_lens: List[int] = []
-        for group in groups:
+        for group in step.groups:
             for seq in group.live_seqs:
                 start, end = seq.num_computed, len(seq.token_ids)
-                placed = slots_of[seq.seq_id]
+                placed = step.slots[seq.seq_id]
                 if len(placed) != num_kv_groups or any(len(p) != end - start for p in placed):
                     raise RuntimeError(f"sequence {seq.seq_id}: {end - start} tokens to compute in "
                                        f"{num_kv_groups} KV group(s), slots placed for "
@@ -60,7 +56,7 @@ class ModelRunner:
                 positions += range(start, end)
                 for g in range(num_kv_groups):
                     slots[g] += placed[g]
-                    tables[g].append(manager.block_ids(seq.seq_id, g))
+                    tables[g].append(step.tables[seq.seq_id][g])
                 seq_lens.append(end)
                 query_lens.append(end - start)
         width = max(len(t) for t in tables[0])
@@ -68,7 +64,7 @@ class ModelRunner:
             logits = self.decode.run(ids, positions, slots, tables, seq_lens)
         else:
             logits = self._packed(ids, positions, slots, tables, seq_lens, query_lens)
-        return list(logits.float().split([len(g.live_seqs) for g in groups]))
+        return list(logits.float().split([len(g.live_seqs) for g in step.groups]))
 
     def _packed(self, ids: List[int], positions: List[int], slots: List[List[int]],
                 tables: List[List[List[int]]], seq_lens: List[int],

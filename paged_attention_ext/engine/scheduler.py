@@ -9,6 +9,12 @@ First come, first served over three queues kept in arrival order:
 * waiting groups (new, or preempted for recomputation) are prefilled when their blocks
   fit and the step's token budget allows, only once nothing is swapped out.
 
+The scheduler is the block manager's only client in the engine: it places and preempts
+groups, forks and releases the sequences the engine's sampling and beam search create
+and drop (:meth:`Scheduler.fork`, :meth:`Scheduler.release`), hands the runner each
+step's slots and block tables (:class:`SchedulerOutput`), and undoes a failed step
+(:meth:`Scheduler.transaction`).
+
 A step has two parts, so that a failure in the second never loses a group's blocks:
 :meth:`Scheduler.preempt` first decides and applies the preemptions (the engine then
 copies the swapped-out blocks to the host), and only then :meth:`Scheduler.schedule`
@@ -18,19 +24,20 @@ one step (no chunked prefill).
 """
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 from ..block_manager import BlockSpaceManager, SeqSpec
-from .sequence import GroupStatus, SequenceGroup
+from ..block_table import BlockPair
+from .sequence import GroupStatus, Sequence, SequenceGroup
 
 PREEMPTION_MODES = ("swap", "recompute")
-Mapping = List[Tuple[int, int]]
 
 
 @dataclass
 class Preemption:
-    swap_out: Mapping = field(default_factory=list)   # (device, host) rows to copy before any write
+    swap_out: List[BlockPair] = field(default_factory=list)  # (device, host) rows to copy before any write
     counts: Dict[str, int] = field(default_factory=lambda: {m: 0 for m in PREEMPTION_MODES})
 
     @property
@@ -43,8 +50,10 @@ class SchedulerOutput:
     groups: List[SequenceGroup] = field(default_factory=list)  # run: every uncomputed token
     # per sequence and KV group, its uncomputed tokens' slots
     slots: Dict[int, List[List[int]]] = field(default_factory=dict)
-    swap_in: Mapping = field(default_factory=list)
-    copies: Mapping = field(default_factory=list)     # copy-on-write, after the swap-ins
+    # per sequence and KV group, its block table once the step's tokens are placed
+    tables: Dict[int, List[List[int]]] = field(default_factory=dict)
+    swap_in: List[BlockPair] = field(default_factory=list)
+    copies: List[BlockPair] = field(default_factory=list)  # copy-on-write, after the swap-ins
 
 
 class Scheduler:
@@ -52,12 +61,17 @@ class Scheduler:
                  max_num_batched_tokens: int = 4096) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
-        self.manager = manager
+        self._manager = manager
         self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: List[SequenceGroup] = []
         self.running: List[SequenceGroup] = []
         self.swapped: List[SequenceGroup] = []
+
+    @property
+    def manager(self) -> BlockSpaceManager:
+        """The block manager, for reading (metrics, checks, tests); only the scheduler changes it."""
+        return self._manager
 
     def add(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.WAITING
@@ -71,8 +85,34 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
-        if self.manager.holds(group.group_id):
-            self.manager.free_group(group.group_id)
+        if self._manager.holds(group.group_id):
+            self._manager.free_group(group.group_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A new sample or beam of the parent's group, sharing all its blocks (copied on write)."""
+        self._manager.fork(parent.seq_id, child.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Return the blocks of a finished sample or a dropped beam."""
+        self._manager.free_seq(seq.seq_id)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo every change to the blocks, the queues and the queued groups' statuses and
+        computed tokens if the body of the ``with`` raises (see ``LLMEngine.step``)."""
+        manager = self._manager.checkpoint()
+        queues = [list(q) for q in (self.waiting, self.running, self.swapped)]
+        groups = [(g, g.status, [(s, s.num_computed) for s in g.seqs]) for q in queues for g in q]
+        try:
+            yield
+        except BaseException:
+            self._manager.rollback(manager)
+            self.waiting, self.running, self.swapped = queues
+            for group, status, seqs in groups:
+                group.status = status
+                for seq, num_computed in seqs:
+                    seq.num_computed = num_computed
+            raise
 
     def must_preempt(self) -> bool:
         """Whether :meth:`preempt` would preempt: the running groups' next tokens, placed in
@@ -83,12 +123,12 @@ class Scheduler:
         of a shared last block), so the common case is answered without asking the manager
         per group.
         """
-        free = self.manager.num_free_device_blocks
-        if sum(len(g.live_seqs) for g in self.running) * self.manager.num_kv_groups <= free:
+        free = self._manager.num_free_device_blocks
+        if sum(len(g.live_seqs) for g in self.running) * self._manager.num_kv_groups <= free:
             return False
         needed = 0
         for group in self.running:
-            needed += self.manager.append_cost(group.group_id)
+            needed += self._manager.append_cost(group.group_id)
             if needed > free:
                 return True
         return False
@@ -102,12 +142,14 @@ class Scheduler:
         queue, self.running, reserved = list(self.running), [], 0
         while queue:
             group = queue.pop(0)
-            while group.status is GroupStatus.RUNNING and not self.manager.can_append(
-                    group.group_id, reserved=reserved):
+            while group.status is GroupStatus.RUNNING:
+                # Counted again after each preemption: freed shared blocks change the cost.
+                cost = self._manager.append_cost(group.group_id)
+                if reserved + cost <= self._manager.num_free_device_blocks:
+                    reserved += cost
+                    self.running.append(group)
+                    break
                 self._preempt(queue.pop() if queue else group, out)
-            if group.status is GroupStatus.RUNNING:
-                reserved += self.manager.append_cost(group.group_id)
-                self.running.append(group)
         return out
 
     def schedule(self, admit: bool = True) -> SchedulerOutput:
@@ -122,14 +164,21 @@ class Scheduler:
             if not out.groups and self.has_unfinished():
                 group = (self.swapped or self.waiting)[0]
                 raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
-                                   f"({self.manager.num_device_blocks} blocks) even alone")
+                                   f"({self._manager.num_device_blocks} blocks) even alone")
+        kv_groups = range(self._manager.num_kv_groups)
+        for group in out.groups:
+            for seq in group.live_seqs:
+                out.tables[seq.seq_id] = [self._manager.block_ids(seq.seq_id, g) for g in kv_groups]
         return out
 
     # ---- the queues that wait --------------------------------------------------------
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
-        while self.swapped and self.manager.can_swap_in(self.swapped[0].group_id):
+        while self.swapped:
+            mapping = self._manager.try_swap_in(self.swapped[0].group_id)
+            if mapping is None:
+                return
             group = self.swapped.pop(0)
-            out.swap_in += self.manager.swap_in(group.group_id)
+            out.swap_in += mapping
             self._append_pending(group, out)
             self._start(group)
 
@@ -138,10 +187,10 @@ class Scheduler:
         while self.waiting:
             group = self.waiting[0]
             tokens = sum(len(s.token_ids) for s in group.live_seqs)
-            if (out.groups and tokens > budget) or not self.manager.can_admit(*_admission(group)):
+            if (out.groups and tokens > budget) or not self._admit(group, out):
                 return
             self.waiting.pop(0)
-            self._admit(group, out)
+            self._start(group)
             budget -= tokens
             out.groups.append(group)
 
@@ -153,8 +202,8 @@ class Scheduler:
     def _append_pending(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Room for the token each live sequence sampled last step."""
         live = group.live_seqs
-        placed = self.manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
-                                           {s.seq_id: s.block_hashes for s in live})
+        placed = self._manager.append_group(group.group_id, {s.seq_id: 1 for s in live},
+                                            {s.seq_id: s.block_hashes for s in live})
         for seq in live:
             out.copies += placed[seq.seq_id].copies
             out.slots[seq.seq_id] = placed[seq.seq_id].group_slots
@@ -162,25 +211,28 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: Preemption) -> None:
         """Swap the group to host blocks, or free it to be recomputed (also when the host is full)."""
-        if self.preemption_mode == "swap" and self.manager.can_swap_out(group.group_id):
-            out.swap_out += self.manager.swap_out(group.group_id)
+        if self.preemption_mode == "swap" and self._manager.can_swap_out(group.group_id):
+            out.swap_out += self._manager.swap_out(group.group_id)
             group.status = GroupStatus.SWAPPED
             _insert(self.swapped, group)
             out.counts["swap"] += 1
             return
-        self.manager.free_group(group.group_id)
+        self._manager.free_group(group.group_id)
         for seq in group.live_seqs:
             seq.num_computed = 0
         self.add(group)
         out.counts["recompute"] += 1
 
-    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Allocate a prefill (new request) or a re-prefill after recompute preemption."""
-        seqs, shared_len = _admission(group)
-        for seq, placed in zip(group.live_seqs, self.manager.admit(group.group_id, seqs, shared_len)):
+    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Place a prefill (new request) or a re-prefill after recompute preemption, if it
+        fits above the watermark; False (nothing changed) if it does not."""
+        placements = self._manager.try_admit(group.group_id, *_admission(group))
+        if placements is None:
+            return False
+        for seq, placed in zip(group.live_seqs, placements):
             seq.num_computed = len(seq.token_ids) - len(placed.slots)
             out.slots[seq.seq_id] = placed.group_slots
-        self._start(group)
+        return True
 
 
 def _admission(group: SequenceGroup) -> Tuple[List[SeqSpec], int]:

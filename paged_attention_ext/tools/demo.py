@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> Dict:
         [Request("warm-up", [3, 4, 5], SamplingParams(max_new_tokens=2))])
     engine = LLMEngine(paged, config)
     outputs = engine.generate(requests, on_output=_progress(len(requests)))
-    engine.manager.check_invariants()
+    engine.scheduler.manager.check_invariants()
     stats = engine.report()
     mismatched = [r.request_id for r in requests if generate_reference(reference, r) != outputs[r.request_id]]
     kv = engine.kv_cache
