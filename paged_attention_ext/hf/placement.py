@@ -102,8 +102,7 @@ class RowPlacement:
         if pool_advice is None:
             return
         needed = sum(self.manager.seq_append_cost(s, c) if s is not None
-                     else -(-c // self.manager.block_size) * self.manager.num_kv_groups
-                     for s, c in zip(self.rows, counts))
+                     else self.manager.new_seq_cost(c) for s, c in zip(self.rows, counts))
         free = self.manager.num_free_device_blocks
         starts_rows = any(s is None and c > 0 for s, c in zip(self.rows, counts))
         if needed > free and (new_rows_exact or not starts_rows):
