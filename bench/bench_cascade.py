@@ -41,7 +41,7 @@ import transformers
 
 from paged_attention_ext import cascade, ops
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair
+from paged_attention_ext.testing import random_pair
 from bench_kv_groups import cpu_model
 from timing import time_interleaved
 

@@ -58,7 +58,7 @@ import transformers
 from bench_attention import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.tools import demo
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 
 BLOCK_SIZE = 16
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import machine_info  # noqa: E402
 from timing import time_interleaved_samples  # noqa: E402
 
-from paged_attention_ext.engine.models import random_pair, tiny_config  # noqa: E402
+from paged_attention_ext.testing import random_pair, tiny_config  # noqa: E402
 from paged_attention_ext.hf import PagedCache  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -39,7 +39,7 @@ import transformers
 from paged_attention_ext import ops
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair
+from paged_attention_ext.testing import random_pair
 from paged_attention_ext.tools.memory import PRESETS, kv_report
 from timing import time_interleaved
 

@@ -15,12 +15,11 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from paged_attention_ext.block_allocator import NoFreeBlocksError
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.hf.cache import publish_padding_mask
 from paged_attention_ext.kv_cache import PagedKVCache
-
-from hf_tiny import TINY as TINY_256
+from paged_attention_ext.testing import TINY as TINY_256
+from paged_attention_ext.testing import random_pair
 
 TINY = {**TINY_256, "max_position_embeddings": 64}  # small, so tests reach the position limit
 BLOCK_SIZE = 4
