@@ -55,7 +55,7 @@ from typing import Callable, Dict, List
 import torch
 import transformers
 
-from bench_attention import machine_info  # the CPU model and the ops' ISA
+from common.environment import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.tools import demo
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.testing import random_pair, tiny_config
