@@ -1,8 +1,8 @@
 """Tiny models for tests, demos and benches: random-weight configurations and model pairs
 (a paged-attention model and a stock twin with the same weights).
 
-Nothing in the package proper imports this module; the ``paged-attention`` CLI's demo,
-``bench/`` and ``tests/`` do.
+Scaffolding, not the product: only the ``paged-attention`` demo (``tools/demo.py``),
+``bench/`` and ``tests/`` import it.
 """
 
 import copy

@@ -97,10 +97,9 @@ def _progress(total: int) -> Callable[["RequestOutput"], None]:
 
 def run(args: argparse.Namespace) -> Dict:
     # Imported here: transformers takes seconds to load, and other subcommands don't need it.
-    from ..engine import EngineConfig, LLMEngine, Request, SamplingParams
-    from ..testing import pretrained_pair, random_pair, tiny_config
-    from ..engine import generate_reference
+    from ..engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
     from ..quantization import kv_cache_dtype
+    from ..testing import pretrained_pair, random_pair, tiny_config
 
     started = time.perf_counter()
     if args.model:
