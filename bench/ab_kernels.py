@@ -40,14 +40,14 @@ def worker(reps: int) -> Dict[str, object]:
     import torch
 
     import paged_attention_ext as pa
-    from bench_attention import source_revision
+    from common.environment import source_revision
+    from common.timing import time_interleaved_samples
     from cpu_perf.config import (BATCH, BLOCK_SIZE, CONTEXT, DTYPES, HEAD_SIZE, KV_HEADS, L3_CONTEXT,
                                  MT_DTYPES, MT_KV_HEADS, NUM_HEADS)
     from cpu_perf.decode import cache_resident, core_resident, decode_case
     from cpu_perf.machine import Pool, random_pattern
     from cpu_perf.multi_token import multi_token_case
     from paged_attention_ext.host_memory import zeros_huge_pages
-    from timing import time_interleaved_samples
 
     torch.set_num_threads(2)
     pool_bytes = BATCH * CONTEXT * NUM_HEADS * HEAD_SIZE * 4  # fp32 MHA, the largest case

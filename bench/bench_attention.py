@@ -32,7 +32,7 @@ Method
   into random slots, ``copy_blocks`` of 256 random pairs in 4 layers and ``swap_blocks``
   (CPU to CPU) of 256 random blocks, each against ``dst.copy_(src)`` of the same payload
   bytes; reported as the percentage of the plain copy's speed.
-* Timing (see ``timing.py``): warm-up, then interleaved round-robin repetitions; the median
+* Timing (see ``common/timing.py``): warm-up, then interleaved round-robin repetitions; the median
   of per-call wall times is the headline, the minimum is recorded too.
 
 Results are printed and written as JSON (default ``bench/results/cpu_attention.json``).
@@ -40,10 +40,7 @@ Results are printed and written as JSON (default ``bench/results/cpu_attention.j
 
 import argparse
 import json
-import os
-import subprocess
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -51,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 import paged_attention_ext as pa
-from timing import Candidate, time_interleaved
+from common.environment import machine_info, sdpa_has_enable_gqa
+from common.timing import Candidate, time_interleaved
 
 BATCH = 16
 NUM_HEADS = 32
@@ -87,52 +85,7 @@ FULL = Plan(warmup=3, attention_reps=30, cache_op_reps=100)
 QUICK = Plan(warmup=1, attention_reps=5, cache_op_reps=20)
 
 
-def sdpa_has_enable_gqa() -> bool:
-    """Whether this torch's SDPA accepts ``enable_gqa=True``."""
-    q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 4, 8)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
 GQA_NATIVE = sdpa_has_enable_gqa()
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def source_revision() -> str:
-    """The commit the library was built from, "+dirty" if the C++ or Python sources differ."""
-    root = Path(pa.__file__).resolve().parent.parent
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
-                                  text=True).stdout.strip()
-        except OSError:  # no git on this machine (the GPU check's)
-            return ""
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--", "csrc", "paged_attention_ext") else "")
-
-
-def machine_info() -> Dict[str, object]:
-    return {
-        "source": source_revision(),
-        "cpu_model": cpu_model(),
-        "nproc": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "paged_cpu_isa": pa.cpu_isa(),
-        "sdpa_gqa": "enable_gqa" if GQA_NATIVE else "repeat_interleave",
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 # --- read bandwidth -------------------------------------------------------------------------

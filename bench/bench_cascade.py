@@ -8,7 +8,7 @@ Method
   with 64 tokens of their own each, head size 128, 32/32 and 32/8 heads, bf16 and fp32:
   ``paged.attention`` over the whole tables (plain) against the cascade plan's three ops
   (``paged_attention_ext.cascade``: shared-prefix op, suffix attention, merge), timed
-  interleaved in one run (bench/timing.py). Goal: >= 4x. Then 2 sequences sharing 256
+  interleaved in one run (bench/common/timing.py). Goal: >= 4x. Then 2 sequences sharing 256
   tokens, where the default threshold keeps the plain op (the heuristic's choice, timed
   through the same planning call), and the forced split for comparison; and a sweep of
   the saved key reads ((sharers - 1) x prefix) at which the split starts to pay, which
@@ -41,9 +41,9 @@ import transformers
 
 from paged_attention_ext import cascade, ops
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair
-from bench_kv_groups import cpu_model
-from timing import time_interleaved
+from paged_attention_ext.testing import random_pair
+from common.environment import cpu_model
+from common.timing import time_interleaved
 
 BLOCK_SIZE = 16
 

@@ -43,7 +43,7 @@ from typing import Dict, List
 import torch
 import transformers
 
-from bench_attention import machine_info  # the CPU model and the ops' ISA
+from common.environment import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine.compiled import CompiledDecode
 from paged_attention_ext.engine.runner import ModelRunner
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION

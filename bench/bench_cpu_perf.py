@@ -2,7 +2,7 @@
 
 Usage: ``.venv/bin/python bench/bench_cpu_perf.py [--quick] [--out PATH] [--no-plots]``
 
-Every paged-attention configuration is timed round-robin (``timing.py``) together with a
+Every paged-attention configuration is timed round-robin (``common/timing.py``) together with a
 reference that runs in the same rounds, so both see the same machine load:
 
 * read bandwidth: ``torch.sum`` over a 1 GiB fp32 tensor (32x the L3), bytes read per second;
@@ -53,7 +53,7 @@ from typing import Callable, Dict
 
 import torch
 
-from bench_attention import machine_info
+from common.environment import machine_info
 from cpu_perf.cache_ops import bench_cache_ops
 from cpu_perf.config import FULL, QUICK
 from cpu_perf.decode import bench_cache_resident, bench_decode, bench_long_context

@@ -55,10 +55,12 @@ from typing import Callable, Dict, List
 import torch
 import transformers
 
-from bench_attention import machine_info  # the CPU model and the ops' ISA
-from paged_attention_ext.tools import demo
+from common.environment import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.hf.support import kv_head_shape
+from paged_attention_ext.kv_cache import bytes_per_block
+from paged_attention_ext.testing import random_pair, tiny_config
+from paged_attention_ext.tools import demo
 
 BLOCK_SIZE = 16
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
@@ -135,8 +137,9 @@ def run_generate_batch(model, requests: List[Request], new_tokens: int, num_bloc
         [r.prompt for r in requests], generation_config=config,
         continuous_batching_config=batching, progress_bar=False))
     text = model.config.get_text_config()
-    head = text.hidden_size // text.num_attention_heads
-    page_bytes = 2 * text.num_hidden_layers * BLOCK_SIZE * text.num_key_value_heads * head * 4
+    shape = kv_head_shape(text)
+    page_bytes = bytes_per_block(text.num_hidden_layers, shape.num_kv_heads, shape.head_size, BLOCK_SIZE,
+                                 model.dtype, shape.head_size_v)
     return {"outputs": [[out[f"req_{i}"].generated_tokens] for i in range(len(requests))],
             "elapsed_s": elapsed, "reserved_kv_bytes": num_blocks * page_bytes}
 

@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 
 # Functions whose cumulative time is one category (file suffix, function name).
 CATEGORIES = {

@@ -19,7 +19,7 @@ Method
      relative to the RMS of the reference row (one query head's output), beside the same
      numbers for a bf16 cache.
 
-2. **Models**: the random-weight architectures of the HF tests (tests/hf_tiny.py: Llama;
+2. **Models**: the random-weight architectures of the HF tests (paged_attention_ext.testing: Llama;
    Qwen2 with GQA 8/2 and a sliding-window layer; Mistral with GQA 4/2 and a window),
    in bf16, with a PagedCache. Greedy tokens with the bf16 cache (the model's dtype) are
    the baseline; for each format and calibration: the fraction of greedy tokens equal to
@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -54,15 +53,12 @@ import transformers
 from paged_attention_ext import ops
 from paged_attention_ext import quantization as q
 from paged_attention_ext.engine import EngineConfig, LLMEngine
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.kv_cache import bytes_per_block
 from paged_attention_ext.reference import dequantize
+from paged_attention_ext.testing import ARCHS, TINY, random_pair  # the HF tests' architectures
 from paged_attention_ext.tools.demo import make_requests
 from paged_attention_ext.tools.memory import PRESETS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hf_tiny import ARCHS, TINY  # noqa: E402  (the HF tests' architectures)
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 CALIBRATIONS = ("per_layer", "per_head")

@@ -10,7 +10,7 @@ path for generate (``compile_config``, inductor; on CPU it needs
 Decode tokens/s = ``batch / t_step``: ``t_step`` is the median time of one decode step
 (forward and token selection), the interval between two of generate's eager
 ``prepare_inputs_for_generation`` calls, over every decode step of every timed call. The
-timed generate calls of the candidates are interleaved (bench/timing.py), so the ratios
+timed generate calls of the candidates are interleaved (bench/common/timing.py), so the ratios
 compare runs under the same machine load. Before them each candidate runs once on a
 16-token prompt with the same ``max_cache_len`` (so the same decode graph): that warm-up
 (dynamo + inductor compile for the compiled candidates) is reported separately.
@@ -37,11 +37,11 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import machine_info  # noqa: E402
-from timing import time_interleaved_samples  # noqa: E402
+from common.environment import machine_info  # noqa: E402
+from common.timing import time_interleaved_samples  # noqa: E402
 
-from paged_attention_ext.engine.models import random_pair, tiny_config  # noqa: E402
 from paged_attention_ext.hf import PagedCache  # noqa: E402
+from paged_attention_ext.testing import random_pair, tiny_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BLOCK_SIZE = 16

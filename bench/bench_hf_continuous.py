@@ -38,7 +38,7 @@ import transformers
 
 from paged_attention_ext import ops
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION
-from paged_attention_ext.engine.models import tiny_config
+from paged_attention_ext.testing import tiny_config
 
 BLOCK_SIZE = 16
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,

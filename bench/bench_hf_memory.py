@@ -20,6 +20,8 @@ import transformers
 from transformers import DynamicCache
 
 from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.hf.support import kv_head_shape
+from paged_attention_ext.kv_cache import bytes_per_block
 
 CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -76,8 +78,9 @@ def main() -> None:
                                  paged_cache_bytes)
     same_tokens = torch.equal(dynamic.pop("tokens"), paged_run.pop("tokens"))
 
-    head_size = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
-    token_bytes = 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * head_size * 4
+    shape = kv_head_shape(config)
+    token_bytes = bytes_per_block(config.num_hidden_layers, shape.num_kv_heads, shape.head_size,
+                                  1, torch.float32, shape.head_size_v)  # a block of one token
     result = {
         "model": {**CONFIG, "dtype": "float32"},
         "prompt_tokens": args.prompt,

@@ -19,7 +19,7 @@ Method
 * **Attention time**: ``paged.attention`` decode, 8 sequences, 32 query / 16 KV heads of
   128 (Gemma-3-27B), bf16, block 16, window 1024, at contexts of 2k and 32k tokens: the
   sliding layer with its freed entries -1 (its pool holds only the window's blocks) and a
-  full layer for contrast; interleaved timing (bench/timing.py). Goal: sliding at 32k
+  full layer for contrast; interleaved timing (bench/common/timing.py). Goal: sliding at 32k
   <= 1.2x sliding at 2k.
 
 Results are printed and written as JSON (default ``bench/results/kv_groups.json``).
@@ -39,23 +39,13 @@ import transformers
 from paged_attention_ext import ops
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair
+from paged_attention_ext.testing import random_pair
 from paged_attention_ext.tools.memory import PRESETS, kv_report
-from timing import time_interleaved
+from common.environment import cpu_model
+from common.timing import time_interleaved
 
 SHAPES = ["gemma-3-27b", "gemma-3-1b", "gpt-oss-120b", "gemma-2-9b", "cohere-2-7b", "mistral-7b-v0.1"]
 BLOCK_SIZE = 16
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def bytes_per_sequence() -> Dict:

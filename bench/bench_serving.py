@@ -49,9 +49,9 @@ import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
 
-from bench_attention import machine_info  # the CPU model and the ops' ISA
+from common.environment import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 from paged_attention_ext.tools.workloads import synthetic_trace
 
 BLOCK_SIZE = 16

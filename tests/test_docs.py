@@ -58,13 +58,3 @@ def test_op_reference_examples_run():
         assert ">>> " in getattr(ops, name).__doc__, f"ops.{name} has no example"
     result = doctest.testmod(ops, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 2 * len(ops.__all__) and result.failed == 0, result
-
-
-def test_layout_helper_examples_run():
-    """paged_attention_ext.layouts documents its views with examples; they run."""
-    import doctest
-
-    from paged_attention_ext import layouts
-
-    result = doctest.testmod(layouts, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 3 and result.failed == 0, result

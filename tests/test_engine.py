@@ -8,7 +8,7 @@ import pytest
 
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 from paged_attention_ext.engine.sequence import GroupStatus
 
 VOCAB = 96

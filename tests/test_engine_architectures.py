@@ -9,7 +9,7 @@ import transformers
 
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
-from paged_attention_ext.engine.models import random_pair
+from paged_attention_ext.testing import random_pair
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

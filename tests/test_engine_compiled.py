@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 
 VOCAB = 96
 BLOCK = 4

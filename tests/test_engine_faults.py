@@ -22,7 +22,7 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, Sampli
                                         generate_reference)
 from paged_attention_ext.engine import engine as engine_module
 from paged_attention_ext.engine.beam_search import BeamSearch
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 
 VOCAB, BLOCK = 64, 4
 MAX_FAULTS = 6  # per example, so that every example finishes

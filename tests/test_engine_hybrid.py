@@ -11,7 +11,7 @@ import transformers
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
-from paged_attention_ext.engine.models import random_pair
+from paged_attention_ext.testing import random_pair
 
 WINDOW = 6
 BLOCK_SIZE = 4

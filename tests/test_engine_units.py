@@ -7,7 +7,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from paged_attention_ext.engine.models import random_pair, tiny_config
+from paged_attention_ext.testing import random_pair, tiny_config
 from paged_attention_ext.engine.sampler import next_tokens, sample_many, warp
 from paged_attention_ext.engine.sequence import GroupStatus
 

@@ -19,12 +19,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_tiny import ARCHS, TINY
 from paged_attention_ext import quantization as q
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
-from paged_attention_ext.engine.models import random_pair, tiny_config
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.reference import quantize
+from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DECODING = {

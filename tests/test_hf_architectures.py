@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from paged_attention_ext import ops
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.testing import random_pair
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,

@@ -6,10 +6,8 @@ import torch
 import transformers
 
 from paged_attention_ext.block_manager import BlockSpaceManager
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
-
-from hf_tiny import TINY
+from paged_attention_ext.testing import TINY, random_pair
 
 BLOCK_SIZE = 4
 

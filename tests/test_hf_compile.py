@@ -15,10 +15,10 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from paged_attention_ext.block_table import NULL_BLOCK
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import CompiledPagedCache, PagedCache
+from paged_attention_ext.testing import TINY, random_pair
 
-from hf_tiny import TINY, left_padded
+from hf_prompts import left_padded
 
 BLOCK_SIZE = 4  # small: tables grow by a block every 4 decode steps
 MAX_CACHE_LEN = 48

@@ -20,8 +20,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from paged_attention_ext import ops, reference
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.hf import continuous_batching as cb
-
-from hf_tiny import TINY
+from paged_attention_ext.testing import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

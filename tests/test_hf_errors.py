@@ -15,12 +15,10 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from paged_attention_ext.block_allocator import NoFreeBlocksError
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
 from paged_attention_ext.hf.handoff import publish_padding_mask
-from paged_attention_ext.kv_cache import PagedKVCache
-
-from hf_tiny import TINY as TINY_256
+from paged_attention_ext.testing import TINY as TINY_256
+from paged_attention_ext.testing import random_pair
 
 TINY = {**TINY_256, "max_position_embeddings": 64}  # small, so tests reach the position limit
 BLOCK_SIZE = 4
@@ -308,35 +306,3 @@ def test_paged_cache_arguments(models, kwargs, error, match):
 def test_paged_cache_needs_a_config():
     with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
         PagedCache({"num_hidden_layers": 2})
-
-
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(num_layers=0), ValueError, "num_layers must be >= 1"),
-    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
-    (dict(head_size=-1), ValueError, "head_size must be >= 1"),
-    (dict(head_size_v=0), ValueError, "head_size_v must be >= 1"),
-    (dict(block_size=0), ValueError, "block_size must be >= 1"),
-    (dict(block_size=2.5), TypeError, "block_size must be an int"),
-    (dict(num_blocks=0), ValueError, "num_blocks must be >= 1"),
-    (dict(num_blocks=None, memory_bytes=-1), ValueError, "memory_bytes must be >= 0"),
-    (dict(num_blocks=None, memory_bytes=10), ValueError, "at least one block"),
-    (dict(num_host_blocks=-1), ValueError, "num_host_blocks must be >= 0"),
-    (dict(dtype=torch.int32), ValueError, "dtype must be one of"),
-    (dict(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
-    (dict(device=0), TypeError, "device must be a str or torch.device"),
-    (dict(memory_bytes=1 << 20), ValueError, "exactly one of num_blocks and memory_bytes"),
-])
-def test_paged_kv_cache_arguments(kwargs, error, match):
-    args = dict(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32,
-                num_blocks=4)
-    with pytest.raises(error, match=match):
-        PagedKVCache(**{**args, **kwargs})
-
-
-def test_paged_kv_cache_value_head_size():
-    cache = PagedKVCache(2, 3, 24, 4, torch.float32, num_blocks=5, num_host_blocks=2, head_size_v=16)
-    assert cache.key_caches[1].shape == (5, 3, 4, 24)
-    assert cache.value_caches[1].shape == (5, 3, 4, 16)
-    assert cache.host_value_caches[0].shape == (2, 3, 4, 16)
-    assert cache.block_bytes == 2 * 3 * 4 * (24 + 16) * 4
-    assert PagedKVCache(1, 1, 8, 4, torch.float32, num_blocks=1).head_size_v == 8

@@ -14,9 +14,10 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-import hf_tiny
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.testing import random_pair
+
+import hf_prompts
 
 # initializer_range 0.2 (not 0.02) makes scores large enough for the soft cap and the
 # window to change the outputs, so the comparisons would catch them being ignored.
@@ -63,7 +64,7 @@ def llama():
 
 
 def left_padded(lengths, seed=0):
-    return hf_tiny.left_padded(lengths, seed, vocab_size=TINY["vocab_size"])
+    return hf_prompts.left_padded(lengths, seed, vocab_size=TINY["vocab_size"])
 
 
 def generate_both(models, ids, mask, seed=None, cascade_min_saved_tokens=None, **kwargs):

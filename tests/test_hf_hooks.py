@@ -15,8 +15,7 @@ from transformers.generation.continuous_batching import continuous_api
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.hf.hooks import cb_attention_allowlist
 from paged_attention_ext.hf.transformers_behaviour import STRIPS_PAGED_PREFIX
-
-from hf_tiny import TINY
+from paged_attention_ext.testing import TINY
 
 
 def tiny_model():

@@ -14,8 +14,7 @@ from transformers import masking_utils
 
 import paged_attention_ext.hf  # noqa: F401  (registers the mask function)
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
-
-from hf_tiny import TINY
+from paged_attention_ext.testing import TINY
 
 WINDOW = 3
 

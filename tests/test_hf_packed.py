@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from paged_attention_ext.block_manager import BlockSpaceManager
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedBatch
 from paged_attention_ext.kv_cache import PagedKVCache
+from paged_attention_ext.testing import random_pair
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

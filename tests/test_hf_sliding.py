@@ -7,9 +7,10 @@ import torch
 import transformers
 
 from paged_attention_ext.block_table import NULL_BLOCK
-from paged_attention_ext.engine.models import random_pair
 from paged_attention_ext.hf import PagedCache
-from hf_tiny import left_padded
+from paged_attention_ext.testing import random_pair
+
+from hf_prompts import left_padded
 
 WINDOW = 5
 BLOCK_SIZE = 4

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_tiny import TINY
+from paged_attention_ext.testing import TINY
 
 BLOCK_SIZE = 4
 # Two rows, the second left-padded: 9 and 6 tokens; a repeated prompt prefix for the cache.

@@ -1,14 +1,13 @@
-"""KV groups (issue 23): the layout of a hybrid model's layers, sliding-window block tables
-that free what leaves the window, and the block manager over several groups (admission,
-forks, copy-on-write, swap, recompute, prefix-cache hits intersected across groups)."""
+"""KV groups (issue 23): the layout of a hybrid model's layers and the block manager over
+several groups (admission, forks, copy-on-write, swap, recompute, prefix-cache hits
+intersected across groups). A sliding-window table alone: test_block_table.py."""
 
 import random
 
 import pytest
 
-from paged_attention_ext.block_allocator import BlockAllocator
 from paged_attention_ext.block_manager import BlockSpaceManager, NoFreeBlocksError, SeqSpec
-from paged_attention_ext.block_table import NULL_BLOCK, BlockTable, block_hashes
+from paged_attention_ext.block_table import NULL_BLOCK, block_hashes
 from paged_attention_ext.kv_groups import KVGroupLayout
 
 GEMMA3_26 = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # 5 local : 1 global
@@ -37,45 +36,6 @@ def test_layout_of_uniform_layers_is_one_group():
 def test_layout_refuses_bad_windows(bad):
     with pytest.raises(ValueError):
         KVGroupLayout.from_windows(bad)
-
-
-@pytest.mark.parametrize("window", [1, 3, 4, 5, 9])
-def test_sliding_table_holds_only_its_window(window):
-    bs = 4
-    alloc = BlockAllocator(64, bs)
-    table = BlockTable(alloc, sliding_window=window)
-    table.append_tokens(10, computed=False)  # a prompt: every block until it is computed
-    assert table.live_blocks == table.blocks and len(table.blocks) == 3
-    for _ in range(40):
-        table.append_tokens(1)
-        # Held: the window of the token before the newest (so it can be dropped again).
-        first = table.first_visible_block(table.num_tokens - 2)
-        assert all(b == NULL_BLOCK for b in table.blocks[:first])
-        assert NULL_BLOCK not in table.blocks[first:]
-        assert len(table.live_blocks) <= -(-(window - 1) // bs) + 1 + 1
-        assert alloc.num_free_blocks == 64 - len(table.live_blocks)
-    assert len(table.blocks) == -(-table.num_tokens // bs)  # logical positions kept
-    table.free()
-    assert alloc.num_free_blocks == 64
-
-
-def test_full_table_frees_nothing():
-    table = BlockTable(BlockAllocator(32, 4))
-    for _ in range(30):
-        table.append_tokens(1)
-    assert NULL_BLOCK not in table.blocks and len(table.blocks) == 8
-
-
-def test_sliding_table_refuses_truncating_into_freed_blocks():
-    table = BlockTable(BlockAllocator(32, 4), sliding_window=6)
-    for _ in range(20):
-        table.append_tokens(1)
-    table.truncate(19)  # its window is still held
-    with pytest.raises(NotImplementedError, match="freed blocks"):
-        table.truncate(6)
-    assert table.num_tokens == 19
-    table.truncate(0)  # nothing kept: every live block goes back
-    assert table.blocks == [] and table.allocator.num_free_blocks == 32
 
 
 def hybrid(num_blocks=64, host=64, bs=4, windows=(None, 6), caching=False):

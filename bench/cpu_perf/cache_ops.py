@@ -7,7 +7,7 @@ import torch
 
 import paged_attention_ext as pa
 
-from timing import Candidate, time_interleaved_samples
+from common.timing import Candidate, time_interleaved_samples
 
 from .config import BLOCK_SIZE, CACHE_KV_HEADS, COPY_BYTES, HEAD_SIZE, POOL_BYTES, READ_BYTES, Plan
 from .machine import Memory, rate_summary, ratios, read_candidate

@@ -10,7 +10,7 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext import reference
 
-from timing import Candidate, time_interleaved_samples
+from common.timing import Candidate, time_interleaved_samples
 
 from .config import (BATCH, BLOCK_SIZE, CONTEXT, DTYPES, HEAD_SIZE, KV_HEADS, L3_CONTEXT,
                      LONG_CONTEXT, LONG_KV_HEADS, NUM_HEADS, POOL_BYTES, READ_BYTES, TOLERANCE,

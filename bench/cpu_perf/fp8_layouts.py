@@ -1,6 +1,6 @@
 """fp8 KV caches (issue 16) and strided layouts (issue 17.1) against the bf16 HND cache.
 
-Each configuration times, round-robin in the same rounds (``timing.py``): the bf16 cache in
+Each configuration times, round-robin in the same rounds (``common/timing.py``): the bf16 cache in
 HND (the baseline), e4m3 and e5m2 caches in HND (per-layer scales), and the bf16 and e4m3
 caches as NHD views (``layouts.from_nhd``). The query is bf16 throughout. Speedups are
 paired per round (baseline time / candidate time); the issue's target is fp8 >= 1.5x bf16
@@ -20,7 +20,7 @@ import paged_attention_ext as pa
 from paged_attention_ext import reference
 from paged_attention_ext.layouts import from_nhd
 
-from timing import Candidate, time_interleaved_samples
+from common.timing import Candidate, time_interleaved_samples
 
 from .config import BATCH, BLOCK_SIZE, CONTEXT, HEAD_SIZE, KV_HEADS, LONG_CONTEXT, NUM_HEADS, Plan
 from .machine import Pool, random_pattern, rate_summary

@@ -1,7 +1,7 @@
 """Every kernel this CPU can run, every cache dtype, side by side (issue 25).
 
 For each head layout (32/32 and 32/8 heads; B=16, context 2048, block 16, head size 128)
-one round-robin loop (``timing.py``) times, for each instruction set the CPU supports
+one round-robin loop (``common/timing.py``) times, for each instruction set the CPU supports
 (``PAGED_ATTENTION_CPU_ISA`` lowers the kernel per call) and each cache dtype (fp32, bf16,
 fp16, e4m3, e5m2; fp8 with a bf16 query and scales of 1), the decode call from DRAM, and
 the 1 GiB read. Each cache has its own huge-page pools, blocks in a random physical order,
@@ -38,7 +38,7 @@ import paged_attention_ext as pa
 from paged_attention_ext import reference
 from paged_attention_ext.host_memory import zeros_huge_pages
 
-from timing import Candidate, time_interleaved_samples
+from common.timing import Candidate, time_interleaved_samples
 
 from . import config
 from .config import (BATCH, BLOCK_SIZE, CONTEXT, HEAD_SIZE, KV_HEADS, MT_KV_HEADS, MT_QUERIES,

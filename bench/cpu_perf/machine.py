@@ -14,7 +14,7 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext.host_memory import zeros_huge_pages
 
-from timing import Candidate, summarize
+from common.timing import Candidate, summarize
 
 from .config import COPY_BYTES, DTYPES, MIB, PLAIN_POOL_BYTES, POOL_BYTES, READ_BYTES
 

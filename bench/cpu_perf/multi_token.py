@@ -8,7 +8,7 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext import reference
 
-from timing import time_interleaved_samples
+from common.timing import time_interleaved_samples
 
 from .config import (BLOCK_SIZE, DTYPES, HEAD_SIZE, MATMUL_N, MT_DTYPES, MT_KV_HEADS, MT_QUERIES,
                      MT_SEQ_LEN, NUM_HEADS, TOLERANCE, Plan)

@@ -3,7 +3,7 @@ round-robin with the read sum."""
 
 from typing import Dict, List, Tuple
 
-from timing import time_interleaved_samples
+from common.timing import time_interleaved_samples
 
 from .config import (BATCH, BLOCK_SIZE, BLOCK_SIZES, CONTEXT, CONTEXTS, DTYPES, HEAD_SIZE,
                      READ_BYTES, SWEEP_SERIES, Plan)

@@ -5,7 +5,7 @@ See docs/engine.md.
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
 from .params import Request, SamplingParams
-from .reference import generate_reference
+from .transformers_oracle import generate_reference
 
 __all__ = ["EngineConfig", "LLMEngine", "Request", "RequestOutput", "SamplingParams",
            "generate_reference"]

@@ -37,7 +37,7 @@ from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
                       take_padding_mask)
 from .placement import RowLimit, RowPlacement, new_token_counts
-from .support import check_config, layer_windows, mla_head_sizes
+from .support import check_config, kv_head_shape, layer_windows, mla_head_sizes
 
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
@@ -53,13 +53,7 @@ class LayerStorage(NamedTuple):
 
     @classmethod
     def of(cls, text_config, tp_size: int) -> "LayerStorage":
-        mla = mla_head_sizes(text_config)
-        if mla is not None:
-            return cls(True, (text_config.num_attention_heads // tp_size,) + tuple(mla))
-        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        size = (getattr(text_config, "head_dim", None)
-                or text_config.hidden_size // text_config.num_attention_heads)
-        return cls(False, (heads // tp_size, size, size))
+        return cls(mla_head_sizes(text_config) is not None, tuple(kv_head_shape(text_config, tp_size)))
 
     def pool_shape(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[int, int, int]:
         """The pools' head shape for what update() got (MLA: the expanded heads)."""

@@ -12,7 +12,7 @@ when the model's attention never reads the batch it published (a model whose att
 does not go through transformers' attention interface).
 """
 
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import transformers
@@ -67,6 +67,39 @@ def mla_head_sizes(text_config) -> Optional[tuple]:
     if getattr(text_config, "kv_lora_rank", None) is None:
         return None
     return (text_config.qk_nope_head_dim + text_config.qk_rope_head_dim, text_config.v_head_dim)
+
+
+class KVHeadShape(NamedTuple):
+    """What one layer stores per token, on one tensor-parallel rank: ``num_kv_heads`` keys
+    of ``head_size`` and as many values of ``head_size_v``."""
+
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+
+
+def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
+    """The K/V shape the paged pools of a transformers text config hold.
+
+    ``tp_size`` ranks of tensor parallelism each hold ``1 / tp_size`` of the heads. MLA
+    models (:func:`mla_head_sizes`) store K/V expanded per query head, so their KV heads
+    are ``num_attention_heads`` (whatever ``num_key_value_heads`` says) and the key and
+    value head sizes differ.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    heads = text_config.num_attention_heads
+    mla = mla_head_sizes(text_config)
+    if mla is not None:
+        kv_heads, (head_size, head_size_v) = heads, mla
+    else:
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        head_size_v = head_size
+    if kv_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of "
+                         f"{type(text_config).__name__}")
+    return KVHeadShape(kv_heads // tp_size, head_size, head_size_v)
 
 
 def check_config(config, text_config) -> List[str]:

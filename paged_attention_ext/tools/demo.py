@@ -97,10 +97,9 @@ def _progress(total: int) -> Callable[["RequestOutput"], None]:
 
 def run(args: argparse.Namespace) -> Dict:
     # Imported here: transformers takes seconds to load, and other subcommands don't need it.
-    from ..engine import EngineConfig, LLMEngine, Request, SamplingParams
-    from ..engine.models import pretrained_pair, random_pair, tiny_config
-    from ..engine.reference import generate_reference
+    from ..engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
     from ..quantization import kv_cache_dtype
+    from ..testing import pretrained_pair, random_pair, tiny_config
 
     started = time.perf_counter()
     if args.model:
@@ -154,17 +153,13 @@ def run(args: argparse.Namespace) -> Dict:
 
 def _block_bytes(model, dtype) -> int:
     """One block's K/V bytes, all layers, as the engine's PagedKVCache counts them."""
+    from ..hf.support import kv_head_shape
     from ..kv_cache import bytes_per_block
-    from ..hf.support import mla_head_sizes
 
     text = model.config.get_text_config()
-    heads = text.num_attention_heads
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-    head_size_v = None
-    if mla_head_sizes(text) is not None:
-        head_size, head_size_v = mla_head_sizes(text)
-    return bytes_per_block(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-                           head_size, BLOCK_SIZE, dtype, head_size_v)
+    shape = kv_head_shape(text)
+    return bytes_per_block(text.num_hidden_layers, shape.num_kv_heads, shape.head_size, BLOCK_SIZE,
+                           dtype, shape.head_size_v)
 
 
 def _pool_report(model, kv) -> Dict:

@@ -1,4 +1,9 @@
-"""Model pairs for the engine: a paged-attention model and a stock (sdpa) twin with the same weights."""
+"""Tiny models for tests, demos and benches: random-weight configurations and model pairs
+(a paged-attention model and a stock twin with the same weights).
+
+Scaffolding, not the product: only the ``paged-attention`` demo (``tools/demo.py``),
+``bench/`` and ``tests/`` import it.
+"""
 
 import copy
 from typing import Tuple
@@ -6,9 +11,24 @@ from typing import Tuple
 import torch
 import transformers
 
-from ..hf import ATTN_IMPLEMENTATION
+from .hf import ATTN_IMPLEMENTATION
 
 Model = torch.nn.Module
+
+# Keyword arguments of the tiny configurations the Hugging Face tests (and
+# bench/bench_fp8_accuracy.py) build random models from.
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+# Three architectures over TINY: Llama (GQA 4/2), GQA 8/2 Qwen2 whose layer 1 slides over a
+# window of 6, Mistral sliding every layer.
+ARCHS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "qwen2": lambda: transformers.Qwen2Config(**{**TINY, "num_attention_heads": 8},
+                                              use_sliding_window=True, sliding_window=6,
+                                              max_window_layers=1),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=6),
+}
 
 
 def tiny_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,

@@ -1,14 +1,16 @@
-"""fp8 KV caches, Python layer: format names, scale checks, calibration and PagedKVCache.
+"""paged_attention_ext.kv_cache: PagedKVCache's arguments, pool shapes and bytes, fp8 scales
+(given or calibrated by the first write), growth and KV-group pools.
 
-The ops' fp8 semantics are tested with the op tests; here: what the cache passes them.
+What the block manager does with the pools (copies, swaps): test_block_manager.py.
 """
 
 import pytest
 import torch
 
 from paged_attention_ext import quantization as q
-from paged_attention_ext.reference import dequantize, quantize
 from paged_attention_ext.kv_cache import PagedKVCache, bytes_per_block
+from paged_attention_ext.kv_groups import KVGroupLayout
+from paged_attention_ext.reference import dequantize, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -17,112 +19,54 @@ def fp8_cache(dtype=E4M3, layers=2, kv_heads=2, **kwargs):
     return PagedKVCache(layers, kv_heads, 8, block_size=4, dtype=dtype, num_blocks=6, **kwargs)
 
 
-# ---- formats -------------------------------------------------------------------------------
+# ---- arguments and shapes --------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, dtype", [("fp8_e4m3", E4M3), ("fp8", E4M3), ("fp8_e5m2", E5M2),
-                                         ("auto", torch.bfloat16), (None, torch.bfloat16),
-                                         (torch.float16, torch.float16), (E5M2, E5M2)])
-def test_format_names(name, dtype):
-    assert q.kv_cache_dtype(name, torch.bfloat16) is dtype
-
-
-@pytest.mark.parametrize("name, error, match", [
-    ("int8", ValueError, "unknown kv_cache_dtype 'int8'.*fp8_e4m3"),
-    ("fp8_e4m3fn", ValueError, "unknown kv_cache_dtype"),
-    (torch.int8, ValueError, "not a supported cache dtype"),
-    (8, TypeError, "kv_cache_dtype must be"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_layers=0), ValueError, "num_layers must be >= 1"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
+    (dict(head_size=-1), ValueError, "head_size must be >= 1"),
+    (dict(head_size_v=0), ValueError, "head_size_v must be >= 1"),
+    (dict(block_size=0), ValueError, "block_size must be >= 1"),
+    (dict(block_size=2.5), TypeError, "block_size must be an int"),
+    (dict(num_blocks=0), ValueError, "num_blocks must be >= 1"),
+    (dict(num_blocks=None, memory_bytes=-1), ValueError, "memory_bytes must be >= 0"),
+    (dict(num_blocks=None, memory_bytes=10), ValueError, "at least one block"),
+    (dict(num_host_blocks=-1), ValueError, "num_host_blocks must be >= 0"),
+    (dict(dtype=torch.int32), ValueError, "dtype must be one of"),
+    (dict(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+    (dict(device=0), TypeError, "device must be a str or torch.device"),
+    (dict(memory_bytes=1 << 20), ValueError, "exactly one of num_blocks and memory_bytes"),
 ])
-def test_unknown_format_raises(name, error, match):
+def test_paged_kv_cache_arguments(kwargs, error, match):
+    args = dict(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32,
+                num_blocks=4)
     with pytest.raises(error, match=match):
-        q.kv_cache_dtype(name, torch.float32)
+        PagedKVCache(**{**args, **kwargs})
 
 
-def test_format_limits():
-    assert q.fp8_max(E4M3) == 448.0 and q.fp8_max(E5M2) == 57344.0
-    with pytest.raises(ValueError, match="not an fp8 dtype"):
-        q.fp8_max(torch.float16)
+def test_paged_kv_cache_value_head_size():
+    cache = PagedKVCache(2, 3, 24, 4, torch.float32, num_blocks=5, num_host_blocks=2, head_size_v=16)
+    assert cache.key_caches[1].shape == (5, 3, 4, 24)
+    assert cache.value_caches[1].shape == (5, 3, 4, 16)
+    assert cache.host_value_caches[0].shape == (2, 3, 4, 16)
+    assert cache.block_bytes == 2 * 3 * 4 * (24 + 16) * 4
+    assert PagedKVCache(1, 1, 8, 4, torch.float32, num_blocks=1).head_size_v == 8
 
 
-# ---- quantization semantics -----------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype, mantissa_bits", [(E4M3, 3), (E5M2, 2)])
-def test_quantize_round_trip_error_is_half_a_step(dtype, mantissa_bits):
-    x = torch.randn(64, 2, 16) * torch.tensor([1.0, 30.0]).view(1, 2, 1)  # heads of unequal range
-    scale = q.calibrate(x, dtype, per_head=True)
-    stored = quantize(x, scale, dtype)
-    back = stored.float() * scale.view(-1, 1)
-    # Normal numbers: relative error <= 2^-(mantissa bits + 1); below the smallest normal,
-    # the absolute error is at most half the subnormal step.
-    tiny = torch.finfo(dtype).smallest_normal * scale.view(-1, 1)
-    bound = torch.maximum(x.abs() * 2.0 ** -(mantissa_bits + 1), tiny * 2.0 ** -mantissa_bits)
-    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
-    assert back.abs().amax(dim=(0, 2)).tolist() == pytest.approx(x.abs().amax(dim=(0, 2)).tolist())
+def test_kv_group_layers_share_pools_one_layer_of_each_group():
+    layout = KVGroupLayout.from_windows([None, 8, None, 8])  # groups: layers 0, 2 and 1, 3
+    cache = PagedKVCache(4, 2, 8, 4, torch.float32, num_blocks=3, kv_groups=layout)
+    assert len(cache.key_caches) == len(cache.value_caches) == layout.layers_per_group == 2
+    assert cache.block_bytes == bytes_per_block(2, 2, 8, 4, torch.float32)
+    assert [cache.kv_group(layer) for layer in range(4)] == [0, 1, 0, 1]
+    key, value = cache.layer(1)
+    assert key is cache.key_caches[0] and value is cache.value_caches[0]
+    assert cache.layer(3)[0] is cache.key_caches[1] and cache.layer(2)[0] is cache.key_caches[1]
+    with pytest.raises(ValueError, match="kv_groups places 4 layers, the cache has 3"):
+        PagedKVCache(3, 2, 8, 4, torch.float32, num_blocks=3, kv_groups=layout)
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_quantize_saturates_and_keeps_nan(dtype):
-    x = torch.tensor([[[1e30, -1e30, float("inf"), float("-inf"), float("nan"), 2.0]]])
-    stored = quantize(x, torch.tensor([1.0]), dtype).float()[0, 0]
-    limit = q.fp8_max(dtype)
-    assert stored[:4].tolist() == [limit, -limit, limit, -limit]
-    assert stored[4].isnan() and stored[5] == 2.0
-
-
-# ---- calibration ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_calibration_scales_are_absmax_over_fmax(dtype):
-    x = torch.zeros(5, 3, 4)
-    x[2, 0, 1], x[4, 1, 3], x[0, 2, 0] = -7.0, 3.0, 0.5
-    fmax = q.fp8_max(dtype)
-    assert q.calibrate(x, dtype).tolist() == pytest.approx([7.0 / fmax])
-    assert q.calibrate(x, dtype, per_head=True).tolist() == pytest.approx([7 / fmax, 3 / fmax, 0.5 / fmax])
-    # The largest value is stored as the format's largest value, exactly.
-    scale = q.calibrate(x, dtype, per_head=True)
-    assert quantize(x, scale, dtype).float().abs().amax(dim=(0, 2)).tolist() == [fmax] * 3
-
-
-def test_calibration_ignores_non_finite_values_and_guards_zero():
-    x = torch.zeros(4, 2, 4)
-    x[0, 0, 0], x[1, 0, 0], x[2, 0, 1], x[3, 0, 2] = float("nan"), float("inf"), -float("inf"), 4.0
-    scale = q.calibrate(x, E4M3, per_head=True)
-    assert scale.tolist() == pytest.approx([4.0 / 448, 1.0])  # head 1 is all zeros: scale 1
-    assert q.calibrate(torch.zeros(0, 2, 4), E4M3).tolist() == [1.0]  # no tokens
-    assert q.calibrate(torch.full((2, 1, 3), float("nan")), E5M2).tolist() == [1.0]
-
-
-def test_calibration_wants_token_head_layout():
-    with pytest.raises(ValueError, match=r"\[tokens, num_kv_heads, head_size\]"):
-        q.calibrate(torch.ones(2, 8), E4M3)
-
-
-# ---- scale checks --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("scale, shape", [(0.5, [1]), ([0.5, 0.25], [2]), (torch.tensor(0.5), [1]),
-                                          (torch.tensor([0.5], dtype=torch.float64), [1]),
-                                          (torch.tensor([[0.5], [0.25]]), [2])])
-def test_scale_forms(scale, shape):
-    tensor = q.check_scale("k_scale", scale, 2, "cpu")
-    assert tensor.dtype == torch.float32 and list(tensor.shape) == shape
-
-
-@pytest.mark.parametrize("scale, error, match", [
-    ([0.5, 0.5, 0.5], ValueError, r"k_scale must have 1 element \(per layer\) or 2"),
-    (torch.ones(4), ValueError, r"got shape \(4,\)"),
-    (0.0, ValueError, "finite and > 0"),
-    (-1.0, ValueError, "finite and > 0"),
-    (float("nan"), ValueError, "finite and > 0"),
-    (float("inf"), ValueError, "finite and > 0"),
-    (torch.ones(1, dtype=torch.int32), TypeError, "float tensor"),
-    ("0.5", TypeError, "k_scale must be a number"),
-    (True, TypeError, "k_scale must be a number"),
-])
-def test_bad_scales_raise_naming_the_argument(scale, error, match):
-    with pytest.raises(error, match=match):
-        q.check_scale("k_scale", scale, 2, "cpu")
-
-
-# ---- PagedKVCache ----------------------------------------------------------------------------
+# ---- fp8 caches: scales given or calibrated, growth, bytes ------------------------------------
 
 def test_cache_errors_name_the_argument():
     with pytest.raises(ValueError, match="k_scale and v_scale apply to fp8 caches only"):
@@ -225,3 +169,18 @@ def test_memory_accounting_counts_one_byte_per_value(dtype):
     assert usage["dtype"] == str(dtype).replace("torch.", "")
     assert usage["device_tokens"] == 2 * bf16.usage(0)["device_tokens"]
     assert usage["device_bytes"] <= budget and usage["device_bytes_used"] == fp8.block_bytes
+
+
+def test_recalibrate_sets_new_scales_in_place_on_the_next_write():
+    cache = fp8_cache()
+    cache.write(0, torch.ones(2, 2, 8), torch.ones(2, 2, 8), torch.tensor([0, 1]))
+    k_scale = cache.k_scales[0]
+    cache.recalibrate()
+    key = torch.full((2, 2, 8), 8.0)
+    cache.write(0, key, torch.ones(2, 2, 8), torch.tensor([2, 3]))
+    assert cache.k_scales[0] is k_scale  # a compiled forward holding it reads the new scale
+    torch.testing.assert_close(k_scale, q.calibrate(key, E4M3))
+    given = fp8_cache(k_scale=0.5, v_scale=0.5)
+    given.recalibrate()  # given scales stay
+    given.write(0, key, key, torch.tensor([0, 1]))
+    assert given.k_scales[0].tolist() == [0.5]
