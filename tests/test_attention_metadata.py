@@ -77,3 +77,12 @@ def test_run_takes_the_cascade_split_where_the_layer_can():
         out = torch.empty_like(want)
         step.run(query, key_cache, value_cache, 0.2, out=out, **options)
         torch.testing.assert_close(out, want)
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from paged_attention_ext import attention_metadata
+
+    result = doctest.testmod(attention_metadata, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 4 and result.failed == 0, result
