@@ -7,6 +7,7 @@ implementations for ``torch.compile``.
 
 from . import _library  # noqa: F401  (loads torch.ops.paged.*)
 from . import fake  # noqa: F401  (fake tensor implementations)
+from .attention_metadata import AttentionMetadata
 from .ops import (
     attention,
     attention_out,
@@ -20,6 +21,7 @@ from .ops import (
 )
 
 __all__ = [
+    "AttentionMetadata",
     "attention",
     "attention_out",
     "attention_with_lse",

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from .quantization import FP8_DTYPES
 
 
 def dequantize(cache: torch.Tensor, scale: Optional[torch.Tensor],
@@ -149,24 +149,9 @@ def attention_with_lse(
     return out.to(query.dtype), lse
 
 
-def attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    query_start_loc: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sliding_window: int = -1,
-    soft_cap: float = 0.0,
-    sinks: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    return attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                              query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
-                              k_scale, v_scale)[0]
+def attention(*args, **kwargs) -> torch.Tensor:
+    """:func:`attention_with_lse`'s output alone (the same arguments)."""
+    return attention_with_lse(*args, **kwargs)[0]
 
 
 def shared_prefix_attention(

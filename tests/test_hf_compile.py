@@ -278,26 +278,26 @@ def test_fp8_cache_compiles(models, scales):
 def test_forward_stopped_between_layers_is_refused(models, monkeypatch):
     """An eager forward that an exception stops after layer 0 stored its K/V: the next
     preparation refuses (the history is partly stored) until reset()."""
-    from paged_attention_ext.hf import attention as attention_module
+    from paged_attention_ext import ops  # the module the attention function's metadata calls
     reference, paged = models
     ids, mask = left_padded([9, 6], seed=9)
     cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     with torch.no_grad():
         paged(ids, attention_mask=mask, past_key_values=cache)
         calls = []
-        real = attention_module.ops.attention
+        real = ops.attention
 
         def fail_in_layer_0(*args, **kwargs):  # after layer 0 stored, before layer 1
             calls.append(1)
             if len(calls) == 1:
                 raise KeyboardInterrupt("stopped")
             return real(*args, **kwargs)
-        monkeypatch.setattr(attention_module.ops, "attention", fail_in_layer_0)
+        monkeypatch.setattr(ops, "attention", fail_in_layer_0)
         step = torch.ones(2, 1, dtype=torch.long)
         grown = torch.cat([mask, torch.ones_like(step)], dim=1)
         with pytest.raises(KeyboardInterrupt):
             paged(step, attention_mask=grown, past_key_values=cache)
-        monkeypatch.setattr(attention_module.ops, "attention", real)
+        monkeypatch.setattr(ops, "attention", real)
         with pytest.raises(RuntimeError, match="stopped after 1 of 2 layers"):
             cache.prepare(2, 1, torch.cat([grown, torch.ones_like(step)], dim=1),
                           dtype=paged.dtype, device=paged.device)

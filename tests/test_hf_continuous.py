@@ -17,7 +17,7 @@ import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
-from paged_attention_ext import ops, reference
+from paged_attention_ext import attention_metadata, ops, reference
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.hf import continuous_batching as cb
 from paged_attention_ext.testing import TINY
@@ -63,8 +63,9 @@ def counted_ops(request, monkeypatch):
         calls["attention"] += 1
         return backend.attention(*args)
 
-    monkeypatch.setattr(cb, "ops", types.SimpleNamespace(attention=attention,
-                                                         write_kv=backend.write_kv))
+    counted = types.SimpleNamespace(attention=attention, write_kv=backend.write_kv)
+    monkeypatch.setattr(cb, "ops", counted)
+    monkeypatch.setattr(attention_metadata, "ops", counted)  # the forward's AttentionMetadata.run
     return calls
 
 
@@ -170,15 +171,16 @@ def test_layout_refuses_indices_block_tables_cannot_reproduce():
     cu = torch.tensor([0, 6], dtype=torch.int32)
     rows = torch.arange(16, 22)  # pages 4 and 5 (page size 4): contiguous, accepted
     layout = cb.derive_layout(rows, rows, cu, cu, 4)
-    assert layout.block_tables.tolist() == [[4, 5]] and layout.seq_lens.tolist() == [6]
+    assert layout.attention.block_tables.tolist() == [[4, 5]]
+    assert layout.attention.seq_lens.tolist() == [6]
     # Padded batches (compiled / CUDA-graph continuous batching): empty fake sequences and
     # trailing query rows that write to the trash page; attention skips both.
     padded_cu = torch.tensor([0, 6, 6, 6], dtype=torch.int32)
     trash = torch.tensor([99, 99])
     layout = cb.derive_layout(torch.cat([rows, trash]), torch.cat([rows, trash]), padded_cu,
                               padded_cu, 4)
-    assert layout.seq_lens.tolist() == [6, 0, 0] and layout.num_query_tokens == 6
-    assert layout.query_start_loc.tolist() == [0, 6, 6, 6]
+    assert layout.attention.seq_lens.tolist() == [6, 0, 0] and layout.num_query_tokens == 6
+    assert layout.attention.query_start_loc.tolist() == [0, 6, 6, 6]
     scattered = torch.tensor([16, 17, 18, 19, 30, 21])  # token 4 not at its page's offset 0
     with pytest.raises(ValueError, match="not page-contiguous"):
         cb.derive_layout(scattered, scattered, cu, cu, 4)

@@ -22,7 +22,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import ops
 from .batch import PagedBatch, flat_tokens
 from .continuous_batching import continuous_batching_attention_forward
 from .handoff import take_batch
@@ -94,7 +93,7 @@ def paged_attention_forward(
             "or paged_batch=... to a packed forward")
     _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions, kwargs)
     key_cache, value_cache = batch.kv_cache.layer(module.layer_idx)
-    slot_mapping, block_tables = batch.tables_of(module.layer_idx)
+    slot_mapping, _ = batch.tables_of(module.layer_idx)
     _check_window(module, sliding_window, batch)
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
@@ -116,15 +115,9 @@ def paged_attention_forward(
     if batch.query_rows is not None:
         q = q.index_select(0, batch.query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    cascade = batch.cascade_of(module.layer_idx)
-    if cascade is not None and cascade.applies_to(sliding_window, None):
-        # Shared prefixes read once (paged_attention_ext.cascade); the same result.
-        out = cascade.run(q, key_cache, value_cache, scale, softcap or 0.0, sink_logits,
-                          **batch.kv_cache.scales(module.layer_idx))
-    else:
-        out = ops.attention(q, key_cache, value_cache, block_tables, batch.seq_lens, scale,
-                            batch.query_start_loc, None, sliding_window or -1, softcap or 0.0,
-                            sink_logits, **batch.kv_cache.scales(module.layer_idx))
+    out = batch.attention_of(module.layer_idx).run(
+        q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
+        soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if batch.query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)

@@ -12,11 +12,12 @@ Two producers build a :class:`PagedBatch`:
   hands the batch to the attention function with ``write_kv=False``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..attention_metadata import AttentionMetadata
 from ..cascade import CascadeBuffers, CascadePlan, padded_rows, plan_cascade, stage_split
 from ..kv_cache import PagedKVCache
 
@@ -53,6 +54,28 @@ class PagedBatch:
     # Per KV group, the step's cascade split (shared prefixes read once), or None: the
     # plain op. Empty: none for any group.
     cascades: Tuple[Optional[CascadePlan], ...] = ()
+    # Per KV group, its attention metadata (tables, lengths, query rows, cascade split),
+    # built and checked once here and read by each of the group's layers.
+    attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tables = (self.block_tables, *(group_tables for _, group_tables in self.other_groups))
+        self.attention = tuple(
+            AttentionMetadata(group_tables, self.seq_lens, self.query_start_loc,
+                              self.cascades[group] if group < len(self.cascades) else None)
+            for group, group_tables in enumerate(tables))
+
+    def _group(self, layer: int) -> int:
+        """The layer's KV group, which this batch must have tables for."""
+        group = self.kv_cache.kv_group(layer)
+        if group > len(self.other_groups):
+            raise ValueError(f"layer {layer} is in KV group {group}, but this batch has tables for "
+                             f"{1 + len(self.other_groups)} group(s)")
+        return group
+
+    def attention_of(self, layer: int) -> AttentionMetadata:
+        """The attention metadata of the layer's KV group."""
+        return self.attention[self._group(layer)]
 
     def cascade_of(self, layer: int) -> Optional[CascadePlan]:
         """The cascade plan of the layer's KV group, if the step has one."""
@@ -61,12 +84,9 @@ class PagedBatch:
 
     def tables_of(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(slot_mapping, block_tables) of the layer's KV group."""
-        group = self.kv_cache.kv_group(layer)
+        group = self._group(layer)
         if group == 0:
             return self.slot_mapping, self.block_tables
-        if group > len(self.other_groups):
-            raise ValueError(f"layer {layer} is in KV group {group}, but this batch has tables for "
-                             f"{1 + len(self.other_groups)} group(s)")
         return self.other_groups[group - 1]
 
     @classmethod

@@ -42,12 +42,13 @@ transformers) and any other unknown argument raise ``NotImplementedError``.
 Importing :mod:`paged_attention_ext.hf` registers the function.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 import weakref
 
 import torch
 
 from .. import ops
+from ..attention_metadata import AttentionMetadata
 from .support import refuse_unapplied_kwargs, sink_logits_of
 from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
@@ -60,16 +61,12 @@ IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "max_seqlen_q", "max_se
                             "logits_processor_args"})
 
 
-class BatchLayout:
+class BatchLayout(NamedTuple):
     """One forward's metadata for the ops, derived from transformers' indices."""
 
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, num_query_tokens: int) -> None:
-        self.block_tables = block_tables
-        self.seq_lens = seq_lens
-        self.query_start_loc = query_start_loc
-        # Rows past this are padding (compiled / CUDA-graph batches pad the query).
-        self.num_query_tokens = num_query_tokens
+    attention: AttentionMetadata
+    # Rows past this are padding (compiled / CUDA-graph batches pad the query).
+    num_query_tokens: int
 
 
 # Per transformers cache and layer group: the index tensors the last layout was derived
@@ -126,8 +123,8 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
             and torch.equal(expected[query_key], write_index[:num_query_tokens])):
         raise ValueError(f"{ATTN_IMPLEMENTATION}: transformers' read/write indices are not "
                          "page-contiguous per request; block tables cannot address this cache")
-    return BatchLayout(block_tables.to(torch.int32), seq_lens.to(torch.int32),
-                       cu_q.to(torch.int32), num_query_tokens)
+    return BatchLayout(AttentionMetadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),
+                                         cu_q.to(torch.int32)), num_query_tokens)
 
 
 def _layout(cache, group: int, read_index: torch.Tensor, write_index: torch.Tensor,
@@ -217,8 +214,8 @@ def _attend_over_pages(module, query, key, value, scale, softcap, sinks, cache, 
     new_values = value[0].transpose(0, 1).to(value_cache.dtype)
     ops.write_kv(new_keys, new_values, key_cache, value_cache, write_index[group][:tokens])
     q = query[0].transpose(0, 1)[:layout.num_query_tokens].to(key_cache.dtype)
-    return ops.attention(q, key_cache, value_cache, layout.block_tables, layout.seq_lens, scale,
-                         layout.query_start_loc, None, -1, softcap or 0.0, sinks)
+    return layout.attention.run(q, key_cache, value_cache, scale, soft_cap=softcap or 0.0,
+                                sinks=sinks)
 
 
 def _attend_over_gathered(module, query, key, value, scale, softcap, sinks, sliding_window,

@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from paged_attention_ext import ops
+from paged_attention_ext import ops, quantization
 from paged_attention_ext.cascade import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
 
 
@@ -50,9 +50,8 @@ def cascade_threshold() -> Optional[int]:
     return int(value)
 
 
-# vLLM allocates fp8 caches as uint8; the ops read them as these formats.
-FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-               "fp8_e5m2": torch.float8_e5m2}
+# vLLM allocates fp8 caches as uint8; the ops read them as these formats ("fp8" is e4m3).
+FP8_FORMATS = {"fp8": quantization.FP8_FORMATS["fp8_e4m3"], **quantization.FP8_FORMATS}
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -61,7 +60,7 @@ class PagedAttentionBackend(AttentionBackend):
 
     # vLLM calls do_kv_cache_update (write_kv) before forward.
     forward_includes_kv_cache_update: bool = False
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(quantization.FLOAT_DTYPES)
     # "auto": the model's dtype; "fp8" is e4m3. fp8 caches use vLLM's per-layer scales.
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_FORMATS]
 

@@ -1,0 +1,144 @@
+"""The fakes refuse what the kernels refuse, with the same error: every check of
+paged_attention_ext/op_checks.py (the Python mirror of csrc/checks.cpp) runs through the
+CPU kernel and, on meta tensors, through the fake, and the two exceptions must match in
+type and message."""
+
+import pytest
+import torch
+
+import paged_attention_ext as pa
+
+FP8, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, BLOCKS = 4, 2, 64, 16, 4
+
+
+def on_meta(value):
+    """A meta tensor of ``value``'s shape, strides (overlapping ones included) and dtype."""
+    if isinstance(value, list):
+        return [on_meta(v) for v in value]
+    if not torch.is_tensor(value):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
+def raised(call, args):
+    with pytest.raises(Exception) as error:
+        call(**args)
+    return error.value
+
+
+def assert_same_refusal(call, args):
+    kernel = raised(call, args)
+    fake = raised(call, {name: on_meta(value) for name, value in args.items()})
+    assert (type(fake), str(fake)) == (type(kernel), str(kernel))
+    assert isinstance(kernel, (ValueError, TypeError))
+
+
+def cache(dtype=torch.float32, head_size=HEAD_SIZE):
+    return torch.zeros(BLOCKS, KV_HEADS, BLOCK_SIZE, head_size, dtype=dtype)
+
+
+def float_caches():
+    return dict(key_cache=cache(), value_cache=cache())
+
+
+def fp8_caches():
+    return dict(key_cache=cache(FP8), value_cache=cache(FP8), k_scale=torch.tensor(0.5),
+                v_scale=torch.ones(KV_HEADS))
+
+
+CACHE_FAULTS = {
+    "cache dtype": dict(key_cache=cache(torch.int8), value_cache=cache(torch.int8)),
+    "cache rank": dict(value_cache=cache()[0]),
+    "head dim not contiguous": dict(key_cache=cache().transpose(2, 3).contiguous().transpose(2, 3)),
+    "overlapping view": dict(value_cache=torch.as_strided(cache(), cache().shape, (64, 64, 64, 1))),
+    "value cache dtype": dict(value_cache=cache(torch.bfloat16)),
+    "scale with a float cache": dict(k_scale=torch.tensor(1.0)),
+    "v_scale with a float cache": dict(v_scale=torch.tensor(1.0)),
+}
+FP8_FAULTS = {
+    "missing k_scale": dict(k_scale=None),
+    "missing v_scale": dict(v_scale=None),
+    "scale dtype": dict(k_scale=torch.tensor(0.5, dtype=torch.float64)),
+    "scale shape": dict(v_scale=torch.ones(3)),
+    "scale rank": dict(k_scale=torch.ones(2, 1)),
+    "fp8 caches of two dtypes": dict(value_cache=cache(E5M2)),
+}
+QUERY_FAULTS = {
+    "query dtype": dict(query=torch.zeros(2, HEADS, HEAD_SIZE, dtype=torch.float64)),
+    "fp8 query": dict(query=torch.zeros(2, HEADS, HEAD_SIZE, dtype=FP8)),
+    "float cache of another dtype": dict(key_cache=cache(torch.float16),
+                                         value_cache=cache(torch.float16)),
+}
+
+
+def attention_call(op):
+    """``op`` with the attention arguments (shared_prefix_attention orders them its own way)."""
+    if op is pa.shared_prefix_attention:
+        return lambda query_start_loc, scale, **args: op(
+            query_start_loc=query_start_loc, scale=scale, **args)
+    if op is pa.attention_out:
+        return lambda query, **args: op(query.new_empty(query.shape), query, **args)
+    return op
+
+
+def attention_args(fp8: bool, change: dict) -> dict:
+    args = dict(query=torch.zeros(2, HEADS, HEAD_SIZE),
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                seq_lens=torch.tensor([5, 20], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), scale=0.125,
+                **(fp8_caches() if fp8 else float_caches()))
+    args.update(change)
+    return args
+
+
+ATTENTION_CASES = ([(name, False, change) for name, change in {**CACHE_FAULTS, **QUERY_FAULTS}.items()]
+                   + [(name, True, change) for name, change in FP8_FAULTS.items()])
+
+
+@pytest.mark.parametrize("op", [pa.attention, pa.attention_with_lse, pa.attention_out,
+                                pa.shared_prefix_attention], ids=lambda op: op.__name__)
+@pytest.mark.parametrize("name,fp8,change", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_attention_checks_match_the_kernel(op, name, fp8, change):
+    assert_same_refusal(attention_call(op), attention_args(fp8, change))
+
+
+WRITE_KV_FAULTS = {
+    **CACHE_FAULTS,
+    "key of another dtype": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float16)),
+    "value of another dtype": dict(value=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float16)),
+}
+WRITE_KV_FP8_FAULTS = {
+    **FP8_FAULTS,
+    "key dtype": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float64)),
+    "value dtype": dict(value=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16)),
+}
+WRITE_KV_CASES = ([(name, False, change) for name, change in WRITE_KV_FAULTS.items()]
+                  + [(name, True, change) for name, change in WRITE_KV_FP8_FAULTS.items()])
+
+
+@pytest.mark.parametrize("name,fp8,change", WRITE_KV_CASES, ids=[c[0] for c in WRITE_KV_CASES])
+def test_write_kv_checks_match_the_kernel(name, fp8, change):
+    args = dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE), value=torch.ones(2, KV_HEADS, HEAD_SIZE),
+                slot_mapping=torch.tensor([3, 9]), **(fp8_caches() if fp8 else float_caches()))
+    args.update(change)
+    assert_same_refusal(pa.write_kv, args)
+
+
+OUT, LSE = torch.zeros(4, 3, 8), torch.zeros(4, 3)
+MERGE_CASES = {
+    "count": ([OUT, OUT], [LSE]),
+    "rank": ([OUT[0], OUT[0]], [LSE, LSE]),
+    "first dtype": ([OUT.double(), OUT.double()], [LSE, LSE]),
+    "dtype": ([OUT, OUT.half()], [LSE, LSE]),
+    "shape": ([OUT, OUT[:, :2]], [LSE, LSE]),
+    "lse rank": ([OUT, OUT], [LSE, LSE[0]]),
+    "lse shape": ([OUT, OUT], [LSE, LSE[:2]]),
+    "lse dtype": ([OUT, OUT], [LSE, LSE.double()]),
+}
+
+
+@pytest.mark.parametrize("name", MERGE_CASES)
+def test_merge_checks_match_the_kernel(name):
+    outputs, lses = MERGE_CASES[name]
+    assert_same_refusal(pa.merge_attention_states, dict(outputs=outputs, lses=lses))
