@@ -77,11 +77,6 @@ class PagedBatch:
         """The attention metadata of the layer's KV group."""
         return self.attention[self._group(layer)]
 
-    def cascade_of(self, layer: int) -> Optional[CascadePlan]:
-        """The cascade plan of the layer's KV group, if the step has one."""
-        group = self.kv_cache.kv_group(layer)
-        return self.cascades[group] if group < len(self.cascades) else None
-
     def tables_of(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(slot_mapping, block_tables) of the layer's KV group."""
         group = self._group(layer)
