@@ -8,6 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "dtypes.h"
+#include "layout.h"
+
 namespace paged {
 
 namespace {
@@ -17,45 +20,6 @@ bool is_supported_float(at::ScalarType t) {
 }
 
 bool is_cache_dtype(at::ScalarType t) { return is_supported_float(t) || is_fp8(t); }
-
-// Dims of size > 1 sorted by stride; each stride must pass the farthest element of
-// the smaller ones (a sufficient condition that no two indices share an address).
-bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 0) return false;
-    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t reach = 0;  // largest offset the smaller dims address
-  for (const auto& [stride, size] : dims) {
-    if (stride <= reach) return true;
-    reach += (size - 1) * stride;
-  }
-  return false;
-}
-
-bool overlaps_itself(const at::Tensor& t) { return overlaps(t.sizes(), t.strides()); }
-
-// Whether two views of one dtype share an element. Halves of a joint tensor interleave
-// (vLLM's [num_blocks, 2, ...] pages) without sharing one: with equal shapes and strides,
-// the pair is one view with an extra dimension whose stride is the offset between them,
-// and that view must not overlap itself.
-bool share_an_element(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
-  auto last = [](const at::Tensor& t) {
-    int64_t offset = t.storage_offset();
-    for (int64_t d = 0; d < t.dim(); ++d) offset += (t.size(d) - 1) * t.stride(d);
-    return offset;
-  };
-  if (last(a) < b.storage_offset() || last(b) < a.storage_offset()) return false;
-  if (a.sizes() != b.sizes() || a.strides() != b.strides()) return true;
-  std::vector<int64_t> sizes(a.sizes().begin(), a.sizes().end());
-  std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
-  sizes.push_back(2);
-  strides.push_back(std::abs(b.storage_offset() - a.storage_offset()));
-  return overlaps(sizes, strides);
-}
 
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
                 const char* layout) {
@@ -75,11 +39,6 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
                     reference.device(), "), got ", t.device());
 }
 
-// Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
-bool same_block_layout(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes().slice(0, 3) == b.sizes().slice(0, 3);
-}
-
 void check_head_size(const char* op, const char* name, int64_t head_size) {
   TORCH_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxSupportedHeadSize, op,
                     ": argument '", name, "' has head_size ", head_size,
@@ -89,22 +48,6 @@ void check_head_size(const char* op, const char* name, int64_t head_size) {
 int32_t read_i32(const at::Tensor& t, int64_t i) { return t.data_ptr<int32_t>()[i * t.stride(0)]; }
 
 }  // namespace
-
-bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
-
-bool block_is_dense(const at::Tensor& cache) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) within one block
-  for (int64_t d = 1; d < cache.dim(); ++d) {
-    if (cache.size(d) > 1) dims.emplace_back(cache.stride(d), cache.size(d));
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t expected = 1;
-  for (const auto& [stride, size] : dims) {
-    if (stride != expected) return false;
-    expected *= size;
-  }
-  return true;
-}
 
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
   check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]");
@@ -185,72 +128,69 @@ void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& d
                     "one pool as both, or disjoint pools");
 }
 
-AttentionShape check_attention_args(const char* op, const at::Tensor& query,
-                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, const std::optional<at::Tensor>& query_start_loc,
-                                    const std::optional<at::Tensor>& alibi_slopes,
-                                    int64_t sliding_window, double soft_cap,
-                                    const std::optional<at::Tensor>& sinks,
-                                    const std::optional<at::Tensor>& k_scale,
-                                    const std::optional<at::Tensor>& v_scale,
+AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                                     const at::Tensor* out, const at::Tensor* lse) {
-  check_rank(op, "query", query, 3, "[num_tokens, num_heads, head_size]");
-  TORCH_CHECK_TYPE(is_supported_float(query.scalar_type()), op,
+  check_rank(op, "query", args.query, 3, "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK_TYPE(is_supported_float(args.query.scalar_type()), op,
                    ": argument 'query' must be float32, float16 or bfloat16, got ",
-                   query.scalar_type());
-  check_cache_tensor(op, "key_cache", key_cache);
-  check_cache_tensor(op, "value_cache", value_cache);
+                   args.query.scalar_type());
+  check_cache_tensor(op, "key_cache", args.key_cache);
+  check_cache_tensor(op, "value_cache", args.value_cache);
   // A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
-  if (!is_fp8(key_cache.scalar_type())) check_dtype(op, "key_cache", key_cache, query.scalar_type());
-  check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
-  TORCH_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
+  if (!is_fp8(args.key_cache.scalar_type()))
+    check_dtype(op, "key_cache", args.key_cache, args.query.scalar_type());
+  check_dtype(op, "value_cache", args.value_cache, args.key_cache.scalar_type());
+  TORCH_CHECK_VALUE(same_block_layout(args.value_cache, args.key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
-                    "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
-  check_same_device(op, "key_cache", key_cache, query);
-  check_same_device(op, "value_cache", value_cache, query);
-  check_kv_scales(op, key_cache.scalar_type(), key_cache.size(1), k_scale, v_scale, query, "query");
+                    "block_size of 'key_cache' ", args.key_cache.sizes(), ", got ",
+                    args.value_cache.sizes());
+  check_same_device(op, "key_cache", args.key_cache, args.query);
+  check_same_device(op, "value_cache", args.value_cache, args.query);
+  check_kv_scales(op, args.key_cache.scalar_type(), args.key_cache.size(1), args.k_scale,
+                  args.v_scale, args.query, "query");
 
   AttentionShape s{};
-  s.num_tokens = query.size(0);
-  s.num_heads = query.size(1);
-  s.head_size = query.size(2);
-  s.head_size_v = value_cache.size(3);
-  s.num_blocks = key_cache.size(0);
-  s.num_kv_heads = key_cache.size(1);
-  s.block_size = key_cache.size(2);
+  s.num_tokens = args.query.size(0);
+  s.num_heads = args.query.size(1);
+  s.head_size = args.query.size(2);
+  s.head_size_v = args.value_cache.size(3);
+  s.num_blocks = args.key_cache.size(0);
+  s.num_kv_heads = args.key_cache.size(1);
+  s.block_size = args.key_cache.size(2);
 
-  TORCH_CHECK_VALUE(key_cache.size(3) == s.head_size, op, ": argument 'key_cache' has head_size ",
-                    key_cache.size(3), " but 'query' has head_size ", s.head_size);
+  TORCH_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
+                    ": argument 'key_cache' has head_size ", args.key_cache.size(3),
+                    " but 'query' has head_size ", s.head_size);
   check_head_size(op, "query", s.head_size);
   check_head_size(op, "value_cache", s.head_size_v);
   TORCH_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
   TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
                     ": num_heads of 'query' (", s.num_heads,
                     ") must be a multiple of num_kv_heads of 'key_cache' (", s.num_kv_heads, ")");
-  TORCH_CHECK_VALUE(query.stride(2) == 1 || s.head_size == 1, op,
+  TORCH_CHECK_VALUE(args.query.stride(2) == 1 || s.head_size == 1, op,
                     ": argument 'query' must be contiguous in its last dimension, got strides ",
-                    query.strides());
+                    args.query.strides());
 
-  check_rank(op, "seq_lens", seq_lens, 1, "[num_seqs]");
-  check_dtype(op, "seq_lens", seq_lens, at::kInt);
-  check_same_device(op, "seq_lens", seq_lens, query);
-  s.num_seqs = seq_lens.size(0);
+  check_rank(op, "seq_lens", args.seq_lens, 1, "[num_seqs]");
+  check_dtype(op, "seq_lens", args.seq_lens, at::kInt);
+  check_same_device(op, "seq_lens", args.seq_lens, args.query);
+  s.num_seqs = args.seq_lens.size(0);
 
-  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
-  check_dtype(op, "block_tables", block_tables, at::kInt);
-  check_same_device(op, "block_tables", block_tables, query);
-  TORCH_CHECK_VALUE(block_tables.size(0) == s.num_seqs, op, ": argument 'block_tables' has ",
-                    block_tables.size(0), " rows but 'seq_lens' has ", s.num_seqs, " sequences");
-  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, op,
+  check_rank(op, "block_tables", args.block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  check_dtype(op, "block_tables", args.block_tables, at::kInt);
+  check_same_device(op, "block_tables", args.block_tables, args.query);
+  TORCH_CHECK_VALUE(args.block_tables.size(0) == s.num_seqs, op,
+                    ": argument 'block_tables' has ", args.block_tables.size(0),
+                    " rows but 'seq_lens' has ", s.num_seqs, " sequences");
+  TORCH_CHECK_VALUE(args.block_tables.stride(1) == 1 || args.block_tables.size(1) <= 1, op,
                     ": argument 'block_tables' must be contiguous in its last dimension");
-  s.max_blocks_per_seq = block_tables.size(1);
+  s.max_blocks_per_seq = args.block_tables.size(1);
 
-  if (query_start_loc.has_value()) {
-    const at::Tensor& qsl = *query_start_loc;
+  if (args.query_start_loc.has_value()) {
+    const at::Tensor& qsl = *args.query_start_loc;
     check_rank(op, "query_start_loc", qsl, 1, "[num_seqs + 1]");
     check_dtype(op, "query_start_loc", qsl, at::kInt);
-    check_same_device(op, "query_start_loc", qsl, query);
+    check_same_device(op, "query_start_loc", qsl, args.query);
     TORCH_CHECK_VALUE(qsl.size(0) == s.num_seqs + 1, op,
                       ": argument 'query_start_loc' must have num_seqs + 1 = ", s.num_seqs + 1,
                       " entries, got ", qsl.size(0));
@@ -260,37 +200,38 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                       "sequence: got ", s.num_tokens, " rows for ", s.num_seqs, " sequences");
   }
 
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *alibi_slopes;
+  if (args.alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *args.alibi_slopes;
     check_rank(op, "alibi_slopes", slopes, 1, "[num_heads]");
     check_dtype(op, "alibi_slopes", slopes, at::kFloat);
-    check_same_device(op, "alibi_slopes", slopes, query);
+    check_same_device(op, "alibi_slopes", slopes, args.query);
     TORCH_CHECK_VALUE(slopes.size(0) == s.num_heads, op, ": argument 'alibi_slopes' must have ",
                       s.num_heads, " entries (num_heads), got ", slopes.size(0));
   }
 
-  if (sinks.has_value()) {
-    check_rank(op, "sinks", *sinks, 1, "[num_heads]");
-    check_dtype(op, "sinks", *sinks, at::kFloat);
-    check_same_device(op, "sinks", *sinks, query);
-    TORCH_CHECK_VALUE(sinks->size(0) == s.num_heads, op, ": argument 'sinks' must have ",
-                      s.num_heads, " entries (num_heads), got ", sinks->size(0));
+  if (args.sinks.has_value()) {
+    check_rank(op, "sinks", *args.sinks, 1, "[num_heads]");
+    check_dtype(op, "sinks", *args.sinks, at::kFloat);
+    check_same_device(op, "sinks", *args.sinks, args.query);
+    TORCH_CHECK_VALUE(args.sinks->size(0) == s.num_heads, op, ": argument 'sinks' must have ",
+                      s.num_heads, " entries (num_heads), got ", args.sinks->size(0));
   }
 
-  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": argument 'scale' must be finite, got ", scale);
-  TORCH_CHECK_VALUE(std::isfinite(soft_cap) && soft_cap >= 0.0, op,
-                    ": argument 'soft_cap' must be >= 0 (0 disables it), got ", soft_cap);
-  TORCH_CHECK_VALUE(sliding_window >= -1 && sliding_window <= INT32_MAX, op,
+  TORCH_CHECK_VALUE(std::isfinite(args.scale), op, ": argument 'scale' must be finite, got ",
+                    args.scale);
+  TORCH_CHECK_VALUE(std::isfinite(args.soft_cap) && args.soft_cap >= 0.0, op,
+                    ": argument 'soft_cap' must be >= 0 (0 disables it), got ", args.soft_cap);
+  TORCH_CHECK_VALUE(args.sliding_window >= -1 && args.sliding_window <= INT32_MAX, op,
                     ": argument 'sliding_window' must be -1 (disabled) or a window length, got ",
-                    sliding_window);
+                    args.sliding_window);
 
   if (out != nullptr) {
     const auto want = std::vector<int64_t>{s.num_tokens, s.num_heads, s.head_size_v};
     TORCH_CHECK_VALUE(out->sizes() == at::IntArrayRef(want), op,
                       ": argument 'out' must be [num_tokens, num_heads, head_size_v] = ",
                       at::IntArrayRef(want), ", got ", out->sizes());
-    check_dtype(op, "out", *out, query.scalar_type());
-    check_same_device(op, "out", *out, query);
+    check_dtype(op, "out", *out, args.query.scalar_type());
+    check_same_device(op, "out", *out, args.query);
     TORCH_CHECK_VALUE(out->stride(2) == 1, op,
                       ": argument 'out' must be contiguous in its last dimension");
   }
@@ -300,7 +241,7 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
                       ": argument 'lse' must have shape [", s.num_tokens, ", ", s.num_heads,
                       "], got ", lse->sizes());
     check_dtype(op, "lse", *lse, at::kFloat);
-    check_same_device(op, "lse", *lse, query);
+    check_same_device(op, "lse", *lse, args.query);
     TORCH_CHECK_VALUE(lse->stride(1) == 1, op, ": argument 'lse' must be contiguous in its last dimension");
   }
   TORCH_CHECK_VALUE(s.num_tokens <= INT32_MAX && s.max_blocks_per_seq * s.block_size <= INT32_MAX,
@@ -308,15 +249,13 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
   return s;
 }
 
-void check_attention_metadata(const char* op, const AttentionShape& s,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const std::optional<at::Tensor>& query_start_loc,
-                              int64_t sliding_window, bool queries_after_keys) {
+void check_attention_metadata(const char* op, const AttentionShape& s, const AttentionArgs& args) {
+  const bool queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
   const int64_t capacity = s.max_blocks_per_seq * s.block_size;
-  const int32_t* table = block_tables.data_ptr<int32_t>();
-  const int64_t row_stride = block_tables.stride(0);
+  const int32_t* table = args.block_tables.data_ptr<int32_t>();
+  const int64_t row_stride = args.block_tables.stride(0);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
-    const int32_t len = read_i32(seq_lens, i);
+    const int32_t len = read_i32(args.seq_lens, i);
     TORCH_CHECK_VALUE(len >= 0 && len <= capacity, op, ": seq_lens[", i, "] = ", len,
                       " is outside [0, ", capacity, "], the tokens its block_tables row covers (",
                       s.max_blocks_per_seq, " blocks of ", s.block_size, ")");
@@ -324,12 +263,12 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
     // With a sliding window the blocks wholly before the row's first query's window are
     // never read: a block manager may have freed them (entries -1 or stale ids).
     int64_t first_block = 0;
-    if (sliding_window > 0) {
+    if (args.sliding_window > 0) {
       int64_t q_len = 1;
-      if (query_start_loc.has_value())  // a bad q_len is refused below; clamp it until then
-        q_len = std::clamp<int64_t>(int64_t(read_i32(*query_start_loc, i + 1)) -
-                                        read_i32(*query_start_loc, i), 0, len);
-      first_block = std::max<int64_t>(0, len - q_len - sliding_window + 1) / s.block_size;
+      if (args.query_start_loc.has_value())  // a bad q_len is refused below; clamp it until then
+        q_len = std::clamp<int64_t>(int64_t(read_i32(*args.query_start_loc, i + 1)) -
+                                        read_i32(*args.query_start_loc, i), 0, len);
+      first_block = std::max<int64_t>(0, len - q_len - args.sliding_window + 1) / s.block_size;
     }
     for (int64_t b = first_block; b < used_blocks; ++b) {
       const int32_t block = table[i * row_stride + b];
@@ -338,8 +277,8 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
                         s.num_blocks, ")");
     }
   }
-  if (!query_start_loc.has_value()) return;
-  const at::Tensor& qsl = *query_start_loc;
+  if (!args.query_start_loc.has_value()) return;
+  const at::Tensor& qsl = *args.query_start_loc;
   TORCH_CHECK_VALUE(read_i32(qsl, 0) == 0, op, ": query_start_loc[0] must be 0, got ",
                     read_i32(qsl, 0));
   TORCH_CHECK_VALUE(read_i32(qsl, s.num_seqs) == s.num_tokens, op, ": query_start_loc[-1] = ",
@@ -349,9 +288,10 @@ void check_attention_metadata(const char* op, const AttentionShape& s,
     const int64_t q_len = int64_t(read_i32(qsl, i + 1)) - read_i32(qsl, i);
     TORCH_CHECK_VALUE(q_len >= 0, op, ": query_start_loc must be non-decreasing; entry ", i + 1,
                       " is below entry ", i);
-    TORCH_CHECK_VALUE(queries_after_keys || q_len <= read_i32(seq_lens, i), op, ": sequence ", i, " has ", q_len,
+    TORCH_CHECK_VALUE(queries_after_keys || q_len <= read_i32(args.seq_lens, i), op,
+                      ": sequence ", i, " has ", q_len,
                       " query tokens in query_start_loc but seq_lens[", i, "] = ",
-                      read_i32(seq_lens, i), " (queries are the last q_len tokens of the sequence)");
+                      read_i32(args.seq_lens, i), " (queries are the last q_len tokens of the sequence)");
   }
 }
 

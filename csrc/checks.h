@@ -9,33 +9,15 @@
 
 #include <cstdint>
 
-namespace paged {
+#include "attention_args.h"
 
-struct AttentionShape {
-  int64_t num_tokens;
-  int64_t num_heads;
-  int64_t head_size;    // of query and key_cache
-  int64_t head_size_v;  // of value_cache and out
-  int64_t num_blocks;
-  int64_t num_kv_heads;
-  int64_t block_size;
-  int64_t num_seqs;
-  int64_t max_blocks_per_seq;
-};
+namespace paged {
 
 constexpr int64_t kMaxSupportedHeadSize = 256;
 
 // Shapes, dtypes, devices and layouts of paged.attention's arguments (and of
 // the caller's `out` / `lse` buffers when given). Reads no tensor data.
-AttentionShape check_attention_args(const char* op, const at::Tensor& query,
-                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                    double scale, const std::optional<at::Tensor>& query_start_loc,
-                                    const std::optional<at::Tensor>& alibi_slopes,
-                                    int64_t sliding_window, double soft_cap,
-                                    const std::optional<at::Tensor>& sinks,
-                                    const std::optional<at::Tensor>& k_scale,
-                                    const std::optional<at::Tensor>& v_scale,
+AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                                     const at::Tensor* out, const at::Tensor* lse);
 
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
@@ -44,9 +26,7 @@ AttentionShape check_attention_args(const char* op, const at::Tensor& query,
 // with num_tokens and, unless the queries sit after the keys (the shared-prefix op), no
 // sequence with more queries than tokens.
 void check_attention_metadata(const char* op, const AttentionShape& shape,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const std::optional<at::Tensor>& query_start_loc,
-                              int64_t sliding_window, bool queries_after_keys = false);
+                              const AttentionArgs& args);
 
 // paged.merge_attention_states' partial results: as many outputs as lses (at least one),
 // outputs [num_tokens, num_heads, head_size] of one float dtype with the last dim
@@ -78,12 +58,6 @@ void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
 // strides but stride(3) == 1 and no two elements at one address (NHD views and views into
 // a joint K/V tensor pass; write_kv into an overlapping view would corrupt it).
 void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
-
-bool is_fp8(at::ScalarType t);
-
-// One block of `cache` (dims 1..) is one dense chunk of numel / size(0) elements starting
-// at block * stride(0): blocks then move with one memcpy each.
-bool block_is_dense(const at::Tensor& cache);
 
 // k_scale / v_scale: required for fp8 caches, refused for float ones; fp32, shape [],
 // [1] or [num_kv_heads], on the device of `reference`.

@@ -10,8 +10,10 @@
 #include <limits>
 #include <vector>
 
-#include "../attention_variants.h"
+#include "../attention_args.h"
+#include "../attention_outputs.h"
 #include "../checks.h"
+#include "../dtypes.h"
 #include "attention_params.h"
 #include "cpu_features.h"
 
@@ -38,13 +40,11 @@ struct QueryTile {
   int32_t seq, row_begin, row_end, first_pos, kv_begin, kv_end;
 };
 
-Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
-               const std::optional<at::Tensor>& query_start_loc, int64_t sliding_window,
-               QueryPlacement placement, int max_threads) {
+Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t lens_stride = seq_lens.stride(0);
+  const int32_t* lens = args.seq_lens.data_ptr<int32_t>();
+  const int64_t lens_stride = args.seq_lens.stride(0);
 
   std::vector<QueryTile> tiles;
   int64_t longest = 0;
@@ -52,15 +52,15 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int32_t kv_len = lens[i * lens_stride];
     int32_t q_begin = int32_t(i), q_len = 1;
-    if (query_start_loc.has_value()) {
-      const at::Tensor& qsl = *query_start_loc;
+    if (args.query_start_loc.has_value()) {
+      const at::Tensor& qsl = *args.query_start_loc;
       const int32_t* starts = qsl.data_ptr<int32_t>();
       q_begin = starts[i * qsl.stride(0)];
       q_len = starts[(i + 1) * qsl.stride(0)] - q_begin;
     }
     for (int32_t r0 = 0; r0 < q_len; r0 += int32_t(rows_per_tile)) {
       const int32_t r1 = int32_t(std::min<int64_t>(q_len, r0 + rows_per_tile));
-      if (placement == QueryPlacement::kAfterKeys) {
+      if (args.placement == QueryPlacement::kAfterKeys) {
         // Every row at the last key's position or later sees every key (no window then).
         tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, kv_len - 1, 0, kv_len});
         longest = std::max<int64_t>(longest, kv_len);
@@ -71,7 +71,8 @@ Plan make_plan(const AttentionShape& s, const at::Tensor& seq_lens,
       const int32_t first_pos = kv_len - q_len + r0;
       const int32_t last_pos = kv_len - q_len + r1 - 1;
       int32_t kv_begin = 0;
-      if (sliding_window > 0) kv_begin = std::max<int32_t>(0, first_pos - int32_t(sliding_window) + 1);
+      if (args.sliding_window > 0)
+        kv_begin = std::max<int32_t>(0, first_pos - int32_t(args.sliding_window) + 1);
       const int32_t kv_end = std::max<int32_t>(kv_begin, last_pos + 1);
       tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, first_pos, kv_begin, kv_end});
       longest = std::max<int64_t>(longest, kv_end - kv_begin);
@@ -193,57 +194,47 @@ void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, co
   });
 }
 
-void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
-                    const std::optional<at::Tensor>& lse,
-                    const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, double scale,
-                    const std::optional<at::Tensor>& query_start_loc,
-                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap, const std::optional<at::Tensor>& sinks,
-                    const std::optional<at::Tensor>& k_scale,
-                    const std::optional<at::Tensor>& v_scale) {
-  const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
-                                                seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, sinks, k_scale, v_scale,
-                                                &out, lse.has_value() ? &*lse : nullptr);
-  check_attention_metadata(op, s, block_tables, seq_lens, query_start_loc, sliding_window,
-                           placement == QueryPlacement::kAfterKeys);
+void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
+                    const std::optional<at::Tensor>& lse) {
+  const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
+  check_attention_metadata(op, s, args);
   if (s.num_tokens == 0) return;
 
-  const std::optional<at::Tensor> slopes =
-      alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
-  const std::optional<at::Tensor> sink_logits =
-      sinks.has_value() ? std::optional<at::Tensor>(sinks->contiguous()) : std::nullopt;
+  const auto contiguous = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  };
+  const std::optional<at::Tensor> slopes = contiguous(args.alibi_slopes);
+  const std::optional<at::Tensor> sink_logits = contiguous(args.sinks);
   // [] / [1] / [num_kv_heads] scales as one contiguous row (read at kv_head * stride).
   const auto scale_row = [](const std::optional<at::Tensor>& t) {
     return t.has_value() ? std::optional<at::Tensor>(t->reshape(-1).contiguous()) : std::nullopt;
   };
-  const std::optional<at::Tensor> k_scales = scale_row(k_scale), v_scales = scale_row(v_scale);
+  const std::optional<at::Tensor> k_scales = scale_row(args.k_scale);
+  const std::optional<at::Tensor> v_scales = scale_row(args.v_scale);
   const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const Plan plan = make_plan(s, seq_lens, query_start_loc, sliding_window, placement, max_threads);
+  const Plan plan = make_plan(s, args, max_threads);
 
   AttentionParams p{};
-  p.kind = scalar_kind(key_cache.scalar_type());
-  p.query_kind = scalar_kind(query.scalar_type());
-  p.query = query.data_ptr();
-  p.query_token_stride = query.stride(0);
-  p.query_head_stride = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.k_block_stride = key_cache.stride(0);
-  p.k_head_stride = key_cache.stride(1);
-  p.k_token_stride = key_cache.stride(2);
-  p.v_block_stride = value_cache.stride(0);
-  p.v_head_stride = value_cache.stride(1);
-  p.v_token_stride = value_cache.stride(2);
+  p.kind = scalar_kind(args.key_cache.scalar_type());
+  p.query_kind = scalar_kind(args.query.scalar_type());
+  p.query = args.query.data_ptr();
+  p.query_token_stride = args.query.stride(0);
+  p.query_head_stride = args.query.stride(1);
+  p.key_cache = args.key_cache.data_ptr();
+  p.value_cache = args.value_cache.data_ptr();
+  p.k_block_stride = args.key_cache.stride(0);
+  p.k_head_stride = args.key_cache.stride(1);
+  p.k_token_stride = args.key_cache.stride(2);
+  p.v_block_stride = args.value_cache.stride(0);
+  p.v_head_stride = args.value_cache.stride(1);
+  p.v_token_stride = args.value_cache.stride(2);
   p.k_scale = k_scales.has_value() ? k_scales->data_ptr<float>() : nullptr;
   p.v_scale = v_scales.has_value() ? v_scales->data_ptr<float>() : nullptr;
   p.k_scale_stride = k_scales.has_value() && k_scales->numel() > 1 ? 1 : 0;
   p.v_scale_stride = v_scales.has_value() && v_scales->numel() > 1 ? 1 : 0;
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.block_tables = args.block_tables.data_ptr<int32_t>();
+  p.block_table_stride = args.block_tables.stride(0);
+  p.seq_lens = args.seq_lens.data_ptr<int32_t>();
   p.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
   p.sinks = sink_logits.has_value() ? sink_logits->data_ptr<float>() : nullptr;
   p.num_heads = int(s.num_heads);
@@ -251,10 +242,10 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
   p.head_size = int(s.head_size);
   p.head_size_v = int(s.head_size_v);
   p.block_size = int(s.block_size);
-  p.scale = float(scale);
-  p.soft_cap = float(soft_cap);
-  p.sliding_window = int(sliding_window);
-  p.queries_after_keys = placement == QueryPlacement::kAfterKeys;
+  p.scale = float(args.scale);
+  p.soft_cap = float(args.soft_cap);
+  p.sliding_window = int(args.sliding_window);
+  p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
   const bool direct = plan.max_parts == 1 && out.scalar_type() == at::kFloat;
@@ -266,7 +257,7 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
     p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
   } else {
-    const auto f32 = query.options().dtype(at::kFloat);
+    const auto f32 = args.query.options().dtype(at::kFloat);
     part_out = at::empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, f32);
     part_lse = at::empty({plan.max_parts, s.num_tokens, s.num_heads}, f32);
     p.out = part_out.data_ptr<float>();
@@ -289,6 +280,6 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CPU, m) { register_attention_variants<attention_into>(m); }
+TORCH_LIBRARY_IMPL(paged, CPU, m) { register_attention_outputs<attention_into>(m); }
 
 }  // namespace paged::cpu

@@ -1,5 +1,5 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
-// extensions (vec.h) and compiled once per instruction set, inside its ISA namespace
+// extensions and compiled once per instruction set, inside its ISA namespace
 // (isa_kernel.h).
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
@@ -10,7 +10,17 @@
 //   GQA group; an online softmax keeps the running max / sum per query so each K and
 //   V byte is read exactly once. Software prefetches run one phase ahead.
 
+// Its layers, each over the ones before: vector primitives, element conversions, exp,
+// prefetches, one-query products, register tiles, and the AVX512_BF16 tiles (empty
+// elsewhere). In the order of the one header they were split from: GCC's register
+// allocation of the generic compile depends on it.
 #include "vec.h"
+#include "convert.h"
+#include "vec_exp.h"
+#include "prefetch.h"
+#include "single_query.h"
+#include "register_tiles.h"
+#include "bf16_tiles.h"
 
 // One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
 static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {

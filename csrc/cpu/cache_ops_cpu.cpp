@@ -13,6 +13,8 @@
 #endif
 
 #include "../checks.h"
+#include "../dtypes.h"
+#include "../layout.h"
 
 namespace paged::cpu {
 namespace {
@@ -145,8 +147,7 @@ void copy_block_pairs(const at::Tensor& src, at::Tensor& dst, const int64_t* pai
   const int64_t elem = src.element_size();
   const char* s = static_cast<const char*>(src.data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
-  const bool dense = block_is_dense(src) && block_is_dense(dst) &&
-                     src.strides().slice(1) == dst.strides().slice(1);
+  const bool dense = block_is_dense(src) && block_is_dense(dst) && same_block_strides(src, dst);
   if (dense) {
     // numel / size(0), not stride(0), for the bytes: a one-block pool may have any stride(0).
     const int64_t block_bytes = src.numel() / src.size(0) * elem;

@@ -15,8 +15,10 @@
 
 #include <cstdint>
 
-#include "../attention_variants.h"
+#include "../attention_args.h"
+#include "../attention_outputs.h"
 #include "../checks.h"
+#include "../dtypes.h"
 #include "cuda_checks.h"
 #include "kernels.h"
 
@@ -31,23 +33,33 @@ int multiprocessor_count(int device) {
   return count;
 }
 
-void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
-                    const std::optional<at::Tensor>& lse,
-                    const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, double scale,
-                    const std::optional<at::Tensor>& query_start_loc,
-                    const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                    double soft_cap, const std::optional<at::Tensor>& sinks,
-                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  const AttentionShape s = check_attention_args(op, query, key_cache, value_cache, block_tables,
-                                                seq_lens, scale, query_start_loc, alibi_slopes,
-                                                sliding_window, soft_cap, sinks, k_scale, v_scale, &out,
-                                                lse.has_value() ? &*lse : nullptr);
-  TORCH_CHECK_VALUE(query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
-                    query.device());
-  check_row_alignment(op, "key_cache", key_cache);
-  check_row_alignment(op, "value_cache", value_cache);
+// The planner's view of a checked call: shapes only, never metadata values.
+AttentionPlanInput plan_input(const AttentionShape& s, const AttentionArgs& args,
+                              ScalarKind cache_kind) {
+  AttentionPlanInput in{};
+  in.num_tokens = s.num_tokens;
+  in.num_seqs = s.num_seqs;
+  in.num_heads = s.num_heads;
+  in.num_kv_heads = s.num_kv_heads;
+  in.block_size = s.block_size;
+  in.max_blocks_per_seq = s.max_blocks_per_seq;
+  in.sliding_window = args.sliding_window;
+  in.multi_token = args.query_start_loc.has_value();
+  in.multiprocessors = multiprocessor_count(args.query.device().index());
+  for (int b = 0; b < 4; ++b) {
+    C10_CUDA_CHECK(attention_ctas_per_sm(cache_kind, int(s.head_size), int(s.head_size_v), b,
+                                         &in.ctas_per_sm[b]));
+  }
+  return in;
+}
+
+void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
+                    const std::optional<at::Tensor>& lse) {
+  const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
+  TORCH_CHECK_VALUE(args.query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
+                    args.query.device());
+  check_row_alignment(op, "key_cache", args.key_cache);
+  check_row_alignment(op, "value_cache", args.value_cache);
   TORCH_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
                     " rows but there are no sequences");
   TORCH_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
@@ -61,27 +73,30 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
                     " keys per sequence; the CUDA kernel supports at most ", kMaxKeyPositions);
   if (s.num_tokens == 0 || s.num_heads == 0) return;
 
-  const c10::cuda::CUDAGuard guard(query.device());
+  const c10::cuda::CUDAGuard guard(args.query.device());
   // The kernels index these densely (a no-op for the usual contiguous tensors).
-  const at::Tensor lens = seq_lens.contiguous();
-  const at::Tensor starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
-  const at::Tensor slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
-  const at::Tensor sink_logits = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const auto contiguous = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? t->contiguous() : at::Tensor();
+  };
+  const at::Tensor lens = args.seq_lens.contiguous();
+  const at::Tensor starts = contiguous(args.query_start_loc);
+  const at::Tensor slopes = contiguous(args.alibi_slopes);
+  const at::Tensor sink_logits = contiguous(args.sinks);
 
   AttentionParams p{};
-  p.kind = scalar_kind(query.scalar_type());
-  p.cache_kind = scalar_kind(key_cache.scalar_type());
-  p.query = query.data_ptr();
-  p.query_token_stride = query.stride(0);
-  p.query_head_stride = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.key_layout = layout_of(key_cache, 1);  // in elements
-  p.value_layout = layout_of(value_cache, 1);
-  p.k_scale = scale_ptr(k_scale, &p.k_scale_stride);
-  p.v_scale = scale_ptr(v_scale, &p.v_scale_stride);
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.block_table_stride = block_tables.stride(0);
+  p.kind = scalar_kind(args.query.scalar_type());
+  p.cache_kind = scalar_kind(args.key_cache.scalar_type());
+  p.query = args.query.data_ptr();
+  p.query_token_stride = args.query.stride(0);
+  p.query_head_stride = args.query.stride(1);
+  p.key_cache = args.key_cache.data_ptr();
+  p.value_cache = args.value_cache.data_ptr();
+  p.key_layout = layout_of(args.key_cache, 1);  // in elements
+  p.value_layout = layout_of(args.value_cache, 1);
+  p.k_scale = scale_ptr(args.k_scale, &p.k_scale_stride);
+  p.v_scale = scale_ptr(args.v_scale, &p.v_scale_stride);
+  p.block_tables = args.block_tables.data_ptr<int32_t>();
+  p.block_table_stride = args.block_tables.stride(0);
   p.seq_lens = lens.data_ptr<int32_t>();
   p.query_start_loc = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
   p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
@@ -95,30 +110,17 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
   p.block_size = int(s.block_size);
   p.num_blocks = int(s.num_blocks);
   p.max_blocks_per_seq = int(s.max_blocks_per_seq);
-  p.scale = float(scale);
-  p.soft_cap = float(soft_cap);
-  p.sliding_window = int(sliding_window);  // checked <= INT32_MAX
-  p.queries_after_keys = placement == QueryPlacement::kAfterKeys;
+  p.scale = float(args.scale);
+  p.soft_cap = float(args.soft_cap);
+  p.sliding_window = int(args.sliding_window);  // checked <= INT32_MAX
+  p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
 
-  AttentionPlanInput in{};
-  in.num_tokens = s.num_tokens;
-  in.num_seqs = s.num_seqs;
-  in.num_heads = s.num_heads;
-  in.num_kv_heads = s.num_kv_heads;
-  in.block_size = s.block_size;
-  in.max_blocks_per_seq = s.max_blocks_per_seq;
-  in.sliding_window = sliding_window;
-  in.multi_token = query_start_loc.has_value();
-  in.multiprocessors = multiprocessor_count(query.device().index());
-  for (int b = 0; b < 4; ++b) {
-    C10_CUDA_CHECK(attention_ctas_per_sm(p.cache_kind, p.head_size, p.head_size_v, b, &in.ctas_per_sm[b]));
-  }
-  const AttentionPlan plan = plan_attention(in);
+  const AttentionPlan plan = plan_attention(plan_input(s, args, p.cache_kind));
   TORCH_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,
                     ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
                     kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
@@ -129,7 +131,7 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
   // capture hands out the graph's private pool, fixed across replays.
   at::Tensor part_out, part_lse;
   if (p.num_partitions > 1) {
-    const auto f32 = query.options().dtype(at::kFloat);
+    const auto f32 = args.query.options().dtype(at::kFloat);
     part_out = at::empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size_v}, f32);
     part_lse = at::empty({p.num_partitions, s.num_tokens, s.num_heads}, f32);
     p.part_out = part_out.data_ptr<float>();
@@ -140,6 +142,6 @@ void attention_into(const char* op, QueryPlacement placement, at::Tensor& out,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CUDA, m) { register_attention_variants<attention_into>(m); }
+TORCH_LIBRARY_IMPL(paged, CUDA, m) { register_attention_outputs<attention_into>(m); }
 
 }  // namespace paged::cuda

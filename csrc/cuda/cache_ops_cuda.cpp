@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../dtypes.h"
+#include "../layout.h"
 #include "cuda_checks.h"
 #include "kernels.h"
 
@@ -126,15 +128,6 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
     }
     C10_CUDA_CHECK(launch_copy_blocks(p, stream));
   }
-}
-
-// Blocks of `a` and `b` lay out their elements alike (the strides of the dimensions
-// below the block one, where they matter).
-bool same_block_strides(const at::Tensor& a, const at::Tensor& b) {
-  for (int64_t d = 1; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
 }
 
 // Tells PyTorch's pinned-memory allocator that `stream` uses the host pool, as

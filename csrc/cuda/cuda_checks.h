@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "../attention_variants.h"
+#include "../dtypes.h"
 #include "kernels.h"
 
 namespace paged::cuda {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "../attention_variants.h"
+#include "../dtypes.h"
 #include "../merge_states.h"
 #include "kernels.h"
 

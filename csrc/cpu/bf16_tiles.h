@@ -1,0 +1,229 @@
+// The AVX512_BF16 versions of the score and value tiles (register_tiles.h) and of the
+// one-query products (single_query.h): vdpbf16ps dot products for bf16 keys and values
+// and for fp8 keys and values (fp8_bf16_tables.h). Part of the CPU kernel, inside its ISA
+// namespace (see vec.h).
+#pragma once
+
+#include "fp8_bf16_tables.h"
+#include "prefetch.h"
+#include "register_tiles.h"
+
+#if PAGED_ISA_AVX512_BF16
+// bf16 keys against bf16 queries with vdpbf16ps: pairs of products summed in fp32,
+// 32 elements a step, no widening. The query is the caller's unscaled bf16 (exact);
+// the softmax scale is applied to the scores afterwards.
+static inline __m512bh load_bf16x32(const void* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+template <int G, int K>
+static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
+                            const Bf16* const* ahead) {
+  static_assert(G == 4 && K == 4, "the AVX-512 score tile");
+  __m512 acc[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const __m512bh k0 = load_bf16x32(k[0] + d), k1 = load_bf16x32(k[1] + d),
+                   k2 = load_bf16x32(k[2] + d), k3 = load_bf16x32(k[3] + d);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh qv = load_bf16x32(q + int64_t(g) * hsp + d);
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
+      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], qv, k2);
+      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
+    }
+  }
+  vfloat sums[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) sums[g][i] = (vfloat)acc[g][i];
+  hsum_tile<G, K>(sums, s);
+}
+
+static inline void dot4(const uint16_t* q, const Bf16* const* k, int hsp, float* out,
+                        const Bf16* const* ahead) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int d = 0; d < hsp; d += 32) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const __m512bh qv = load_bf16x32(q + d);
+    a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k[0] + d));
+    a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k[1] + d));
+    a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k[2] + d));
+    a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k[3] + d));
+  }
+  hsum4((vfloat)a0, (vfloat)a1, (vfloat)a2, (vfloat)a3, out);
+}
+
+static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* const* ahead) {
+  __m512 a = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 32) {
+    prefetch_same_line(ahead, 0, d);
+    a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), load_bf16x32(k + d));
+  }
+  return hsum((vfloat)a);
+}
+
+// accumulate_tile / accumulate_values for fp8 rows of whole 64-element steps, accumulators
+// in fp8_value_slot order.
+template <int G, typename T>
+static inline void accumulate_fp8(float* acc, int hsp, const float* p, const T* const* v, int n,
+                                  const T* const* ahead) {
+  for (int d = 0; d < hsp; d += 64) {
+    vfloat a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
+    for (int t = 0; t < n; ++t) {
+      prefetch_same_line(ahead, t, d);
+      if (G == 1 && p[t] == 0.0f) continue;
+      vfloat x[4];
+      fp8_to_float64(v[t] + d, x);
+      for (int g = 0; g < G; ++g) {
+        const vfloat pg = splat(p[g * kKeyChunk + t]);
+        for (int i = 0; i < 4; ++i) a[g][i] += pg * x[i];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
+  }
+}
+
+static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, float factor) {
+  for (int d = 0; d < hsp; d += 64)
+    for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
+}
+
+template <int G, int K, typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
+                            const T* const* ahead) {
+  static_assert(G == 4 && K == 4, "the AVX-512 score tile");
+  __m512 acc[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 64) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    __m512i first[4], second[4];
+    for (int i = 0; i < 4; ++i) fp8_to_bf16x64(k[i] + d, first[i], second[i]);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh q0 = load_bf16x32(q + int64_t(g) * hsp + d);
+      const __m512bh q1 = load_bf16x32(q + int64_t(g) * hsp + d + 32);
+      for (int i = 0; i < 4; ++i) {
+        acc[g][i] = _mm512_dpbf16_ps(acc[g][i], q0, (__m512bh)first[i]);
+        acc[g][i] = _mm512_dpbf16_ps(acc[g][i], q1, (__m512bh)second[i]);
+      }
+    }
+  }
+  vfloat sums[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) sums[g][i] = (vfloat)acc[g][i];
+  hsum_tile<G, K>(sums, s);
+}
+
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+static inline void dot4(const uint16_t* q, const T* const* k, int hsp, float* out,
+                        const T* const* ahead) {
+  __m512 even[4], odd[4];
+  for (int i = 0; i < 4; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 64) {
+    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+    const __m512bh q0 = load_bf16x32(q + d), q1 = load_bf16x32(q + d + 32);
+    for (int i = 0; i < 4; ++i) {
+      __m512i lo, hi;
+      fp8_to_bf16x64(k[i] + d, lo, hi);
+      even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)lo);
+      odd[i] = _mm512_dpbf16_ps(odd[i], q1, (__m512bh)hi);
+    }
+  }
+  hsum4((vfloat)even[0] + (vfloat)odd[0], (vfloat)even[1] + (vfloat)odd[1],
+        (vfloat)even[2] + (vfloat)odd[2], (vfloat)even[3] + (vfloat)odd[3], out);
+}
+
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+static inline float dot1(const uint16_t* q, const T* k, int hsp, const T* const* ahead) {
+  __m512 a = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 64) {
+    prefetch_same_line(ahead, 0, d);
+    __m512i first, second;
+    fp8_to_bf16x64(k + d, first, second);
+    a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), (__m512bh)first);
+    a = _mm512_dpbf16_ps(a, load_bf16x32(q + d + 32), (__m512bh)second);
+  }
+  return hsum((vfloat)a);
+}
+
+// Probability-weighted bf16 values with vdpbf16ps, two keys per instruction: the rows
+// of keys t and t+1 are interleaved (vpunpck{l,h}wd) and dotted with the pair
+// (p[t], p[t+1]) rounded to bf16, as flash-attention kernels do on GPUs.
+//
+// The interleave works within 128-bit lanes, so each 32-element step of a row leaves
+// its results in a fixed permutation (pair_lane): the accumulators stay permuted for
+// the whole item and unpermute_pairs restores the order at the end.
+static inline int pair_lane(int i) {  // element i of a 32-element step -> accumulator slot
+  const int lane = i / 8, j = i % 8;
+  return (j < 4 ? 0 : 16) + 4 * lane + j % 4;
+}
+
+static inline void unpermute_pairs(const float* acc, float* out, int hsp, float factor) {
+  for (int d = 0; d < hsp; d += 32)
+    for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
+}
+
+// acc[g] += sum_t p[g][t] v[t] for G queries; `pairs[g * kKeyChunk / 2 + t / 2]` holds
+// (p[g][t], p[g][t+1]) as two bf16. An odd last key is paired with a zero row.
+template <int G, int STEPS>
+static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint32_t* pairs,
+                                          const Bf16* const* v, int n, const Bf16* const* ahead) {
+  // STEPS 32-element steps of the rows at once: each broadcast pair serves them all.
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 lo[G][STEPS], hi[G][STEPS];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      lo[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k);
+      hi[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16);
+    }
+  for (int t = 0; t < n; t += 2) {
+    const bool odd = t + 1 == n;
+    __m512bh ab_lo[STEPS], ab_hi[STEPS];
+    for (int k = 0; k < STEPS; ++k) {
+      prefetch_same_line(ahead, t, d + 32 * k);
+      if (!odd) prefetch_same_line(ahead, t + 1, d + 32 * k);
+      const __m512i a = _mm512_loadu_si512(v[t] + d + 32 * k);
+      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d + 32 * k);
+      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
+      for (int k = 0; k < STEPS; ++k) {
+        lo[g][k] = _mm512_dpbf16_ps(lo[g][k], ab_lo[k], pp);
+        hi[g][k] = _mm512_dpbf16_ps(hi[g][k], ab_hi[k], pp);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < STEPS; ++k) {
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k, lo[g][k]);
+      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16, hi[g][k]);
+    }
+}
+
+template <int G>
+static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const Bf16* const* v,
+                                    int n, const Bf16* const* ahead) {
+  int d = 0;
+  for (; d + 64 <= hsp; d += 64) accumulate_pairs_block<G, 2>(acc, hsp, d, pairs, v, n, ahead);
+  if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
+}
+
+// The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
+template <int G>
+static inline void probability_pairs(const float* scores, uint32_t* pairs) {
+  static_assert(kKeyChunk % 16 == 0, "whole fp32 vectors of probabilities per query");
+  for (int g = 0; g < G; ++g) {
+    for (int t = 0; t < kKeyChunk; t += 16) {
+      const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk + t));
+      std::memcpy(pairs + g * (kKeyChunk / 2) + t / 2, &p, sizeof(p));
+    }
+  }
+}
+#endif  // PAGED_ISA_AVX512_BF16

@@ -1,0 +1,220 @@
+// The cache's element types and their conversion to fp32: scalar (row tails, the generic
+// fp16 path) and VW elements at a time (widened in registers). Part of the CPU kernel,
+// inside its ISA namespace (see vec.h).
+#pragma once
+
+#include "vec.h"
+
+struct Bf16 { uint16_t bits; };
+struct Fp16 { uint16_t bits; };
+struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
+struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
+
+// The loaders below return a stored element divided by its type's unit: e4m3 is widened
+// to fp16 by moving its bits into place without rebiasing the exponent (bias 7 read as
+// fp16's 15), which divides every value by 2^8 exactly; the kernel folds the 2^8 into
+// the fp8 scales. 1 for every other type.
+template <typename T> struct StoredUnit { static constexpr float value = 1.0f; };
+template <> struct StoredUnit<Fp8E4M3> { static constexpr float value = 256.0f; };
+
+// ---- scalar conversions (tails and the generic fp16 path) -------------------
+static inline float to_float(float x) { return x; }
+static inline float to_float(Bf16 x) {
+  uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+static inline float to_float(Fp16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1f;
+  uint32_t mantissa = x.bits & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: renormalise
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400) == 0);
+    bits = sign | uint32_t(112 - e) << 23 | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// fp8 -> fp16 bits. e5m2 is the top byte of an fp16 (exact, inf and NaN included).
+// e4m3fn: sign to bit 15, exponent and mantissa to bits 13..7 (value / 2^8, subnormals
+// included); its NaN (S.1111.111) would land on 1.875, so it gets fp16 NaN bits.
+static inline uint16_t half_bits(Fp8E5M2 x) { return uint16_t(x.bits << 8); }
+static inline uint16_t half_bits(Fp8E4M3 x) {
+  const uint16_t h = uint16_t(((x.bits & 0x80) << 8) | ((x.bits & 0x7f) << 7));
+  return (x.bits & 0x7f) == 0x7f ? uint16_t(h | 0x7e00) : h;
+}
+static inline float to_float(Fp8E5M2 x) { return to_float(Fp16{half_bits(x)}); }
+static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
+
+// ---- vector conversions: VW elements of the cache type -> VW floats ---------
+
+// fp16 bits (one per 32-bit lane) to fp32 without F16C, branch-free: normal values are
+// rebiased in the exponent bits, subnormals are their integer mantissa times 2^-24 (both
+// exact), exponent 31 is inf / NaN.
+static inline vfloat half_bits_to_float(vuint h) {
+  const vuint sign = (h & 0x8000u) << 16;
+  const vuint exponent = h & 0x7c00u;
+  const vuint mantissa = h & 0x3ffu;
+  const vuint normal = ((h & 0x7fffu) << 13) + (112u << 23);
+  const vuint special = 0x7f800000u | (mantissa << 13);
+  const vuint subnormal = (vuint)(__builtin_convertvector((vint)mantissa, vfloat) * splat(0x1p-24f));
+  // Selects as bit masks made by shifts: without AVX GCC compares wide vectors lane by
+  // lane in scalar code. exponent - 1 is negative only for 0; exponent + 0x400 reaches
+  // bit 15 only for 0x7c00.
+  const vuint is_subnormal = (vuint)((vint)(exponent - 1u) >> 31);
+  const vuint is_special = (vuint)((vint)((exponent + 0x400u) << 16) >> 31);
+  const vuint bits = (subnormal & is_subnormal) | (special & is_special) |
+                     (normal & ~(is_subnormal | is_special));
+  return (vfloat)(bits | sign);
+}
+
+static inline vfloat load_as_float(const float* p) { return load(p); }
+static inline vfloat load_as_float(const Bf16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+#endif
+}
+static inline vfloat load_as_float(const Fp16* p) {
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  return (vfloat)_mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  return half_bits_to_float(__builtin_convertvector(h, vuint));
+#endif
+}
+
+#if PAGED_ISA_F16C
+// VW fp8 bytes sign-extended to VW 16-bit lanes (AVX2: 8 in an __m128i; AVX-512: 16 in an
+// __m256i), the bit operations on them, and their conversion as fp16 to VW floats.
+#if PAGED_VEC_WIDTH == 16
+typedef __m256i vhalf_bits;
+static inline vhalf_bits fp8_lanes(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vhalf_bits h_and(vhalf_bits a, vhalf_bits b) { return _mm256_and_si256(a, b); }
+static inline vhalf_bits h_or(vhalf_bits a, vhalf_bits b) { return _mm256_or_si256(a, b); }
+static inline vhalf_bits h_eq(vhalf_bits a, vhalf_bits b) { return _mm256_cmpeq_epi16(a, b); }
+static inline vhalf_bits h_splat(uint16_t x) { return _mm256_set1_epi16(short(x)); }
+template <int N> static inline vhalf_bits h_shl(vhalf_bits a) { return _mm256_slli_epi16(a, N); }
+static inline vfloat halves_to_float(vhalf_bits h) { return (vfloat)_mm512_cvtph_ps(h); }
+#else
+typedef __m128i vhalf_bits;
+static inline vhalf_bits fp8_lanes(const void* p) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vhalf_bits h_and(vhalf_bits a, vhalf_bits b) { return _mm_and_si128(a, b); }
+static inline vhalf_bits h_or(vhalf_bits a, vhalf_bits b) { return _mm_or_si128(a, b); }
+static inline vhalf_bits h_eq(vhalf_bits a, vhalf_bits b) { return _mm_cmpeq_epi16(a, b); }
+static inline vhalf_bits h_splat(uint16_t x) { return _mm_set1_epi16(short(x)); }
+template <int N> static inline vhalf_bits h_shl(vhalf_bits a) { return _mm_slli_epi16(a, N); }
+static inline vfloat halves_to_float(vhalf_bits h) { return (vfloat)_mm256_cvtph_ps(h); }
+#endif
+// The lanes are sign-extended bytes, so a shift puts the sign in bit 15: e5m2 by 8 is
+// exactly its fp16; e4m3 by 7, then bit 14 (a copy of the sign) cleared, is half_bits'
+// placement, and NaN lanes (magnitude bits 0x3f80) get fp16 NaN bits.
+static inline vfloat load_as_float(const Fp8E5M2* p) { return halves_to_float(h_shl<8>(fp8_lanes(p))); }
+static inline vfloat load_as_float(const Fp8E4M3* p) {
+  const vhalf_bits h = h_and(h_shl<7>(fp8_lanes(p)), h_splat(0xbf80));
+  const vhalf_bits nan = h_eq(h_and(h, h_splat(0x7fff)), h_splat(0x3f80));
+  return halves_to_float(h_or(h, h_and(nan, h_splat(0x7e00))));
+}
+#else
+// Without F16C: the bytes become fp16 bits as in half_bits (one per 32-bit lane).
+typedef uint8_t vbytes __attribute__((vector_size(VW)));
+static inline vuint fp8_bytes(const void* p) {
+  vbytes b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vuint);
+}
+static inline vfloat load_as_float(const Fp8E5M2* p) { return half_bits_to_float(fp8_bytes(p) << 8); }
+static inline vfloat load_as_float(const Fp8E4M3* p) {
+  const vuint b = fp8_bytes(p);
+  const vuint h = ((b & 0x80u) << 8) | ((b & 0x7fu) << 7);
+  const vuint is_nan = (vuint)((vint)(((b & 0x7fu) + 1u) << 24) >> 31);  // magnitude 0x7f
+  return half_bits_to_float(h | (is_nan & 0x7e00u));
+}
+#endif
+
+// Two vectors (elements [0, VW) and [VW, 2 VW)) at once. AVX-512 widens 32 fp8 bytes with
+// one zmm of 16-bit lanes: half the integer instructions per element of two single loads
+// (the conversion, not the FMAs, bounds fp8 decode when every key serves one query).
+template <typename T>
+static inline void load2_as_float(const T* p, vfloat& a, vfloat& b) {
+  a = load_as_float(p);
+  b = load_as_float(p + VW);
+}
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+static inline __m512i fp8_lanes32(const void* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline void halves32_to_float(__m512i h, vfloat& a, vfloat& b) {
+  a = (vfloat)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  b = (vfloat)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
+  halves32_to_float(_mm512_slli_epi16(fp8_lanes32(p), 8), a, b);
+}
+// As load_as_float(const Fp8E4M3*); NaN lanes take fp16 NaN bits by a masked blend.
+static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(fp8_lanes32(p), 7),
+                                     _mm512_set1_epi16(short(0xbf80)));
+  const __m512i magnitude_bits = _mm512_set1_epi16(0x3f80);
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, magnitude_bits), magnitude_bits);
+  halves32_to_float(_mm512_mask_blend_epi16(nan, h, _mm512_set1_epi16(0x7e00)), a, b);
+}
+#endif
+
+#if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+// AVX2: 16 fp8 bytes as one ymm of 16-bit lanes, half the integer instructions per element
+// of two single loads; an e4m3 NaN lane becomes 0xffff (an fp16 NaN) by one OR.
+static inline __m256i fp8_lanes16(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline void halves16_to_float(__m256i h, vfloat& a, vfloat& b) {
+  a = (vfloat)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = (vfloat)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
+  halves16_to_float(_mm256_slli_epi16(fp8_lanes16(p), 8), a, b);
+}
+static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(fp8_lanes16(p), 7), _mm256_set1_epi16(short(0xbf80)));
+  const __m256i magnitude_bits = _mm256_set1_epi16(0x3f80);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), magnitude_bits);
+  halves16_to_float(_mm256_or_si256(h, nan), a, b);
+}
+#endif
+
+// Converts head_size elements into dst (the padded tail of dst is untouched).
+template <typename T>
+static inline void row_to_float(const T* src, float* dst, int head_size) {
+  int d = 0;
+  for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
+  for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+}

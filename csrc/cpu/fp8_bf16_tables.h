@@ -1,0 +1,81 @@
+// fp8 rows converted to bf16 (and fp32) by AVX512_VBMI table lookups, for the vdpbf16ps
+// tiles (bf16_tiles.h). Part of the CPU kernel, inside its ISA namespace (see vec.h).
+#pragma once
+
+#include "convert.h"
+
+#if PAGED_ISA_AVX512_BF16
+// fp8 keys against bf16 queries with vdpbf16ps: each key row is converted to bf16 exactly
+// (every e4m3 / e5m2 value is a bf16 value, subnormals included) by two byte lookups,
+// vpermi2b (AVX512_VBMI) over 128-entry tables of the bf16's high and low byte indexed by
+// the byte's low 7 bits (the sign is OR-ed in), then paired into 16-bit lanes by shifts
+// and masks (no further shuffles: port 5 runs the lookups): a 64-byte step yields the even
+// elements in its first vector and the odd ones in its second (fp8_key_element); the caller
+// permutes the query the same way. Values take the same lookups into fp32 (bf16 << 16),
+// four vectors of elements 4k + r (fp8_value_slot), in accumulators kept in that order.
+constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
+  if (mantissa == 0) return 0;
+  int top = 0;
+  while ((mantissa >> (top + 1)) != 0) ++top;
+  return uint16_t(((exponent + top + 127) << 7) | ((mantissa - (1 << top)) << (7 - top)));
+}
+constexpr uint16_t fp8_bf16_bits(Fp8E4M3 x) {  // bias 7, 3 mantissa bits; 0x7f is NaN
+  const int e = x.bits >> 3, m = x.bits & 7;
+  if ((x.bits & 0x7f) == 0x7f) return 0x7fc0;
+  return e == 0 ? fp8_bf16_bits(m, -9) : fp8_bf16_bits(8 + m, e - 10);
+}
+constexpr uint16_t fp8_bf16_bits(Fp8E5M2 x) {  // bias 15, 2 mantissa bits; exponent 31: inf, NaN
+  const int e = x.bits >> 2, m = x.bits & 3;
+  if (e == 31) return m == 0 ? 0x7f80 : 0x7fc0;
+  return e == 0 ? fp8_bf16_bits(m, -16) : fp8_bf16_bits(4 + m, e - 17);
+}
+struct Fp8Bf16Table {
+  alignas(64) uint8_t high[128];
+  alignas(64) uint8_t low[128];
+};
+template <typename T>
+constexpr Fp8Bf16Table fp8_bf16_table() {
+  Fp8Bf16Table t{};
+  for (int i = 0; i < 128; ++i) {
+    const uint16_t bits = fp8_bf16_bits(T{uint8_t(i)});
+    t.high[i] = uint8_t(bits >> 8);
+    t.low[i] = uint8_t(bits & 0xff);
+  }
+  return t;
+}
+template <typename T>
+inline constexpr Fp8Bf16Table kFp8Bf16 = fp8_bf16_table<T>();
+
+// Slot i of a key step holds element fp8_key_element(i); element i of a value step is in
+// slot fp8_value_slot(i).
+static inline int fp8_key_element(int i) { return i < 32 ? 2 * i : 2 * (i - 32) + 1; }
+static inline int fp8_value_slot(int i) { return 16 * (i % 4) + i / 4; }
+
+// ternarylogic immediate for a | (b & c).
+constexpr int kOrAnd = 0xf8;
+
+template <typename T>
+static inline void fp8_to_bf16x64(const T* p, __m512i& even, __m512i& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  const __m512i* table = reinterpret_cast<const __m512i*>(&kFp8Bf16<T>);
+  const __m512i high = _mm512_ternarylogic_epi32(  // with the sign: high | (x & 0x80)
+      _mm512_permutex2var_epi8(_mm512_load_si512(table), x, _mm512_load_si512(table + 1)), x,
+      _mm512_set1_epi8(char(0x80)), kOrAnd);
+  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), x, _mm512_load_si512(table + 3));
+  even = _mm512_ternarylogic_epi32(_mm512_slli_epi16(high, 8), low, _mm512_set1_epi16(0x00ff), kOrAnd);
+  odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 8), high, _mm512_set1_epi16(short(0xff00)), kOrAnd);
+}
+
+// 64 fp8 values as fp32: v[r] holds elements 4k + r.
+template <typename T>
+static inline void fp8_to_float64(const T* p, vfloat (&v)[4]) {
+  __m512i even, odd;
+  fp8_to_bf16x64(p, even, odd);
+  const __m512i top = _mm512_set1_epi32(int(0xffff0000u));
+  v[0] = (vfloat)_mm512_slli_epi32(even, 16);
+  v[1] = (vfloat)_mm512_slli_epi32(odd, 16);
+  v[2] = (vfloat)_mm512_and_si512(even, top);
+  v[3] = (vfloat)_mm512_and_si512(odd, top);
+}
+
+#endif  // PAGED_ISA_AVX512_BF16

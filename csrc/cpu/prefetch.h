@@ -1,0 +1,35 @@
+// Software prefetches of cache rows. Part of the CPU kernel, inside its ISA namespace
+// (see vec.h).
+#pragma once
+
+#include "vec.h"
+
+// GCC's dead-code elimination deletes a loop whose only effect is prefetching; the
+// empty volatile asm keeps such loops.
+static inline void prefetch(const void* p) {
+  __builtin_prefetch(p, 0, 3);
+  asm volatile("");
+}
+
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) prefetch(p + off);
+}
+
+// A row into L2 only (prefetcht1), for data read a phase later by a working set that
+// fills L1.
+static inline void prefetch_row_l2(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(p + off, 0, 2);
+    asm volatile("");
+  }
+}
+
+// Prefetching mirrors the loads: while a phase reads bytes [x, x + 64) of its row t,
+// it prefetches the same bytes of row t of the next phase's rows (`ahead`, nullable).
+// Misses then stay in flight at the pace of the arithmetic instead of in bursts.
+template <typename R>
+static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
+  if (ahead && (element * int(sizeof(R))) % 64 == 0) prefetch(ahead[t] + element);
+}

@@ -1,0 +1,133 @@
+// Scores and weighted value sums of a tile of G queries against rows of R, in G x K
+// register accumulators. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+#pragma once
+
+#include "convert.h"
+#include "prefetch.h"
+
+// Register tiles: the queries of a tile share every loaded (and widened) key or value
+// vector. A score tile holds G x VW/G accumulators (VW/G keys), a value tile as many
+// (VW/G vectors of the row). AVX-512's 32 registers take 4 x 4. The 16 of AVX2 and SSE
+// take 2 x 4, or 4 x 2 for fp8 rows: their widening costs more than their multiply-adds,
+// so a tile covering a whole group of 4 queries (32/8 heads) widens each row once, not
+// twice (kernel_cycles, AVX2, 32/8: e4m3 -37%, e5m2 -14% per item; fp32 and fp16 rows
+// measured 7-11% slower in 4 x 2 tiles). Two queries left over then take a 2 x 4 tile.
+template <typename R>
+constexpr int kTileQueries = VW == 16 || sizeof(R) == 1 ? 4 : 2;
+
+// The G x K accumulators of a score tile summed to G x K scores by one transpose tree
+// (each level halves the lanes per accumulator and packs two vectors into one): cheaper
+// than separate four-way sums. G x K is one vector of sums; scores land in
+// s[g * kKeyChunk + i].
+template <int G, int K>
+__attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[G][K], float* s) {
+  static_assert(G * K == VW, "a tile sums to one vector");
+  auto flat = [&](int f) { return acc[f / K][f % K]; };
+#if PAGED_VEC_WIDTH == 16
+  vfloat l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {
+    const vfloat a = flat(2 * i), b = flat(2 * i + 1);
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const vfloat a = l1[2 * i], b = l1[2 * i + 1];
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vfloat a = l2[2 * i], b = l2[2 * i + 1];
+    l3[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  const vfloat r =
+      __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+      __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vfloat l1[4], l2[2];
+  for (int i = 0; i < 4; ++i) {
+    const vfloat a = flat(2 * i), b = flat(2 * i + 1);
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vfloat a = l1[2 * i], b = l1[2 * i + 1];
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  const vfloat r = __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+  for (int g = 0; g < G; ++g)
+    std::memcpy(s + g * kKeyChunk, reinterpret_cast<const float*>(&r) + K * g, sizeof(float) * K);
+}
+
+// Scores of G queries (rows of q, hsp apart) with K keys: G x K register accumulators,
+// so every loaded key vector serves G queries and every query vector K keys.
+// Forced inline, as is hsum_tile: GCC kept these tiles out of line, a call per 4 keys.
+template <int G, int K, typename R>
+__attribute__((always_inline)) static inline void dot_tile(const float* q, int hsp, const R* const* k,
+                                                           float* s, const R* const* ahead) {
+  vfloat acc[G][K];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < K; ++i) acc[g][i] = vfloat{};
+  int d = 0;
+  if constexpr (sizeof(R) == 1) {  // fp8: rows widened two vectors at a time (load2_as_float)
+    for (; d + 2 * VW <= hsp; d += 2 * VW) {
+      for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
+      vfloat lo[K], hi[K];
+      for (int i = 0; i < K; ++i) load2_as_float(k[i] + d, lo[i], hi[i]);
+      for (int g = 0; g < G; ++g) {
+        const vfloat q0 = load(q + int64_t(g) * hsp + d), q1 = load(q + int64_t(g) * hsp + d + VW);
+        for (int i = 0; i < K; ++i) acc[g][i] += q0 * lo[i];
+        for (int i = 0; i < K; ++i) acc[g][i] += q1 * hi[i];
+      }
+    }
+  }
+  for (; d < hsp; d += VW) {
+    for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
+    vfloat kv[K];
+    for (int i = 0; i < K; ++i) kv[i] = load_as_float(k[i] + d);
+    for (int g = 0; g < G; ++g) {
+      const vfloat qv = load(q + int64_t(g) * hsp + d);
+      for (int i = 0; i < K; ++i) acc[g][i] += qv * kv[i];
+    }
+  }
+  hsum_tile<G, K>(acc, s);
+}
+
+// acc[g] += sum_t p[g][t] * v[t] for G queries: G x V register accumulators per step,
+// so every loaded value vector serves G queries.
+template <int G, int V, typename R>
+static inline void accumulate_tile(float* acc, int hsp, const float* p, const R* const* v, int n,
+                                   const R* const* ahead) {
+  static_assert(V % 2 == 0, "value vectors are loaded in pairs");
+  int d = 0;
+  for (; d + V * VW <= hsp; d += V * VW) {
+    vfloat a[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < V; ++i) prefetch_same_line(ahead, t, d + i * VW);
+      const R* vr = v[t] + d;
+      vfloat x[V];
+      for (int i = 0; i < V; i += 2) load2_as_float(vr + i * VW, x[i], x[i + 1]);
+      for (int g = 0; g < G; ++g) {
+        const vfloat pg = splat(p[g * kKeyChunk + t]);
+        for (int i = 0; i < V; ++i) a[g][i] += pg * x[i];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
+  }
+  for (; d < hsp; d += VW) {
+    vfloat a[G];
+    for (int g = 0; g < G; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
+    for (int t = 0; t < n; ++t) {
+      prefetch_same_line(ahead, t, d);
+      const vfloat vt = load_as_float(v[t] + d);
+      for (int g = 0; g < G; ++g) a[g] += splat(p[g * kKeyChunk + t]) * vt;
+    }
+    for (int g = 0; g < G; ++g) store(acc + int64_t(g) * hsp + d, a[g]);
+  }
+}

@@ -1,0 +1,76 @@
+#include "layout.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+namespace paged {
+
+namespace {
+
+// Dims of size > 1 sorted by stride; each stride must pass the farthest element of
+// the smaller ones (a sufficient condition that no two indices share an address).
+bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return false;
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // largest offset the smaller dims address
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool overlaps_itself(const at::Tensor& t) { return overlaps(t.sizes(), t.strides()); }
+
+// With equal shapes and strides, the pair is one view with an extra dimension whose
+// stride is the offset between them, and that view must not overlap itself.
+bool share_an_element(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  auto last = [](const at::Tensor& t) {
+    int64_t offset = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) offset += (t.size(d) - 1) * t.stride(d);
+    return offset;
+  };
+  if (last(a) < b.storage_offset() || last(b) < a.storage_offset()) return false;
+  if (a.sizes() != b.sizes() || a.strides() != b.strides()) return true;
+  std::vector<int64_t> sizes(a.sizes().begin(), a.sizes().end());
+  std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
+  sizes.push_back(2);
+  strides.push_back(std::abs(b.storage_offset() - a.storage_offset()));
+  return overlaps(sizes, strides);
+}
+
+bool same_block_layout(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes().slice(0, 3) == b.sizes().slice(0, 3);
+}
+
+bool block_is_dense(const at::Tensor& cache) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) within one block
+  for (int64_t d = 1; d < cache.dim(); ++d) {
+    if (cache.size(d) > 1) dims.emplace_back(cache.stride(d), cache.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+bool same_block_strides(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 1; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+}  // namespace paged

@@ -1,0 +1,28 @@
+// Predicates on how tensors lay out their elements (sizes and strides): what the checks
+// refuse (checks.cpp) and which copy path the cache ops take (cpu/, cuda/). They read no
+// tensor data and raise nothing.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace paged {
+
+// Two indices of `t` address one element (a view that overlaps itself).
+bool overlaps_itself(const at::Tensor& t);
+
+// Two views of one dtype share an element. Halves of a joint tensor interleave (vLLM's
+// [num_blocks, 2, ...] pages) without sharing one.
+bool share_an_element(const at::Tensor& a, const at::Tensor& b);
+
+// Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
+bool same_block_layout(const at::Tensor& a, const at::Tensor& b);
+
+// One block of `cache` (dims 1..) is one dense chunk of numel / size(0) elements starting
+// at block * stride(0): blocks then move with one memcpy each.
+bool block_is_dense(const at::Tensor& cache);
+
+// Blocks of `a` and `b` lay out their elements alike (the strides of the dimensions
+// below the block one, where they matter).
+bool same_block_strides(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace paged
