@@ -72,15 +72,16 @@ def build_model(name: str, dtype: torch.dtype, device: str, max_positions: int) 
 
 
 def decode_batch(batch: int, context: int, num_blocks: int, vocab: int, seed: int) -> Dict:
-    """Metadata of one decode step: each sequence's random blocks, its last token's slot."""
+    """Metadata of one decode step: each sequence's random blocks, its last token's slot
+    (slots and tables per KV group, as the runner takes them: one group here)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BLOCK_SIZE)
     blocks = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).tolist()
     last = context - 1
     return dict(ids=torch.randint(0, vocab, (batch,), generator=g).tolist(),
                 positions=[last] * batch,
-                slots=[t[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE for t in blocks],
-                tables=blocks, seq_lens=[context] * batch)
+                slots=[[t[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE for t in blocks]],
+                tables=[blocks], seq_lens=[context] * batch)
 
 
 def timed_step(fn, device: str) -> float:
