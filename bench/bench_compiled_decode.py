@@ -5,8 +5,8 @@ layers, hidden 896, 14/2 heads, vocabulary 151936, tied embeddings), dtype (fp32
 context (512, 2048 tokens) and batch (1, 8, 32), one decode step of ``batch`` sequences
 whose cache holds ``context`` tokens runs through
 
-* eager: the engine's packed forward (``ModelRunner._packed``, what every step ran before),
-* compiled: :class:`paged_attention_ext.engine.compiled.CompiledDecode` (torch.compile,
+* eager: the engine's packed forward (``HFModelRunner._packed``, what every step ran before),
+* compiled: :class:`paged_attention_ext.engine.hf_compiled_decode.CompiledDecode` (torch.compile,
   inductor; on CUDA also one CUDA graph per padded batch size),
 * frozen (CPU, inductor): the same with ``EngineConfig.compile_options``
   ``{"freezing": True}``: weights folded into the graph and prepacked for oneDNN (bf16) or
@@ -44,8 +44,9 @@ import torch
 import transformers
 
 from common.environment import machine_info  # the CPU model and the ops' ISA
-from paged_attention_ext.engine.compiled import CompiledDecode
-from paged_attention_ext.engine.runner import ModelRunner
+from paged_attention_ext.engine import EngineConfig
+from paged_attention_ext.engine.hf_compiled_decode import CompiledDecode
+from paged_attention_ext.engine.hf_runner import HFModelRunner
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
 from paged_attention_ext.kv_cache import PagedKVCache
 
@@ -71,15 +72,16 @@ def build_model(name: str, dtype: torch.dtype, device: str, max_positions: int) 
 
 
 def decode_batch(batch: int, context: int, num_blocks: int, vocab: int, seed: int) -> Dict:
-    """Metadata of one decode step: each sequence's random blocks, its last token's slot."""
+    """Metadata of one decode step: each sequence's random blocks, its last token's slot
+    (slots and tables per KV group, as the runner takes them: one group here)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BLOCK_SIZE)
     blocks = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).tolist()
     last = context - 1
     return dict(ids=torch.randint(0, vocab, (batch,), generator=g).tolist(),
                 positions=[last] * batch,
-                slots=[t[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE for t in blocks],
-                tables=blocks, seq_lens=[context] * batch)
+                slots=[[t[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE for t in blocks]],
+                tables=[blocks], seq_lens=[context] * batch)
 
 
 def timed_step(fn, device: str) -> float:
@@ -103,7 +105,8 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
                       device=device, num_blocks=num_blocks)
     for cache in kv.key_caches + kv.value_caches:
         cache.normal_(0, 0.5)
-    eager = ModelRunner(model, kv)
+    eager = HFModelRunner(model)
+    eager.bind(kv, EngineConfig(cascade_min_saved_tokens=None))  # plain attention, eager
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # The floor of a batch-1 step is timed on CPU only (CUDA graphs are measured apart).
     weight_buffer = torch.ones(weight_bytes // 4) if device == "cpu" else None

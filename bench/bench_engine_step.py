@@ -37,8 +37,9 @@ from paged_attention_ext.testing import random_pair, tiny_config
 CATEGORIES = {
     "checkpoint": [("block_manager.py", "checkpoint")],
     "scheduler": [("scheduler.py", "preempt"), ("scheduler.py", "schedule")],
-    "metadata": [("batch.py", "build"), ("runner.py", "_packed_batch"), ("compiled.py", "_stage")],
-    "forward": [("module.py", "_call_impl"), ("compiled.py", "_call")],
+    "metadata": [("batch.py", "build"), ("hf_runner.py", "_packed_batch"),
+                 ("hf_compiled_decode.py", "_stage")],
+    "forward": [("module.py", "_call_impl"), ("hf_compiled_decode.py", "_call")],
     "sampling": [("engine.py", "_choose_all"), ("engine.py", "_choose")],
     "metrics": [("metrics.py", "on_step"), ("metrics.py", "on_tokens")],
 }

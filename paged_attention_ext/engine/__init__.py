@@ -3,9 +3,11 @@
 See docs/engine.md.
 """
 
-from .engine import EngineConfig, LLMEngine, RequestOutput
+from .config import EngineConfig
+from .engine import LLMEngine, RequestOutput
+from .model_runner import ModelRunner, ModelSpec, RunnerStats
 from .params import Request, SamplingParams
 from .transformers_oracle import generate_reference
 
-__all__ = ["EngineConfig", "LLMEngine", "Request", "RequestOutput", "SamplingParams",
-           "generate_reference"]
+__all__ = ["EngineConfig", "LLMEngine", "ModelRunner", "ModelSpec", "Request", "RequestOutput",
+           "RunnerStats", "SamplingParams", "generate_reference"]

@@ -3,75 +3,25 @@
 import copy
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Sequence as Seq, Union
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
 from ..block_manager import BlockSpaceManager
-from ..block_table import block_hashes, blocks_needed
-from ..cascade import DEFAULT_MIN_SAVED_TOKENS
-from ..hf import ATTN_IMPLEMENTATION
-from ..hf.support import check_config, layer_windows, mla_head_sizes
+from ..block_table import block_hashes
 from ..kv_cache import PagedKVCache
 from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
-from .compiled import CompiledDecode
+from .config import EngineConfig
 from .contents import BlockContents
 from .metrics import EngineMetrics
+from .model_runner import ModelRunner
 from .params import Request
-from .runner import ModelRunner
 from .sampler import sample_many
 from .scheduler import Preemption, Scheduler, SchedulerOutput
 from .sequence import GroupStatus, Sequence, SequenceGroup
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    num_device_blocks: int = 512
-    num_host_blocks: int = 512
-    enable_prefix_caching: bool = True
-    # "swap" or "recompute"; swap had the higher throughput over bench/bench_engine.py's
-    # preemption workloads (docs/engine.md).
-    preemption_mode: str = "swap"
-    max_num_batched_tokens: int = 4096  # tokens per step; prefills beyond decodes queue up
-    watermark: float = 0.01             # pool share kept free at admission for decoding
-    # Keep a token-level shadow of every block for check_invariants(deep=True): a
-    # debugging aid that costs Python work per token, so off by default.
-    record_block_contents: bool = False
-    # Decode steps (one token per sequence) through a compiled forward: torch.compile with
-    # `compile_backend` on CPU, plus CUDA graphs per padded batch size on CUDA. Compiled
-    # at engine creation; prefill and mixed steps stay eager (docs/engine.md).
-    compile_decode: bool = False
-    compile_backend: str = "inductor"
-    # Inductor config set while the compiled decode compiles and runs (torch._inductor.config
-    # names). On CPU {"freezing": True} is the fastest at small batches (weights folded in and
-    # prepacked for oneDNN/MKL): it keeps a second, packed copy of the linear weights, and
-    # refuses steps once the model's weights have changed (docs/engine.md).
-    compile_options: Optional[Dict[str, Any]] = None
-    max_decode_batch: int = 256  # larger decode batches run eager
-    # Padded batch sizes; None: every size on CPU (dynamic shapes), vLLM's 1, 2, 4, 8, 16,
-    # ... (multiples of 8) up to max_decode_batch on CUDA, one CUDA graph each.
-    decode_batch_sizes: Optional[Tuple[int, ...]] = None
-    # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md).
-    kv_cache_dtype: str = "auto"
-    # fp8: fixed scales (numbers: one for every layer, or one entry per layer, each a number
-    # or a list of one per KV head). None: calibrated from the first forward's absolute maxima,
-    # per layer or, with kv_scale_calibration="per_head", per KV head.
-    k_scale: Optional[Union[float, Seq]] = None
-    v_scale: Optional[Union[float, Seq]] = None
-    kv_scale_calibration: str = "per_layer"
-    # Sliding-window layers in KV groups of their own, which free the blocks that leave the
-    # window (issue 23). False: one block table for every layer, each keeping every block
-    # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py).
-    hybrid_kv_groups: bool = True
-    # Cascade attention (issue 24, docs/cascade.md): running sequences that share prefix
-    # blocks (samples, beams, requests on one cached prompt) read them once per step where
-    # that saves at least this many key reads ((sharers - 1) * prefix tokens); None: plain
-    # attention only (the baseline of bench/bench_cascade.py).
-    cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS
 
 
 @dataclass
@@ -95,53 +45,36 @@ class LLMEngine:
     """Continuous batching of requests over a paged KV cache.
 
     ``model`` is a transformers causal LM loaded with
-    ``attn_implementation="paged_attention_ext"``.
+    ``attn_implementation="paged_attention_ext"``, or any model behind a
+    :class:`~paged_attention_ext.engine.model_runner.ModelRunner`.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig = EngineConfig()) -> None:
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
-        text = model.config.get_text_config()
-        layer_types = check_config(model.config, text)  # an architecture the ops cannot run raises here
+    def __init__(self, model: Union[torch.nn.Module, ModelRunner],
+                 config: EngineConfig = EngineConfig()) -> None:
+        runner = model if isinstance(model, ModelRunner) else _transformers_runner(model)
+        spec = runner.spec
         # Sliding-window layers get KV groups of their own, which free what leaves the window.
-        kv_groups = (KVGroupLayout.from_windows(layer_windows(text, layer_types))
-                     if config.hybrid_kv_groups else KVGroupLayout.uniform(len(layer_types)))
+        kv_groups = (KVGroupLayout.from_windows(spec.layer_windows) if config.hybrid_kv_groups
+                     else KVGroupLayout.uniform(spec.num_layers))
         if config.record_block_contents and any(kv_groups.windows):
             raise NotImplementedError("record_block_contents checks full-attention block tables; "
                                       "this model has sliding-window layers, whose tables free blocks")
-        heads = text.num_attention_heads
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-        head_size_v = None
-        if mla_head_sizes(text) is not None:  # MLA: K/V expanded per head, sizes differ
-            head_size, head_size_v = mla_head_sizes(text)
         self.config = config
         self.kv_cache = PagedKVCache(
-            text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-            head_size, config.block_size, dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
-            device=model.device, num_blocks=config.num_device_blocks,
-            num_host_blocks=config.num_host_blocks, head_size_v=head_size_v,
-            k_scale=config.k_scale, v_scale=config.v_scale, calibration=config.kv_scale_calibration,
-            kv_groups=kv_groups)
+            spec.num_layers, spec.num_kv_heads, spec.head_size, config.block_size,
+            dtype=kv_cache_dtype(config.kv_cache_dtype, spec.dtype), device=spec.device,
+            num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
+            head_size_v=spec.head_size_v, k_scale=config.k_scale, v_scale=config.v_scale,
+            calibration=config.kv_scale_calibration, kv_groups=kv_groups)
         # The scheduler is the block manager's only client: the engine goes through it.
         self.scheduler = Scheduler(
             BlockSpaceManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
                               config.enable_prefix_caching, config.watermark, kv_groups.windows),
             config.preemption_mode, config.max_num_batched_tokens)
-        decode = None
-        if config.compile_options and not config.compile_decode:
-            raise ValueError("compile_options apply to the compiled decode: set compile_decode=True")
-        if config.compile_decode:
-            # The longest table a sequence can have: the pool, or the model's positions.
-            width = min(config.num_device_blocks,
-                        blocks_needed(getattr(text, "max_position_embeddings", 1 << 30),
-                                      config.block_size))
-            decode = CompiledDecode(model, self.kv_cache, width, config.max_decode_batch,
-                                    config.compile_backend, config.decode_batch_sizes,
-                                    config.compile_options, config.cascade_min_saved_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, decode, config.cascade_min_saved_tokens)
+        runner.bind(self.kv_cache, config)
+        self.runner = runner
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
-        self.vocab_size = text.vocab_size
         self._groups: Dict[str, SequenceGroup] = {}
         self._ids = itertools.count()
 
@@ -151,9 +84,9 @@ class LLMEngine:
         if request.request_id in self._groups:
             raise ValueError(f"request {request.request_id} already exists")
         for position, token in enumerate(request.prompt):
-            if token >= self.vocab_size:
+            if token >= self.runner.spec.vocab_size:
                 raise ValueError(f"request {request.request_id}: prompt[{position}] = {token} is "
-                                 f"not in the model's vocabulary (size {self.vocab_size})")
+                                 f"not in the model's vocabulary (size {self.runner.spec.vocab_size})")
         params = request.params
         generator = None
         if params.do_sample:
@@ -210,12 +143,11 @@ class LLMEngine:
         check_engine(self.scheduler, self._groups, self.contents if deep else None)
 
     def report(self) -> Dict:
-        decode = self.runner.decode
-        compiled = (None if decode is None else
-                    {"steps": decode.calls, "compile_and_warmup_s": decode.warmup_s})
-        cascade = {"steps": self.runner.cascade_steps + (decode.cascade_calls if decode else 0),
-                   "saved_key_reads": self.runner.cascade_saved_tokens
-                   + (decode.cascade_saved_tokens if decode else 0)}
+        stats = self.runner.stats()
+        compiled = (None if stats.compiled_decode_steps is None else
+                    {"steps": stats.compiled_decode_steps,
+                     "compile_and_warmup_s": stats.compile_and_warmup_s})
+        cascade = {"steps": stats.cascade_steps, "saved_key_reads": stats.cascade_saved_key_reads}
         return {**self.metrics.report(self.scheduler), "compiled_decode": compiled,
                 "cascade": cascade, "config": asdict(self.config)}
 
@@ -360,3 +292,9 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             seq.block_hashes = block_hashes(seq.token_ids, self.config.block_size,
                                             known=seq.block_hashes)
+
+
+def _transformers_runner(model: torch.nn.Module) -> ModelRunner:
+    # Imported on use: only a transformers model needs transformers (and paged_attention_ext.hf).
+    from .hf_runner import HFModelRunner
+    return HFModelRunner(model)

@@ -1,4 +1,9 @@
-"""One packed model forward per engine step.
+"""The model runner of a transformers causal LM: one packed forward per engine step.
+
+The only engine modules that import :mod:`paged_attention_ext.hf` are this one and
+:mod:`~paged_attention_ext.engine.hf_compiled_decode`: here the model's config becomes
+the engine's :class:`~paged_attention_ext.engine.model_runner.ModelSpec` (refusing what
+the ops cannot run), and each step becomes a call of the model.
 
 Every scheduled sequence contributes the tokens whose K/V is not cached yet (a whole
 prompt, the part of it the prefix cache missed, a recomputation, or one decode token),
@@ -7,36 +12,76 @@ writes each token's K/V to its slot and attends with the multi-token form of
 ``paged.attention``; only the last position of each sequence goes through the LM head.
 
 A step in which every sequence computes one token (a decode step) goes through the
-:class:`~paged_attention_ext.engine.compiled.CompiledDecode` forward when the engine has
-one; prefills and mixed steps run eager (docs/engine.md says why).
+:class:`~paged_attention_ext.engine.hf_compiled_decode.CompiledDecode` forward when the
+config asks for one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
 from typing import List, Optional, Tuple
 
 import torch
 
-from ..hf import PagedBatch
+from ..block_table import blocks_needed
+from ..hf import ATTN_IMPLEMENTATION, PagedBatch
+from ..hf.support import check_config, kv_head_shape, layer_windows
 from ..kv_cache import PagedKVCache
-from .compiled import CompiledDecode
+from .config import EngineConfig
+from .hf_compiled_decode import CompiledDecode
+from .model_runner import ModelRunner, ModelSpec, RunnerStats
 from .scheduler import SchedulerOutput
 
 
-class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache,
-                 decode: Optional[CompiledDecode] = None,
-                 cascade_min_saved_tokens: Optional[int] = None) -> None:
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """The KV layout of a transformers model loaded with the paged attention; an
+    architecture the ops cannot run raises here."""
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
+    text = model.config.get_text_config()
+    layer_types = check_config(model.config, text)
+    shape = kv_head_shape(text)  # MLA: K/V expanded per query head, key and value sizes differ
+    return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
+                     num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
+                     head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
+                     dtype=model.dtype, device=model.device, vocab_size=text.vocab_size)
+
+class HFModelRunner(ModelRunner):
+    """``model``: a transformers causal LM loaded with ``attn_implementation="paged_attention_ext"``."""
+
+    compiles_decode = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model_spec(model))
         self.model = model
-        self.kv_cache = kv_cache
-        self.decode = decode
-        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self.decode: Optional[CompiledDecode] = None
+        self.cascade_min_saved_tokens: Optional[int] = None
         self.cascade_steps = 0          # steps that ran cascade attention
         self.cascade_saved_tokens = 0   # key reads (per layer and KV head) their prefixes saved
 
+    def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
+        """Take the pools, and compile the decode forward if ``config`` asks (which
+        compiles and warms up here, at engine creation)."""
+        if config.compile_options and not config.compile_decode:
+            raise ValueError("compile_options apply to the compiled decode: set compile_decode=True")
+        super().bind(kv_cache, config)
+        self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
+        if config.compile_decode:
+            # The longest table a sequence can have: the pool, or the model's positions.
+            positions = getattr(self.model.config.get_text_config(), "max_position_embeddings",
+                                1 << 30)
+            width = min(kv_cache.num_blocks, blocks_needed(positions, kv_cache.block_size))
+            self.decode = CompiledDecode(self.model, kv_cache, width, config.max_decode_batch,
+                                         config.compile_backend, config.decode_batch_sizes,
+                                         config.compile_options, config.cascade_min_saved_tokens)
+
+    def stats(self) -> RunnerStats:
+        decode = self.decode
+        if decode is None:
+            return RunnerStats(self.cascade_steps, self.cascade_saved_tokens)
+        return RunnerStats(self.cascade_steps + decode.cascade_calls,
+                           self.cascade_saved_tokens + decode.cascade_saved_tokens,
+                           decode.calls, decode.warmup_s)
+
     @torch.no_grad()
     def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
-        """Per scheduled group, fp32 logits ``[live sequences, vocab]`` of each live
-        sequence's last token, its uncomputed tokens written at the step's slots and read
-        through the step's block tables."""
         num_kv_groups = len(self.kv_cache.kv_groups.groups)
         ids: List[int] = []
         positions: List[int] = []

@@ -1,4 +1,5 @@
-"""Decode steps through one compiled forward over static metadata buffers.
+"""Decode steps of a transformers model (the HF runner's) through one compiled forward over static
+metadata buffers.
 
 A decode step runs one token per sequence, so its shapes depend only on the batch size:
 ``input_ids``/``position_ids`` ``[1, rows]``, ``slot_mapping``/``seq_lens`` ``[rows]`` and a

@@ -1,0 +1,81 @@
+"""What the engine needs from a model: the KV layout to allocate, and one forward per step.
+
+The engine sizes the paged KV cache from the runner's :class:`ModelSpec`, creates it, and
+hands it to :meth:`ModelRunner.bind`; each step it passes the scheduler's placement
+(:class:`~paged_attention_ext.engine.scheduler.SchedulerOutput`) to
+:meth:`ModelRunner.forward` and samples from the logits that come back. The runner never
+calls back into the engine or the scheduler. The transformers implementation is
+:class:`~paged_attention_ext.engine.hf_runner.HFModelRunner`.
+"""
+
+import abc
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..kv_cache import PagedKVCache
+from .config import EngineConfig
+from .scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model's facts the engine allocates and validates by."""
+
+    layer_windows: Tuple[Optional[int], ...]  # per layer: its sliding window, None for full attention
+    num_kv_heads: int
+    head_size: int                   # of the keys
+    head_size_v: Optional[int]       # of the values; None: head_size (MLA's differ)
+    dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype is fp8
+    device: torch.device
+    vocab_size: int                  # prompts' tokens must be below it
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_windows)
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    """The runner's counters in :meth:`LLMEngine.report`."""
+
+    cascade_steps: int = 0            # steps that read shared prefixes once (cascade attention)
+    cascade_saved_key_reads: int = 0  # key reads (per layer and KV head) that saved
+    compiled_decode_steps: Optional[int] = None  # None: the runner has no compiled decode
+    compile_and_warmup_s: Optional[float] = None
+
+
+class ModelRunner(abc.ABC):
+    """A model the engine can serve.
+
+    Subclasses pass their :class:`ModelSpec` to ``__init__``; the engine then calls
+    :meth:`bind` once, before any :meth:`forward`.
+    """
+
+    # Whether bind() applies EngineConfig.compile_decode (a runner that does not refuses it).
+    compiles_decode = False
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.kv_cache: Optional[PagedKVCache] = None
+
+    def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
+        """Take the pools the forwards write and read, built from :attr:`spec`; ``config``
+        carries the settings of how to run the model (compiled decode, cascade attention),
+        of which a runner applies those it implements and refuses the others."""
+        if config.compile_decode and not self.compiles_decode:
+            raise NotImplementedError(f"{type(self).__name__} has no compiled decode; "
+                                      "compile_decode=True needs a runner that has one "
+                                      "(engine/hf_runner.py)")
+        self.kv_cache = kv_cache
+
+    @abc.abstractmethod
+    def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
+        """Per scheduled group, fp32 logits ``[live sequences, vocab]`` of each live
+        sequence's last token, its uncomputed tokens (``token_ids[num_computed:]``)
+        written at ``step.slots`` and its context read through ``step.tables`` (both per
+        KV group)."""
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats()
