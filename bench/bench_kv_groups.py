@@ -31,7 +31,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import transformers

@@ -136,11 +136,10 @@ class BlockTable:
         return (self.num_tokens % self.block_size != 0
                 and self.allocator.ref_count(self.blocks[-1]) - copied_away > 1)
 
-    def blocks_needed(self, num_new_tokens: int, copied_away: int = 0) -> int:
-        """Blocks an append of this many tokens would allocate (copy-on-write included;
-        ``copied_away`` as in :meth:`shares_last_block`)."""
+    def blocks_needed(self, num_new_tokens: int) -> int:
+        """Blocks an append of this many tokens would allocate (copy-on-write included)."""
         return blocks_needed(num_new_tokens, self.block_size, self.num_tokens,
-                             copy_last=self.shares_last_block(copied_away))
+                             copy_last=self.shares_last_block())
 
     def append_tokens(self, count: int, names: Sequence[bytes] = (),
                       computed: bool = True) -> AppendResult:

@@ -21,6 +21,7 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext.quantization import FP8_DTYPES
 from paged_case import (DTYPES, TOLERANCES, PagedCase, free_out_of_window, make_case, query_start_loc,
                         random_query)
 
@@ -126,7 +127,6 @@ def alibi(num_heads: int) -> torch.Tensor:
 
 # ---- KV formats: fp8 caches and strided layouts ---------------------------------------------
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # HND: contiguous. NHD: [blocks, block_size, heads, head] transposed. joint: vLLM's
 # kv[2, blocks, block_size, heads, max head size] (K and V heads sliced when they differ).
 # padded: one spare row per block and 8 spare lanes per row. odd: rows hs + 1 apart

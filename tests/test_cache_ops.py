@@ -6,6 +6,7 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
 from paged_attention_ext.layouts import from_nhd, split_kv
+from paged_attention_ext.quantization import FP8_DTYPES
 from paged_case import DTYPES
 
 
@@ -151,8 +152,6 @@ def test_one_block_pools_with_any_leading_stride():
 
 # ---- fp8 caches (issue 16) and strided layouts (issue 17.1) --------------------------------
 
-FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
-
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor: compares NaN payloads and fp8 (whose == torch lacks) exactly."""
@@ -216,7 +215,7 @@ def padded_view(cache: torch.Tensor) -> torch.Tensor:
     return view
 
 
-@pytest.mark.parametrize("dtype", DTYPES + FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, *FP8_DTYPES])
 @pytest.mark.parametrize("layout", ["NHD", "joint", "padded"])
 def test_write_kv_into_strided_views(dtype, layout):
     key_cache, value_cache = random_caches(num_blocks=6, head_size=64, head_size_v=32)
@@ -240,7 +239,7 @@ def test_write_kv_into_strided_views(dtype, layout):
     assert torch.equal(bits(key_view), bits(key_cache)) and torch.equal(bits(value_view), bits(value_cache))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16] + FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, *FP8_DTYPES])
 @pytest.mark.parametrize("layout", ["HND", "NHD", "joint", "padded"])
 def test_copy_and_swap_blocks_fp8_and_strided_views(dtype, layout):
     keys, values = [], []

@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -8,6 +8,8 @@ counted by a backend function (generate's CompileConfig deep-copies its backend 
 which keeps a function but not a counter object) and graph breaks by dynamo's counters.
 """
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -200,6 +202,9 @@ def test_compile_mode_limits_and_arguments(models):
     assert CompiledPagedCache(config, max_cache_len=16).get_max_length() == 16
     with pytest.raises(TypeError, match="pass max_cache_len"):
         CompiledPagedCache(config)
+    for cache in (PagedCache(config), PagedCache(config, max_cache_len=16)):
+        for duplicate in (copy.copy(cache), copy.deepcopy(cache)):
+            assert type(duplicate) is type(cache) and duplicate.is_compileable == cache.is_compileable
     with torch.no_grad():
         cache = PagedCache(config, block_size=BLOCK_SIZE, max_cache_len=12, max_batch_size=2)
         with pytest.raises(ValueError, match="more than max_batch_size=2"):

@@ -43,6 +43,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
                      dtype=model.dtype, device=model.device, vocab_size=text.vocab_size)
 
+
 class HFModelRunner(ModelRunner):
     """``model``: a transformers causal LM loaded with ``attn_implementation="paged_attention_ext"``."""
 

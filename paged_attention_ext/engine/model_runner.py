@@ -63,7 +63,8 @@ class ModelRunner(abc.ABC):
     def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
         """Take the pools the forwards write and read, built from :attr:`spec`; ``config``
         carries the settings of how to run the model (compiled decode, cascade attention),
-        of which a runner applies those it implements and refuses the others."""
+        of which a runner applies those it implements: the base class refuses
+        ``compile_decode`` for a runner without one (``compiles_decode``)."""
         if config.compile_decode and not self.compiles_decode:
             raise NotImplementedError(f"{type(self).__name__} has no compiled decode; "
                                       "compile_decode=True needs a runner that has one "

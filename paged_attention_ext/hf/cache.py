@@ -28,6 +28,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from ..block_table import blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
@@ -120,9 +121,11 @@ class PagedCache(Cache):
     ``memory_usage()`` and ``get_seq_length()``.
     """
 
-    def __new__(cls, config: PretrainedConfig, *args, **kwargs) -> "PagedCache":
-        # max_cache_len selects the compile mode, a class of its own.
-        if cls is PagedCache and _bind(config, args, kwargs).get("max_cache_len") is not None:
+    def __new__(cls, *args, **kwargs) -> "PagedCache":
+        # max_cache_len selects the compile mode, a class of its own. (copy and pickle call
+        # __new__ without arguments.)
+        if cls is PagedCache and (args or kwargs) and \
+                _bind(args, kwargs).get("max_cache_len") is not None:
             from .compiled_cache import CompiledPagedCache
             cls = CompiledPagedCache
         return super().__new__(cls)
@@ -483,7 +486,7 @@ class PagedCache(Cache):
             capacity = self.num_blocks
         elif self._row_limit() is not None:
             # Without sharing, no row holds more blocks than its longest allowed sequence.
-            capacity = rows * -(-self._row_limit().tokens // self.block_size) * len(self.kv_groups.groups)
+            capacity = rows * blocks_needed(self._row_limit().tokens, self.block_size) * len(self.kv_groups.groups)
         else:
             raise ValueError("PagedCache: the config has no max_position_embeddings; pass "
                              "max_seq_len or num_blocks")
@@ -524,7 +527,7 @@ class PagedCache(Cache):
         self._batch = self._batch if self._state.interrupted else None
 
 
-def _bind(config, args, kwargs) -> Dict:
+def _bind(args, kwargs) -> Dict:
     """PagedCache's arguments by name, as its __init__ receives them."""
-    bound = inspect.signature(PagedCache.__init__).bind_partial(None, config, *args, **kwargs)
+    bound = inspect.signature(PagedCache.__init__).bind_partial(None, *args, **kwargs)
     return bound.arguments

@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..block_table import blocks_needed
 from ..kv_cache import PagedKVCache, check_int
 from .batch import StepBuffers
 from .cache import PagedCache, PoolSpec
@@ -177,7 +178,7 @@ class CompiledPagedCache(PagedCache):
         if dtype is None or device is None:
             raise ValueError("PagedCache.prepare: the first call allocates the pools; pass the "
                              "model's dtype and device")
-        width = -(-self._max_cache_len // self.block_size)
+        width = blocks_needed(self._max_cache_len, self.block_size)
         capacity = (self.num_blocks if self.num_blocks is not None
                     else max_rows * width * len(self.kv_groups.groups))
         spec = self._storage.config_shape + (dtype, torch.device(device))
