@@ -7,7 +7,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from ..block_manager import BlockSpaceManager
 from ..block_table import block_hashes
 from ..kv_cache import PagedKVCache
 from ..kv_groups import KVGroupLayout
@@ -66,11 +65,8 @@ class LLMEngine:
             num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
             head_size_v=spec.head_size_v, k_scale=config.k_scale, v_scale=config.v_scale,
             calibration=config.kv_scale_calibration, kv_groups=kv_groups)
-        # The scheduler is the block manager's only client: the engine goes through it.
-        self.scheduler = Scheduler(
-            BlockSpaceManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
-                              config.enable_prefix_caching, config.watermark, kv_groups.windows),
-            config.preemption_mode, config.max_num_batched_tokens)
+        # The scheduler owns the block manager: the engine goes through it.
+        self.scheduler = Scheduler(config, kv_groups.windows)
         runner.bind(self.kv_cache, config)
         self.runner = runner
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None

@@ -26,10 +26,11 @@ one step (no chunked prefill).
 import bisect
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence as TypingSequence, Tuple
 
 from ..block_manager import BlockSpaceManager, SeqSpec
 from ..block_table import BlockPair
+from .config import EngineConfig
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -57,13 +58,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockSpaceManager, preemption_mode: str = "swap",
-                 max_num_batched_tokens: int = 4096) -> None:
-        if preemption_mode not in PREEMPTION_MODES:
+    """Owns the engine's block manager (built here from ``config``'s pool sizes and the
+    model's KV groups): nothing else changes it."""
+
+    def __init__(self, config: EngineConfig, kv_group_windows: TypingSequence[Optional[int]]) -> None:
+        self._manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
+                                          config.block_size, config.enable_prefix_caching,
+                                          config.watermark, kv_group_windows)
+        if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
-        self._manager = manager
-        self.preemption_mode = preemption_mode
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = config.preemption_mode
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: List[SequenceGroup] = []
         self.running: List[SequenceGroup] = []
         self.swapped: List[SequenceGroup] = []
