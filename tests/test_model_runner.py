@@ -18,6 +18,8 @@ from typing import Dict, List
 import pytest
 import torch
 
+import paged_attention_ext
+
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, ModelRunner, ModelSpec, Request,
                                         SamplingParams)
 from paged_attention_ext.engine.scheduler import SchedulerOutput
@@ -25,7 +27,6 @@ from paged_attention_ext.engine.sequence import GroupStatus
 
 VOCAB = 97
 EOS = 0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def next_token(context: List[int]) -> int:
@@ -139,7 +140,7 @@ def test_a_setting_the_runner_does_not_apply_raises():
                                                      compile_decode=True))
 
 
-def test_engine_core_imports_neither_transformers_nor_hf():
+def test_engine_core_imports_neither_transformers_nor_hf(tmp_path):
     """engine.py and scheduler.py load, and serve this runner, with transformers unimportable."""
     script = f"""
 import importlib.util, json, sys
@@ -151,8 +152,11 @@ spec.loader.exec_module(module)
 outputs = module.serve("swap")["outputs"]
 print(json.dumps({{"outputs": outputs, "hf": sorted(m for m in sys.modules if m.startswith("paged_attention_ext.hf"))}}))
 """
+    # The package this process tests (the source tree, or where pip installed it), not
+    # whatever the child's working directory would shadow it with.
+    package_root = Path(paged_attention_ext.__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(package_root)})
     assert result.returncode == 0, result.stderr
     child = json.loads(result.stdout.strip().splitlines()[-1])
     assert child["hf"] == []
