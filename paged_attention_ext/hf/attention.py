@@ -93,7 +93,7 @@ def paged_attention_forward(
             "or paged_batch=... to a packed forward")
     _refuse_unsupported(module, attention_mask, dropout, is_causal, output_attentions, kwargs)
     key_cache, value_cache = batch.kv_cache.layer(module.layer_idx)
-    slot_mapping, _ = batch.tables_of(module.layer_idx)
+    slot_mapping = batch.slots_of(module.layer_idx)
     _check_window(module, sliding_window, batch)
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]

@@ -77,12 +77,10 @@ class PagedBatch:
         """The attention metadata of the layer's KV group."""
         return self.attention[self._group(layer)]
 
-    def tables_of(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(slot_mapping, block_tables) of the layer's KV group."""
+    def slots_of(self, layer: int) -> torch.Tensor:
+        """The slot mapping of the layer's KV group (its tables are in :meth:`attention_of`)."""
         group = self._group(layer)
-        if group == 0:
-            return self.slot_mapping, self.block_tables
-        return self.other_groups[group - 1]
+        return self.slot_mapping if group == 0 else self.other_groups[group - 1][0]
 
     @classmethod
     def build(cls, kv_cache: PagedKVCache, block_tables: Sequence[Sequence[Sequence[int]]],

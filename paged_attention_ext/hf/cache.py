@@ -240,7 +240,7 @@ class PagedCache(Cache):
         if not self._storage.in_attention:
             self._check_layer_shapes(layer_idx, keys, values)
             self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
-                          self._batch.tables_of(layer_idx)[0])
+                          self._batch.slots_of(layer_idx))
 
     def _finish_layer(self, layer_idx: int, keys: torch.Tensor) -> None:
         """Count the layer stored and hand the attention function its call."""
