@@ -51,6 +51,10 @@ def check_cuda_toolkit() -> None:
                          "the CPU kernels only with PAGED_ATTENTION_FORCE_CPU=1.")
 
 
+# torch 2.10.0, as TORCH_TARGET_VERSION encodes it (major, minor, patch, 0 in 16 bits each).
+STABLE_ABI_TARGET = "0x020a000000000000"
+
+
 def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
@@ -58,7 +62,10 @@ def sources(pattern: str) -> list[str]:
 def extension():
     # No -march: the ISA-specific kernels carry their own target pragmas and are
     # chosen at run time, so the library runs on any x86-64 CPU.
-    cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi"]
+    # The stable ABI of the oldest supported torch (TORCH_TARGET_VERSION: only what it
+    # offers compiles), so the one library loads into every torch of the range.
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi",
+                 f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET}"]
     cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
     common = dict(
         name="paged_attention_ext._C",
@@ -81,7 +88,7 @@ def extension():
         # the host compiler; nvcc sees only the torch-free kernels.
         return CUDAExtension(
             sources=cpp + sources("csrc/cuda/*.cpp") + cuda_sources,
-            extra_compile_args={"cxx": cxx_flags + ["-DPAGED_WITH_CUDA"], "nvcc": nvcc_flags},
+            extra_compile_args={"cxx": cxx_flags + ["-DPAGED_WITH_CUDA", "-DUSE_CUDA"], "nvcc": nvcc_flags},
             **common,
         )
     return CppExtension(sources=cpp, extra_compile_args={"cxx": cxx_flags}, **common)

@@ -4,10 +4,10 @@
 // (registration.cpp) document each argument.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 #include <optional>
+
+#include "torch_api.h"
 
 namespace paged {
 
@@ -19,19 +19,19 @@ enum class QueryPlacement {
 
 // References to the op's own arguments, which outlive the call.
 struct AttentionArgs {
-  const at::Tensor& query;         // [num_tokens, num_heads, head_size]
-  const at::Tensor& key_cache;     // [num_blocks, num_kv_heads, block_size, head_size]
-  const at::Tensor& value_cache;   // [num_blocks, num_kv_heads, block_size, head_size_v]
-  const at::Tensor& block_tables;  // int32 [num_seqs, max_blocks_per_seq]
-  const at::Tensor& seq_lens;      // int32 [num_seqs]
+  const Tensor& query;         // [num_tokens, num_heads, head_size]
+  const Tensor& key_cache;     // [num_blocks, num_kv_heads, block_size, head_size]
+  const Tensor& value_cache;   // [num_blocks, num_kv_heads, block_size, head_size_v]
+  const Tensor& block_tables;  // int32 [num_seqs, max_blocks_per_seq]
+  const Tensor& seq_lens;      // int32 [num_seqs]
   double scale;
-  const std::optional<at::Tensor>& query_start_loc;  // int32 [num_seqs + 1]; none: decode
-  const std::optional<at::Tensor>& alibi_slopes;     // fp32 [num_heads]
+  const std::optional<Tensor>& query_start_loc;  // int32 [num_seqs + 1]; none: decode
+  const std::optional<Tensor>& alibi_slopes;     // fp32 [num_heads]
   int64_t sliding_window;                            // -1: disabled
   double soft_cap;                                   // 0: disabled
-  const std::optional<at::Tensor>& sinks;            // fp32 [num_heads]
-  const std::optional<at::Tensor>& k_scale;          // fp8 caches: fp32 [], [1] or [num_kv_heads]
-  const std::optional<at::Tensor>& v_scale;
+  const std::optional<Tensor>& sinks;            // fp32 [num_heads]
+  const std::optional<Tensor>& k_scale;          // fp8 caches: fp32 [], [1] or [num_kv_heads]
+  const std::optional<Tensor>& v_scale;
   QueryPlacement placement;
 };
 

@@ -4,9 +4,6 @@
 // `lse`. Each form gathers the op's arguments into AttentionArgs and allocates its results.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -15,67 +12,67 @@
 
 namespace paged {
 
-using AttentionIntoFn = void (*)(const char* op, const AttentionArgs& args, at::Tensor& out,
-                                 const std::optional<at::Tensor>& lse);
+using AttentionIntoFn = void (*)(const char* op, const AttentionArgs& args, Tensor& out,
+                                 const std::optional<Tensor>& lse);
 
 // [num_tokens, num_heads, head_size_v]: the query's rows and heads, the value cache's head
 // size. A malformed query or cache is rejected by Into before the result is used; until
 // then the empty output only needs some valid shape.
-inline at::Tensor empty_out(const at::Tensor& query, const at::Tensor& value_cache) {
+inline Tensor empty_out(const Tensor& query, const Tensor& value_cache) {
   std::vector<int64_t> sizes(query.sizes().begin(), query.sizes().end());
   if (sizes.size() == 3 && value_cache.dim() == 4) sizes[2] = value_cache.size(3);
-  return at::empty(sizes, query.options());
+  return empty(sizes, query.scalar_type(), query);
 }
 
 // fp32 [num_tokens, num_heads]; none for a malformed query, which Into rejects before the
 // lse is used.
-inline std::optional<at::Tensor> empty_lse(const at::Tensor& query) {
+inline std::optional<Tensor> empty_lse(const Tensor& query) {
   if (query.dim() != 3) return std::nullopt;
-  return at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
+  return empty({query.size(0), query.size(1)}, kFloat, query);
 }
 
 template <AttentionIntoFn Into>
-at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, double scale,
-                     const std::optional<at::Tensor>& query_start_loc,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double soft_cap, const std::optional<at::Tensor>& sinks,
-                     const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale) {
+Tensor attention(const Tensor& query, const Tensor& key_cache,
+                     const Tensor& value_cache, const Tensor& block_tables,
+                     const Tensor& seq_lens, double scale,
+                     const std::optional<Tensor>& query_start_loc,
+                     const std::optional<Tensor>& alibi_slopes, int64_t sliding_window,
+                     double soft_cap, const std::optional<Tensor>& sinks,
+                     const std::optional<Tensor>& k_scale,
+                     const std::optional<Tensor>& v_scale) {
   const AttentionArgs args{query, key_cache, value_cache, block_tables, seq_lens, scale,
                            query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
                            k_scale, v_scale, QueryPlacement::kLastPositions};
-  at::Tensor out = empty_out(query, value_cache);
+  Tensor out = empty_out(query, value_cache);
   Into("paged.attention", args, out, std::nullopt);
   return out;
 }
 
 template <AttentionIntoFn Into>
-std::tuple<at::Tensor, at::Tensor> attention_with_lse(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-    const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+std::tuple<Tensor, Tensor> attention_with_lse(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, double scale,
+    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& alibi_slopes,
+    int64_t sliding_window, double soft_cap, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   const AttentionArgs args{query, key_cache, value_cache, block_tables, seq_lens, scale,
                            query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
                            k_scale, v_scale, QueryPlacement::kLastPositions};
-  at::Tensor out = empty_out(query, value_cache);
-  const std::optional<at::Tensor> lse = empty_lse(query);
+  Tensor out = empty_out(query, value_cache);
+  const std::optional<Tensor> lse = empty_lse(query);
   Into("paged.attention_with_lse", args, out, lse);
   return {out, *lse};
 }
 
 template <AttentionIntoFn Into>
-void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& query,
-                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   const std::optional<at::Tensor>& query_start_loc,
-                   const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                   double soft_cap, const std::optional<at::Tensor>& sinks,
-                   const std::optional<at::Tensor>& k_scale,
-                   const std::optional<at::Tensor>& v_scale) {
+void attention_out(Tensor& out, const std::optional<Tensor>& lse, const Tensor& query,
+                   const Tensor& key_cache, const Tensor& value_cache,
+                   const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                   const std::optional<Tensor>& query_start_loc,
+                   const std::optional<Tensor>& alibi_slopes, int64_t sliding_window,
+                   double soft_cap, const std::optional<Tensor>& sinks,
+                   const std::optional<Tensor>& k_scale,
+                   const std::optional<Tensor>& v_scale) {
   const AttentionArgs args{query, key_cache, value_cache, block_tables, seq_lens, scale,
                            query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
                            k_scale, v_scale, QueryPlacement::kLastPositions};
@@ -85,27 +82,28 @@ void attention_out(at::Tensor& out, const std::optional<at::Tensor>& lse, const 
 // Attention of each group's queries over its shared prefix (no ALiBi, no window: both
 // depend on the query's position, which the op does not know).
 template <AttentionIntoFn Into>
-std::tuple<at::Tensor, at::Tensor> shared_prefix_attention(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    double scale, double soft_cap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  const std::optional<at::Tensor> starts = query_start_loc, no_alibi;
+std::tuple<Tensor, Tensor> shared_prefix_attention(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+    double scale, double soft_cap, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
+  const std::optional<Tensor> starts = query_start_loc, no_alibi;
   const AttentionArgs args{query, key_cache, value_cache, block_tables, seq_lens, scale,
                            starts, no_alibi, /*sliding_window=*/-1, soft_cap, sinks,
                            k_scale, v_scale, QueryPlacement::kAfterKeys};
-  at::Tensor out = empty_out(query, value_cache);
-  const std::optional<at::Tensor> lse = empty_lse(query);
+  Tensor out = empty_out(query, value_cache);
+  const std::optional<Tensor> lse = empty_lse(query);
   Into("paged.shared_prefix_attention", args, out, lse);
   return {out, *lse};
 }
 
-template <AttentionIntoFn Into>
-void register_attention_outputs(torch::Library& m) {
-  m.impl("attention", &attention<Into>);
-  m.impl("attention_with_lse", &attention_with_lse<Into>);
-  m.impl("attention_out", &attention_out<Into>);
-  m.impl("shared_prefix_attention", &shared_prefix_attention<Into>);
+// `m`: a backend's STABLE_TORCH_LIBRARY_IMPL library.
+template <AttentionIntoFn Into, typename Library>
+void register_attention_outputs(Library& m) {
+  m.impl("attention", TORCH_BOX(&attention<Into>));
+  m.impl("attention_with_lse", TORCH_BOX(&attention_with_lse<Into>));
+  m.impl("attention_out", TORCH_BOX(&attention_out<Into>));
+  m.impl("shared_prefix_attention", TORCH_BOX(&shared_prefix_attention<Into>));
 }
 
 }  // namespace paged

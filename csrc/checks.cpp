@@ -1,6 +1,5 @@
 #include "checks.h"
 
-#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,93 +8,94 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "errors.h"
 #include "layout.h"
 
 namespace paged {
 
 namespace {
 
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+bool is_supported_float(ScalarType t) {
+  return t == kFloat || t == kHalf || t == kBFloat16;
 }
 
-bool is_cache_dtype(at::ScalarType t) { return is_supported_float(t) || is_fp8(t); }
+bool is_cache_dtype(ScalarType t) { return is_supported_float(t) || is_fp8(t); }
 
-void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank,
                 const char* layout) {
-  TORCH_CHECK_VALUE(t.dim() == rank, op, ": argument '", name, "' must be ", rank, "-D ", layout,
+  PAGED_CHECK_VALUE(t.dim() == rank, op, ": argument '", name, "' must be ", rank, "-D ", layout,
                     ", got shape ", t.sizes());
 }
 
-void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK_TYPE(t.scalar_type() == want, op, ": argument '", name, "' must have dtype ", want,
+void check_dtype(const char* op, const char* name, const Tensor& t, ScalarType want) {
+  PAGED_CHECK_TYPE(t.scalar_type() == want, op, ": argument '", name, "' must have dtype ", want,
                    ", got ", t.scalar_type());
 }
 
-void check_same_device(const char* op, const char* name, const at::Tensor& t,
-                       const at::Tensor& reference, const char* reference_name = "query") {
-  TORCH_CHECK_VALUE(t.device() == reference.device(), op, ": argument '", name,
+void check_same_device(const char* op, const char* name, const Tensor& t,
+                       const Tensor& reference, const char* reference_name = "query") {
+  PAGED_CHECK_VALUE(t.device() == reference.device(), op, ": argument '", name,
                     "' must be on the same device as '", reference_name, "' (",
                     reference.device(), "), got ", t.device());
 }
 
 void check_head_size(const char* op, const char* name, int64_t head_size) {
-  TORCH_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxSupportedHeadSize, op,
+  PAGED_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxSupportedHeadSize, op,
                     ": argument '", name, "' has head_size ", head_size,
                     "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
 }
 
-int32_t read_i32(const at::Tensor& t, int64_t i) { return t.data_ptr<int32_t>()[i * t.stride(0)]; }
+int32_t read_i32(const Tensor& t, int64_t i) { return t.mutable_data_ptr<int32_t>()[i * t.stride(0)]; }
 
 }  // namespace
 
-void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
+void check_cache_tensor(const char* op, const char* name, const Tensor& cache) {
   check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]");
-  TORCH_CHECK_TYPE(is_cache_dtype(cache.scalar_type()), op, ": argument '", name,
+  PAGED_CHECK_TYPE(is_cache_dtype(cache.scalar_type()), op, ": argument '", name,
                    "' must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
                    cache.scalar_type());
-  TORCH_CHECK_VALUE(cache.stride(3) == 1 || cache.size(3) <= 1, op, ": argument '", name,
+  PAGED_CHECK_VALUE(cache.stride(3) == 1 || cache.size(3) <= 1, op, ": argument '", name,
                     "' must be contiguous in its last dimension (head_size), got strides ",
                     cache.strides());
-  TORCH_CHECK_VALUE(!overlaps_itself(cache), op, ": argument '", name,
+  PAGED_CHECK_VALUE(!overlaps_itself(cache), op, ": argument '", name,
                     "' is a view that overlaps itself (strides ", cache.strides(), " for shape ",
                     cache.sizes(), "); two cache slots would share memory");
 }
 
-void check_kv_scales(const char* op, at::ScalarType cache_dtype, int64_t num_kv_heads,
-                     const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale, const at::Tensor& reference,
+void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_heads,
+                     const std::optional<Tensor>& k_scale,
+                     const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name) {
-  const std::pair<const char*, const std::optional<at::Tensor>*> scales[] = {
+  const std::pair<const char*, const std::optional<Tensor>*> scales[] = {
       {"k_scale", &k_scale}, {"v_scale", &v_scale}};
   for (const auto& [name, scale] : scales) {
     if (!is_fp8(cache_dtype)) {
-      TORCH_CHECK_VALUE(!scale->has_value(), op, ": argument '", name, "' is only for fp8 "
+      PAGED_CHECK_VALUE(!scale->has_value(), op, ": argument '", name, "' is only for fp8 "
                         "caches (float8_e4m3fn, float8_e5m2), but the caches are ", cache_dtype,
                         "; pass None");
       continue;
     }
-    TORCH_CHECK_VALUE(scale->has_value(), op, ": the caches are ", cache_dtype,
+    PAGED_CHECK_VALUE(scale->has_value(), op, ": the caches are ", cache_dtype,
                       ", which needs argument '", name, "' (a float32 tensor of shape [], [1] "
                       "or [num_kv_heads]); got None");
-    const at::Tensor& t = **scale;
-    check_dtype(op, name, t, at::kFloat);
+    const Tensor& t = **scale;
+    check_dtype(op, name, t, kFloat);
     check_same_device(op, name, t, reference, reference_name);
     const bool per_layer = t.numel() == 1 && t.dim() <= 1;
     const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
-    TORCH_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
+    PAGED_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
                       "or [num_kv_heads] = [", num_kv_heads, "], got ", t.sizes());
   }
 }
 
-void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches) {
-  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
+void check_layer_caches(const char* op, const TensorList& key_caches, const TensorList& value_caches) {
+  PAGED_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
                     ": arguments 'key_caches' and 'value_caches' must list the same number of "
                     "layers, got ", key_caches.size(), " and ", value_caches.size());
   for (size_t l = 0; l < key_caches.size(); ++l) {
     check_cache_tensor(op, "key_caches", key_caches[l]);
     check_cache_tensor(op, "value_caches", value_caches[l]);
-    TORCH_CHECK_VALUE(same_block_layout(key_caches[l], value_caches[l]) &&
+    PAGED_CHECK_VALUE(same_block_layout(key_caches[l], value_caches[l]) &&
                           key_caches[l].scalar_type() == value_caches[l].scalar_type(),
                       op, ": key_caches[", l, "] and value_caches[", l,
                       "] must have the same dtype and shape (the head size may differ), got ",
@@ -105,33 +105,33 @@ void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorLis
                       "key_caches[0]");
     check_same_device(op, ("value_caches" + layer).c_str(), value_caches[l], key_caches[0],
                       "key_caches[0]");
-    TORCH_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
+    PAGED_CHECK_VALUE(key_caches[l].size(0) == key_caches[0].size(0), op,
                       ": every layer must have the same num_blocks");
   }
 }
 
-void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& dst) {
-  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
+void check_swap_pools(const char* op, const Tensor& src, const Tensor& dst) {
+  PAGED_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), op,
                    ": arguments 'src' and 'dst' must have the same dtype, got ", src.scalar_type(),
                    " and ", dst.scalar_type());
-  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
-                        src.sizes().slice(1) == dst.sizes().slice(1),
+  PAGED_CHECK_VALUE(src.dim() >= 1 && src.dim() == dst.dim() &&
+                        src.sizes().slice(1).equals(dst.sizes().slice(1)),
                     op, ": arguments 'src' and 'dst' must have the same block shape, got ",
                     src.sizes(), " and ", dst.sizes());
-  TORCH_CHECK_VALUE(!overlaps_itself(dst), op, ": argument 'dst' is a view that overlaps itself "
+  PAGED_CHECK_VALUE(!overlaps_itself(dst), op, ": argument 'dst' is a view that overlaps itself "
                     "(strides ", dst.strides(), " for shape ", dst.sizes(), ")");
   // One pool as both (a copy within it) is fine; two different views of one storage that
   // share an element would make the parallel copies depend on their order.
-  const bool same_view = src.data_ptr() == dst.data_ptr() && src.strides() == dst.strides();
-  TORCH_CHECK_VALUE(same_view || !share_an_element(src, dst), op,
+  const bool same_view = src.data_ptr() == dst.data_ptr() && src.strides().equals(dst.strides());
+  PAGED_CHECK_VALUE(same_view || !share_an_element(src, dst), op,
                     ": arguments 'src' and 'dst' are different views that share memory; pass "
                     "one pool as both, or disjoint pools");
 }
 
 AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
-                                    const at::Tensor* out, const at::Tensor* lse) {
+                                    const Tensor* out, const Tensor* lse) {
   check_rank(op, "query", args.query, 3, "[num_tokens, num_heads, head_size]");
-  TORCH_CHECK_TYPE(is_supported_float(args.query.scalar_type()), op,
+  PAGED_CHECK_TYPE(is_supported_float(args.query.scalar_type()), op,
                    ": argument 'query' must be float32, float16 or bfloat16, got ",
                    args.query.scalar_type());
   check_cache_tensor(op, "key_cache", args.key_cache);
@@ -140,7 +140,7 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   if (!is_fp8(args.key_cache.scalar_type()))
     check_dtype(op, "key_cache", args.key_cache, args.query.scalar_type());
   check_dtype(op, "value_cache", args.value_cache, args.key_cache.scalar_type());
-  TORCH_CHECK_VALUE(same_block_layout(args.value_cache, args.key_cache), op,
+  PAGED_CHECK_VALUE(same_block_layout(args.value_cache, args.key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", args.key_cache.sizes(), ", got ",
                     args.value_cache.sizes());
@@ -158,93 +158,93 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   s.num_kv_heads = args.key_cache.size(1);
   s.block_size = args.key_cache.size(2);
 
-  TORCH_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
+  PAGED_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
                     ": argument 'key_cache' has head_size ", args.key_cache.size(3),
                     " but 'query' has head_size ", s.head_size);
   check_head_size(op, "query", s.head_size);
   check_head_size(op, "value_cache", s.head_size_v);
-  TORCH_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
-  TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
+  PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
+  PAGED_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
                     ": num_heads of 'query' (", s.num_heads,
                     ") must be a multiple of num_kv_heads of 'key_cache' (", s.num_kv_heads, ")");
-  TORCH_CHECK_VALUE(args.query.stride(2) == 1 || s.head_size == 1, op,
+  PAGED_CHECK_VALUE(args.query.stride(2) == 1 || s.head_size == 1, op,
                     ": argument 'query' must be contiguous in its last dimension, got strides ",
                     args.query.strides());
 
   check_rank(op, "seq_lens", args.seq_lens, 1, "[num_seqs]");
-  check_dtype(op, "seq_lens", args.seq_lens, at::kInt);
+  check_dtype(op, "seq_lens", args.seq_lens, kInt);
   check_same_device(op, "seq_lens", args.seq_lens, args.query);
   s.num_seqs = args.seq_lens.size(0);
 
   check_rank(op, "block_tables", args.block_tables, 2, "[num_seqs, max_blocks_per_seq]");
-  check_dtype(op, "block_tables", args.block_tables, at::kInt);
+  check_dtype(op, "block_tables", args.block_tables, kInt);
   check_same_device(op, "block_tables", args.block_tables, args.query);
-  TORCH_CHECK_VALUE(args.block_tables.size(0) == s.num_seqs, op,
+  PAGED_CHECK_VALUE(args.block_tables.size(0) == s.num_seqs, op,
                     ": argument 'block_tables' has ", args.block_tables.size(0),
                     " rows but 'seq_lens' has ", s.num_seqs, " sequences");
-  TORCH_CHECK_VALUE(args.block_tables.stride(1) == 1 || args.block_tables.size(1) <= 1, op,
+  PAGED_CHECK_VALUE(args.block_tables.stride(1) == 1 || args.block_tables.size(1) <= 1, op,
                     ": argument 'block_tables' must be contiguous in its last dimension");
   s.max_blocks_per_seq = args.block_tables.size(1);
 
   if (args.query_start_loc.has_value()) {
-    const at::Tensor& qsl = *args.query_start_loc;
+    const Tensor& qsl = *args.query_start_loc;
     check_rank(op, "query_start_loc", qsl, 1, "[num_seqs + 1]");
-    check_dtype(op, "query_start_loc", qsl, at::kInt);
+    check_dtype(op, "query_start_loc", qsl, kInt);
     check_same_device(op, "query_start_loc", qsl, args.query);
-    TORCH_CHECK_VALUE(qsl.size(0) == s.num_seqs + 1, op,
+    PAGED_CHECK_VALUE(qsl.size(0) == s.num_seqs + 1, op,
                       ": argument 'query_start_loc' must have num_seqs + 1 = ", s.num_seqs + 1,
                       " entries, got ", qsl.size(0));
   } else {
-    TORCH_CHECK_VALUE(s.num_tokens == s.num_seqs, op,
+    PAGED_CHECK_VALUE(s.num_tokens == s.num_seqs, op,
                       ": without 'query_start_loc' (decode) 'query' must have one row per "
                       "sequence: got ", s.num_tokens, " rows for ", s.num_seqs, " sequences");
   }
 
   if (args.alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *args.alibi_slopes;
+    const Tensor& slopes = *args.alibi_slopes;
     check_rank(op, "alibi_slopes", slopes, 1, "[num_heads]");
-    check_dtype(op, "alibi_slopes", slopes, at::kFloat);
+    check_dtype(op, "alibi_slopes", slopes, kFloat);
     check_same_device(op, "alibi_slopes", slopes, args.query);
-    TORCH_CHECK_VALUE(slopes.size(0) == s.num_heads, op, ": argument 'alibi_slopes' must have ",
+    PAGED_CHECK_VALUE(slopes.size(0) == s.num_heads, op, ": argument 'alibi_slopes' must have ",
                       s.num_heads, " entries (num_heads), got ", slopes.size(0));
   }
 
   if (args.sinks.has_value()) {
     check_rank(op, "sinks", *args.sinks, 1, "[num_heads]");
-    check_dtype(op, "sinks", *args.sinks, at::kFloat);
+    check_dtype(op, "sinks", *args.sinks, kFloat);
     check_same_device(op, "sinks", *args.sinks, args.query);
-    TORCH_CHECK_VALUE(args.sinks->size(0) == s.num_heads, op, ": argument 'sinks' must have ",
+    PAGED_CHECK_VALUE(args.sinks->size(0) == s.num_heads, op, ": argument 'sinks' must have ",
                       s.num_heads, " entries (num_heads), got ", args.sinks->size(0));
   }
 
-  TORCH_CHECK_VALUE(std::isfinite(args.scale), op, ": argument 'scale' must be finite, got ",
+  PAGED_CHECK_VALUE(std::isfinite(args.scale), op, ": argument 'scale' must be finite, got ",
                     args.scale);
-  TORCH_CHECK_VALUE(std::isfinite(args.soft_cap) && args.soft_cap >= 0.0, op,
+  PAGED_CHECK_VALUE(std::isfinite(args.soft_cap) && args.soft_cap >= 0.0, op,
                     ": argument 'soft_cap' must be >= 0 (0 disables it), got ", args.soft_cap);
-  TORCH_CHECK_VALUE(args.sliding_window >= -1 && args.sliding_window <= INT32_MAX, op,
+  PAGED_CHECK_VALUE(args.sliding_window >= -1 && args.sliding_window <= INT32_MAX, op,
                     ": argument 'sliding_window' must be -1 (disabled) or a window length, got ",
                     args.sliding_window);
 
   if (out != nullptr) {
     const auto want = std::vector<int64_t>{s.num_tokens, s.num_heads, s.head_size_v};
-    TORCH_CHECK_VALUE(out->sizes() == at::IntArrayRef(want), op,
+    PAGED_CHECK_VALUE(out->sizes().equals(Sizes(want.data(), want.size())), op,
                       ": argument 'out' must be [num_tokens, num_heads, head_size_v] = ",
-                      at::IntArrayRef(want), ", got ", out->sizes());
+                      want, ", got ", out->sizes());
     check_dtype(op, "out", *out, args.query.scalar_type());
     check_same_device(op, "out", *out, args.query);
-    TORCH_CHECK_VALUE(out->stride(2) == 1, op,
+    PAGED_CHECK_VALUE(out->stride(2) == 1, op,
                       ": argument 'out' must be contiguous in its last dimension");
   }
   if (lse != nullptr) {
     check_rank(op, "lse", *lse, 2, "[num_tokens, num_heads]");
-    TORCH_CHECK_VALUE(lse->size(0) == s.num_tokens && lse->size(1) == s.num_heads, op,
+    PAGED_CHECK_VALUE(lse->size(0) == s.num_tokens && lse->size(1) == s.num_heads, op,
                       ": argument 'lse' must have shape [", s.num_tokens, ", ", s.num_heads,
                       "], got ", lse->sizes());
-    check_dtype(op, "lse", *lse, at::kFloat);
+    check_dtype(op, "lse", *lse, kFloat);
     check_same_device(op, "lse", *lse, args.query);
-    TORCH_CHECK_VALUE(lse->stride(1) == 1, op, ": argument 'lse' must be contiguous in its last dimension");
+    PAGED_CHECK_VALUE(lse->stride(1) == 1, op, ": argument 'lse' must be contiguous in its last dimension");
   }
-  TORCH_CHECK_VALUE(s.num_tokens <= INT32_MAX && s.max_blocks_per_seq * s.block_size <= INT32_MAX,
+  PAGED_CHECK_VALUE(s.num_tokens <= INT32_MAX && s.max_blocks_per_seq * s.block_size <= INT32_MAX,
                     op, ": more tokens than int32 positions can address");
   return s;
 }
@@ -252,11 +252,11 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
 void check_attention_metadata(const char* op, const AttentionShape& s, const AttentionArgs& args) {
   const bool queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
   const int64_t capacity = s.max_blocks_per_seq * s.block_size;
-  const int32_t* table = args.block_tables.data_ptr<int32_t>();
+  const int32_t* table = args.block_tables.mutable_data_ptr<int32_t>();
   const int64_t row_stride = args.block_tables.stride(0);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int32_t len = read_i32(args.seq_lens, i);
-    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, op, ": seq_lens[", i, "] = ", len,
+    PAGED_CHECK_VALUE(len >= 0 && len <= capacity, op, ": seq_lens[", i, "] = ", len,
                       " is outside [0, ", capacity, "], the tokens its block_tables row covers (",
                       s.max_blocks_per_seq, " blocks of ", s.block_size, ")");
     const int64_t used_blocks = (len + s.block_size - 1) / s.block_size;
@@ -272,73 +272,73 @@ void check_attention_metadata(const char* op, const AttentionShape& s, const Att
     }
     for (int64_t b = first_block; b < used_blocks; ++b) {
       const int32_t block = table[i * row_stride + b];
-      TORCH_CHECK_INDEX(block >= 0 && block < s.num_blocks, op, ": block_tables[", i, ", ", b,
+      PAGED_CHECK_INDEX(block >= 0 && block < s.num_blocks, op, ": block_tables[", i, ", ", b,
                         "] = ", block, " is not a block of the cache (num_blocks = ",
                         s.num_blocks, ")");
     }
   }
   if (!args.query_start_loc.has_value()) return;
-  const at::Tensor& qsl = *args.query_start_loc;
-  TORCH_CHECK_VALUE(read_i32(qsl, 0) == 0, op, ": query_start_loc[0] must be 0, got ",
+  const Tensor& qsl = *args.query_start_loc;
+  PAGED_CHECK_VALUE(read_i32(qsl, 0) == 0, op, ": query_start_loc[0] must be 0, got ",
                     read_i32(qsl, 0));
-  TORCH_CHECK_VALUE(read_i32(qsl, s.num_seqs) == s.num_tokens, op, ": query_start_loc[-1] = ",
+  PAGED_CHECK_VALUE(read_i32(qsl, s.num_seqs) == s.num_tokens, op, ": query_start_loc[-1] = ",
                     read_i32(qsl, s.num_seqs), " must equal num_tokens of 'query' (",
                     s.num_tokens, ")");
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t q_len = int64_t(read_i32(qsl, i + 1)) - read_i32(qsl, i);
-    TORCH_CHECK_VALUE(q_len >= 0, op, ": query_start_loc must be non-decreasing; entry ", i + 1,
+    PAGED_CHECK_VALUE(q_len >= 0, op, ": query_start_loc must be non-decreasing; entry ", i + 1,
                       " is below entry ", i);
-    TORCH_CHECK_VALUE(queries_after_keys || q_len <= read_i32(args.seq_lens, i), op,
+    PAGED_CHECK_VALUE(queries_after_keys || q_len <= read_i32(args.seq_lens, i), op,
                       ": sequence ", i, " has ", q_len,
                       " query tokens in query_start_loc but seq_lens[", i, "] = ",
                       read_i32(args.seq_lens, i), " (queries are the last q_len tokens of the sequence)");
   }
 }
 
-void check_merge_args(const char* op, at::TensorList outputs, at::TensorList lses) {
-  TORCH_CHECK_VALUE(!outputs.empty() && outputs.size() == lses.size(), op,
+void check_merge_args(const char* op, const TensorList& outputs, const TensorList& lses) {
+  PAGED_CHECK_VALUE(!outputs.empty() && outputs.size() == lses.size(), op,
                     ": arguments 'outputs' and 'lses' must list the same number (>= 1) of partial "
                     "results, got ", outputs.size(), " and ", lses.size());
-  const at::Tensor& first = outputs[0];
+  const Tensor& first = outputs[0];
   check_rank(op, "outputs[0]", first, 3, "[num_tokens, num_heads, head_size]");
-  TORCH_CHECK_TYPE(is_supported_float(first.scalar_type()), op,
+  PAGED_CHECK_TYPE(is_supported_float(first.scalar_type()), op,
                    ": argument 'outputs[0]' must be float32, float16 or bfloat16, got ",
                    first.scalar_type());
   for (size_t i = 0; i < outputs.size(); ++i) {
     const std::string o = "outputs[" + std::to_string(i) + "]";
     const std::string l = "lses[" + std::to_string(i) + "]";
-    TORCH_CHECK_VALUE(outputs[i].sizes() == first.sizes(), op, ": argument '", o,
+    PAGED_CHECK_VALUE(outputs[i].sizes().equals(first.sizes()), op, ": argument '", o,
                       "' must have the shape of 'outputs[0]' ", first.sizes(), ", got ",
                       outputs[i].sizes());
     check_dtype(op, o.c_str(), outputs[i], first.scalar_type());
     check_same_device(op, o.c_str(), outputs[i], first, "outputs[0]");
-    TORCH_CHECK_VALUE(outputs[i].stride(2) == 1 || first.size(2) <= 1, op, ": argument '", o,
+    PAGED_CHECK_VALUE(outputs[i].stride(2) == 1 || first.size(2) <= 1, op, ": argument '", o,
                       "' must be contiguous in its last dimension, got strides ",
                       outputs[i].strides());
     check_rank(op, l.c_str(), lses[i], 2, "[num_tokens, num_heads]");
-    TORCH_CHECK_VALUE(lses[i].size(0) == first.size(0) && lses[i].size(1) == first.size(1), op,
+    PAGED_CHECK_VALUE(lses[i].size(0) == first.size(0) && lses[i].size(1) == first.size(1), op,
                       ": argument '", l, "' must have shape [", first.size(0), ", ", first.size(1),
                       "] (num_tokens, num_heads of 'outputs[0]'), got ", lses[i].sizes());
-    check_dtype(op, l.c_str(), lses[i], at::kFloat);
+    check_dtype(op, l.c_str(), lses[i], kFloat);
     check_same_device(op, l.c_str(), lses[i], first, "outputs[0]");
   }
 }
 
-void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale) {
+void check_write_kv_args(const Tensor& key, const Tensor& value,
+                         const Tensor& key_cache, const Tensor& value_cache,
+                         const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+                         const std::optional<Tensor>& v_scale) {
   const char* op = "paged.write_kv";
   check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
   check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size_v]");
   check_cache_tensor(op, "key_cache", key_cache);
   check_cache_tensor(op, "value_cache", value_cache);
-  TORCH_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
+  PAGED_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
-    TORCH_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
+    PAGED_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
                      ": argument 'key' must be float32, float16 or bfloat16, got ",
                      key.scalar_type());
     check_dtype(op, "value", value, key.scalar_type());
@@ -347,62 +347,62 @@ void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
     check_dtype(op, "value", value, key_cache.scalar_type());
   }
   const auto want_k = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
-  TORCH_CHECK_VALUE(key.sizes() == at::IntArrayRef(want_k), op,
+  PAGED_CHECK_VALUE(key.sizes().equals(Sizes(want_k.data(), want_k.size())), op,
                     ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
                     ", head_size=", key_cache.size(3), "], got ", key.sizes());
   const auto want_v = std::vector<int64_t>{key.size(0), value_cache.size(1), value_cache.size(3)};
-  TORCH_CHECK_VALUE(value.sizes() == at::IntArrayRef(want_v), op,
+  PAGED_CHECK_VALUE(value.sizes().equals(Sizes(want_v.data(), want_v.size())), op,
                     ": argument 'value' must be [num_tokens=", key.size(0), ", num_kv_heads=",
                     value_cache.size(1), ", head_size_v=", value_cache.size(3), "], got ",
                     value.sizes());
-  TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
+  PAGED_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
                     ": arguments 'key' and 'value' must be contiguous in their last dimension");
   check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
-  check_dtype(op, "slot_mapping", slot_mapping, at::kLong);
-  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": argument 'slot_mapping' has ",
+  check_dtype(op, "slot_mapping", slot_mapping, kLong);
+  PAGED_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": argument 'slot_mapping' has ",
                     slot_mapping.size(0), " entries but 'key' has ", key.size(0), " tokens");
-  const std::pair<const char*, const at::Tensor*> others[] = {
+  const std::pair<const char*, const Tensor*> others[] = {
       {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
       {"slot_mapping", &slot_mapping}};
   for (const auto& [name, t] : others) check_same_device(op, name, *t, key, "key");
   check_kv_scales(op, key_cache.scalar_type(), key_cache.size(1), k_scale, v_scale, key, "key");
 }
 
-void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots) {
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots) {
+  const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
   const int64_t stride = slot_mapping.stride(0);
   for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
     const int64_t slot = slots[i * stride];
-    TORCH_CHECK_INDEX(slot < num_slots, "paged.write_kv: slot_mapping[", i, "] = ", slot,
+    PAGED_CHECK_INDEX(slot < num_slots, "paged.write_kv: slot_mapping[", i, "] = ", slot,
                       " is outside the cache (num_blocks * block_size = ", num_slots, ")");
   }
 }
 
-void check_block_mapping(const char* op, const at::Tensor& block_mapping) {
-  TORCH_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
+void check_block_mapping(const char* op, const Tensor& block_mapping) {
+  PAGED_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
                     ": argument 'block_mapping' must be [num_pairs, 2] (src, dst), got shape ",
                     block_mapping.sizes());
-  check_dtype(op, "block_mapping", block_mapping, at::kLong);
+  check_dtype(op, "block_mapping", block_mapping, kLong);
 }
 
-void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
+void check_block_mapping_values(const char* op, const Tensor& block_mapping,
                                 int64_t num_src_blocks, int64_t num_dst_blocks, bool same_pool) {
-  const at::Tensor pairs = block_mapping.contiguous();
-  const int64_t* p = pairs.data_ptr<int64_t>();
+  const Tensor pairs = torch::stable::contiguous(block_mapping);
+  const int64_t* p = pairs.mutable_data_ptr<int64_t>();
   std::vector<char> written(num_dst_blocks, 0);
   for (int64_t i = 0; i < pairs.size(0); ++i) {
     const int64_t src = p[2 * i], dst = p[2 * i + 1];
-    TORCH_CHECK_INDEX(src >= 0 && src < num_src_blocks, op, ": block_mapping[", i, ", 0] = ", src,
+    PAGED_CHECK_INDEX(src >= 0 && src < num_src_blocks, op, ": block_mapping[", i, ", 0] = ", src,
                       " is not a source block (num_blocks = ", num_src_blocks, ")");
-    TORCH_CHECK_INDEX(dst >= 0 && dst < num_dst_blocks, op, ": block_mapping[", i, ", 1] = ", dst,
+    PAGED_CHECK_INDEX(dst >= 0 && dst < num_dst_blocks, op, ": block_mapping[", i, ", 1] = ", dst,
                       " is not a destination block (num_blocks = ", num_dst_blocks, ")");
-    TORCH_CHECK_VALUE(!written[dst], op, ": block_mapping writes destination block ", dst,
+    PAGED_CHECK_VALUE(!written[dst], op, ": block_mapping writes destination block ", dst,
                       " more than once");
     written[dst] = 1;
   }
   if (!same_pool) return;
   for (int64_t i = 0; i < pairs.size(0); ++i) {
-    TORCH_CHECK_VALUE(!written[p[2 * i]], op, ": block_mapping reads block ", p[2 * i],
+    PAGED_CHECK_VALUE(!written[p[2 * i]], op, ": block_mapping reads block ", p[2 * i],
                       " which it also writes; the result would depend on the copy order");
   }
 }

@@ -3,11 +3,8 @@
 // TypeError for dtypes, IndexError for ids out of range.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/ATen_fwd.h>
-#include <c10/util/Optional.h>
-
 #include <cstdint>
+#include <optional>
 
 #include "attention_args.h"
 
@@ -18,7 +15,7 @@ constexpr int64_t kMaxSupportedHeadSize = 256;
 // Shapes, dtypes, devices and layouts of paged.attention's arguments (and of
 // the caller's `out` / `lse` buffers when given). Reads no tensor data.
 AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
-                                    const at::Tensor* out, const at::Tensor* lse);
+                                    const Tensor* out, const Tensor* lse);
 
 // Data-dependent checks on host-resident int32 metadata: seq_lens within what
 // the block table covers, the ids of the blocks attention reads within the pool
@@ -31,48 +28,48 @@ void check_attention_metadata(const char* op, const AttentionShape& shape,
 // paged.merge_attention_states' partial results: as many outputs as lses (at least one),
 // outputs [num_tokens, num_heads, head_size] of one float dtype with the last dim
 // contiguous, lses fp32 [num_tokens, num_heads], all on one device.
-void check_merge_args(const char* op, at::TensorList outputs, at::TensorList lses);
+void check_merge_args(const char* op, const TensorList& outputs, const TensorList& lses);
 
 // key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
 // head_size_v] against their caches, which differ at most in head size.
 // With an fp8 cache, key and value may be any float dtype (one for both) and the scales
 // are required.
-void check_write_kv_args(const at::Tensor& key, const at::Tensor& value,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale);
+void check_write_kv_args(const Tensor& key, const Tensor& value,
+                         const Tensor& key_cache, const Tensor& value_cache,
+                         const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
+                         const std::optional<Tensor>& v_scale);
 
 // Every slot is padding (< 0) or inside the pool.
-void check_slots_in_range(const at::Tensor& slot_mapping, int64_t num_slots);
+void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots);
 
 // An int64 [num_pairs, 2] mapping on the CPU (shape and dtype only).
-void check_block_mapping(const char* op, const at::Tensor& block_mapping);
+void check_block_mapping(const char* op, const Tensor& block_mapping);
 
 // Every pair in range, no destination written twice, no block both read and
 // written (the result would depend on the copy order).
-void check_block_mapping_values(const char* op, const at::Tensor& block_mapping,
+void check_block_mapping_values(const char* op, const Tensor& block_mapping,
                                 int64_t num_src_blocks, int64_t num_dst_blocks,
                                 bool same_pool);
 
 // A 4-D cache [num_blocks, num_kv_heads, block_size, head_size] of a cache dtype, with any
 // strides but stride(3) == 1 and no two elements at one address (NHD views and views into
 // a joint K/V tensor pass; write_kv into an overlapping view would corrupt it).
-void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache);
+void check_cache_tensor(const char* op, const char* name, const Tensor& cache);
 
 // k_scale / v_scale: required for fp8 caches, refused for float ones; fp32, shape [],
 // [1] or [num_kv_heads], on the device of `reference`.
-void check_kv_scales(const char* op, at::ScalarType cache_dtype, int64_t num_kv_heads,
-                     const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale, const at::Tensor& reference,
+void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_heads,
+                     const std::optional<Tensor>& k_scale,
+                     const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name);
 
 // copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
 // and one shape but for the head size, every layer with the same num_blocks, all on
 // one device.
-void check_layer_caches(const char* op, at::TensorList key_caches, at::TensorList value_caches);
+void check_layer_caches(const char* op, const TensorList& key_caches, const TensorList& value_caches);
 
 // swap_blocks' pools: one dtype, one block shape (any num_blocks), any strides; 'dst'
 // does not overlap itself.
-void check_swap_pools(const char* op, const at::Tensor& src, const at::Tensor& dst);
+void check_swap_pools(const char* op, const Tensor& src, const Tensor& dst);
 
 }  // namespace paged

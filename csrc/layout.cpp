@@ -11,7 +11,7 @@ namespace {
 
 // Dims of size > 1 sorted by stride; each stride must pass the farthest element of
 // the smaller ones (a sufficient condition that no two indices share an address).
-bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
+bool overlaps(Sizes sizes, Sizes strides) {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (sizes[d] == 0) return false;
@@ -28,31 +28,36 @@ bool overlaps(at::IntArrayRef sizes, at::IntArrayRef strides) {
 
 }  // namespace
 
-bool overlaps_itself(const at::Tensor& t) { return overlaps(t.sizes(), t.strides()); }
+bool overlaps_itself(const Tensor& t) { return overlaps(t.sizes(), t.strides()); }
 
 // With equal shapes and strides, the pair is one view with an extra dimension whose
 // stride is the offset between them, and that view must not overlap itself.
-bool share_an_element(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
-  auto last = [](const at::Tensor& t) {
-    int64_t offset = t.storage_offset();
+// Offsets are in elements from a's first one; the stable ABI shows no storage, but two
+// views whose address ranges meet are views of one allocation.
+bool share_an_element(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const int64_t elem = int64_t(a.element_size());
+  const int64_t gap = static_cast<const char*>(b.data_ptr()) - static_cast<const char*>(a.data_ptr());
+  auto extent = [](const Tensor& t) {  // offset of t's last element from its first
+    int64_t offset = 0;
     for (int64_t d = 0; d < t.dim(); ++d) offset += (t.size(d) - 1) * t.stride(d);
     return offset;
   };
-  if (last(a) < b.storage_offset() || last(b) < a.storage_offset()) return false;
-  if (a.sizes() != b.sizes() || a.strides() != b.strides()) return true;
+  if ((extent(a) + 1) * elem <= gap || (extent(b) + 1) * elem <= -gap) return false;
+  if (gap % elem != 0 || !a.sizes().equals(b.sizes()) || !a.strides().equals(b.strides()))
+    return true;
   std::vector<int64_t> sizes(a.sizes().begin(), a.sizes().end());
   std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
   sizes.push_back(2);
-  strides.push_back(std::abs(b.storage_offset() - a.storage_offset()));
-  return overlaps(sizes, strides);
+  strides.push_back(std::abs(gap / elem));
+  return overlaps(Sizes(sizes.data(), sizes.size()), Sizes(strides.data(), strides.size()));
 }
 
-bool same_block_layout(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes().slice(0, 3) == b.sizes().slice(0, 3);
+bool same_block_layout(const Tensor& a, const Tensor& b) {
+  return a.sizes().slice(0, 3).equals(b.sizes().slice(0, 3));
 }
 
-bool block_is_dense(const at::Tensor& cache) {
+bool block_is_dense(const Tensor& cache) {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) within one block
   for (int64_t d = 1; d < cache.dim(); ++d) {
     if (cache.size(d) > 1) dims.emplace_back(cache.stride(d), cache.size(d));
@@ -66,7 +71,7 @@ bool block_is_dense(const at::Tensor& cache) {
   return true;
 }
 
-bool same_block_strides(const at::Tensor& a, const at::Tensor& b) {
+bool same_block_strides(const Tensor& a, const Tensor& b) {
   for (int64_t d = 1; d < a.dim(); ++d) {
     if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
   }

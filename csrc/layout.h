@@ -3,26 +3,26 @@
 // tensor data and raise nothing.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "torch_api.h"
 
 namespace paged {
 
 // Two indices of `t` address one element (a view that overlaps itself).
-bool overlaps_itself(const at::Tensor& t);
+bool overlaps_itself(const Tensor& t);
 
 // Two views of one dtype share an element. Halves of a joint tensor interleave (vLLM's
 // [num_blocks, 2, ...] pages) without sharing one.
-bool share_an_element(const at::Tensor& a, const at::Tensor& b);
+bool share_an_element(const Tensor& a, const Tensor& b);
 
 // Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
-bool same_block_layout(const at::Tensor& a, const at::Tensor& b);
+bool same_block_layout(const Tensor& a, const Tensor& b);
 
 // One block of `cache` (dims 1..) is one dense chunk of numel / size(0) elements starting
 // at block * stride(0): blocks then move with one memcpy each.
-bool block_is_dense(const at::Tensor& cache);
+bool block_is_dense(const Tensor& cache);
 
 // Blocks of `a` and `b` lay out their elements alike (the strides of the dimensions
 // below the block one, where they matter).
-bool same_block_strides(const at::Tensor& a, const at::Tensor& b);
+bool same_block_strides(const Tensor& a, const Tensor& b);
 
 }  // namespace paged

@@ -2,28 +2,30 @@
 // argument checks and the result allocation.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <tuple>
+#include <vector>
 
 #include "checks.h"
+#include "errors.h"
 #include "merge_limits.h"
 
 namespace paged {
 
-using MergeIntoFn = void (*)(at::TensorList outputs, at::TensorList lses, at::Tensor& out,
-                             at::Tensor& lse);
+using MergeIntoFn = void (*)(const TensorList& outputs, const TensorList& lses, Tensor& out,
+                             Tensor& lse);
 
 template <MergeIntoFn Into>
-std::tuple<at::Tensor, at::Tensor> merge_attention_states(at::TensorList outputs,
-                                                          at::TensorList lses) {
+std::tuple<Tensor, Tensor> merge_attention_states(const TensorList& outputs,
+                                                          const TensorList& lses) {
   const char* op = "paged.merge_attention_states";
   check_merge_args(op, outputs, lses);
-  TORCH_CHECK_VALUE(int64_t(outputs.size()) <= kMaxMergeInputs, op, ": at most ",
+  PAGED_CHECK_VALUE(int64_t(outputs.size()) <= kMaxMergeInputs, op, ": at most ",
                     kMaxMergeInputs, " partial results per call, got ", outputs.size(),
                     "; merge them in rounds (a merged result and its lse merge again)");
-  at::Tensor out = at::empty(outputs[0].sizes(), outputs[0].options());
-  at::Tensor lse = at::empty({out.size(0), out.size(1)}, out.options().dtype(at::kFloat));
+  const Tensor& first = outputs[0];
+  Tensor out = empty(std::vector<int64_t>(first.sizes().begin(), first.sizes().end()),
+                     first.scalar_type(), first);
+  Tensor lse = empty({out.size(0), out.size(1)}, kFloat, first);
   if (out.numel() > 0 || lse.numel() > 0) Into(outputs, lses, out, lse);
   return {out, lse};
 }

@@ -1,14 +1,12 @@
-// Op schemas of the `paged` library, their Autograd-key kernel and the Python module
-// stub. Backends register implementations in their own files (cpu/, cuda/).
+// Op schemas of the `paged` library and the Python module stub. Backends register
+// implementations in their own files (cpu/, cuda/); every call enters through
+// paged_attention_ext/op_entry.py (grad refusal, Python error types).
 #include <Python.h>
 
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/core/stack.h>
-#include <torch/library.h>
+#include <string>
 
 #include "cpu/cpu_features.h"
+#include "torch_api.h"
 
 // Importing paged_attention_ext._C loads this shared object, which runs the
 // static TORCH_LIBRARY registrations. The module itself is empty, so the
@@ -18,42 +16,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   return PyModule_Create(&module_def);
 }
 
-namespace {
-std::string cpu_isa() { return paged::cpu::selected_isa(); }
-
-bool requires_grad(const c10::IValue& value) {
-  if (value.isTensor()) return value.toTensor().requires_grad();
-  if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorList()) {
-      if (t.requires_grad()) return true;
-    }
-  }
-  return false;
-}
-
-// The ops have no backward. Without this kernel an argument that requires grad would
-// give a result without a gradient, silently; here it raises before any work, unless
-// grad mode is off (torch.no_grad(); torch.inference_mode() skips this kernel).
-void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                 torch::jit::Stack* stack) {
-  if (at::GradMode::is_enabled()) {
-    const std::string& name = op.schema().name();  // "paged::attention"
-    const auto& arguments = op.schema().arguments();
-    const auto values = torch::jit::last(*stack, arguments.size());
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      TORCH_CHECK_NOT_IMPLEMENTED(
-          !requires_grad(values[i]), "paged.", name.substr(name.find("::") + 2),
-          ": argument '", arguments[i].name(), "' requires grad, but the paged ops have no "
-          "backward (they are for inference); call them under torch.no_grad() or "
-          "torch.inference_mode(), or pass a detached tensor");
-    }
-  }
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-}
-}  // namespace
-
-TORCH_LIBRARY(paged, m) {
+STABLE_TORCH_LIBRARY(paged, m) {
   m.def(
       "attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, Tensor? query_start_loc=None, Tensor? alibi_slopes=None, "
@@ -83,13 +46,9 @@ TORCH_LIBRARY(paged, m) {
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // The CPU kernel's instruction set ("avx512_bf16", "avx512", "avx2" or "generic").
-  m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("cpu_isa() -> str");
 }
 
-TORCH_LIBRARY_IMPL(paged, Autograd, m) {
-  for (const char* op : {"attention", "attention_with_lse", "attention_out",
-                         "shared_prefix_attention", "merge_attention_states", "write_kv",
-                         "copy_blocks", "swap_blocks"}) {
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
-  }
+STABLE_TORCH_LIBRARY_IMPL(paged, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa", TORCH_BOX(&paged::cpu::selected_isa));
 }

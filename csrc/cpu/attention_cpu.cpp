@@ -1,9 +1,8 @@
 // CPU implementation of paged.attention / attention_with_lse / attention_out and
 // shared_prefix_attention: validates, splits the call into work items, runs the ISA kernel on them in
 // parallel, and merges split-KV partitions into the caller's dtype.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,7 +42,7 @@ struct QueryTile {
 Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
-  const int32_t* lens = args.seq_lens.data_ptr<int32_t>();
+  const int32_t* lens = args.seq_lens.mutable_data_ptr<int32_t>();
   const int64_t lens_stride = args.seq_lens.stride(0);
 
   std::vector<QueryTile> tiles;
@@ -53,8 +52,8 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
     const int32_t kv_len = lens[i * lens_stride];
     int32_t q_begin = int32_t(i), q_len = 1;
     if (args.query_start_loc.has_value()) {
-      const at::Tensor& qsl = *args.query_start_loc;
-      const int32_t* starts = qsl.data_ptr<int32_t>();
+      const Tensor& qsl = *args.query_start_loc;
+      const int32_t* starts = qsl.mutable_data_ptr<int32_t>();
       q_begin = starts[i * qsl.stride(0)];
       q_len = starts[(i + 1) * qsl.stride(0)] - q_begin;
     }
@@ -156,15 +155,15 @@ void run_items(const AttentionParams& params, const Plan& plan) {
 
 // Merge the fp32 partition results of each (token, head) into out / lse.
 template <typename scalar_t>
-void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, const Plan& plan,
-                      at::Tensor& out, float* lse, int64_t lse_token_stride) {
+void merge_partitions(const Tensor& part_out, const Tensor& part_lse, const Plan& plan,
+                      Tensor& out, float* lse, int64_t lse_token_stride) {
   const int64_t num_tokens = out.size(0), num_heads = out.size(1), hs = out.size(2);
-  const float* po = part_out.data_ptr<float>();
-  const float* pl = part_lse.data_ptr<float>();
+  const float* po = part_out.mutable_data_ptr<float>();
+  const float* pl = part_lse.mutable_data_ptr<float>();
   const int64_t part_stride_o = num_tokens * num_heads * hs, part_stride_l = num_tokens * num_heads;
-  scalar_t* o = out.data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
   const int64_t ots = out.stride(0), ohs = out.stride(1);
-  at::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(plan.max_parts);
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / num_heads, h = th % num_heads;
@@ -194,24 +193,26 @@ void merge_partitions(const at::Tensor& part_out, const at::Tensor& part_lse, co
   });
 }
 
-void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
-                    const std::optional<at::Tensor>& lse) {
+void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
+                    const std::optional<Tensor>& lse) {
   const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
   check_attention_metadata(op, s, args);
   if (s.num_tokens == 0) return;
 
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  const auto contiguous = [](const std::optional<Tensor>& t) {
+    return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(*t)) : std::nullopt;
   };
-  const std::optional<at::Tensor> slopes = contiguous(args.alibi_slopes);
-  const std::optional<at::Tensor> sink_logits = contiguous(args.sinks);
+  const std::optional<Tensor> slopes = contiguous(args.alibi_slopes);
+  const std::optional<Tensor> sink_logits = contiguous(args.sinks);
   // [] / [1] / [num_kv_heads] scales as one contiguous row (read at kv_head * stride).
-  const auto scale_row = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->reshape(-1).contiguous()) : std::nullopt;
+  const auto scale_row = [](const std::optional<Tensor>& t) {
+    return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(torch::stable::reshape(*t, {-1})))
+                         : std::nullopt;
   };
-  const std::optional<at::Tensor> k_scales = scale_row(args.k_scale);
-  const std::optional<at::Tensor> v_scales = scale_row(args.v_scale);
-  const int max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const std::optional<Tensor> k_scales = scale_row(args.k_scale);
+  const std::optional<Tensor> v_scales = scale_row(args.v_scale);
+  // The kernel's own OpenMP region: one thread when called inside another one.
+  const int max_threads = omp_in_parallel() ? 1 : int(torch::stable::get_num_threads());
   const Plan plan = make_plan(s, args, max_threads);
 
   AttentionParams p{};
@@ -228,15 +229,15 @@ void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
   p.v_block_stride = args.value_cache.stride(0);
   p.v_head_stride = args.value_cache.stride(1);
   p.v_token_stride = args.value_cache.stride(2);
-  p.k_scale = k_scales.has_value() ? k_scales->data_ptr<float>() : nullptr;
-  p.v_scale = v_scales.has_value() ? v_scales->data_ptr<float>() : nullptr;
+  p.k_scale = k_scales.has_value() ? k_scales->mutable_data_ptr<float>() : nullptr;
+  p.v_scale = v_scales.has_value() ? v_scales->mutable_data_ptr<float>() : nullptr;
   p.k_scale_stride = k_scales.has_value() && k_scales->numel() > 1 ? 1 : 0;
   p.v_scale_stride = v_scales.has_value() && v_scales->numel() > 1 ? 1 : 0;
-  p.block_tables = args.block_tables.data_ptr<int32_t>();
+  p.block_tables = args.block_tables.mutable_data_ptr<int32_t>();
   p.block_table_stride = args.block_tables.stride(0);
-  p.seq_lens = args.seq_lens.data_ptr<int32_t>();
-  p.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
-  p.sinks = sink_logits.has_value() ? sink_logits->data_ptr<float>() : nullptr;
+  p.seq_lens = args.seq_lens.mutable_data_ptr<int32_t>();
+  p.alibi_slopes = slopes.has_value() ? slopes->mutable_data_ptr<float>() : nullptr;
+  p.sinks = sink_logits.has_value() ? sink_logits->mutable_data_ptr<float>() : nullptr;
   p.num_heads = int(s.num_heads);
   p.num_kv_heads = int(s.num_kv_heads);
   p.head_size = int(s.head_size);
@@ -248,38 +249,37 @@ void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
   p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
-  const bool direct = plan.max_parts == 1 && out.scalar_type() == at::kFloat;
-  at::Tensor part_out, part_lse;
+  const bool direct = plan.max_parts == 1 && out.scalar_type() == kFloat;
+  Tensor part_out, part_lse;
   if (direct) {
-    p.out = out.data_ptr<float>();
+    p.out = out.mutable_data_ptr<float>();
     p.out_token_stride = out.stride(0);
     p.out_head_stride = out.stride(1);
-    p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+    p.lse = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;
     p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
   } else {
-    const auto f32 = args.query.options().dtype(at::kFloat);
-    part_out = at::empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, f32);
-    part_lse = at::empty({plan.max_parts, s.num_tokens, s.num_heads}, f32);
-    p.out = part_out.data_ptr<float>();
+    part_out = empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, kFloat, args.query);
+    part_lse = empty({plan.max_parts, s.num_tokens, s.num_heads}, kFloat, args.query);
+    p.out = part_out.mutable_data_ptr<float>();
     p.out_part_stride = s.num_tokens * s.num_heads * s.head_size_v;
     p.out_token_stride = s.num_heads * s.head_size_v;
     p.out_head_stride = s.head_size_v;
-    p.lse = part_lse.data_ptr<float>();
+    p.lse = part_lse.mutable_data_ptr<float>();
     p.lse_part_stride = s.num_tokens * s.num_heads;
     p.lse_token_stride = s.num_heads;
   }
   run_items(p, plan);
   if (direct) return;
 
-  float* lse_ptr = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  float* lse_ptr = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;
   const int64_t lse_stride = lse.has_value() ? lse->stride(0) : 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "paged_merge", [&] {
+  dispatch_float(out.scalar_type(), [&]<typename scalar_t>() {
     merge_partitions<scalar_t>(part_out, part_lse, plan, out, lse_ptr, lse_stride);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CPU, m) { register_attention_outputs<attention_into>(m); }
+STABLE_TORCH_LIBRARY_IMPL(paged, CPU, m) { register_attention_outputs<attention_into>(m); }
 
 }  // namespace paged::cpu

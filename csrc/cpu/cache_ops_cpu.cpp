@@ -1,9 +1,6 @@
 // CPU implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
 // All validation happens before the first byte is written, so a rejected call
 // leaves the caches untouched.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cstring>
 #include <limits>
@@ -14,6 +11,7 @@
 
 #include "../checks.h"
 #include "../dtypes.h"
+#include "../errors.h"
 #include "../layout.h"
 
 namespace paged::cpu {
@@ -49,34 +47,34 @@ void quantize_row(Fp8* dst, const In* src, int64_t n, float scale) {
 }
 
 // Element offset of (block, head, offset) in a cache of any strides.
-inline int64_t row_offset(const at::Tensor& cache, int64_t block, int64_t head, int64_t offset) {
+inline int64_t row_offset(const Tensor& cache, int64_t block, int64_t head, int64_t offset) {
   return block * cache.stride(0) + head * cache.stride(1) + offset * cache.stride(2);
 }
 
 // [] / [1] / [num_kv_heads] scales as a contiguous row and the stride of a head in it.
-std::pair<at::Tensor, int64_t> scale_row(const std::optional<at::Tensor>& scale) {
-  at::Tensor row = scale->reshape(-1).contiguous();
+std::pair<Tensor, int64_t> scale_row(const std::optional<Tensor>& scale) {
+  Tensor row = torch::stable::contiguous(torch::stable::reshape(*scale, {-1}));
   const int64_t stride = row.numel() > 1 ? 1 : 0;
   return {row, stride};
 }
 
 template <typename In, typename Fp8>
-void write_kv_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                  at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+void write_kv_fp8(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                  Tensor& value_cache, const Tensor& slot_mapping,
+                  const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   const int64_t hs = key_cache.size(3), hsv = value_cache.size(3);
   const auto [k_scales, k_stride] = scale_row(k_scale);
   const auto [v_scales, v_stride] = scale_row(v_scale);
-  const float* ks = k_scales.data_ptr<float>();
-  const float* vs = v_scales.data_ptr<float>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* ks = k_scales.mutable_data_ptr<float>();
+  const float* vs = v_scales.mutable_data_ptr<float>();
+  const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0);
-  const In* k_src = key.data_ptr<In>();
-  const In* v_src = value.data_ptr<In>();
-  Fp8* k_dst = key_cache.data_ptr<Fp8>();
-  Fp8* v_dst = value_cache.data_ptr<Fp8>();
-  at::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
+  const In* k_src = key.mutable_data_ptr<In>();
+  const In* v_src = value.mutable_data_ptr<In>();
+  Fp8* k_dst = key_cache.mutable_data_ptr<Fp8>();
+  Fp8* v_dst = value_cache.mutable_data_ptr<Fp8>();
+  torch::stable::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t * slot_stride];
       if (slot < 0) continue;  // padding token
@@ -91,20 +89,20 @@ void write_kv_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   });
 }
 
-void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                  at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+void write_kv_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                  Tensor& value_cache, const Tensor& slot_mapping,
+                  const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   check_slots_in_range(slot_mapping, key_cache.size(0) * block_size);
 
   if (is_fp8(key_cache.scalar_type())) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "write_kv_fp8", [&] {
-      if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
-        write_kv_fp8<scalar_t, c10::Float8_e4m3fn>(key, value, key_cache, value_cache,
+    dispatch_float(key.scalar_type(), [&]<typename scalar_t>() {
+      if (key_cache.scalar_type() == kFloat8_e4m3fn) {
+        write_kv_fp8<scalar_t, Float8_e4m3fn>(key, value, key_cache, value_cache,
                                                    slot_mapping, k_scale, v_scale);
       } else {
-        write_kv_fp8<scalar_t, c10::Float8_e5m2>(key, value, key_cache, value_cache,
+        write_kv_fp8<scalar_t, Float8_e5m2>(key, value, key_cache, value_cache,
                                                  slot_mapping, k_scale, v_scale);
       }
     });
@@ -114,13 +112,13 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   const int64_t elem = key.element_size();
   // Key and value rows may differ in length (head_size, head_size_v).
   const int64_t k_row_bytes = key_cache.size(3) * elem, v_row_bytes = value_cache.size(3) * elem;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0);
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());
   char* k_dst = static_cast<char*>(key_cache.data_ptr());
   char* v_dst = static_cast<char*>(value_cache.data_ptr());
-  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t * slot_stride];
       if (slot < 0) continue;  // padding token
@@ -142,7 +140,7 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 // dst[d] = src[s] for each pair of one pool (copy_blocks) or two (swap_blocks). Blocks that
 // are one dense chunk with the same layout in both pools move with one memcpy; others
 // (e.g. NHD views into a joint K/V tensor of another block layout) row by row.
-void copy_block_pairs(const at::Tensor& src, at::Tensor& dst, const int64_t* pairs, int64_t begin,
+void copy_block_pairs(const Tensor& src, Tensor& dst, const int64_t* pairs, int64_t begin,
                       int64_t end) {
   const int64_t elem = src.element_size();
   const char* s = static_cast<const char*>(src.data_ptr());
@@ -158,40 +156,41 @@ void copy_block_pairs(const at::Tensor& src, at::Tensor& dst, const int64_t* pai
     return;
   }
   for (int64_t i = begin; i < end; ++i) {
-    dst.select(0, pairs[2 * i + 1]).copy_(src.select(0, pairs[2 * i]));
+    Tensor to = torch::stable::select(dst, 0, pairs[2 * i + 1]);
+    torch::stable::copy_(to, torch::stable::select(src, 0, pairs[2 * i]));
   }
 }
 
-void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
-                     const at::Tensor& block_mapping) {
+void copy_blocks_cpu(const TensorList& key_caches, const TensorList& value_caches,
+                     const Tensor& block_mapping) {
   const char* op = "paged.copy_blocks";
   check_layer_caches(op, key_caches, value_caches);
   check_block_mapping(op, block_mapping);
-  TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
+  PAGED_CHECK_VALUE(block_mapping.device().is_cpu(), op,
                     ": argument 'block_mapping' must be a CPU tensor for CPU caches");
-  TORCH_CHECK_VALUE(key_caches.empty() || key_caches[0].device().is_cpu(), op,
+  PAGED_CHECK_VALUE(key_caches.empty() || key_caches[0].device().is_cpu(), op,
                     ": the CPU implementation needs CPU caches");
   if (key_caches.empty() || block_mapping.size(0) == 0) return;
   check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
                              /*same_pool=*/true);
 
-  const at::Tensor pairs = block_mapping.contiguous();
-  const int64_t* p = pairs.data_ptr<int64_t>();
+  const Tensor pairs = torch::stable::contiguous(block_mapping);
+  const int64_t* p = pairs.mutable_data_ptr<int64_t>();
   const int64_t num_pairs = pairs.size(0);
   const int64_t num_layers = int64_t(key_caches.size());
-  at::parallel_for(0, num_layers * num_pairs * 2, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, num_layers * num_pairs * 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t layer = i / (num_pairs * 2), pair = (i / 2) % num_pairs;
-      at::Tensor cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
+      Tensor cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
       copy_block_pairs(cache, cache, p, pair, pair + 1);
     }
   });
 }
 
-void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+void swap_blocks_cpu(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   const char* op = "paged.swap_blocks";
   check_block_mapping(op, block_mapping);
-  TORCH_CHECK_VALUE(src.device().is_cpu() && dst.device().is_cpu() &&
+  PAGED_CHECK_VALUE(src.device().is_cpu() && dst.device().is_cpu() &&
                         block_mapping.device().is_cpu(),
                     op, ": the CPU implementation needs 'src', 'dst' and 'block_mapping' on the CPU");
   check_swap_pools(op, src, dst);
@@ -199,19 +198,19 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
   check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0), same_pool);
   if (block_mapping.size(0) == 0 || src.numel() == 0) return;
 
-  const at::Tensor pairs = block_mapping.contiguous();
-  const int64_t* p = pairs.data_ptr<int64_t>();
-  at::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {
+  const Tensor pairs = torch::stable::contiguous(block_mapping);
+  const int64_t* p = pairs.mutable_data_ptr<int64_t>();
+  torch::stable::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {
     copy_block_pairs(src, dst, p, begin, end);
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CPU, m) {
-  m.impl("write_kv", &write_kv_cpu);
-  m.impl("copy_blocks", &copy_blocks_cpu);
-  m.impl("swap_blocks", &swap_blocks_cpu);
+STABLE_TORCH_LIBRARY_IMPL(paged, CPU, m) {
+  m.impl("write_kv", TORCH_BOX(&write_kv_cpu));
+  m.impl("copy_blocks", TORCH_BOX(&copy_blocks_cpu));
+  m.impl("swap_blocks", TORCH_BOX(&swap_blocks_cpu));
 }
 
 }  // namespace paged::cpu

@@ -1,8 +1,8 @@
 #include "cpu_features.h"
 
-#include <c10/util/Exception.h>
-
 #include <cstdlib>
+
+#include "../errors.h"
 
 namespace paged::cpu {
 
@@ -47,9 +47,9 @@ std::string selected_isa() {
   const char* requested = std::getenv("PAGED_ATTENTION_CPU_ISA");
   if (requested == nullptr || *requested == '\0') return best;
   const std::string want(requested);
-  TORCH_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of generic, avx2, ",
+  PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of generic, avx2, ",
                     "avx512, avx512_bf16; got '", want, "'");
-  TORCH_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
+  PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
   return want;
 }

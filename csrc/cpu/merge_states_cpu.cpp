@@ -1,8 +1,5 @@
 // CPU implementation of paged.merge_attention_states: per (token, head), the partial
 // outputs weighted by exp(lse - max) (a part with lse -inf has weight 0 and is not read).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
@@ -14,24 +11,24 @@ namespace paged::cpu {
 namespace {
 
 template <typename scalar_t>
-void merge_typed(at::TensorList outputs, at::TensorList lses, at::Tensor& out, at::Tensor& lse) {
+void merge_typed(const TensorList& outputs, const TensorList& lses, Tensor& out, Tensor& lse) {
   const int64_t parts = int64_t(outputs.size());
   const int64_t num_heads = out.size(1), head_size = out.size(2);
   std::vector<const scalar_t*> o(parts);
   std::vector<const float*> l(parts);
   std::vector<int64_t> o_token(parts), o_head(parts), l_token(parts), l_head(parts);
   for (int64_t k = 0; k < parts; ++k) {
-    o[k] = outputs[k].data_ptr<scalar_t>();
-    l[k] = lses[k].data_ptr<float>();
+    o[k] = outputs[k].mutable_data_ptr<scalar_t>();
+    l[k] = lses[k].mutable_data_ptr<float>();
     o_token[k] = outputs[k].stride(0);
     o_head[k] = outputs[k].stride(1);
     l_token[k] = lses[k].stride(0);
     l_head[k] = lses[k].stride(1);
   }
-  scalar_t* dst = out.data_ptr<scalar_t>();
-  float* dst_lse = lse.data_ptr<float>();
+  scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+  float* dst_lse = lse.mutable_data_ptr<float>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, out.size(0) * num_heads, 64, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, out.size(0) * num_heads, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> weight(parts), acc(head_size);
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / num_heads, h = th % num_heads;
@@ -65,16 +62,16 @@ void merge_typed(at::TensorList outputs, at::TensorList lses, at::Tensor& out, a
   });
 }
 
-void merge_into(at::TensorList outputs, at::TensorList lses, at::Tensor& out, at::Tensor& lse) {
-  TORCH_CHECK_VALUE(out.device().is_cpu(), "paged.merge_attention_states: expected CPU tensors");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "paged_merge_states",
-                                  [&] { merge_typed<scalar_t>(outputs, lses, out, lse); });
+void merge_into(const TensorList& outputs, const TensorList& lses, Tensor& out, Tensor& lse) {
+  PAGED_CHECK_VALUE(out.device().is_cpu(), "paged.merge_attention_states: expected CPU tensors");
+  dispatch_float(out.scalar_type(),
+                 [&]<typename scalar_t>() { merge_typed<scalar_t>(outputs, lses, out, lse); });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CPU, m) {
-  m.impl("merge_attention_states", &merge_attention_states<merge_into>);
+STABLE_TORCH_LIBRARY_IMPL(paged, CPU, m) {
+  m.impl("merge_attention_states", TORCH_BOX(&merge_attention_states<merge_into>));
 }
 
 }  // namespace paged::cpu

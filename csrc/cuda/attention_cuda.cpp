@@ -7,13 +7,8 @@
 // clamp them instead, so no value can cause an out-of-bounds access (see
 // attention_kernels.cu). The work split depends on shapes alone, so a captured
 // graph replays correctly with new metadata values.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
 #include <cstdint>
+#include <optional>
 
 #include "../attention_args.h"
 #include "../attention_outputs.h"
@@ -29,7 +24,7 @@ constexpr int64_t kMaxGridY = 65535;
 
 int multiprocessor_count(int device) {
   int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  PAGED_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   return count;
 }
 
@@ -45,43 +40,44 @@ AttentionPlanInput plan_input(const AttentionShape& s, const AttentionArgs& args
   in.max_blocks_per_seq = s.max_blocks_per_seq;
   in.sliding_window = args.sliding_window;
   in.multi_token = args.query_start_loc.has_value();
-  in.multiprocessors = multiprocessor_count(args.query.device().index());
+  in.multiprocessors = multiprocessor_count(args.query.get_device_index());
   for (int b = 0; b < 4; ++b) {
-    C10_CUDA_CHECK(attention_ctas_per_sm(cache_kind, int(s.head_size), int(s.head_size_v), b,
-                                         &in.ctas_per_sm[b]));
+    PAGED_CUDA_CHECK(attention_ctas_per_sm(cache_kind, int(s.head_size), int(s.head_size_v), b,
+                                           &in.ctas_per_sm[b]));
   }
   return in;
 }
 
-void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
-                    const std::optional<at::Tensor>& lse) {
+void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
+                    const std::optional<Tensor>& lse) {
   const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
-  TORCH_CHECK_VALUE(args.query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
+  PAGED_CHECK_VALUE(args.query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
                     args.query.device());
   check_row_alignment(op, "key_cache", args.key_cache);
   check_row_alignment(op, "value_cache", args.value_cache);
-  TORCH_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
+  PAGED_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
                     " rows but there are no sequences");
-  TORCH_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
-  TORCH_CHECK_VALUE(s.num_tokens + s.num_seqs <= INT32_MAX, op,
+  PAGED_CHECK_VALUE(s.num_blocks <= INT32_MAX, op, ": more cache blocks than int32 block ids address");
+  PAGED_CHECK_VALUE(s.num_tokens + s.num_seqs <= INT32_MAX, op,
                     ": too many query rows and sequences for one CUDA launch");
-  TORCH_CHECK_VALUE(s.num_tokens * s.num_heads <= INT32_MAX, op,
+  PAGED_CHECK_VALUE(s.num_tokens * s.num_heads <= INT32_MAX, op,
                     ": too many query rows times heads for one CUDA launch");
   // The kernels step through key positions in int32, a chunk past the last key.
-  TORCH_CHECK_VALUE(s.max_blocks_per_seq * s.block_size <= kMaxKeyPositions, op,
+  PAGED_CHECK_VALUE(s.max_blocks_per_seq * s.block_size <= kMaxKeyPositions, op,
                     ": 'block_tables' addresses ", s.max_blocks_per_seq * s.block_size,
                     " keys per sequence; the CUDA kernel supports at most ", kMaxKeyPositions);
   if (s.num_tokens == 0 || s.num_heads == 0) return;
 
-  const c10::cuda::CUDAGuard guard(args.query.device());
+  const int32_t device = args.query.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   // The kernels index these densely (a no-op for the usual contiguous tensors).
-  const auto contiguous = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? t->contiguous() : at::Tensor();
+  const auto contiguous = [](const std::optional<Tensor>& t) {
+    return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(*t)) : std::nullopt;
   };
-  const at::Tensor lens = args.seq_lens.contiguous();
-  const at::Tensor starts = contiguous(args.query_start_loc);
-  const at::Tensor slopes = contiguous(args.alibi_slopes);
-  const at::Tensor sink_logits = contiguous(args.sinks);
+  const Tensor lens = torch::stable::contiguous(args.seq_lens);
+  const std::optional<Tensor> starts = contiguous(args.query_start_loc);
+  const std::optional<Tensor> slopes = contiguous(args.alibi_slopes);
+  const std::optional<Tensor> sink_logits = contiguous(args.sinks);
 
   AttentionParams p{};
   p.kind = scalar_kind(args.query.scalar_type());
@@ -95,12 +91,12 @@ void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
   p.value_layout = layout_of(args.value_cache, 1);
   p.k_scale = scale_ptr(args.k_scale, &p.k_scale_stride);
   p.v_scale = scale_ptr(args.v_scale, &p.v_scale_stride);
-  p.block_tables = args.block_tables.data_ptr<int32_t>();
+  p.block_tables = args.block_tables.mutable_data_ptr<int32_t>();
   p.block_table_stride = args.block_tables.stride(0);
-  p.seq_lens = lens.data_ptr<int32_t>();
-  p.query_start_loc = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
-  p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
-  p.sinks = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
+  p.seq_lens = lens.mutable_data_ptr<int32_t>();
+  p.query_start_loc = starts.has_value() ? starts->mutable_data_ptr<int32_t>() : nullptr;
+  p.alibi_slopes = slopes.has_value() ? slopes->mutable_data_ptr<float>() : nullptr;
+  p.sinks = sink_logits.has_value() ? sink_logits->mutable_data_ptr<float>() : nullptr;
   p.num_tokens = int(s.num_tokens);
   p.num_seqs = int(s.num_seqs);
   p.num_heads = int(s.num_heads);
@@ -117,31 +113,30 @@ void attention_into(const char* op, const AttentionArgs& args, at::Tensor& out,
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
-  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.lse = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;
   p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
 
   const AttentionPlan plan = plan_attention(plan_input(s, args, p.cache_kind));
-  TORCH_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,
+  PAGED_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,
                     ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
                     kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
-  TORCH_CHECK_VALUE(plan.num_tiles <= INT32_MAX, op, ": too many query tiles for one CUDA launch");
+  PAGED_CHECK_VALUE(plan.num_tiles <= INT32_MAX, op, ": too many query tiles for one CUDA launch");
   set_plan(p, plan);
 
   // Partition results: from the caching allocator, which under CUDA graph
   // capture hands out the graph's private pool, fixed across replays.
-  at::Tensor part_out, part_lse;
+  std::optional<Tensor> part_out, part_lse;
   if (p.num_partitions > 1) {
-    const auto f32 = args.query.options().dtype(at::kFloat);
-    part_out = at::empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size_v}, f32);
-    part_lse = at::empty({p.num_partitions, s.num_tokens, s.num_heads}, f32);
-    p.part_out = part_out.data_ptr<float>();
-    p.part_lse = part_lse.data_ptr<float>();
+    part_out = empty({p.num_partitions, s.num_tokens, s.num_heads, s.head_size_v}, kFloat, args.query);
+    part_lse = empty({p.num_partitions, s.num_tokens, s.num_heads}, kFloat, args.query);
+    p.part_out = part_out->mutable_data_ptr<float>();
+    p.part_lse = part_lse->mutable_data_ptr<float>();
   }
-  C10_CUDA_CHECK(launch_attention(p, c10::cuda::getCurrentCUDAStream()));
+  PAGED_CUDA_CHECK(launch_attention(p, current_stream(device)));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CUDA, m) { register_attention_outputs<attention_into>(m); }
+STABLE_TORCH_LIBRARY_IMPL(paged, CUDA, m) { register_attention_outputs<attention_into>(m); }
 
 }  // namespace paged::cuda

@@ -2,23 +2,6 @@
 // Everything is enqueued on the current stream; nothing waits for the device.
 // Values that live on the device (slot ids, a device block mapping) are not
 // validated, since that would need a sync; the kernels skip out-of-range ones.
-#include <ATen/ATen.h>
-// at::getHostAllocator. The header sizes its structs with
-// std::hardware_destructive_interference_size, which GCC >= 12 warns about in every
-// file that includes it; the warning concerns torch's ABI, not this file.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Winterference-size"
-#include <ATen/core/CachingHostAllocator.h>
-#pragma GCC diagnostic pop
-#else
-#include <ATen/core/CachingHostAllocator.h>
-#endif
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -32,15 +15,16 @@
 namespace paged::cuda {
 namespace {
 
-void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                   at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                   Tensor& value_cache, const Tensor& slot_mapping,
+                   const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   const char* op = "paged.write_kv";
   check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  TORCH_CHECK_VALUE(key.is_cuda(), op, ": argument 'key' must be a CUDA tensor, got ", key.device());
-  TORCH_CHECK_VALUE(key.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
+  PAGED_CHECK_VALUE(key.is_cuda(), op, ": argument 'key' must be a CUDA tensor, got ", key.device());
+  PAGED_CHECK_VALUE(key.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
   if (key.size(0) == 0 || key.size(1) == 0) return;
-  const c10::cuda::CUDAGuard guard(key.device());
+  const int32_t device = key.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t elem = key.element_size();
   const int64_t cache_elem = key_cache.element_size();
   WriteKvParams p{};
@@ -58,7 +42,7 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.cache_kind = scalar_kind(key_cache.scalar_type());
   p.k_scale = scale_ptr(k_scale, &p.k_scale_stride);
   p.v_scale = scale_ptr(v_scale, &p.v_scale_stride);
-  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.slot_mapping = slot_mapping.mutable_data_ptr<int64_t>();
   p.slot_stride = slot_mapping.stride(0);
   p.num_tokens = key.size(0);
   p.num_slots = key_cache.size(0) * key_cache.size(2);
@@ -66,38 +50,39 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.block_size = int(key_cache.size(2));
   p.key_row_bytes = key_cache.size(3) * cache_elem;
   p.value_row_bytes = value_cache.size(3) * cache_elem;
-  C10_CUDA_CHECK(launch_write_kv(p, c10::cuda::getCurrentCUDAStream()));
+  PAGED_CUDA_CHECK(launch_write_kv(p, current_stream(device)));
 }
 
-void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
-                      const at::Tensor& block_mapping) {
+void copy_blocks_cuda(const TensorList& key_caches, const TensorList& value_caches,
+                      const Tensor& block_mapping) {
   const char* op = "paged.copy_blocks";
   check_layer_caches(op, key_caches, value_caches);
   check_block_mapping(op, block_mapping);
   if (key_caches.empty()) return;
-  const at::Device device = key_caches[0].device();
-  TORCH_CHECK_VALUE(device.is_cuda(), op, ": argument 'key_caches' must hold CUDA tensors");
+  const Device device = key_caches[0].device();
+  PAGED_CHECK_VALUE(device.is_cuda(), op, ": argument 'key_caches' must hold CUDA tensors");
   const int64_t num_pairs = block_mapping.size(0);
   if (num_pairs == 0) return;
-  TORCH_CHECK_VALUE(num_pairs <= INT32_MAX, op, ": too many pairs for one CUDA launch");
-  const c10::cuda::CUDAGuard guard(device);
+  PAGED_CHECK_VALUE(num_pairs <= INT32_MAX, op, ": too many pairs for one CUDA launch");
+  const torch::stable::accelerator::DeviceGuard guard(device.index());
 
   // A host mapping is validated, then copied asynchronously from a private pinned
   // copy (the caching host allocator keeps it alive until the copy is done; the
   // caller's tensor, even if pinned, may be rewritten as soon as we return). A
   // device mapping is used as it is: out-of-range pairs are skipped.
-  at::Tensor mapping;
+  Tensor mapping;
   if (block_mapping.device().is_cpu()) {
     check_block_mapping_values(op, block_mapping, key_caches[0].size(0), key_caches[0].size(0),
                                /*same_pool=*/true);
-    at::Tensor host = at::empty(block_mapping.sizes(), block_mapping.options().pinned_memory(true));
-    host.copy_(block_mapping);
-    mapping = host.to(device, /*non_blocking=*/true);
+    Tensor host = torch::stable::empty(block_mapping.sizes(), block_mapping.scalar_type(), std::nullopt,
+                                       block_mapping.device(), /*pin_memory=*/true);
+    torch::stable::copy_(host, block_mapping);
+    mapping = torch::stable::to(host, device, /*non_blocking=*/true);
   } else {
-    TORCH_CHECK_VALUE(block_mapping.device() == device, op,
+    PAGED_CHECK_VALUE(block_mapping.device() == device, op,
                       ": argument 'block_mapping' must be on the CPU or on ", device, ", got ",
                       block_mapping.device());
-    mapping = block_mapping.contiguous();
+    mapping = torch::stable::contiguous(block_mapping);
   }
   // An empty pool: a host mapping was refused above, a device mapping's pairs are all
   // out of range and skipped.
@@ -105,7 +90,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
 
   // A block that is one dense chunk is one row of all its bytes; other views (K and V
   // interleaved per token, say) are copied row by row.
-  auto rows_of = [](const at::Tensor& t) {
+  auto rows_of = [](const Tensor& t) {
     const int64_t elem = t.element_size();
     if (block_is_dense(t)) {
       // numel / size(0), not stride(0): a one-block pool may have any stride(0).
@@ -115,10 +100,10 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
                      t.size(3) * elem, int32_t(t.size(1)), int32_t(t.size(2))};
   };
   CopyBlocksParams p{};
-  p.block_mapping = mapping.data_ptr<int64_t>();
+  p.block_mapping = mapping.mutable_data_ptr<int64_t>();
   p.num_pairs = num_pairs;
   p.num_blocks = key_caches[0].size(0);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(device.index());
   // Layers in groups of kMaxCopyLayers: one launch for any usual model.
   for (size_t first = 0; first < key_caches.size(); first += kMaxCopyLayers) {
     p.num_layers = int(std::min<size_t>(kMaxCopyLayers, key_caches.size() - first));
@@ -126,30 +111,32 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
       p.keys[l] = rows_of(key_caches[first + l]);
       p.values[l] = rows_of(value_caches[first + l]);
     }
-    C10_CUDA_CHECK(launch_copy_blocks(p, stream));
+    PAGED_CUDA_CHECK(launch_copy_blocks(p, stream));
   }
 }
 
-// Tells PyTorch's pinned-memory allocator that `stream` uses the host pool, as
-// Tensor.copy_ does: a pinned block freed while the copies are in flight is then
-// not handed out again until they are done. A no-op for memory the allocator did
-// not allocate (pageable, or pinned by other means).
-void record_host_use(const at::Tensor& host, c10::cuda::CUDAStream stream) {
-  at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
-                                                stream.unwrap());
+// Keeps the host pool's pinned block, if freed while the copies on the current stream are in
+// flight, from being handed out again until they are done.
+void record_host_use(const Tensor& host, const Device& device) {
+  // The stable ABI has no handle on the pinned-memory allocator, but torch's non_blocking copy_
+  // records the allocator's event for the block it reads on this stream (a no-op if not its block).
+  Tensor first = host;
+  for (int64_t d = 0; d < host.dim(); ++d) first = torch::stable::narrow(first, d, 0, 1);
+  Tensor scratch = torch::stable::empty(first.sizes(), first.scalar_type(), std::nullopt, device);
+  torch::stable::copy_(scratch, first, /*non_blocking=*/true);
 }
 
-void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   const char* op = "paged.swap_blocks";
   check_block_mapping(op, block_mapping);
-  TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), op,
+  PAGED_CHECK_VALUE(block_mapping.device().is_cpu(), op,
                     ": argument 'block_mapping' must be a CPU tensor (the copies are issued from "
                     "the host)");
   check_swap_pools(op, src, dst);
-  TORCH_CHECK_VALUE((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
+  PAGED_CHECK_VALUE((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
                     ": 'src' and 'dst' must be CUDA or CPU tensors, got ", src.device(), " and ",
                     dst.device());
-  TORCH_CHECK_VALUE(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(), op,
+  PAGED_CHECK_VALUE(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(), op,
                     ": 'src' and 'dst' on two CUDA devices are not supported, got ", src.device(),
                     " and ", dst.device());
   const bool same_pool = src.data_ptr() == dst.data_ptr();
@@ -158,14 +145,15 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
 
   // Sorted by source, runs of consecutive source and destination blocks become
   // one copy each. The pairs are independent (checked), so order is free.
-  const at::Tensor pairs_tensor = block_mapping.contiguous();
-  const int64_t* raw = pairs_tensor.data_ptr<int64_t>();
+  const Tensor pairs_tensor = torch::stable::contiguous(block_mapping);
+  const int64_t* raw = pairs_tensor.mutable_data_ptr<int64_t>();
   std::vector<std::pair<int64_t, int64_t>> pairs(block_mapping.size(0));
   for (size_t i = 0; i < pairs.size(); ++i) pairs[i] = {raw[2 * i], raw[2 * i + 1]};
   std::sort(pairs.begin(), pairs.end());
 
-  const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
-  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  const Device device = src.is_cuda() ? src.device() : dst.device();
+  const torch::stable::accelerator::DeviceGuard guard(device.index());
+  const cudaStream_t stream = current_stream(device.index());
   const int64_t elem = src.element_size();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());
@@ -187,34 +175,34 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
              pairs[i + n].second == pairs[i].second + int64_t(n)) {
         ++n;
       }
-      C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[i].second * dst_stride, from + pairs[i].first * src_stride,
-                                     n * block_bytes, cudaMemcpyDefault, stream));
+      PAGED_CUDA_CHECK(cudaMemcpyAsync(to + pairs[i].second * dst_stride, from + pairs[i].first * src_stride,
+                                       n * block_bytes, cudaMemcpyDefault, stream));
       i += n;
     }
   } else {
     // Row by row: per block and KV head, one 2-D copy of block_size rows of head_size
     // elements (the row pitch is each pool's token stride).
     const int64_t row_bytes = src.size(3) * elem, tokens = src.size(2);
-    const auto pitch = [&](const at::Tensor& t) { return tokens > 1 ? t.stride(2) * elem : row_bytes; };
+    const auto pitch = [&](const Tensor& t) { return tokens > 1 ? t.stride(2) * elem : row_bytes; };
     const int64_t src_pitch = pitch(src), dst_pitch = pitch(dst);
     for (const auto& [s, d] : pairs) {
       for (int64_t h = 0; h < src.size(1); ++h) {
-        C10_CUDA_CHECK(cudaMemcpy2DAsync(to + (d * dst.stride(0) + h * dst.stride(1)) * elem, dst_pitch,
-                                         from + (s * src.stride(0) + h * src.stride(1)) * elem, src_pitch,
-                                         row_bytes, tokens, cudaMemcpyDefault, stream));
+        PAGED_CUDA_CHECK(cudaMemcpy2DAsync(to + (d * dst.stride(0) + h * dst.stride(1)) * elem, dst_pitch,
+                                           from + (s * src.stride(0) + h * src.stride(1)) * elem, src_pitch,
+                                           row_bytes, tokens, cudaMemcpyDefault, stream));
       }
     }
   }
-  if (src.is_cpu()) record_host_use(src, stream);
-  if (dst.is_cpu()) record_host_use(dst, stream);
+  if (src.is_cpu()) record_host_use(src, device);
+  if (dst.is_cpu()) record_host_use(dst, device);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged, CUDA, m) {
-  m.impl("write_kv", &write_kv_cuda);
-  m.impl("copy_blocks", &copy_blocks_cuda);
-  m.impl("swap_blocks", &swap_blocks_cuda);
+STABLE_TORCH_LIBRARY_IMPL(paged, CUDA, m) {
+  m.impl("write_kv", TORCH_BOX(&write_kv_cuda));
+  m.impl("copy_blocks", TORCH_BOX(&copy_blocks_cuda));
+  m.impl("swap_blocks", TORCH_BOX(&swap_blocks_cuda));
 }
 
 }  // namespace paged::cuda

@@ -1,0 +1,82 @@
+"""Where every call of a paged op enters: a Python kernel at torch's BackendSelect key.
+
+torch runs that key for every call, in every mode (grad, no_grad, inference_mode) and on
+every backend, just before the CPU or CUDA kernel. The kernel does what the compiled
+library cannot do through torch's stable ABI:
+
+- refuses arguments that require grad: the ops have no backward, and without this torch's
+  autograd fallback would hand back results that silently have no gradient;
+- raises the kernels' argument errors as their Python types: the C++ checks throw
+  ``RuntimeError("[paged:ValueError] <message>")`` (csrc/errors.h) because torch
+  translates other C++ exception types differently from release to release.
+
+Private torch hooks used (tests/test_op_entry.py fails loudly if they change):
+``torch._C._dispatch_keyset_full_after`` and ``torch._C.DispatchKey.BackendSelect``.
+"""
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# The ops with tensor arguments (cpu_isa has none and raises nothing typed).
+OPS = ("attention", "attention_with_lse", "attention_out", "shared_prefix_attention",
+       "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks")
+
+_ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
+_TAG = re.compile(r"\[paged:(\w+)\] ")
+# The kernels below BackendSelect: the backend's (CPU, CUDA, Meta for fakes).
+_BELOW_ENTRY = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
+    return False
+
+
+def _refuse_grad(name: str, arg_names: list[str], args: tuple, kwargs: dict) -> None:
+    for arg_name, value in [*zip(arg_names, args), *kwargs.items()]:
+        if _requires_grad(value):
+            raise NotImplementedError(
+                f"paged.{name}: argument '{arg_name}' requires grad, but the paged ops have no "
+                "backward (they are for inference); call them under torch.no_grad() or "
+                "torch.inference_mode(), or pass a detached tensor")
+
+
+def python_error(error: RuntimeError) -> Exception | None:
+    """The Python exception a kernel's tagged error stands for; None for other errors."""
+    found = _TAG.match(str(error))
+    if found is None or found.group(1) not in _ERROR_TYPES:
+        return None
+    return _ERROR_TYPES[found.group(1)](str(error)[found.end():])
+
+
+def _entry_kernel(op: torch._ops.OpOverload) -> Callable:
+    name = op._schema.name.split("::")[1]
+    arg_names = [a.name for a in op._schema.arguments]
+
+    def enter(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            _refuse_grad(name, arg_names, args, kwargs)
+        try:
+            return op.redispatch(keyset & _BELOW_ENTRY, *args, **kwargs)
+        except RuntimeError as error:
+            typed = python_error(error)
+            if typed is None:
+                raise
+            raise typed from None
+
+    return enter
+
+
+def register() -> torch.library.Library:
+    """Installs the entry kernel of every op (once, when the package loads the library)."""
+    library = torch.library.Library("paged", "IMPL")
+    for name in OPS:
+        op = getattr(torch.ops.paged, name).default
+        library.impl(name, _entry_kernel(op), "BackendSelect", with_keyset=True)
+    return library
