@@ -1,10 +1,11 @@
 # `make demo` and `make test` each set up everything they need on a fresh clone:
 # a virtual environment with torch, transformers, the test tools and this package.
 #
-# The stack: the pins below by default (reproducible). `make test TORCH=2.15.0
-# TRANSFORMERS=5.24.0` (any release of the supported range, paged_attention_ext/versions.py)
-# builds and tests that stack instead, in its own venv under .venv-stacks/, with the package
-# pip-installed as a user installs it (not in place, so packaging faults show).
+# The stack: the pins below by default (reproducible), with the package built in place.
+# `make test TORCH=2.15.0 TRANSFORMERS=5.24.0` (any release of the supported range,
+# paged_attention_ext/versions.py) tests that stack instead, in its own venv under
+# .venv-stacks/, with the one wheel (`make wheel`, built once by the pinned stack on
+# torch's stable ABI) pip-installed as a user installs it: nothing is compiled there.
 PYTHON ?= python3
 PINNED_TORCH := 2.13.0
 PINNED_TRANSFORMERS := 5.18.0
@@ -18,15 +19,11 @@ NEWEST_TRANSFORMERS := 5.24.0
 
 ifeq ($(TORCH) $(TRANSFORMERS),$(PINNED_TORCH) $(PINNED_TRANSFORMERS))
 VENV := .venv
-INSTALL := -e .
+PINNED := 1
 TEST_ENV :=
 else
 VENV := .venv-stacks/torch$(TORCH)-transformers$(TRANSFORMERS)
-INSTALL := .
 TEST_ENV := PAGED_ATTENTION_TEST_INSTALLED=1
-# The registry's torch builds are CUDA builds, for other CUDA releases than this machine's
-# nvcc: the stacks test the CPU kernels (cuda-build-check compiles the CUDA ones).
-BUILD_ENV := PAGED_ATTENTION_FORCE_CPU=1
 endif
 PY := $(VENV)/bin/python
 # This machine's pip configuration caps torch at the releases on its disk; the supported
@@ -35,9 +32,9 @@ PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
 STAMP := $(VENV)/.installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py \
 	pyproject.toml requirements-dev.txt
-ifneq ($(INSTALL),-e .)
-SOURCES += $(shell find paged_attention_ext -name '*.py')  # copied into the venv at install
-endif
+# The wheel's contents (the pinned stack's editable install reads the tree as it is).
+WHEEL_SOURCES := $(SOURCES) $(shell find paged_attention_ext -name '*.py')
+WHEEL_STAMP := dist/.built
 # Test files (pytest arguments): all by default.
 TESTS ?=
 
@@ -56,8 +53,25 @@ $(DEPS_STAMP): requirements-dev.txt
 	$(PIP) install --quiet -r requirements-dev.txt torch==$(TORCH) transformers==$(TRANSFORMERS)
 	touch $@
 
+ifdef PINNED
 $(STAMP): $(DEPS_STAMP) $(SOURCES)
-	$(BUILD_ENV) $(PIP) install --quiet --no-build-isolation $(INSTALL)
+	$(PIP) install --quiet --no-build-isolation -e .
+	touch $@
+else
+$(STAMP): $(DEPS_STAMP) $(WHEEL_STAMP)
+	$(PIP) install --quiet --no-deps --force-reinstall dist/*.whl
+	touch $@
+endif
+
+# The wheel (cp310-abi3, this platform; a CPU build here, a CUDA build where the pinned
+# torch is one): built by the pinned stack, installed unchanged into every other one.
+.PHONY: wheel
+wheel: $(WHEEL_STAMP)
+
+$(WHEEL_STAMP): $(WHEEL_SOURCES)
+	$(MAKE) setup TORCH=$(PINNED_TORCH) TRANSFORMERS=$(PINNED_TRANSFORMERS)
+	rm -rf dist
+	.venv/bin/python -m pip wheel --quiet --no-build-isolation --no-deps -w dist .
 	touch $@
 
 demo: $(STAMP)
@@ -93,12 +107,8 @@ test-stacks:
 # A wheel of this stack, installed into a fresh venv with the same torch: the README's
 # example and the demo run from the installed package, outside the source tree.
 WHEEL_VENV := .venv-wheel
-.PHONY: wheel wheel-check
-wheel: $(STAMP)
-	rm -rf dist
-	$(PIP) wheel --quiet --no-build-isolation --no-deps -w dist .
-
-wheel-check: wheel
+.PHONY: wheel-check
+wheel-check: $(WHEEL_STAMP)
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	PIP_CONSTRAINT=/dev/null $(WHEEL_VENV)/bin/python -m pip install --quiet torch==$(TORCH) \
@@ -156,12 +166,14 @@ $(CUDA_STAMP):
 	touch $(CUDA_STAMP)
 
 # Loading the library afterwards catches undefined symbols, which linking a shared
-# object lets through.
+# object lets through; nm shows it needs nothing of torch but the stable C ABI.
 cuda-build-check: $(CUDA_STAMP)
 	mkdir -p $(CUDA_CHECK_DIR)
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=2 $(CUDA_PY) setup.py --quiet build_ext \
 		--build-lib $(CUDA_CHECK_DIR)/lib --build-temp $(CUDA_CHECK_DIR)/tmp \
 		> $(CUDA_CHECK_DIR)/build.log 2>&1 || { tail -n 60 $(CUDA_CHECK_DIR)/build.log; exit 1; }
+	! nm -D --undefined-only $(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so | c++filt | \
+		grep -E '(c10|at|torch)::'
 	@$(CUDA_PY) -c "import torch; torch.ops.load_library('$(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so'); \
 		ops = ['attention', 'attention_with_lse', 'attention_out', 'shared_prefix_attention', 'merge_attention_states', 'write_kv', 'copy_blocks', 'swap_blocks']; \
 		missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key('paged::' + op, 'CUDA')]; \

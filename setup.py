@@ -51,8 +51,12 @@ def check_cuda_toolkit() -> None:
                          "the CPU kernels only with PAGED_ATTENTION_FORCE_CPU=1.")
 
 
-# torch 2.10.0, as TORCH_TARGET_VERSION encodes it (major, minor, patch, 0 in 16 bits each).
-STABLE_ABI_TARGET = "0x020a000000000000"
+def stable_abi_target() -> str:
+    """The oldest supported torch as TORCH_TARGET_VERSION encodes it (torch's
+    TORCH_VERSION_X_Y_0: major << 56 | minor << 48): the library then uses only the stable
+    ABI that torch offers, which every later one keeps."""
+    major, minor = _versions["TORCH_SUPPORTED"][0][:2]
+    return f"0x{(major << 56) | (minor << 48):016x}"
 
 
 def sources(pattern: str) -> list[str]:
@@ -65,7 +69,7 @@ def extension():
     # The stable ABI of the oldest supported torch (TORCH_TARGET_VERSION: only what it
     # offers compiles), so the one library loads into every torch of the range.
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi",
-                 f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET}"]
+                 f"-DTORCH_TARGET_VERSION={stable_abi_target()}"]
     cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
     common = dict(
         name="paged_attention_ext._C",

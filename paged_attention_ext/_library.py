@@ -5,7 +5,7 @@ import torch
 
 from .versions import TORCH_SUPPORTED, unsupported
 
-_problem = unsupported("torch", torch.__version__, TORCH_SUPPORTED, rebuild=True)
+_problem = unsupported("torch", torch.__version__, TORCH_SUPPORTED)
 if _problem:
     raise ImportError(_problem)
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-# The ops with tensor arguments (cpu_isa has none and raises nothing typed).
+# Every op of the library (cpu_isa too: it raises a ValueError for a bad
+# PAGED_ATTENTION_CPU_ISA).
 OPS = ("attention", "attention_with_lse", "attention_out", "shared_prefix_attention",
-       "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks")
+       "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks", "cpu_isa")
 
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
 _TAG = re.compile(r"\[paged:(\w+)\] ")

@@ -19,14 +19,11 @@ def release(version: str) -> Release:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def unsupported(name: str, version: str, supported: Tuple[Release, Release],
-                rebuild: bool = False) -> str:
-    """One sentence saying ``version`` is outside ``supported``, or "" when it is inside;
-    ``rebuild``: the compiled extension must then be built again against the new release."""
+def unsupported(name: str, version: str, supported: Tuple[Release, Release]) -> str:
+    """One sentence saying ``version`` is outside ``supported``, or "" when it is inside."""
     (first, last), found = supported, release(version)
     if first <= found <= last:
         return ""
     requirement = f"{name}>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
-    then = " and build this package against it" if rebuild else ""
     return (f"paged-attention-ext supports {name} {first[0]}.{first[1]} to {last[0]}.{last[1]}, "
-            f"found {version}: install a supported {name} (pip install '{requirement}'){then}.")
+            f"found {version}: install a supported {name} (pip install '{requirement}').")

@@ -140,6 +140,16 @@ def test_a_setting_the_runner_does_not_apply_raises():
                                                      compile_decode=True))
 
 
+@pytest.mark.parametrize("setting", [dict(compile_backend="eager"), dict(max_decode_batch=8),
+                                     dict(decode_batch_sizes=(1, 2)),
+                                     dict(compile_options={"freezing": True})])
+def test_compiled_decode_settings_without_it_raise(setting):
+    # Every runner would ignore them: the base class refuses them for all.
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"^{name}: settings of the compiled decode, which is off"):
+        LLMEngine(CacheReadingRunner(), EngineConfig(block_size=4, num_device_blocks=8, **setting))
+
+
 def test_engine_core_imports_neither_transformers_nor_hf(tmp_path):
     """engine.py and scheduler.py load, and serve this runner, with transformers unimportable."""
     script = f"""

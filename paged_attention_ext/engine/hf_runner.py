@@ -60,8 +60,6 @@ class HFModelRunner(ModelRunner):
     def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
         """Take the pools, and compile the decode forward if ``config`` asks (which
         compiles and warms up here, at engine creation)."""
-        if config.compile_options and not config.compile_decode:
-            raise ValueError("compile_options apply to the compiled decode: set compile_decode=True")
         super().bind(kv_cache, config)
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:

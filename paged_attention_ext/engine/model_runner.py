@@ -9,7 +9,7 @@ calls back into the engine or the scheduler. The transformers implementation is
 """
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
 
 import torch
@@ -17,6 +17,10 @@ import torch
 from ..kv_cache import PagedKVCache
 from .config import EngineConfig
 from .scheduler import SchedulerOutput
+
+# EngineConfig's settings of the compiled decode: without compile_decode no runner reads them.
+COMPILED_DECODE_SETTINGS = ("compile_backend", "compile_options", "max_decode_batch",
+                            "decode_batch_sizes")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,14 @@ class ModelRunner(abc.ABC):
         """Take the pools the forwards write and read, built from :attr:`spec`; ``config``
         carries the settings of how to run the model (compiled decode, cascade attention),
         of which a runner applies those it implements: the base class refuses
-        ``compile_decode`` for a runner without one (``compiles_decode``)."""
+        ``compile_decode`` for a runner without one (``compiles_decode``), and the compiled
+        decode's settings without ``compile_decode`` (they would be ignored)."""
+        if not config.compile_decode:
+            changed = [f.name for f in fields(config)
+                       if f.name in COMPILED_DECODE_SETTINGS and getattr(config, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)}: settings of the compiled decode, which "
+                                 "is off; set compile_decode=True or leave them at their defaults")
         if config.compile_decode and not self.compiles_decode:
             raise NotImplementedError(f"{type(self).__name__} has no compiled decode; "
                                       "compile_decode=True needs a runner that has one "
