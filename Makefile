@@ -93,7 +93,8 @@ STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compil
 	tests/test_engine.py tests/test_engine_compiled.py tests/test_engine_hybrid.py \
 	tests/test_kv_groups.py tests/test_block_table.py tests/test_kv_cache.py tests/test_cli.py \
 	tests/test_cascade_ops.py tests/test_cascade_plan.py tests/test_op_checks.py \
-	tests/test_attention_metadata.py tests/test_model_runner.py
+	tests/test_attention_metadata.py tests/test_model_runner.py tests/test_op_entry.py \
+	tests/test_stable_abi.py
 
 .PHONY: test-stacks stack-deps
 stack-deps:

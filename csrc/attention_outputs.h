@@ -33,13 +33,13 @@ inline std::optional<Tensor> empty_lse(const Tensor& query) {
 
 template <AttentionIntoFn Into>
 Tensor attention(const Tensor& query, const Tensor& key_cache,
-                     const Tensor& value_cache, const Tensor& block_tables,
-                     const Tensor& seq_lens, double scale,
-                     const std::optional<Tensor>& query_start_loc,
-                     const std::optional<Tensor>& alibi_slopes, int64_t sliding_window,
-                     double soft_cap, const std::optional<Tensor>& sinks,
-                     const std::optional<Tensor>& k_scale,
-                     const std::optional<Tensor>& v_scale) {
+                 const Tensor& value_cache, const Tensor& block_tables,
+                 const Tensor& seq_lens, double scale,
+                 const std::optional<Tensor>& query_start_loc,
+                 const std::optional<Tensor>& alibi_slopes, int64_t sliding_window,
+                 double soft_cap, const std::optional<Tensor>& sinks,
+                 const std::optional<Tensor>& k_scale,
+                 const std::optional<Tensor>& v_scale) {
   const AttentionArgs args{query, key_cache, value_cache, block_tables, seq_lens, scale,
                            query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
                            k_scale, v_scale, QueryPlacement::kLastPositions};

@@ -88,7 +88,8 @@ void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_head
   }
 }
 
-void check_layer_caches(const char* op, const TensorList& key_caches, const TensorList& value_caches) {
+void check_layer_caches(const char* op, const TensorList& key_caches,
+                        const TensorList& value_caches) {
   PAGED_CHECK_VALUE(key_caches.size() == value_caches.size(), op,
                     ": arguments 'key_caches' and 'value_caches' must list the same number of "
                     "layers, got ", key_caches.size(), " and ", value_caches.size());

@@ -66,7 +66,8 @@ void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_head
 // copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
 // and one shape but for the head size, every layer with the same num_blocks, all on
 // one device.
-void check_layer_caches(const char* op, const TensorList& key_caches, const TensorList& value_caches);
+void check_layer_caches(const char* op, const TensorList& key_caches,
+                        const TensorList& value_caches);
 
 // swap_blocks' pools: one dtype, one block shape (any num_blocks), any strides; 'dst'
 // does not overlap itself.

@@ -16,7 +16,7 @@ using MergeIntoFn = void (*)(const TensorList& outputs, const TensorList& lses, 
 
 template <MergeIntoFn Into>
 std::tuple<Tensor, Tensor> merge_attention_states(const TensorList& outputs,
-                                                          const TensorList& lses) {
+                                                  const TensorList& lses) {
   const char* op = "paged.merge_attention_states";
   check_merge_args(op, outputs, lses);
   PAGED_CHECK_VALUE(int64_t(outputs.size()) <= kMaxMergeInputs, op, ": at most ",

@@ -206,8 +206,8 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   const std::optional<Tensor> sink_logits = contiguous(args.sinks);
   // [] / [1] / [num_kv_heads] scales as one contiguous row (read at kv_head * stride).
   const auto scale_row = [](const std::optional<Tensor>& t) {
-    return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(torch::stable::reshape(*t, {-1})))
-                         : std::nullopt;
+    if (!t.has_value()) return std::optional<Tensor>();
+    return std::optional<Tensor>(torch::stable::contiguous(torch::stable::reshape(*t, {-1})));
   };
   const std::optional<Tensor> k_scales = scale_row(args.k_scale);
   const std::optional<Tensor> v_scales = scale_row(args.v_scale);
@@ -258,7 +258,8 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
     p.lse = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;
     p.lse_token_stride = lse.has_value() ? lse->stride(0) : 0;
   } else {
-    part_out = empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, kFloat, args.query);
+    part_out =
+        empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, kFloat, args.query);
     part_lse = empty({plan.max_parts, s.num_tokens, s.num_heads}, kFloat, args.query);
     p.out = part_out.mutable_data_ptr<float>();
     p.out_part_stride = s.num_tokens * s.num_heads * s.head_size_v;
