@@ -10,8 +10,13 @@ library cannot do through torch's stable ABI:
   ``RuntimeError("[paged:ValueError] <message>")`` (csrc/errors.h) because torch
   translates other C++ exception types differently from release to release.
 
+It costs a Python call per op call (bench/bench_op_overhead.py), so it does the least it
+can: one C check for grad (``_any_requires_grad``), the Python walk over the arguments only to
+name the one that requires grad, and the redispatch straight on the operator handle.
+
 Private torch hooks used (tests/test_op_entry.py fails loudly if they change):
-``torch._C._dispatch_keyset_full_after`` and ``torch._C.DispatchKey.BackendSelect``.
+``torch._C._dispatch_keyset_full_after``, ``torch._C.DispatchKey.BackendSelect``,
+``torch._C._any_requires_grad`` and ``OpOverload._handle.redispatch_boxed``.
 """
 
 import re
@@ -59,12 +64,14 @@ def python_error(error: RuntimeError) -> Exception | None:
 def _entry_kernel(op: torch._ops.OpOverload) -> Callable:
     name = op._schema.name.split("::")[1]
     arg_names = [a.name for a in op._schema.arguments]
+    redispatch = op._handle.redispatch_boxed
+    any_requires_grad = torch._C._any_requires_grad
 
     def enter(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and any_requires_grad(*args, **kwargs):
             _refuse_grad(name, arg_names, args, kwargs)
         try:
-            return op.redispatch(keyset & _BELOW_ENTRY, *args, **kwargs)
+            return redispatch(keyset & _BELOW_ENTRY, *args, **kwargs)
         except RuntimeError as error:
             typed = python_error(error)
             if typed is None:

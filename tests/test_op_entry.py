@@ -16,7 +16,10 @@ def test_the_private_torch_hooks_exist():
     assert isinstance(torch._C.DispatchKey.BackendSelect, torch._C.DispatchKey)
     below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
     assert below.has(torch._C.DispatchKey.CPU) and not below.has(torch._C.DispatchKey.BackendSelect)
-    assert callable(torch.ops.paged.attention.default.redispatch)
+    assert callable(torch.ops.paged.attention.default._handle.redispatch_boxed)
+    tensor, needs_grad = torch.zeros(1), torch.zeros(1, requires_grad=True)
+    assert torch._C._any_requires_grad(tensor, [tensor, needs_grad], x=1)
+    assert not torch._C._any_requires_grad(tensor, [tensor], x=needs_grad.detach())
 
 
 def test_every_op_enters_through_it():
