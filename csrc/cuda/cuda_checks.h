@@ -31,7 +31,7 @@ inline void check_cuda(cudaError_t error, const char* file, int line) {
 // torch's current stream on the device: the caller's stream, or the graph's under capture.
 inline cudaStream_t current_stream(int32_t device_index) {
   void* stream = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
   return static_cast<cudaStream_t>(stream);
 }
 
