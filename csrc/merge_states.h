@@ -3,7 +3,6 @@
 #pragma once
 
 #include <tuple>
-#include <vector>
 
 #include "checks.h"
 #include "errors.h"
@@ -23,8 +22,7 @@ std::tuple<Tensor, Tensor> merge_attention_states(const TensorList& outputs,
                     kMaxMergeInputs, " partial results per call, got ", outputs.size(),
                     "; merge them in rounds (a merged result and its lse merge again)");
   const Tensor& first = outputs[0];
-  Tensor out = empty(std::vector<int64_t>(first.sizes().begin(), first.sizes().end()),
-                     first.scalar_type(), first);
+  Tensor out = empty(first.sizes(), first.scalar_type(), first);
   Tensor lse = empty({out.size(0), out.size(1)}, kFloat, first);
   if (out.numel() > 0 || lse.numel() > 0) Into(outputs, lses, out, lse);
   return {out, lse};

@@ -39,16 +39,9 @@ constexpr ScalarType kFloat8_e5m2 = ScalarType::Float8_e5m2;
 constexpr ScalarType kInt = ScalarType::Int;
 constexpr ScalarType kLong = ScalarType::Long;
 
-// The tensor's data as T (the caller has checked the dtype).
-template <typename T>
-T* data(const Tensor& t) {
-  return static_cast<T*>(t.data_ptr());
-}
-
 // A new tensor on `like`'s device.
-inline Tensor empty(const std::vector<int64_t>& sizes, ScalarType dtype, const Tensor& like) {
-  return torch::stable::empty(Sizes(sizes.data(), sizes.size()), dtype, std::nullopt,
-                              like.device());
+inline Tensor empty(Sizes sizes, ScalarType dtype, const Tensor& like) {
+  return torch::stable::empty(sizes, dtype, std::nullopt, like.device());
 }
 
 // Calls f.template operator()<T>() with T the C++ type of a float dtype (float32, float16,

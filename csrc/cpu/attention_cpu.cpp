@@ -250,7 +250,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
   const bool direct = plan.max_parts == 1 && out.scalar_type() == kFloat;
-  Tensor part_out, part_lse;
+  std::optional<Tensor> part_out, part_lse;  // none when direct: nothing allocated
   if (direct) {
     p.out = out.mutable_data_ptr<float>();
     p.out_token_stride = out.stride(0);
@@ -261,11 +261,11 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
     part_out =
         empty({plan.max_parts, s.num_tokens, s.num_heads, s.head_size_v}, kFloat, args.query);
     part_lse = empty({plan.max_parts, s.num_tokens, s.num_heads}, kFloat, args.query);
-    p.out = part_out.mutable_data_ptr<float>();
+    p.out = part_out->mutable_data_ptr<float>();
     p.out_part_stride = s.num_tokens * s.num_heads * s.head_size_v;
     p.out_token_stride = s.num_heads * s.head_size_v;
     p.out_head_stride = s.head_size_v;
-    p.lse = part_lse.mutable_data_ptr<float>();
+    p.lse = part_lse->mutable_data_ptr<float>();
     p.lse_part_stride = s.num_tokens * s.num_heads;
     p.lse_token_stride = s.num_heads;
   }
@@ -275,7 +275,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   float* lse_ptr = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;
   const int64_t lse_stride = lse.has_value() ? lse->stride(0) : 0;
   dispatch_float(out.scalar_type(), [&]<typename scalar_t>() {
-    merge_partitions<scalar_t>(part_out, part_lse, plan, out, lse_ptr, lse_stride);
+    merge_partitions<scalar_t>(*part_out, *part_lse, plan, out, lse_ptr, lse_stride);
   });
 }
 
