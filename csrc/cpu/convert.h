@@ -64,8 +64,10 @@ static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
 
 // fp16 bits (one per 32-bit lane) to fp32 without F16C, branch-free: normal values are
 // rebiased in the exponent bits, subnormals are their integer mantissa times 2^-24 (both
-// exact), exponent 31 is inf / NaN.
-static inline vfloat half_bits_to_float(vuint h) {
+// exact), exponent 31 is inf / NaN. Forced inline: out of line, GCC passed its 32-byte
+// vectors through the stack on SSE2, a call per 8 elements (generic fp16 and fp8 decode
+// ran at a quarter of fp32's elements per second).
+__attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) {
   const vuint sign = (h & 0x8000u) << 16;
   const vuint exponent = h & 0x7c00u;
   const vuint mantissa = h & 0x3ffu;
@@ -82,8 +84,38 @@ static inline vfloat half_bits_to_float(vuint h) {
   return (vfloat)(bits | sign);
 }
 
-static inline vfloat load_as_float(const float* p) { return load(p); }
-static inline vfloat load_as_float(const Bf16* p) {
+#if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
+// fp16 bits (VW 16-bit lanes) to fp32 on the baseline. When every lane is zero or normal
+// (nearly always) the fp32 halves are built in 16-bit lanes, eight per 16-byte register:
+// the upper half is the sign and the magnitude shifted right by 3 and rebiased, the lower
+// half the magnitude's last three bits; a vector with a subnormal, inf or NaN lane takes
+// half_bits_to_float. Exact either way, with half the operations per element or fewer.
+__attribute__((always_inline)) static inline vfloat half_lanes_to_float(vhalfword h) {
+  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
+  typedef int16_t vshort __attribute__((vector_size(VW * 2)));
+  typedef uint32_t v4uint __attribute__((vector_size(16)));
+  const vhalfword magnitude = h & 0x7fff;
+  const vshort zero = (vshort)magnitude == 0;
+  // magnitude + 0x400 is below 0x800 as int16 for exponent 0 and negative for exponent 31.
+  const vshort rare = ((vshort)(magnitude + 0x0400) < 0x0800) & ~zero;
+  uint64_t any_rare[2];
+  std::memcpy(any_rare, &rare, sizeof(any_rare));
+  if (__builtin_expect((any_rare[0] | any_rare[1]) != 0, 0))
+    return half_bits_to_float(__builtin_convertvector(h, vuint));
+  const vhalfword upper = (((magnitude >> 3) + 0x3800) & ~(vhalfword)zero) | (h & 0x8000);
+  const vhalfword lower = h << 13;
+  const v4uint first = (v4uint)__builtin_shufflevector(lower, upper, 0, 8, 1, 9, 2, 10, 3, 11);
+  const v4uint second = (v4uint)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
+  // Two 16-byte stores into one vector: a 32-byte shuffle of them GCC builds lane by lane.
+  vfloat result;
+  std::memcpy(&result, &first, 16);
+  std::memcpy(reinterpret_cast<char*>(&result) + 16, &second, 16);
+  return result;
+}
+#endif
+
+__attribute__((always_inline)) static inline vfloat load_as_float(const float* p) { return load(p); }
+__attribute__((always_inline)) static inline vfloat load_as_float(const Bf16* p) {
   // bf16 is the top half of an fp32: widen and shift.
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -97,7 +129,7 @@ static inline vfloat load_as_float(const Bf16* p) {
   return (vfloat)(__builtin_convertvector(h, vuint) << 16);
 #endif
 }
-static inline vfloat load_as_float(const Fp16* p) {
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp16* p) {
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
   return (vfloat)_mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
@@ -105,7 +137,7 @@ static inline vfloat load_as_float(const Fp16* p) {
 #else
   vhalfword h;
   std::memcpy(&h, p, sizeof(h));
-  return half_bits_to_float(__builtin_convertvector(h, vuint));
+  return half_lanes_to_float(h);
 #endif
 }
 
@@ -138,26 +170,32 @@ static inline vfloat halves_to_float(vhalf_bits h) { return (vfloat)_mm256_cvtph
 // The lanes are sign-extended bytes, so a shift puts the sign in bit 15: e5m2 by 8 is
 // exactly its fp16; e4m3 by 7, then bit 14 (a copy of the sign) cleared, is half_bits'
 // placement, and NaN lanes (magnitude bits 0x3f80) get fp16 NaN bits.
-static inline vfloat load_as_float(const Fp8E5M2* p) { return halves_to_float(h_shl<8>(fp8_lanes(p))); }
-static inline vfloat load_as_float(const Fp8E4M3* p) {
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2* p) {
+  return halves_to_float(h_shl<8>(fp8_lanes(p)));
+}
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
   const vhalf_bits h = h_and(h_shl<7>(fp8_lanes(p)), h_splat(0xbf80));
   const vhalf_bits nan = h_eq(h_and(h, h_splat(0x7fff)), h_splat(0x3f80));
   return halves_to_float(h_or(h, h_and(nan, h_splat(0x7e00))));
 }
 #else
-// Without F16C: the bytes become fp16 bits as in half_bits (one per 32-bit lane).
+// Without F16C: the bytes become fp16 bits as in half_bits, one per 16-bit lane (GCC
+// widens bytes straight to 32-bit lanes one by one in scalar code on SSE2).
 typedef uint8_t vbytes __attribute__((vector_size(VW)));
-static inline vuint fp8_bytes(const void* p) {
+__attribute__((always_inline)) static inline vhalfword fp8_lanes(const void* p) {
   vbytes b;
   std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vuint);
+  return __builtin_convertvector(b, vhalfword);
 }
-static inline vfloat load_as_float(const Fp8E5M2* p) { return half_bits_to_float(fp8_bytes(p) << 8); }
-static inline vfloat load_as_float(const Fp8E4M3* p) {
-  const vuint b = fp8_bytes(p);
-  const vuint h = ((b & 0x80u) << 8) | ((b & 0x7fu) << 7);
-  const vuint is_nan = (vuint)((vint)(((b & 0x7fu) + 1u) << 24) >> 31);  // magnitude 0x7f
-  return half_bits_to_float(h | (is_nan & 0x7e00u));
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2* p) {
+  return half_lanes_to_float(fp8_lanes(p) << 8);
+}
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
+  typedef int16_t vshort __attribute__((vector_size(VW * 2)));
+  const vhalfword b = fp8_lanes(p);
+  const vhalfword h = ((b & 0x80) << 8) | ((b & 0x7f) << 7);
+  const vshort is_nan = (vshort)(b & 0x7f) == 0x7f;  // magnitude 0x7f
+  return half_lanes_to_float(h | ((vhalfword)is_nan & 0x7e00));
 }
 #endif
 
@@ -165,7 +203,7 @@ static inline vfloat load_as_float(const Fp8E4M3* p) {
 // one zmm of 16-bit lanes: half the integer instructions per element of two single loads
 // (the conversion, not the FMAs, bounds fp8 decode when every key serves one query).
 template <typename T>
-static inline void load2_as_float(const T* p, vfloat& a, vfloat& b) {
+__attribute__((always_inline)) static inline void load2_as_float(const T* p, vfloat& a, vfloat& b) {
   a = load_as_float(p);
   b = load_as_float(p + VW);
 }
