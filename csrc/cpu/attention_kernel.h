@@ -213,6 +213,12 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
 
 #include "lane_kernel.h"
 
+// Queries per KV head from which rows that are not cheap to widen are converted once per
+// chunk: two register tiles or more. Multi-token on AVX2 (docs/performance.md): fp8 0.85-0.92x
+// -> 1.08x the fp32 rate; fp16 with F16C measured slower converted (0.93x against 1.12x),
+// bf16 the same either way.
+constexpr int kWidenOnceQueries = 8;
+
 // kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
@@ -254,8 +260,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
                      q_bits + m0 * hsp, score_scale, acc + m0 * hspv, scores + m0 * kKeyChunk,
                      run_max + m0, run_sum + m0};
   };
-  // Rows of whole vectors are read in place; others are converted to fp32 rows first.
-  const bool in_place = hsp == hs && hspv == hsv;
+  // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
+  // are rows that serve many queries (multi-token items) and cost more to widen than a
+  // load: in place, every register tile of queries would widen each row again.
+  const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries;
+  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),

@@ -17,6 +17,12 @@ struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
 template <typename T> struct StoredUnit { static constexpr float value = 1.0f; };
 template <> struct StoredUnit<Fp8E4M3> { static constexpr float value = 256.0f; };
 
+// Rows widened in registers for no more than a load costs: fp32, bf16 (a shift) and fp16
+// where F16C converts it (one instruction, the load folded in).
+template <typename T>
+constexpr bool kCheapToWiden = sizeof(T) == 4 || std::is_same_v<T, Bf16> ||
+                               (std::is_same_v<T, Fp16> && (PAGED_ISA_F16C || PAGED_ISA_AVX512));
+
 // ---- scalar conversions (tails and the generic fp16 path) -------------------
 static inline float to_float(float x) { return x; }
 static inline float to_float(Bf16 x) {
