@@ -222,8 +222,15 @@ constexpr int kWidenOnceQueries = 8;
 // kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
-  // A shared prefix with at least a vector of queries per KV head: queries in lanes.
-  if (P.queries_after_keys && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+  // Items whose rows all see all their keys (a shared prefix; a causal tile's keys up to its
+  // first row, without ALiBi or a window) with at least a vector of queries per KV head:
+  // queries in lanes. Not causal tiles on the baseline, whose lane tiles overflow its 16
+  // SSE registers (multi-token 0.8x the register-tile kernel there).
+  constexpr bool kLanesForCausal = PAGED_ISA_F16C || PAGED_ISA_AVX512;
+  const bool all_visible =
+      P.queries_after_keys || (kLanesForCausal && !P.alibi_slopes && P.sliding_window <= 0 &&
+                               w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
+  if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
     lane_work_item<T>(P, w, ws);
     return;
   }
