@@ -1,0 +1,123 @@
+"""Two builds of the CPU kernel side by side on causal multi-token attention, every cache dtype.
+
+Usage: ``.venv/bin/python bench/ab_multi_token.py --baseline DIR [--rounds N] [--isa ISA] [--out PATH]``
+
+``DIR`` is another checkout with its extension built in place (as for ``ab_kernels.py``,
+which times only fp32 and bf16 here). Each round runs one worker process per build, in
+alternating order; a worker times 512 causal queries over 4096 tokens (32/8 heads, head
+size 128, block 16, random block order) for fp32, bf16, fp16, e4m3 and e5m2 caches (fp8
+with a bf16 query and unit scales), round-robin, best of ``--reps`` calls, in GFLOP/s.
+The summary gives each build's median over rounds, the median of the per-round ratios,
+and each dtype's rate relative to the same worker's fp32 (the "never slower per element
+than fp32" target).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_multi_token_ab.json"
+SEQ_LEN, QUERIES, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4096, 512, 32, 8, 128, 16
+
+
+def worker(reps: int) -> Dict[str, object]:
+    import torch
+
+    import paged_attention_ext as pa
+
+    torch.set_num_threads(2)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = SEQ_LEN // BLOCK
+    table = torch.randperm(num_blocks, dtype=torch.int32, generator=gen).view(1, -1)
+    lens = torch.tensor([SEQ_LEN], dtype=torch.int32)
+    starts = torch.tensor([0, QUERIES], dtype=torch.int32)
+    pairs = sum(SEQ_LEN - QUERIES + i + 1 for i in range(QUERIES))
+    flops = 4 * HEADS * HEAD_SIZE * pairs
+    calls = {}
+    for name, dtype in dtypes.items():
+        shape = (num_blocks, KV_HEADS, BLOCK, HEAD_SIZE)
+        k = torch.randn(shape, generator=gen).to(dtype)
+        v = torch.randn(shape, generator=gen).to(dtype)
+        q = torch.randn(QUERIES, HEADS, HEAD_SIZE, generator=gen).to(
+            torch.bfloat16 if dtype.itemsize == 1 else dtype)
+        scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
+        calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
+            q, k, v, table, lens, HEAD_SIZE ** -0.5, starts, **scales)
+    samples: Dict[str, List[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(reps):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - t0)
+    return {"isa": pa.cpu_isa(), "library": pa.__file__,
+            "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
+
+
+def run_worker(library_root: Path, reps: int) -> Dict[str, object]:
+    env = dict(os.environ, PYTHONPATH=str(library_root))
+    out = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(reps)], env=env,
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", type=Path, help="checkout with its extension built in place")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=4, help="timed calls per dtype per worker")
+    parser.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds (default: the best)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.reps)))
+        return
+    if args.baseline is None:
+        parser.error("--baseline is required")
+    if args.isa:
+        os.environ["PAGED_ATTENTION_CPU_ISA"] = args.isa
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common.environment import cpu_model, source_revision
+
+    rounds = []
+    for i in range(args.rounds):
+        order = ["current", "baseline"] if i % 2 == 0 else ["baseline", "current"]
+        roots = {"current": ROOT, "baseline": args.baseline.resolve()}
+        rounds.append({build: run_worker(roots[build], args.reps) for build in order})
+        print(f"round {i + 1}/{args.rounds} done", flush=True)
+    summary = {}
+    print(f"{'dtype':6s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  vs fp32 (base -> cur)")
+    for name in rounds[0]["current"]["gflops"]:
+        def rate(build: str, r: Dict[str, object]) -> float:
+            return r[build]["gflops"][name]
+
+        def vs_fp32(build: str) -> float:
+            return statistics.median(rate(build, r) / r[build]["gflops"]["fp32"] for r in rounds)
+
+        row = {"baseline_gflops": statistics.median(rate("baseline", r) for r in rounds),
+               "current_gflops": statistics.median(rate("current", r) for r in rounds),
+               "speedup_paired": statistics.median(rate("current", r) / rate("baseline", r) for r in rounds),
+               "baseline_vs_fp32": vs_fp32("baseline"), "current_vs_fp32": vs_fp32("current")}
+        summary[name] = row
+        print(f"{name:6s} {row['baseline_gflops']:9.1f} {row['current_gflops']:9.1f} "
+              f"{row['speedup_paired']:7.2f}x  {row['baseline_vs_fp32']:.2f}x -> {row['current_vs_fp32']:.2f}x")
+    report = {"cpu": cpu_model(), "isa": rounds[0]["current"]["isa"], "source": source_revision(),
+              "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
