@@ -21,14 +21,12 @@ over 256 KiB of blocks: the arithmetic alone); multi-token (512 queries over 409
 32/8 heads) in fp32 and bf16, in GFLOP/s.
 """
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
+
+from common.ab import ab_parser, alternating_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_kernel_ab.json"
@@ -85,13 +83,6 @@ def worker(reps: int) -> Dict[str, object]:
     return results
 
 
-def run_worker(library_root: Path, reps: int) -> Dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(library_root))
-    out = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(reps)], env=env,
-                         check=True, capture_output=True, text=True, cwd="/")
-    return json.loads(out.stdout)
-
-
 def summarize(rounds: List[Dict[str, Dict[str, object]]]) -> Dict[str, object]:
     summary = {}
     for key, first in rounds[0]["current"].items():
@@ -119,26 +110,14 @@ def summarize(rounds: List[Dict[str, Dict[str, object]]]) -> Dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, help="checkout with the baseline build")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=12, help="timed repetitions per worker")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser = ab_parser(__doc__.splitlines()[0], default_reps=12, default_out=DEFAULT_OUT)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.reps)))
         return
     if args.baseline is None:
         parser.error("--baseline is required")
-    rounds = []
-    for i in range(args.rounds):
-        order = ["current", "baseline"] if i % 2 == 0 else ["baseline", "current"]
-        result = {}
-        for build in order:
-            result[build] = run_worker(ROOT if build == "current" else args.baseline.resolve(), args.reps)
-        rounds.append(result)
-        print(f"round {i + 1}/{args.rounds} done", flush=True)
+    rounds = alternating_rounds(Path(__file__), args.baseline, args.rounds, args.reps)
     summary = summarize(rounds)
     print(f"{'configuration':28s} {'baseline':>10s} {'current':>10s} {'speedup':>8s}   % of read (base -> cur)")
     for key, row in summary.items():

@@ -12,15 +12,15 @@ and each dtype's rate relative to the same worker's fp32 (the "never slower per 
 than fp32" target).
 """
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
+
+from common.ab import ab_parser, alternating_rounds
+from common.environment import cpu_model, source_revision
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_multi_token_ab.json"
@@ -64,21 +64,9 @@ def worker(reps: int) -> Dict[str, object]:
             "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
 
 
-def run_worker(library_root: Path, reps: int) -> Dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(library_root))
-    out = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(reps)], env=env,
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", type=Path, help="checkout with its extension built in place")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=4, help="timed calls per dtype per worker")
+    parser = ab_parser(__doc__.splitlines()[0], default_reps=4, default_out=DEFAULT_OUT)
     parser.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds (default: the best)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.reps)))
@@ -87,15 +75,7 @@ def main() -> None:
         parser.error("--baseline is required")
     if args.isa:
         os.environ["PAGED_ATTENTION_CPU_ISA"] = args.isa
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common.environment import cpu_model, source_revision
-
-    rounds = []
-    for i in range(args.rounds):
-        order = ["current", "baseline"] if i % 2 == 0 else ["baseline", "current"]
-        roots = {"current": ROOT, "baseline": args.baseline.resolve()}
-        rounds.append({build: run_worker(roots[build], args.reps) for build in order})
-        print(f"round {i + 1}/{args.rounds} done", flush=True)
+    rounds = alternating_rounds(Path(__file__), args.baseline, args.rounds, args.reps)
     summary = {}
     print(f"{'dtype':6s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  vs fp32 (base -> cur)")
     for name in rounds[0]["current"]["gflops"]:
