@@ -226,9 +226,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // first row, without ALiBi or a window) with at least a vector of queries per KV head:
   // queries in lanes. Not causal tiles on the baseline, whose lane tiles overflow its 16
   // SSE registers (multi-token 0.8x the register-tile kernel there).
-  constexpr bool kLanesForCausal = PAGED_ISA_F16C || PAGED_ISA_AVX512;
   const bool all_visible =
-      P.queries_after_keys || (kLanesForCausal && !P.alibi_slopes && P.sliding_window <= 0 &&
+      P.queries_after_keys || (kAvxIsa && !P.alibi_slopes && P.sliding_window <= 0 &&
                                w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
   if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
     lane_work_item<T>(P, w, ws);

@@ -21,7 +21,7 @@ template <> struct StoredUnit<Fp8E4M3> { static constexpr float value = 256.0f; 
 // where F16C converts it (one instruction, the load folded in).
 template <typename T>
 constexpr bool kCheapToWiden = sizeof(T) == 4 || std::is_same_v<T, Bf16> ||
-                               (std::is_same_v<T, Fp16> && (PAGED_ISA_F16C || PAGED_ISA_AVX512));
+                               (std::is_same_v<T, Fp16> && kAvxIsa);
 
 // ---- scalar conversions (tails and the generic fp16 path) -------------------
 static inline float to_float(float x) { return x; }
@@ -98,7 +98,6 @@ __attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) 
 // half_bits_to_float. Exact either way, with half the operations per element or fewer.
 __attribute__((always_inline)) static inline vfloat half_lanes_to_float(vhalfword h) {
   static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
-  typedef int16_t vshort __attribute__((vector_size(VW * 2)));
   typedef uint32_t v4uint __attribute__((vector_size(16)));
   const vhalfword magnitude = h & 0x7fff;
   const vshort zero = (vshort)magnitude == 0;
@@ -197,7 +196,6 @@ __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2*
   return half_lanes_to_float(fp8_lanes(p) << 8);
 }
 __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
-  typedef int16_t vshort __attribute__((vector_size(VW * 2)));
   const vhalfword b = fp8_lanes(p);
   const vhalfword h = ((b & 0x80) << 8) | ((b & 0x7f) << 7);
   const vshort is_nan = (vshort)(b & 0x7f) == 0x7f;  // magnitude 0x7f

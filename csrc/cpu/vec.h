@@ -14,6 +14,9 @@ typedef float vfloat __attribute__((vector_size(VW * 4)));
 typedef int32_t vint __attribute__((vector_size(VW * 4)));
 typedef uint32_t vuint __attribute__((vector_size(VW * 4)));
 typedef uint16_t vhalfword __attribute__((vector_size(VW * 2)));
+typedef int16_t vshort __attribute__((vector_size(VW * 2)));
+// AVX2 or AVX-512 (16 or 32 vector registers), not the baseline's 16 SSE registers.
+constexpr bool kAvxIsa = PAGED_ISA_F16C || PAGED_ISA_AVX512;
 
 static inline vfloat load(const float* p) {
   vfloat v;
