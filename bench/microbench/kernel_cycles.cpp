@@ -2,17 +2,23 @@
 // the arithmetic cost of a kernel change measured in seconds of build time instead of a
 // full extension build (docs/performance.md, "Where time goes").
 //
-//   bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
+//   [BASELINE=DIR] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
 //
 // The script compiles SOURCE_DIR's csrc/cpu/isa_$ISA.cpp (ISA=avx512_bf16 by default;
 // generic, avx2, avx512 for the other kernels) with setup.py's flags plus any -D flags
-// given, links it with this file, and runs decode items of B=1, 32 query heads, head size 128, context 2048, block
+// given into a shared library (kernel_entry.cpp exports its entry point), and this file
+// runs it on decode items of B=1, 32 query heads, head size 128, context 2048, block
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
 // bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 512 KiB each by default, inside the 2 MiB L2.
-// Two source trees compared one after the other give the change's cost; the numbers are
-// best-of-five in thread CPU time and move a few percent between runs on this shared machine.
-// It calls that ISA's kernel directly: the CPU must support the ISA.
+// Numbers are best-of-five in thread CPU time. With BASELINE, that tree's kernel is a
+// second library in the same process and the two run in alternating rounds (order
+// flipped each round), reported as the median of the per-round time ratios: on a shared
+// machine whose speed moves tens of percent between seconds, trees timed one after the
+// other compared the host's states, not the kernels. Both trees must share
+// attention_params.h (this file is compiled against SOURCE_DIR's). It calls that ISA's
+// kernel directly: the CPU must support the ISA.
+#include <dlfcn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -31,19 +37,26 @@
 #ifndef KERNEL_ISA
 #define KERNEL_ISA avx512_bf16
 #endif
-#define KERNEL_ENTRY_TOKENS(isa) isa##_attention_kernel
-#define KERNEL_ENTRY(isa) KERNEL_ENTRY_TOKENS(isa)
 #define KERNEL_NAME_TOKENS(isa) #isa
 #define KERNEL_NAME(isa) KERNEL_NAME_TOKENS(isa)
-
-namespace paged::cpu {
-AttentionKernelFn KERNEL_ENTRY(KERNEL_ISA)(ScalarKind kind);
-}
 
 namespace {
 
 using paged::ScalarKind;
 using namespace paged::cpu;
+
+using EntryFn = AttentionKernelFn (*)(int kind);
+
+// One tree's kernel library (kernel_entry.cpp), loaded with its symbols kept to itself so
+// two trees' template instances never merge.
+EntryFn load_entry(const char* path) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    std::fprintf(stderr, "kernel_cycles: %s\n", dlerror());
+    std::exit(1);
+  }
+  return reinterpret_cast<EntryFn>(dlsym(lib, "kernel_entry"));
+}
 
 // This thread's CPU time: on a shared machine the wall clock also counts the time the
 // thread waits for a core, which moved results by tens of percent between runs.
@@ -116,7 +129,8 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
   return buf;
 }
 
-void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz) {
+void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz,
+             EntryFn entry, EntryFn baseline) {
   constexpr int kContext = 2048, kBlock = 16, kHead = 128, kHeads = 32;
   const size_t esize = element_size(kind);
   // fp8 caches take a bf16 query (the model's dtype).
@@ -169,34 +183,67 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   const int item_heads = std::clamp(kMaxQueriesPerItem / group, 1, kv_heads);
   const WorkItem item{0, 0, item_heads, 0, 1, kContext - 1, 0, kContext, 0};
   std::vector<float> workspace(kernel_workspace_floats(kHead, item_heads * group));
-  const AttentionKernelFn kernel = KERNEL_ENTRY(KERNEL_ISA)(kind);
-
-  const int reps = 40;
-  double best = 1e30;
-  for (int round = 0; round < 5; ++round) {
+  const AttentionKernelFn kernel = entry(int(kind));
+  const AttentionKernelFn base_kernel = baseline ? baseline(int(kind)) : nullptr;
+  auto time_item = [&](AttentionKernelFn fn) {
+    const int reps = 40;
     const double t0 = thread_seconds();
-    for (int i = 0; i < reps; ++i) kernel(P, item, workspace.data());
-    const double seconds = thread_seconds() - t0;
-    best = std::min(best, seconds / reps);
-  }
+    for (int i = 0; i < reps; ++i) fn(P, item, workspace.data());
+    return (thread_seconds() - t0) / reps;
+  };
   const double bytes = 2.0 * kContext * item_heads * kHead * esize;
   const double chunks = double(kContext) / 32 * item_heads;
-  std::printf("%-4s 32/%-2d  %7.1f us/item  %6.1f GB/s per core  %5.0f cycles per 32 keys of a KV head"
-              "  (check %.4f)\n",
-              name, kv_heads, best * 1e6, bytes / best / 1e9, best * ghz * 1e9 / chunks, out[0]);
+  if (!base_kernel) {
+    double best = 1e30;
+    for (int round = 0; round < 5; ++round) best = std::min(best, time_item(kernel));
+    std::printf("%-4s 32/%-2d  %7.1f us/item  %6.1f GB/s per core  %5.0f cycles per 32 keys of a KV head"
+                "  (check %.4f)\n",
+                name, kv_heads, best * 1e6, bytes / best / 1e9, best * ghz * 1e9 / chunks, out[0]);
+    return;
+  }
+  const float check = (time_item(kernel), out[0]);
+  const float base_check = (time_item(base_kernel), out[0]);
+  std::vector<double> ratios;
+  double best = 1e30, base_best = 1e30;
+  for (int round = 0; round < 15; ++round) {
+    double t, tb;
+    if (round % 2) t = time_item(kernel), tb = time_item(base_kernel);
+    else tb = time_item(base_kernel), t = time_item(kernel);
+    ratios.push_back(tb / t);
+    best = std::min(best, t);
+    base_best = std::min(base_best, tb);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  std::printf("%-4s 32/%-2d  %5.0f vs baseline %5.0f cycles per 32 keys of a KV head  speedup %.3fx"
+              " (rounds %.3f-%.3f)  check %.4f / %.4f\n",
+              name, kv_heads, best * ghz * 1e9 / chunks, base_best * ghz * 1e9 / chunks,
+              ratios[ratios.size() / 2], ratios.front(), ratios.back(), check, base_check);
 }
 
 }  // namespace
 
+// kernel_cycles LIBRARY BASELINE_LIBRARY|- RESIDENT_BYTES [DTYPE [KV_HEADS]]
 int main(int argc, char** argv) {
-  const size_t resident = argc > 1 ? size_t(std::atol(argv[1])) : size_t(512) << 10;
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: kernel_cycles LIBRARY BASELINE_LIBRARY|- RESIDENT [DTYPE [KV_HEADS]]\n");
+    return 2;
+  }
+  const EntryFn entry = load_entry(argv[1]);
+  const EntryFn baseline = std::strcmp(argv[2], "-") != 0 ? load_entry(argv[2]) : nullptr;
+  const size_t resident = size_t(std::atol(argv[3]));
+  // Optional: one cache dtype and one KV head count (a single case to profile).
+  const char* only_dtype = argc > 4 ? argv[4] : nullptr;
+  const int only_kv_heads = argc > 5 ? std::atoi(argv[5]) : 0;
   const double ghz = core_ghz();
-  std::printf("kernel %s, core clock %.2f GHz, %zu KiB of K and of V\n", KERNEL_NAME(KERNEL_ISA), ghz,
-              resident >> 10);
+  std::printf("kernel %s, core clock %.2f GHz, %zu KiB of K and of V%s\n", KERNEL_NAME(KERNEL_ISA), ghz,
+              resident >> 10, baseline ? ", against the baseline tree in alternating rounds" : "");
   const struct { const char* name; int kind; } kinds[] = {
       {"fp32", 0}, {"fp16", 1}, {"bf16", 2}, {"e4m3", 3}, {"e5m2", 4}};
   for (const auto& k : kinds) {
-    if (KERNEL_ENTRY(KERNEL_ISA)(ScalarKind(k.kind)) == nullptr) continue;  // older tree
-    for (const int kv_heads : {32, 8}) measure(k.name, ScalarKind(k.kind), kv_heads, resident, ghz);
+    if (entry(k.kind) == nullptr || (baseline && baseline(k.kind) == nullptr)) continue;  // older tree
+    if (only_dtype && std::strcmp(only_dtype, k.name) != 0) continue;
+    for (const int kv_heads : {32, 8})
+      if (only_kv_heads == 0 || kv_heads == only_kv_heads)
+        measure(k.name, ScalarKind(k.kind), kv_heads, resident, ghz, entry, baseline);
   }
 }

@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
 # Build and run kernel_cycles.cpp against a source tree's kernel (see that file).
-#   [ISA=avx2] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
+#   [ISA=avx2] [BASELINE=DIR] [ONLY="bf16 8"] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
 # ISA: the kernel to time (generic, avx2, avx512, avx512_bf16; default avx512_bf16).
+# BASELINE: a second source tree (e.g. a `git worktree` of the commit before a change),
+# timed in the same process in alternating rounds; the -D flags apply to SOURCE_DIR only.
 # RESIDENT: bytes of K (and of V) the block tables cycle over (default 512 KiB; their sum
 # must fit the core's L2 for an arithmetic-only reading).
+# ONLY: one cache dtype and optionally one KV head count (e.g. "bf16 8"), for a profiler.
+# KEEP: a directory to keep the binary and libraries in (perf record -e cpu-clock on it:
+# no hardware PMU in this guest).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-src="${1:-$here/../..}"
+src="$(cd "${1:-$here/../..}" && pwd)"
 [[ $# -gt 0 ]] && shift
 isa="${ISA:-avx512_bf16}"
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
-# setup.py's C++ flags (plus torch's -O3 -fwrapv -fPIC), so GCC makes the same inlining choices.
-g++ -std=c++20 -O3 -fwrapv -fPIC -fopenmp -fvisibility=hidden -Wno-psabi -DNDEBUG "$@" \
-    -c "$src/csrc/cpu/isa_$isa.cpp" -o "$out/kernel.o"
-g++ -std=c++20 -O2 -mf16c -DKERNEL_ISA="$isa" -I "$src/csrc/cpu" -c "$here/kernel_cycles.cpp" -o "$out/main.o"
-g++ "$out/kernel.o" "$out/main.o" -fopenmp -o "$out/kernel_cycles"
-"$out/kernel_cycles" ${RESIDENT:-}
+out="${KEEP:-$(mktemp -d)}"
+mkdir -p "$out"
+[[ -n "${KEEP:-}" ]] || trap 'rm -rf "$out"' EXIT
+# A tree's kernel as a shared library, with setup.py's C++ flags (plus torch's -O3 -fwrapv
+# -fPIC), so GCC makes the same inlining choices.
+build_kernel() {  # tree, library, extra flags...
+  local tree="$1" lib="$2"
+  shift 2
+  g++ -std=c++20 -O3 -fwrapv -fPIC -fopenmp -fvisibility=hidden -Wno-psabi -DNDEBUG "$@" \
+      -c "$tree/csrc/cpu/isa_$isa.cpp" -o "$lib.kernel.o"
+  g++ -std=c++20 -O2 -fPIC -fvisibility=hidden -DKERNEL_ISA="$isa" -I "$tree/csrc/cpu" \
+      -c "$here/kernel_entry.cpp" -o "$lib.entry.o"
+  g++ -shared -fopenmp "$lib.kernel.o" "$lib.entry.o" -o "$lib"
+}
+build_kernel "$src" "$out/kernel.so" "$@"
+baseline_lib=-
+if [[ -n "${BASELINE:-}" ]]; then
+  baseline_lib="$out/baseline.so"
+  build_kernel "$(cd "$BASELINE" && pwd)" "$baseline_lib"
+fi
+g++ -std=c++20 -O2 -mf16c -DKERNEL_ISA="$isa" -I "$src/csrc/cpu" "$here/kernel_cycles.cpp" \
+    -ldl -o "$out/kernel_cycles"
+# shellcheck disable=SC2086  # ONLY is two words
+"$out/kernel_cycles" "$out/kernel.so" "$baseline_lib" "${RESIDENT:-524288}" ${ONLY:-}

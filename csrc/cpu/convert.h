@@ -91,14 +91,25 @@ __attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) 
 }
 
 #if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
+// VW fp32s from their lower and upper 16 bits (16-bit lanes, eight per 16-byte register).
+__attribute__((always_inline)) static inline vfloat fp32_from_halves(vhalfword lower, vhalfword upper) {
+  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
+  typedef uint32_t v4uint __attribute__((vector_size(16)));
+  const v4uint first = (v4uint)__builtin_shufflevector(lower, upper, 0, 8, 1, 9, 2, 10, 3, 11);
+  const v4uint second = (v4uint)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
+  // Two 16-byte stores into one vector: a 32-byte shuffle of them GCC builds lane by lane.
+  vfloat result;
+  std::memcpy(&result, &first, 16);
+  std::memcpy(reinterpret_cast<char*>(&result) + 16, &second, 16);
+  return result;
+}
+
 // fp16 bits (VW 16-bit lanes) to fp32 on the baseline. When every lane is zero or normal
 // (nearly always) the fp32 halves are built in 16-bit lanes, eight per 16-byte register:
 // the upper half is the sign and the magnitude shifted right by 3 and rebiased, the lower
 // half the magnitude's last three bits; a vector with a subnormal, inf or NaN lane takes
 // half_bits_to_float. Exact either way, with half the operations per element or fewer.
 __attribute__((always_inline)) static inline vfloat half_lanes_to_float(vhalfword h) {
-  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
-  typedef uint32_t v4uint __attribute__((vector_size(16)));
   const vhalfword magnitude = h & 0x7fff;
   const vshort zero = (vshort)magnitude == 0;
   // magnitude + 0x400 is below 0x800 as int16 for exponent 0 and negative for exponent 31.
@@ -108,14 +119,7 @@ __attribute__((always_inline)) static inline vfloat half_lanes_to_float(vhalfwor
   if (__builtin_expect((any_rare[0] | any_rare[1]) != 0, 0))
     return half_bits_to_float(__builtin_convertvector(h, vuint));
   const vhalfword upper = (((magnitude >> 3) + 0x3800) & ~(vhalfword)zero) | (h & 0x8000);
-  const vhalfword lower = h << 13;
-  const v4uint first = (v4uint)__builtin_shufflevector(lower, upper, 0, 8, 1, 9, 2, 10, 3, 11);
-  const v4uint second = (v4uint)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
-  // Two 16-byte stores into one vector: a 32-byte shuffle of them GCC builds lane by lane.
-  vfloat result;
-  std::memcpy(&result, &first, 16);
-  std::memcpy(reinterpret_cast<char*>(&result) + 16, &second, 16);
-  return result;
+  return fp32_from_halves(h << 13, upper);
 }
 #endif
 
@@ -195,11 +199,22 @@ __attribute__((always_inline)) static inline vhalfword fp8_lanes(const void* p) 
 __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2* p) {
   return half_lanes_to_float(fp8_lanes(p) << 8);
 }
+// e4m3 straight to fp32 (divided by its unit 2^8, see StoredUnit), exact and branch-free:
+// as fp16 bits its subnormals (1 in 10 vectors of N(0, 1) data) took half_lanes_to_float's
+// slow branch. The upper 16 bits get the sign and the magnitude under an exponent rebiased
+// by 127 - 7 - 8 = 112; a subnormal lane (exponent 0) gets exponent 1 instead, which reads
+// as 2^-14 + m 2^-17, and 2^-14 with the lane's sign is subtracted (exact; -0 comes out
+// +0, which no product or sum in the kernel can tell apart).
 __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
   const vhalfword b = fp8_lanes(p);
-  const vhalfword h = ((b & 0x80) << 8) | ((b & 0x7f) << 7);
-  const vshort is_nan = (vshort)(b & 0x7f) == 0x7f;  // magnitude 0x7f
-  return half_lanes_to_float(h | ((vhalfword)is_nan & 0x7e00));
+  const vhalfword magnitude = b & 0x7f;
+  const vhalfword sign = (b & 0x80) << 8;
+  const vhalfword subnormal = (vhalfword)((vshort)(b & 0x78) == 0);
+  const vhalfword nan = (vhalfword)((vshort)magnitude == 0x7f);
+  // The fp32 exponent field is bits 7..14 of the upper half.
+  const vhalfword upper = ((magnitude << 4) + 0x3800 + (subnormal & 0x80)) | (nan & 0x7fc0) | sign;
+  const vhalfword zero{};
+  return fp32_from_halves(zero, upper) - fp32_from_halves(zero, subnormal & (0x3880 | sign));
 }
 #endif
 
