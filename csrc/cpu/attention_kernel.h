@@ -214,10 +214,12 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
 #include "lane_kernel.h"
 
 // Queries per KV head from which rows that are not cheap to widen are converted once per
-// chunk: two register tiles or more. Multi-token on AVX2 (docs/performance.md): fp8 0.85-0.92x
-// -> 1.08x the fp32 rate; fp16 with F16C measured slower converted (0.93x against 1.12x),
-// bf16 the same either way.
-constexpr int kWidenOnceQueries = 8;
+// chunk: two register tiles or more, each of which would widen every row again. Multi-token
+// on AVX2 (docs/performance.md): fp8 0.85-0.92x -> 1.08x the fp32 rate; fp16 with F16C
+// measured slower converted (0.93x against 1.12x), bf16 the same either way. On the
+// baseline fp16 GQA decode (4 queries, two 2-query tiles) converted: 1.25x in cache.
+template <typename T>
+constexpr int kWidenOnceQueries = 2 * kTileQueries<T>;
 
 // kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
@@ -269,7 +271,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
   // are rows that serve many queries (multi-token items) and cost more to widen than a
   // load: in place, every register tile of queries would widen each row again.
-  const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries;
+  const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
   const bool in_place = hsp == hs && hspv == hsv && !widen_once;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
