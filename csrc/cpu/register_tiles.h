@@ -44,19 +44,22 @@ __attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[
       __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
       __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
+  // 8 lanes: the first two levels within 128-bit halves (unpck{l,h}ps, unpck{l,h}pd), the
+  // halves joined once at the end; halving the lanes across the halves first cost a
+  // vpermd (lane-crossing, 3 cycles) per vector at the second level.
   vfloat l1[4], l2[2];
   for (int i = 0; i < 4; ++i) {
     const vfloat a = flat(2 * i), b = flat(2 * i + 1);
-    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
-            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    l1[i] = __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13) +
+            __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15);
   }
   for (int i = 0; i < 2; ++i) {
     const vfloat a = l1[2 * i], b = l1[2 * i + 1];
-    l2[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
-            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
   }
-  const vfloat r = __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-                   __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  const vfloat r = __builtin_shufflevector(l2[0], l2[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(l2[0], l2[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #endif
   for (int g = 0; g < G; ++g)
     std::memcpy(s + g * kKeyChunk, reinterpret_cast<const float*>(&r) + K * g, sizeof(float) * K);
