@@ -273,6 +273,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
   const bool in_place = hsp == hs && hspv == hsv && !widen_once;
+  // Split rows (convert.h): queries and value accumulators in split order too.
+  const bool split = kSplitRows<T> && in_place;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),
@@ -312,6 +314,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     query_row_to_float(P.query_kind, q_row, qm, hs);
     const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
     for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
+    if (split) {
+      float row[2 * VW];
+      for (int d = 0; d < hs; d += 2 * VW) {
+        std::memcpy(row, qm + d, sizeof(row));
+        for (int i = 0; i < 2 * VW; ++i) qm[d + split_slot(i)] = row[i];
+      }
+    }
     if (bf16_dot) {
       uint16_t* qb = q_bits + int64_t(m) * hsp;
 #if PAGED_ISA_AVX512_BF16
@@ -493,6 +502,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     else if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
     else
 #endif
+    if (split)
+      for (int d = 0; d < hsv; ++d) o[d] = am[split_slot(d)] * inv;
+    else
       for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
     if (P.lse) {
       P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
@@ -505,6 +517,14 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 // counts the compiler unrolls the row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  // bf16 rows of whole 4 x VW-element steps are read in split order where the ISA has it
+  // (AVX2, convert.h): every reader's steps then cover them exactly.
+  if constexpr (std::is_same_v<T, Bf16> && kHasSplitRows) {
+    if (P.head_size % (4 * VW) == 0 && P.head_size_v % (4 * VW) == 0) {
+      attention_work_item<Bf16Split>(P, w, ws);
+      return;
+    }
+  }
   if (P.head_size == 128 && P.head_size_v == 128) attention_work_item_for<T, 128>(P, w, ws);
   else attention_work_item_for<T, 0>(P, w, ws);
 }

@@ -6,6 +6,8 @@
 #include "vec.h"
 
 struct Bf16 { uint16_t bits; };
+// bf16 rows read in place in split order (AVX2; see load2_as_float(const Bf16Split*)).
+struct Bf16Split { uint16_t bits; };
 struct Fp16 { uint16_t bits; };
 struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
 struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
@@ -20,7 +22,10 @@ template <> struct StoredUnit<Fp8E4M3> { static constexpr float value = 256.0f; 
 // Rows widened in registers for no more than a load costs: fp32, bf16 (a shift) and fp16
 // where F16C converts it (one instruction, the load folded in).
 template <typename T>
-constexpr bool kCheapToWiden = sizeof(T) == 4 || std::is_same_v<T, Bf16> ||
+constexpr bool kSplitRows = std::is_same_v<T, Bf16Split>;
+
+template <typename T>
+constexpr bool kCheapToWiden = sizeof(T) == 4 || std::is_same_v<T, Bf16> || kSplitRows<T> ||
                                (std::is_same_v<T, Fp16> && kAvxIsa);
 
 // ---- scalar conversions (tails and the generic fp16 path) -------------------
@@ -248,6 +253,30 @@ static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
 #endif
 
 #if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+// Split order: 16 bf16 elements from one 32-byte load, the even ones (shifted up) in the
+// first vector and the odd ones (masked) in the second: one integer instruction per 8
+// elements, half of them on any vector pipe, instead of a widening and a shift each
+// (vpmovzxwd, vpslld: both on the two pipes that also take the shuffles). A dot product
+// does not care about the order when the query is in the same one; value accumulators
+// stay in it for the whole item (split_slot). So every reader of such rows takes whole
+// 2 x VW steps: the kernel splits rows of whole 4 x VW-element steps only.
+constexpr bool kHasSplitRows = true;
+static inline void load2_as_float(const Bf16Split* p, vfloat& even, vfloat& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = (vfloat)_mm256_slli_epi32(x, 16);
+  odd = (vfloat)_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u)));
+}
+#else
+constexpr bool kHasSplitRows = false;
+#endif
+
+// Element d of a split row -> its slot in split order (2 x VW-element steps).
+static inline int split_slot(int d) {
+  const int i = d % (2 * VW);
+  return d - i + (i % 2) * VW + i / 2;
+}
+
+#if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
 // AVX2: 16 fp8 bytes as one ymm of 16-bit lanes, half the integer instructions per element
 // of two single loads; an e4m3 NaN lane becomes 0xffff (an fp16 NaN) by one OR.
 static inline __m256i fp8_lanes16(const void* p) {
@@ -274,4 +303,8 @@ static inline void row_to_float(const T* src, float* dst, int head_size) {
   int d = 0;
   for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
   for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+}
+// A split row converted in element order (the ragged path and the lane kernel read fp32 rows).
+static inline void row_to_float(const Bf16Split* src, float* dst, int head_size) {
+  row_to_float(reinterpret_cast<const Bf16*>(src), dst, head_size);
 }

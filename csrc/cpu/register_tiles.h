@@ -11,9 +11,11 @@
 // take 2 x 4, or 4 x 2 for fp8 rows: their widening costs more than their multiply-adds,
 // so a tile covering a whole group of 4 queries (32/8 heads) widens each row once, not
 // twice (kernel_cycles, AVX2, 32/8: e4m3 -37%, e5m2 -14% per item; fp32 and fp16 rows
-// measured 7-11% slower in 4 x 2 tiles). Two queries left over then take a 2 x 4 tile.
+// measured 7-11% slower in 4 x 2 tiles). So do split bf16 rows (AVX2, convert.h): read two
+// vectors per key a step, a 2 x 4 tile would need 8 key registers beside 8 accumulators.
+// Two queries left over then take a 2 x 4 tile.
 template <typename R>
-constexpr int kTileQueries = VW == 16 || sizeof(R) == 1 ? 4 : 2;
+constexpr int kTileQueries = VW == 16 || sizeof(R) == 1 || kSplitRows<R> ? 4 : 2;
 
 // The G x K accumulators of a score tile summed to G x K scores by one transpose tree
 // (each level halves the lanes per accumulator and packs two vectors into one): cheaper
@@ -75,7 +77,7 @@ __attribute__((always_inline)) static inline void dot_tile(const float* q, int h
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < K; ++i) acc[g][i] = vfloat{};
   int d = 0;
-  if constexpr (sizeof(R) == 1) {  // fp8: rows widened two vectors at a time (load2_as_float)
+  if constexpr (sizeof(R) == 1 || kSplitRows<R>) {  // fp8 and split rows: two vectors a step
     for (; d + 2 * VW <= hsp; d += 2 * VW) {
       for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
       vfloat lo[K], hi[K];
@@ -87,7 +89,7 @@ __attribute__((always_inline)) static inline void dot_tile(const float* q, int h
       }
     }
   }
-  for (; d < hsp; d += VW) {
+  if constexpr (!kSplitRows<R>) for (; d < hsp; d += VW) {
     for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
     vfloat kv[K];
     for (int i = 0; i < K; ++i) kv[i] = load_as_float(k[i] + d);
@@ -123,7 +125,7 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const R*
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
   }
-  for (; d < hsp; d += VW) {
+  if constexpr (!kSplitRows<R>) for (; d < hsp; d += VW) {
     vfloat a[G];
     for (int g = 0; g < G; ++g) a[g] = load(acc + int64_t(g) * hsp + d);
     for (int t = 0; t < n; ++t) {

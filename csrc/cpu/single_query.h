@@ -26,10 +26,12 @@ static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
       odd[i] += q1 * k1;
     }
   }
-  if (d < hsp) {
-    for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
-    const vfloat q0 = load(q + d);
-    for (int i = 0; i < 4; ++i) even[i] += q0 * load_as_float(k[i] + d);
+  if constexpr (!kSplitRows<R>) {
+    if (d < hsp) {
+      for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
+      const vfloat q0 = load(q + d);
+      for (int i = 0; i < 4; ++i) even[i] += q0 * load_as_float(k[i] + d);
+    }
   }
   hsum4(even[0] + odd[0], even[1] + odd[1], even[2] + odd[2], even[3] + odd[3], out);
 }
@@ -37,9 +39,18 @@ static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
 template <typename R>
 static inline float dot1(const float* q, const R* k, int hsp, const R* const* ahead) {
   vfloat a{};
-  for (int d = 0; d < hsp; d += VW) {
-    prefetch_same_line(ahead, 0, d);
-    a += load(q + d) * load_as_float(k + d);
+  if constexpr (kSplitRows<R>) {
+    for (int d = 0; d < hsp; d += 2 * VW) {
+      prefetch_same_line(ahead, 0, d);
+      vfloat k0, k1;
+      load2_as_float(k + d, k0, k1);
+      a += load(q + d) * k0 + load(q + d + VW) * k1;
+    }
+  } else {
+    for (int d = 0; d < hsp; d += VW) {
+      prefetch_same_line(ahead, 0, d);
+      a += load(q + d) * load_as_float(k + d);
+    }
   }
   return hsum(a);
 }
@@ -61,7 +72,7 @@ static inline void accumulate_block(float* acc, const float* p, const R* const* 
       a[i] += pt * v0;
       a[i + 1] += pt * v1;
     }
-    for (; i < W; ++i) a[i] += pt * load_as_float(v[t] + d + i * VW);
+    if constexpr (W % 2 == 1) a[W - 1] += pt * load_as_float(v[t] + d + (W - 1) * VW);
   }
   for (int i = 0; i < W; ++i) store(acc + d + i * VW, a[i]);
 }
@@ -73,5 +84,5 @@ static inline void accumulate_values(float* acc, const float* p, const R* const*
   int d = 0;
   for (; d + 8 * VW <= hsp; d += 8 * VW) accumulate_block<8>(acc, p, v, n, d, ahead);
   for (; d + 4 * VW <= hsp; d += 4 * VW) accumulate_block<4>(acc, p, v, n, d, ahead);
-  for (; d < hsp; d += VW) accumulate_block<1>(acc, p, v, n, d, ahead);
+  if constexpr (!kSplitRows<R>) for (; d < hsp; d += VW) accumulate_block<1>(acc, p, v, n, d, ahead);
 }
