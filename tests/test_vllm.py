@@ -127,8 +127,9 @@ def run_case(case: dict) -> dict:
                 cascade_steps=sum(llm.collective_rpc(_cascade_steps)))
 
 
-def run_vllm(case: dict, plugin: bool, timeout: float = 900) -> dict:
-    """``run_case`` in a fresh process, with or without the paged_attention plugin."""
+def start_vllm(case: dict, plugin: bool) -> tuple[subprocess.Popen, str]:
+    """``run_case`` started in a fresh process, with or without the paged_attention plugin;
+    finish_vllm collects it."""
     tp = case.get("tp", 1)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
                # One process unless tensor parallel needs its workers.
@@ -144,17 +145,29 @@ def run_vllm(case: dict, plugin: bool, timeout: float = 900) -> dict:
         env["PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS"] = str(case["cascade_min_saved_tokens"])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case, f)
+    proc = subprocess.Popen([sys.executable, __file__, f.name], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, f.name
+
+
+def finish_vllm(proc: subprocess.Popen, case_file: str, timeout: float = 900) -> dict:
     try:
-        proc = subprocess.run([sys.executable, __file__, f.name], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
     finally:
-        os.unlink(f.name)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        os.unlink(case_file)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         # vLLM logs to stdout, Python's tracebacks go to stderr.
         raise AssertionError(f"vLLM run failed (rc {proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+                             f"{stdout[-4000:]}\n{stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_vllm(case: dict, plugin: bool) -> dict:
+    return finish_vllm(*start_vllm(case, plugin))
 
 
 # ---------------------------------------------------------------- tests
@@ -169,7 +182,15 @@ def model_dirs(tmp_path_factory):
 
 
 def check_same(case: dict) -> dict:
-    ours, theirs = run_vllm(case, plugin=True), run_vllm(case, plugin=False)
+    # Both runs at once: each is one process with one OpenMP thread (tensor parallel: one
+    # per rank), so the pair shares this 2-core machine's cores instead of queueing.
+    runs = [start_vllm(case, plugin) for plugin in (True, False)]
+    try:
+        ours, theirs = [finish_vllm(*run) for run in runs]
+    finally:
+        for proc, _ in runs:  # the other run, when one failed
+            if proc.poll() is None:
+                proc.kill()
     assert ours["attention"] == [["PagedAttentionImpl"]] * case.get("tp", 1), ours["attention"]
     assert theirs["attention"] == [["CPUAttentionBackendImpl"]] * case.get("tp", 1)
     assert ours["tokens"] == theirs["tokens"]
