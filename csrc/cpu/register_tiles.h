@@ -48,7 +48,7 @@ __attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[
 #else
   // 8 lanes: the first two levels within 128-bit halves (unpck{l,h}ps, unpck{l,h}pd), the
   // halves joined once at the end; halving the lanes across the halves first cost a
-  // vpermd (lane-crossing, 3 cycles) per vector at the second level.
+  // lane-crossing vpermd per vector at the second level.
   vfloat l1[4], l2[2];
   for (int i = 0; i < 4; ++i) {
     const vfloat a = flat(2 * i), b = flat(2 * i + 1);
