@@ -256,10 +256,9 @@ static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
 // Split order: 16 bf16 elements from one 32-byte load, the even ones (shifted up) in the
 // first vector and the odd ones (masked) in the second: one integer instruction per 8
 // elements, half of them a plain AND, instead of a widening and a shift each (vpmovzxwd,
-// vpslld). A dot product
-// does not care about the order when the query is in the same one; value accumulators
-// stay in it for the whole item (split_slot). So every reader of such rows takes whole
-// 2 x VW steps: the kernel splits rows of whole 4 x VW-element steps only.
+// vpslld). A dot product does not care about the order when the query is in the same one;
+// value accumulators stay in it for the whole item (split_slot). So every reader of such
+// rows takes whole 2 x VW steps: the kernel splits rows of whole 4 x VW-element steps only.
 constexpr bool kHasSplitRows = true;
 static inline void load2_as_float(const Bf16Split* p, vfloat& even, vfloat& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
