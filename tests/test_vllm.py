@@ -7,7 +7,7 @@ backend, ``VLLM_PLUGINS=""``). Greedy fp32 tokens must match. A child also repor
 attention class its layers ran, so a plugin that silently failed to load cannot pass.
 
 Run in the vLLM environment (see the Makefile's test-vllm); skipped where vLLM is missing.
-This file is also the child: ``python tests/test_vllm.py CASE.json`` prints the result.
+This file is also the child: ``python tests/test_vllm.py '<case as JSON>'`` prints the result.
 """
 
 import ast
@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -127,7 +126,7 @@ def run_case(case: dict) -> dict:
                 cascade_steps=sum(llm.collective_rpc(_cascade_steps)))
 
 
-def start_vllm(case: dict, plugin: bool) -> tuple[subprocess.Popen, str]:
+def start_vllm(case: dict, plugin: bool) -> subprocess.Popen:
     """``run_case`` started in a fresh process, with or without the paged_attention plugin;
     finish_vllm collects it."""
     tp = case.get("tp", 1)
@@ -143,21 +142,17 @@ def start_vllm(case: dict, plugin: bool) -> tuple[subprocess.Popen, str]:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin
     if "cascade_min_saved_tokens" in case:
         env["PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS"] = str(case["cascade_min_saved_tokens"])
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(case, f)
-    proc = subprocess.Popen([sys.executable, __file__, f.name], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    return proc, f.name
+    # The case (a few KB of token ids) travels as the child's argument.
+    return subprocess.Popen([sys.executable, __file__, json.dumps(case)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish_vllm(proc: subprocess.Popen, case_file: str, timeout: float = 900) -> dict:
+def finish_vllm(proc: subprocess.Popen, timeout: float = 900) -> dict:
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-    finally:
-        os.unlink(case_file)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         # vLLM logs to stdout, Python's tracebacks go to stderr.
@@ -167,7 +162,7 @@ def finish_vllm(proc: subprocess.Popen, case_file: str, timeout: float = 900) ->
 
 
 def run_vllm(case: dict, plugin: bool) -> dict:
-    return finish_vllm(*start_vllm(case, plugin))
+    return finish_vllm(start_vllm(case, plugin))
 
 
 # ---------------------------------------------------------------- tests
@@ -186,11 +181,12 @@ def check_same(case: dict) -> dict:
     # per rank), so the pair shares this 2-core machine's cores instead of queueing.
     runs = [start_vllm(case, plugin) for plugin in (True, False)]
     try:
-        ours, theirs = [finish_vllm(*run) for run in runs]
+        ours, theirs = [finish_vllm(run) for run in runs]
     finally:
-        for proc, _ in runs:  # the other run, when one failed
+        for proc in runs:  # the other run, when one failed
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     assert ours["attention"] == [["PagedAttentionImpl"]] * case.get("tp", 1), ours["attention"]
     assert theirs["attention"] == [["CPUAttentionBackendImpl"]] * case.get("tp", 1)
     assert ours["tokens"] == theirs["tokens"]
@@ -275,6 +271,5 @@ def test_docs_example_runs(tmp_path):
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        result = run_case(json.load(f))
+    result = run_case(json.loads(sys.argv[1]))
     print("RESULT " + json.dumps(result), flush=True)

@@ -253,6 +253,25 @@ static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
 #endif
 
 #if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+// AVX2: 16 fp8 bytes as one ymm of 16-bit lanes, half the integer instructions per element
+// of two single loads; an e4m3 NaN lane becomes 0xffff (an fp16 NaN) by one OR.
+static inline __m256i fp8_lanes16(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline void halves16_to_float(__m256i h, vfloat& a, vfloat& b) {
+  a = (vfloat)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = (vfloat)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
+  halves16_to_float(_mm256_slli_epi16(fp8_lanes16(p), 8), a, b);
+}
+static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(fp8_lanes16(p), 7), _mm256_set1_epi16(short(0xbf80)));
+  const __m256i magnitude_bits = _mm256_set1_epi16(0x3f80);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), magnitude_bits);
+  halves16_to_float(_mm256_or_si256(h, nan), a, b);
+}
+
 // Split order: 16 bf16 elements from one 32-byte load, the even ones (shifted up) in the
 // first vector and the odd ones (masked) in the second: one integer instruction per 8
 // elements, half of them a plain AND, instead of a widening and a shift each (vpmovzxwd,
@@ -274,27 +293,6 @@ static inline int split_slot(int d) {
   const int i = d % (2 * VW);
   return d - i + (i % 2) * VW + i / 2;
 }
-
-#if PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
-// AVX2: 16 fp8 bytes as one ymm of 16-bit lanes, half the integer instructions per element
-// of two single loads; an e4m3 NaN lane becomes 0xffff (an fp16 NaN) by one OR.
-static inline __m256i fp8_lanes16(const void* p) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-static inline void halves16_to_float(__m256i h, vfloat& a, vfloat& b) {
-  a = (vfloat)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  b = (vfloat)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
-  halves16_to_float(_mm256_slli_epi16(fp8_lanes16(p), 8), a, b);
-}
-static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(fp8_lanes16(p), 7), _mm256_set1_epi16(short(0xbf80)));
-  const __m256i magnitude_bits = _mm256_set1_epi16(0x3f80);
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), magnitude_bits);
-  halves16_to_float(_mm256_or_si256(h, nan), a, b);
-}
-#endif
 
 // Converts head_size elements into dst (the padded tail of dst is untouched).
 template <typename T>
