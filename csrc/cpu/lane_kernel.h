@@ -59,8 +59,8 @@ struct LaneAhead {
 
   void fetch(int begin, int end) const {
     for (int t = begin; t < end && t < n; ++t) {
-      prefetch_row_l2(k[t], k_bytes);
-      prefetch_row_l2(v[t], v_bytes);
+      prefetch_row(k[t], k_bytes);
+      prefetch_row(v[t], v_bytes);
     }
   }
 };
