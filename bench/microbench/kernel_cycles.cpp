@@ -11,6 +11,8 @@
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
 // bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 512 KiB each by default, inside the 2 MiB L2.
+// A `resident` of more blocks than a sequence has (e.g. 256 MiB, far beyond the L3) gives
+// every call fresh blocks in a random order instead: decode from DRAM on one core.
 // Numbers are best-of-five in thread CPU time. With BASELINE, that tree's kernel is a
 // second library in the same process and the two run in alternating rounds (order
 // flipped each round), reported as the median of the per-round time ratios: on a shared
@@ -117,12 +119,15 @@ size_t element_size(ScalarKind kind) {
   }
 }
 
+// N(0, 1) elements: up to 2^20 drawn, then repeated (pools larger than the L3 would take
+// minutes to draw element by element).
 std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
   const size_t esize = element_size(kind);
   std::vector<char> buf(elements * esize);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
-  for (size_t i = 0; i < elements; ++i) {
+  const size_t drawn = std::min<size_t>(elements, size_t(1) << 20);
+  for (size_t i = 0; i < drawn; ++i) {
     const float x = normal(rng);
     if (esize == 1) buf[i] = char(to_fp8(x, kind));
     else if (esize == 4) std::memcpy(&buf[i * 4], &x, 4);
@@ -131,6 +136,7 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
       std::memcpy(&buf[i * 2], &h, 2);
     }
   }
+  for (size_t i = drawn; i < elements; ++i) std::memcpy(&buf[i * esize], &buf[(i % drawn) * esize], esize);
   return buf;
 }
 
@@ -145,8 +151,22 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   const std::vector<char> K = random_rows(block_elements * blocks, kind, 1);
   const std::vector<char> V = random_rows(block_elements * blocks, kind, 2);
   const std::vector<char> Q = random_rows(size_t(kHeads) * kHead, query_kind, 3);
-  std::vector<int32_t> table(kContext / kBlock);
-  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t((i * 7) % blocks);
+  // Block tables: one cycling over the resident blocks when they are fewer than a
+  // sequence's; otherwise every call takes the next of tables that share out all the blocks
+  // in a random order, so a pool much larger than the L3 is read from DRAM (one core's
+  // decode from memory, both trees in one process).
+  constexpr int kTableBlocks = kContext / kBlock;
+  const int num_tables = std::max(1, blocks / kTableBlocks);
+  std::vector<int32_t> tables(size_t(num_tables) * kTableBlocks);
+  if (num_tables == 1) {
+    for (int i = 0; i < kTableBlocks; ++i) tables[i] = int32_t((i * 7) % blocks);
+  } else {
+    std::vector<int32_t> order(blocks);
+    for (int i = 0; i < blocks; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937(4));
+    std::copy(order.begin(), order.begin() + tables.size(), tables.begin());
+  }
+  int next_table = 0;
   const int32_t length = kContext;
   std::vector<float> out(kHeads * kHead);
 
@@ -157,8 +177,8 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   P.query_head_stride = kHead;
   P.key_cache = K.data();
   P.value_cache = V.data();
-  P.block_tables = table.data();
-  P.block_table_stride = int64_t(table.size());
+  P.block_tables = tables.data();
+  P.block_table_stride = kTableBlocks;
   P.seq_lens = &length;
   P.num_heads = kHeads;
   P.num_kv_heads = kv_heads;
@@ -193,7 +213,11 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   auto time_item = [&](AttentionKernelFn fn) {
     const int reps = 40;
     const double t0 = thread_seconds();
-    for (int i = 0; i < reps; ++i) fn(P, item, workspace.data());
+    for (int i = 0; i < reps; ++i) {
+      P.block_tables = tables.data() + int64_t(next_table) * kTableBlocks;
+      next_table = (next_table + 1) % num_tables;
+      fn(P, item, workspace.data());
+    }
     return (thread_seconds() - t0) / reps;
   };
   const double bytes = 2.0 * kContext * item_heads * kHead * esize;
@@ -207,8 +231,10 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
     return;
   }
   // Each tree's first output element (their difference is a wrong result, not noise).
+  next_table = 0;
   time_item(kernel);
   const float check = out[0];
+  next_table = 0;  // the same tables, so the same last one
   time_item(base_kernel);
   const float base_check = out[0];
   std::vector<double> ratios;
@@ -222,9 +248,10 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
     base_best = std::min(base_best, tb);
   }
   std::sort(ratios.begin(), ratios.end());
-  std::printf("%-4s 32/%-2d  %5.0f vs baseline %5.0f cycles per 32 keys of a KV head  speedup %.3fx"
-              " (rounds %.3f-%.3f)  check %.4f / %.4f\n",
+  std::printf("%-4s 32/%-2d  %5.0f vs baseline %5.0f cycles per 32 keys of a KV head (%.1f vs %.1f GB/s)"
+              "  speedup %.3fx (rounds %.3f-%.3f)  check %.4f / %.4f\n",
               name, kv_heads, best * ghz * 1e9 / chunks, base_best * ghz * 1e9 / chunks,
+              bytes / best / 1e9, bytes / base_best / 1e9,
               ratios[ratios.size() / 2], ratios.front(), ratios.back(), check, base_check);
 }
 

@@ -8,7 +8,8 @@
 //   HND layout). Rows whose length is a whole number of vectors are read in place
 //   and widened to fp32 in registers, each key row serving every query head of its
 //   GQA group; an online softmax keeps the running max / sum per query so each K and
-//   V byte is read exactly once. Software prefetches run one phase ahead.
+//   V byte is read exactly once. Software prefetches run one phase ahead into L1 and two
+//   phases ahead into L2 (prefetch.h).
 
 // Its layers, each over the ones before: vector primitives, element conversions, exp,
 // prefetches, one-query products, register tiles, and the AVX512_BF16 tiles (empty
@@ -395,11 +396,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // measured 13% slower on bf16 GQA decode.
   if (in_place) {
     // Rows are whole vectors: read them in place. While a chunk's scores are computed
-    // its values are prefetched, and while its values are accumulated, the next
-    // chunk's keys, so one phase's arithmetic overlaps the other's cache misses.
+    // its values are prefetched into L1 and the next chunk's keys into L2; while its
+    // values are accumulated, the next chunk's keys into L1 and its values into L2
+    // (prefetch_same_line). So one phase's arithmetic overlaps the misses of the next two.
     const T* k_rows[kKeyChunk];
     const T* v_rows[kKeyChunk];
-    const T* next_k[kKeyChunk];
+    const T* scores_ahead[2 * kKeyChunk];
+    const T* values_ahead[2 * kKeyChunk];
     RowOffsets* offsets = &offset_buffers[0];
     RowOffsets* next_offsets = &offset_buffers[1];
     Chunk c = first_chunk();
@@ -412,16 +415,23 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         k_rows[t] = key_cache + offsets->k[t];
         v_rows[t] = value_cache + offsets->v[t];
       }
-      // The next chunk may be shorter: its last row stands in for the missing ones.
-      if (next.n > 0)
-        for (int t = 0; t < c.n; ++t)
-          next_k[t] = key_cache + next_offsets->k[std::min(t, next.n - 1)];
-      const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
+      // The next chunk may be shorter: its last row stands in for the missing ones (and
+      // after the last chunk, this chunk's value rows).
+      for (int t = 0; t < c.n; ++t) {
+        const int u = std::min(t, next.n - 1);
+        const T* next_k = next.n > 0 ? key_cache + next_offsets->k[u] : v_rows[t];
+        const T* next_v = next.n > 0 ? value_cache + next_offsets->v[u] : v_rows[t];
+        scores_ahead[t] = v_rows[t];
+        scores_ahead[kKeyChunk + t] = next_k;
+        values_ahead[t] = next_k;
+        values_ahead[kKeyChunk + t] = next_v;
+      }
+      const T* const* keys_ahead = next.n > 0 ? values_ahead : nullptr;
       if constexpr (kBf16Dot) {
-        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, v_rows);
-        else chunk_scores(st, st.q, k_rows, c.n, v_rows);
+        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, scores_ahead);
+        else chunk_scores(st, st.q, k_rows, c.n, scores_ahead);
       } else {
-        chunk_scores(st, st.q, k_rows, c.n, v_rows);
+        chunk_scores(st, st.q, k_rows, c.n, scores_ahead);
       }
       chunk_softmax(P, w, st, c.j0, c.n, CH);
       if constexpr (kBf16Pairs) {
