@@ -28,9 +28,9 @@ static inline void prefetch_row(const void* row, int bytes) {
 // prefetches the same bytes of row t of the next phase's rows into L1 (ahead[t]) and of
 // the phase after it into L2 (ahead[kKeyChunk + t]); `ahead` is nullable. Misses then stay
 // in flight at the pace of the arithmetic instead of in bursts, and every line has two
-// phases to come from DRAM. One core from DRAM (kernel_cycles, Zen 4): 1.10-1.68x the
-// L2 prefetch one phase ahead alone, 1.04-1.47x from L3; 0.76-0.95x with every line
-// already in L2 (twice the prefetch instructions).
+// phases to come from DRAM. One core (kernel_cycles, Zen 4, AVX kernels) against the L2
+// prefetch one phase ahead alone: 1.10-1.66x from DRAM, 0.99-1.19x from L3, 0.72-0.96x
+// with every line already in L2 (twice the prefetch instructions).
 template <typename R>
 static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
   if (ahead && (element * int(sizeof(R))) % 64 == 0) {
