@@ -239,7 +239,9 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   const float base_check = out[0];
   std::vector<double> ratios;
   double best = 1e30, base_best = 1e30;
-  for (int round = 0; round < 15; ++round) {
+  const char* rounds_env = std::getenv("ROUNDS");
+  const int rounds = rounds_env ? std::max(1, std::atoi(rounds_env)) : 15;
+  for (int round = 0; round < rounds; ++round) {
     double t, tb;
     if (round % 2) t = time_item(kernel), tb = time_item(base_kernel);
     else tb = time_item(base_kernel), t = time_item(kernel);

@@ -7,6 +7,7 @@
 # RESIDENT: bytes of K (and of V) the block tables cycle over (default 512 KiB; their sum
 # must fit the core's L2 for an arithmetic-only reading); 268435456 (256 MiB) and more:
 # every call reads fresh blocks in a random order, from DRAM.
+# ROUNDS: alternating rounds of a BASELINE comparison (default 15).
 # ONLY: one cache dtype and optionally one KV head count (e.g. "bf16 8"), for a profiler.
 # KEEP: a directory to keep the binary and libraries in (perf record -e cpu-clock on it:
 # no hardware PMU in this guest).
