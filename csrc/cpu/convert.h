@@ -75,9 +75,7 @@ static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
 
 // fp16 bits (one per 32-bit lane) to fp32 without F16C, branch-free: normal values are
 // rebiased in the exponent bits, subnormals are their integer mantissa times 2^-24 (both
-// exact), exponent 31 is inf / NaN. Forced inline: out of line, GCC passed its 32-byte
-// vectors through the stack on SSE2, a call per 8 elements (generic fp16 and fp8 decode
-// ran at a quarter of fp32's elements per second).
+// exact), exponent 31 is inf / NaN. Forced inline: out of line, a call per vector.
 __attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) {
   const vuint sign = (h & 0x8000u) << 16;
   const vuint exponent = h & 0x7c00u;
@@ -96,35 +94,59 @@ __attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) 
 }
 
 #if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
-// VW fp32s from their lower and upper 16 bits (16-bit lanes, eight per 16-byte register).
-__attribute__((always_inline)) static inline vfloat fp32_from_halves(vhalfword lower, vhalfword upper) {
-  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
-  typedef uint32_t v4uint __attribute__((vector_size(16)));
-  const v4uint first = (v4uint)__builtin_shufflevector(lower, upper, 0, 8, 1, 9, 2, 10, 3, 11);
-  const v4uint second = (v4uint)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
-  // Two 16-byte stores into one vector: a 32-byte shuffle of them GCC builds lane by lane.
-  vfloat result;
-  std::memcpy(&result, &first, 16);
-  std::memcpy(reinterpret_cast<char*>(&result) + 16, &second, 16);
-  return result;
+// The baseline widens eight 16-bit lanes (one 16-byte register) into two vfloats.
+static_assert(VW == 4, "the baseline's vectors are single 16-byte registers");
+typedef uint16_t vhalf8 __attribute__((vector_size(16)));
+typedef int16_t vshort8 __attribute__((vector_size(16)));
+typedef uint8_t vbyte16 __attribute__((vector_size(16)));
+
+// Two vfloats (lanes 0-3 and 4-7) from the lower and upper 16 bits of eight fp32s.
+__attribute__((always_inline)) static inline void fp32_from_halves(vhalf8 lower, vhalf8 upper, vfloat& a,
+                                                                   vfloat& b) {
+  a = (vfloat)__builtin_shufflevector(lower, upper, 0, 8, 1, 9, 2, 10, 3, 11);
+  b = (vfloat)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
 }
 
-// fp16 bits (VW 16-bit lanes) to fp32 on the baseline. When every lane is zero or normal
-// (nearly always) the fp32 halves are built in 16-bit lanes, eight per 16-byte register:
-// the upper half is the sign and the magnitude shifted right by 3 and rebiased, the lower
-// half the magnitude's last three bits; a vector with a subnormal, inf or NaN lane takes
-// half_bits_to_float. Exact either way, with half the operations per element or fewer.
-__attribute__((always_inline)) static inline vfloat half_lanes_to_float(vhalfword h) {
-  const vhalfword magnitude = h & 0x7fff;
-  const vshort zero = (vshort)magnitude == 0;
+// Eight fp16s to fp32. When every lane is zero or normal (nearly always) the fp32 halves
+// are built in 16-bit lanes: the upper half is the sign and the magnitude shifted right by
+// 3 and rebiased, the lower half the magnitude's last three bits; a vector with a
+// subnormal, inf or NaN lane takes half_bits_to_float. Exact either way.
+__attribute__((always_inline)) static inline void half8_to_float(vhalf8 h, vfloat& a, vfloat& b) {
+  const vhalf8 magnitude = h & 0x7fff;
+  const vshort8 zero = (vshort8)magnitude == 0;
   // magnitude + 0x400 is below 0x800 as int16 for exponent 0 and negative for exponent 31.
-  const vshort rare = ((vshort)(magnitude + 0x0400) < 0x0800) & ~zero;
+  const vshort8 rare = ((vshort8)(magnitude + 0x0400) < 0x0800) & ~zero;
   uint64_t any_rare[2];
   std::memcpy(any_rare, &rare, sizeof(any_rare));
-  if (__builtin_expect((any_rare[0] | any_rare[1]) != 0, 0))
-    return half_bits_to_float(__builtin_convertvector(h, vuint));
-  const vhalfword upper = (((magnitude >> 3) + 0x3800) & ~(vhalfword)zero) | (h & 0x8000);
-  return fp32_from_halves(h << 13, upper);
+  if (__builtin_expect((any_rare[0] | any_rare[1]) != 0, 0)) {
+    typedef uint16_t v4half __attribute__((vector_size(8)));
+    const v4half low = __builtin_shufflevector(h, h, 0, 1, 2, 3), high = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    a = half_bits_to_float(__builtin_convertvector(low, vuint));
+    b = half_bits_to_float(__builtin_convertvector(high, vuint));
+    return;
+  }
+  const vhalf8 upper = (((magnitude >> 3) + 0x3800) & ~(vhalf8)zero) | (h & 0x8000);
+  fp32_from_halves(h << 13, upper, a, b);
+}
+
+// The first 4, 8 or 16 bytes at p in a register, the rest zero: one scalar load placed in
+// lane 0 (movd / movq). A copy into a zeroed vector in memory instead made GCC reload it
+// whole just after the two stores, a failed store forwarding per load (generic e4m3 at a
+// third of its speed).
+template <int bytes>
+__attribute__((always_inline)) static inline vbyte16 load_bytes(const void* p) {
+  static_assert(bytes == 4 || bytes == 8 || bytes == 16, "a whole scalar or the register");
+  if constexpr (bytes == 16) {
+    vbyte16 v;
+    std::memcpy(&v, p, 16);
+    return v;
+  } else {
+    using Word = std::conditional_t<bytes == 8, uint64_t, uint32_t>;
+    typedef Word vword __attribute__((vector_size(16)));
+    Word x;
+    std::memcpy(&x, p, bytes);
+    return (vbyte16)(vword{x});
+  }
 }
 #endif
 
@@ -138,9 +160,9 @@ __attribute__((always_inline)) static inline vfloat load_as_float(const Bf16* p)
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
 #else
-  vhalfword h;
-  std::memcpy(&h, p, sizeof(h));
-  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+  vfloat a, b;
+  fp32_from_halves(vhalf8{}, (vhalf8)load_bytes<8>(p), a, b);
+  return a;
 #endif
 }
 __attribute__((always_inline)) static inline vfloat load_as_float(const Fp16* p) {
@@ -149,9 +171,9 @@ __attribute__((always_inline)) static inline vfloat load_as_float(const Fp16* p)
 #elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  vhalfword h;
-  std::memcpy(&h, p, sizeof(h));
-  return half_lanes_to_float(h);
+  vfloat a, b;
+  half8_to_float((vhalf8)load_bytes<8>(p), a, b);
+  return a;
 #endif
 }
 
@@ -193,33 +215,43 @@ __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3*
   return halves_to_float(h_or(h, h_and(nan, h_splat(0x7e00))));
 }
 #else
-// Without F16C: the bytes become fp16 bits as in half_bits, one per 16-bit lane (GCC
-// widens bytes straight to 32-bit lanes one by one in scalar code on SSE2).
-typedef uint8_t vbytes __attribute__((vector_size(VW)));
-__attribute__((always_inline)) static inline vhalfword fp8_lanes(const void* p) {
-  vbytes b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vhalfword);
+// Without F16C: eight bytes in 16-bit lanes, in their high half (e5m2: its fp16) or low
+// half, by interleaving with zero bytes (the exact interleave pattern: GCC builds others
+// byte by byte in scalar code).
+__attribute__((always_inline)) static inline vhalf8 bytes_high(vbyte16 b) {
+  return (vhalf8)__builtin_shufflevector(vbyte16{}, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
 }
-__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2* p) {
-  return half_lanes_to_float(fp8_lanes(p) << 8);
+__attribute__((always_inline)) static inline vhalf8 bytes_low(vbyte16 b) {
+  return (vhalf8)__builtin_shufflevector(b, vbyte16{}, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
 }
 // e4m3 straight to fp32 (divided by its unit 2^8, see StoredUnit), exact and branch-free:
-// as fp16 bits its subnormals (1 in 10 vectors of N(0, 1) data) took half_lanes_to_float's
+// as fp16 bits its subnormals (1 in 10 vectors of N(0, 1) data) took half8_to_float's
 // slow branch. The upper 16 bits get the sign and the magnitude under an exponent rebiased
 // by 127 - 7 - 8 = 112; a subnormal lane (exponent 0) gets exponent 1 instead, which reads
 // as 2^-14 + m 2^-17, and 2^-14 with the lane's sign is subtracted (exact; -0 comes out
 // +0, which no product or sum in the kernel can tell apart).
-__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
-  const vhalfword b = fp8_lanes(p);
-  const vhalfword magnitude = b & 0x7f;
-  const vhalfword sign = (b & 0x80) << 8;
-  const vhalfword subnormal = (vhalfword)((vshort)(b & 0x78) == 0);
-  const vhalfword nan = (vhalfword)((vshort)magnitude == 0x7f);
+__attribute__((always_inline)) static inline void e4m3_to_float(vhalf8 b, vfloat& lo, vfloat& hi) {
+  const vhalf8 magnitude = b & 0x7f;
+  const vhalf8 sign = (b & 0x80) << 8;
+  const vhalf8 subnormal = (vhalf8)((vshort8)(b & 0x78) == 0);
+  const vhalf8 nan = (vhalf8)((vshort8)magnitude == 0x7f);
   // The fp32 exponent field is bits 7..14 of the upper half.
-  const vhalfword upper = ((magnitude << 4) + 0x3800 + (subnormal & 0x80)) | (nan & 0x7fc0) | sign;
-  const vhalfword zero{};
-  return fp32_from_halves(zero, upper) - fp32_from_halves(zero, subnormal & (0x3880 | sign));
+  const vhalf8 upper = ((magnitude << 4) + 0x3800 + (subnormal & 0x80)) | (nan & 0x7fc0) | sign;
+  vfloat value_lo, value_hi, unit_lo, unit_hi;
+  fp32_from_halves(vhalf8{}, upper, value_lo, value_hi);
+  fp32_from_halves(vhalf8{}, subnormal & (0x3880 | sign), unit_lo, unit_hi);
+  lo = value_lo - unit_lo;
+  hi = value_hi - unit_hi;
+}
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E5M2* p) {
+  vfloat a, b;
+  half8_to_float(bytes_high(load_bytes<VW>(p)), a, b);
+  return a;
+}
+__attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3* p) {
+  vfloat a, b;
+  e4m3_to_float(bytes_low(load_bytes<VW>(p)), a, b);
+  return a;
 }
 #endif
 
@@ -231,6 +263,21 @@ __attribute__((always_inline)) static inline void load2_as_float(const T* p, vfl
   a = load_as_float(p);
   b = load_as_float(p + VW);
 }
+#if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
+// The baseline widens a register of eight 16-bit lanes into both vectors at once.
+__attribute__((always_inline)) static inline void load2_as_float(const Bf16* p, vfloat& a, vfloat& b) {
+  fp32_from_halves(vhalf8{}, (vhalf8)load_bytes<16>(p), a, b);
+}
+__attribute__((always_inline)) static inline void load2_as_float(const Fp16* p, vfloat& a, vfloat& b) {
+  half8_to_float((vhalf8)load_bytes<16>(p), a, b);
+}
+__attribute__((always_inline)) static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
+  half8_to_float(bytes_high(load_bytes<8>(p)), a, b);
+}
+__attribute__((always_inline)) static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
+  e4m3_to_float(bytes_low(load_bytes<8>(p)), a, b);
+}
+#endif
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
 static inline __m512i fp8_lanes32(const void* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -262,8 +309,13 @@ static inline void halves16_to_float(__m256i h, vfloat& a, vfloat& b) {
   a = (vfloat)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
   b = (vfloat)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
+// e5m2 bytes interleaved with zero bytes are their fp16s: two in-lane unpacks, no widening
+// or shift (Zen 3, inner loop of 4 queries: 5.4-5.7 cycles per 16 elements against 6.2-7.1;
+// bench/microbench/widen_loop.cpp).
 static inline void load2_as_float(const Fp8E5M2* p, vfloat& a, vfloat& b) {
-  halves16_to_float(_mm256_slli_epi16(fp8_lanes16(p), 8), a, b);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  a = (vfloat)_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));
+  b = (vfloat)_mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), bytes));
 }
 static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
   const __m256i h = _mm256_and_si256(_mm256_slli_epi16(fp8_lanes16(p), 7), _mm256_set1_epi16(short(0xbf80)));
@@ -298,6 +350,12 @@ static inline int split_slot(int d) {
 template <typename T>
 static inline void row_to_float(const T* src, float* dst, int head_size) {
   int d = 0;
+  for (; d + 2 * VW <= head_size; d += 2 * VW) {
+    vfloat a, b;
+    load2_as_float(src + d, a, b);
+    store(dst + d, a);
+    store(dst + d + VW, b);
+  }
   for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
   for (; d < head_size; ++d) dst[d] = to_float(src[d]);
 }

@@ -14,8 +14,9 @@
 // measured 7-11% slower in 4 x 2 tiles). So do split bf16 rows (AVX2, convert.h): read two
 // vectors per key a step, a 2 x 4 tile would need 8 key registers beside 8 accumulators.
 // Two queries left over then take a 2 x 4 tile.
+// The baseline's 4-lane vectors take 2 x 2 (a tile holds VW sums; value tiles load pairs).
 template <typename R>
-constexpr int kTileQueries = VW == 16 || sizeof(R) == 1 || kSplitRows<R> ? 4 : 2;
+constexpr int kTileQueries = VW == 4 ? 2 : VW == 16 || sizeof(R) == 1 || kSplitRows<R> ? 4 : 2;
 
 // The G x K accumulators of a score tile summed to G x K scores by one transpose tree
 // (each level halves the lanes per accumulator and packs two vectors into one): cheaper
@@ -45,6 +46,12 @@ __attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[
   const vfloat r =
       __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
       __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif PAGED_VEC_WIDTH == 4
+  const vfloat ab = __builtin_shufflevector(flat(0), flat(1), 0, 4, 1, 5) +
+                    __builtin_shufflevector(flat(0), flat(1), 2, 6, 3, 7);
+  const vfloat cd = __builtin_shufflevector(flat(2), flat(3), 0, 4, 1, 5) +
+                    __builtin_shufflevector(flat(2), flat(3), 2, 6, 3, 7);
+  const vfloat r = __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 #else
   // 8 lanes: the first two levels within 128-bit halves (unpck{l,h}ps, unpck{l,h}pd), the
   // halves joined once at the end; halving the lanes across the halves first cost a
@@ -112,15 +119,27 @@ static inline void accumulate_tile(float* acc, int hsp, const float* p, const R*
     vfloat a[G][V];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
-    for (int t = 0; t < n; ++t) {
-      for (int i = 0; i < V; ++i) prefetch_same_line(ahead, t, d + i * VW);
+    // One key's step. Its probabilities are read at constant offsets from p + t (an int
+    // index g * kKeyChunk + t costs a sign extension per load under -fwrapv).
+    auto step = [&](int t) __attribute__((always_inline)) {
       const R* vr = v[t] + d;
+      const float* pt = p + t;
       vfloat x[V];
       for (int i = 0; i < V; i += 2) load2_as_float(vr + i * VW, x[i], x[i + 1]);
       for (int g = 0; g < G; ++g) {
-        const vfloat pg = splat(p[g * kKeyChunk + t]);
+        const vfloat pg = splat(pt[g * kKeyChunk]);
         for (int i = 0; i < V; ++i) a[g][i] += pg * x[i];
       }
+    };
+    // Whether this step starts a cache line of the rows is known before the key loop: the
+    // loop is written twice rather than testing it per key.
+    if (ahead && d * int(sizeof(R)) % 64 == 0) {
+      for (int t = 0; t < n; ++t) {
+        for (int i = 0; i < V; ++i) prefetch_same_line(ahead, t, d + i * VW);
+        step(t);
+      }
+    } else {
+      for (int t = 0; t < n; ++t) step(t);
     }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < V; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);

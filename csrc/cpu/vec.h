@@ -3,7 +3,8 @@
 // Compiled once per instruction set like the kernel (isa_kernel.h), textually inside its
 // ISA namespace, after attention_params.h; the macros that select the instructions (read
 // by every kernel header):
-//   PAGED_VEC_WIDTH        fp32 lanes per vector (16, 8)
+//   PAGED_VEC_WIDTH        fp32 lanes per vector (16, 8; 4 for the baseline, whose 16-byte
+//                          registers GCC cannot keep wider vectors in)
 //   PAGED_ISA_AVX512       1 when AVX-512F intrinsics may be used
 //   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional)
 //   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
@@ -13,8 +14,6 @@ constexpr int VW = PAGED_VEC_WIDTH;
 typedef float vfloat __attribute__((vector_size(VW * 4)));
 typedef int32_t vint __attribute__((vector_size(VW * 4)));
 typedef uint32_t vuint __attribute__((vector_size(VW * 4)));
-typedef uint16_t vhalfword __attribute__((vector_size(VW * 2)));
-typedef int16_t vshort __attribute__((vector_size(VW * 2)));
 // AVX2 or AVX-512 (16 or 32 vector registers), not the baseline's 16 SSE registers.
 constexpr bool kAvxIsa = PAGED_ISA_F16C || PAGED_ISA_AVX512;
 
@@ -31,19 +30,21 @@ static inline vfloat splat(float x) { return x - vfloat{}; }
 typedef float v8float __attribute__((vector_size(32)));
 typedef float v4float __attribute__((vector_size(16)));
 
-// The low half plus the high half, down to 8 lanes.
-static inline v8float fold8(vfloat v) {
+// The low half plus the high half, down to 4 lanes.
+static inline v4float fold4(vfloat v) {
 #if PAGED_VEC_WIDTH == 16
-  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8float a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif PAGED_VEC_WIDTH == 8
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 #else
   return v;
 #endif
 }
 
 static inline float hsum(vfloat v) {
-  const v8float a = fold8(v);
-  v4float c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v4float c = fold4(v);
   c += __builtin_shufflevector(c, c, 2, 3, 0, 1);
   c += __builtin_shufflevector(c, c, 1, 0, 3, 2);
   return c[0];
@@ -52,32 +53,16 @@ static inline float hsum(vfloat v) {
 template <typename V>
 static inline V vmax(V a, V b) { return a > b ? a : b; }
 
-#if !PAGED_ISA_F16C && !PAGED_ISA_AVX512
-// The baseline: without AVX, GCC compares a vector wider than 16 bytes lane by lane in
-// scalar code (a cmov per lane), so its lane masks come from 16-byte halves and its selects
-// are bit operations.
-static inline vint less_mask(vfloat a, vfloat b) {
-  typedef int32_t v4int __attribute__((vector_size(16)));
-  static_assert(VW == 8, "the baseline's vectors are two 16-byte halves");
-  auto low = [](vfloat v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); };
-  auto high = [](vfloat v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); };
-  const v4int m0 = low(a) < low(b), m1 = high(a) < high(b);
-  return __builtin_shufflevector(m0, m1, 0, 1, 2, 3, 4, 5, 6, 7);
-}
-static inline vfloat select(vint mask, vfloat yes, vfloat no) {
-  return (vfloat)(((vint)yes & mask) | ((vint)no & ~mask));
-}
-static inline vfloat vmax(vfloat a, vfloat b) { return select(less_mask(b, a), a, b); }
-#endif
-
 static inline float hmax(vfloat v) {
 #if PAGED_VEC_WIDTH == 16
   const v8float a = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
                          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-#else
-  const v8float a = v;
-#endif
   v4float c = vmax(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+#elif PAGED_VEC_WIDTH == 8
+  v4float c = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+  v4float c = v;
+#endif
   c = vmax(c, __builtin_shufflevector(c, c, 2, 3, 0, 1));
   c = vmax(c, __builtin_shufflevector(c, c, 1, 0, 3, 2));
   return c[0];
@@ -85,6 +70,15 @@ static inline float hmax(vfloat v) {
 
 // Four horizontal sums at once (a shuffle tree instead of four separate ones).
 static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
+#if PAGED_VEC_WIDTH >= 8
+  auto fold8 = [](vfloat v) {
+#if PAGED_VEC_WIDTH == 16
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return v;
+#endif
+  };
   const v8float a8 = fold8(a), b8 = fold8(b), c8 = fold8(c), d8 = fold8(d);
   // [a0+a4 .. a3+a7, b0+b4 .. b3+b7] and the same for c, d.
   const v8float ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -100,4 +94,11 @@ static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
   out[1] = sums[2];
   out[2] = sums[1];
   out[3] = sums[3];
+#else
+  // [a0 + a2, b0 + b2, a1 + a3, b1 + b3] and the same for c, d, then [a, b, c, d].
+  const v4float ab = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
+  const v4float cd = __builtin_shufflevector(c, d, 0, 4, 1, 5) + __builtin_shufflevector(c, d, 2, 6, 3, 7);
+  const v4float sums = __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+  std::memcpy(out, &sums, sizeof(sums));
+#endif
 }

@@ -37,22 +37,13 @@ static inline vfloat vexp(vfloat x) {
 static inline vfloat vexp(vfloat x) {
   const vfloat lo = splat(-87.33654f);
   const vfloat hi = splat(88.3762626647949f);
-#if PAGED_ISA_F16C
   const vfloat xc = x < lo ? lo : (x > hi ? hi : x);
-#else
-  const vint below = less_mask(x, lo);
-  const vfloat xc = select(below, lo, select(less_mask(hi, x), hi, x));
-#endif
   const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest
   const vfloat n = (xc * splat(1.44269504088896341f) + magic) - magic;
   vfloat r = xc - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
   const vint e = (__builtin_convertvector(n, vint) + 127) << 23;
   const vfloat result = exp_reduced(r) * (vfloat)e;
-#if PAGED_ISA_F16C
   return x < lo ? vfloat{} : result;
-#else
-  return select(below, vfloat{}, result);
-#endif
 }
 #endif
