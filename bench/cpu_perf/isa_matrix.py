@@ -11,20 +11,22 @@ checked against the reference first. Per row:
 * KV elements per second against the same ISA's fp32 row (paired time ratio), and fp8
   against bf16 (paired);
 * the arithmetic limit: the same call with its KV resident in L2 (every block table
-  cycling over 256 KiB of blocks), timed in a loop of its own, and the ISA's multiply-add
-  ceiling (``bench/microbench/fma_peak.cpp``, compiled and run here) as the GB/s the row
-  would reach if every multiply-add slot of both cores did its multiply-adds: a decode
-  query-key pair costs 2 x head size of them, so a KV element costs (query heads / KV heads)
-  and a KV byte that over its size.
+  cycling over 256 KiB of blocks), timed in a loop of its own; the ISA's inner-loop limit
+  for the dtype (``bench/microbench/widen_peak.cpp``, compiled here with the ISA's own
+  macros and target from ``csrc/cpu/isa_<isa>.cpp``): KV elements per second of both
+  cores when every element is only widened by the kernel's loaders and multiply-added
+  into the (query heads / KV heads) queries that read it, in GB/s; and the ISA's bare
+  multiply-add ceiling (``bench/microbench/fma_peak.cpp``) in the same units.
 
-A row meets the target when it reads at >= 80% of the read, or, when the ISA's
-multiply-add ceiling itself is below 80% of the read (the arithmetic cannot keep up with
-memory), when it runs at >= 80% of that ceiling. Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
+A row meets the target when it reads at >= 80% of the read, or, when its inner-loop limit
+is itself below 80% of the read (the arithmetic cannot keep up with memory), when it runs
+at >= 80% of that limit. Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
 per ISA and dtype in one more loop, in GFLOP/s against the same ceiling.
 """
 
 import functools
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -55,6 +57,8 @@ TOLERANCE = {**config.TOLERANCE, **{name: 2e-2 for name in FP8}}
 FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"],
              "avx512_bf16": ["-mavx512f"]}
 FMA_SOURCE = Path(__file__).resolve().parent.parent / "microbench" / "fma_peak.cpp"
+WIDEN_SOURCE = FMA_SOURCE.with_name("widen_peak.cpp")
+KERNEL_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 TARGET = 0.8
 L2_BYTES = 256 << 10
 
@@ -99,6 +103,37 @@ def fma_ceiling(flags: Tuple[str, ...], runs: int = 3) -> Optional[float]:
             out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
             # "...: fp32 multiply-adds: 1 thread X G/s, 2 threads Y G/s (...)"
             best = max(best, float(out.split("2 threads")[1].split("G/s")[0]) * 1e9)
+    return best
+
+
+def isa_compile_flags(isa: str) -> List[str]:
+    """The -D macros and -m target flags ``csrc/cpu/isa_<isa>.cpp`` compiles its kernel with."""
+    text = (KERNEL_SOURCES / f"isa_{isa}.cpp").read_text()
+    flags = [f"-D{name}={value}" for name, value in
+             re.findall(r"^#define (PAGED_(?:VEC_WIDTH|ISA_AVX512|ISA_AVX512_BF16|ISA_F16C)) (\d+)$",
+                        text, re.M)]
+    target = re.search(r'^#define PAGED_ISA_TARGET "([^"]+)"$', text, re.M)
+    return flags + ([f"-m{feature}" for feature in target.group(1).split(",")] if target else [])
+
+
+@functools.lru_cache(maxsize=None)
+def widen_limits(isa: str, runs: int = 2) -> Optional[Dict[Tuple[str, int], float]]:
+    """KV elements per second on two threads of widen_peak.cpp built for ``isa``, per (dtype,
+    queries per KV head), the best of ``runs``. None without g++."""
+    if shutil.which("g++") is None:
+        return None
+    best: Dict[Tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "widen_peak")
+        subprocess.run(["g++", "-O3", "-fwrapv", "-std=c++20", "-fopenmp", "-Wno-psabi",
+                        *isa_compile_flags(isa), "-I", str(KERNEL_SOURCES), str(WIDEN_SOURCE),
+                        "-o", binary], check=True)
+        for _ in range(runs):
+            out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+            # "e4m3 G=4: 1 thread X G elements/s, 2 threads Y G elements/s"
+            for name, group, rate in re.findall(r"^(\w+) G=(\d+):.*2 threads ([\d.]+) G", out, re.M):
+                key = (name, int(group))
+                best[key] = max(best.get(key, 0.0), float(rate) * 1e9)
     return best
 
 
@@ -151,7 +186,8 @@ def ceiling_gbps(fma_per_s: Optional[float], kv_heads: int, itemsize: int) -> Op
     return fma_per_s / (NUM_HEADS // kv_heads) * itemsize / 1e9
 
 
-def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]], plan: Plan,
+def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]],
+                 widen: Dict[str, Optional[Dict[Tuple[str, int], float]]], plan: Plan,
                  read: torch.Tensor) -> List[Dict[str, object]]:
     blocks_per_seq = -(-CONTEXT // BLOCK_SIZE)
     table = torch.randperm(BATCH * blocks_per_seq, dtype=torch.int32).view(BATCH, blocks_per_seq)
@@ -173,6 +209,9 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
             key = f"{isa}/{name}"
             t, t_l2 = s[key], s_l2[key]
             ceiling = ceiling_gbps(fma[isa], kv_heads, DTYPES[name].itemsize)
+            group = NUM_HEADS // kv_heads
+            limit = (widen[isa][(name, group)] * DTYPES[name].itemsize / 1e9
+                     if widen[isa] and (name, group) in widen[isa] else None)
             row = {"isa": isa, "dtype": name, "num_heads": NUM_HEADS, "num_kv_heads": kv_heads,
                    "batch": BATCH, "context": CONTEXT, "block_size": BLOCK_SIZE,
                    "head_size": HEAD_SIZE, "kv_bytes": case.kv_bytes,
@@ -181,6 +220,7 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
                    "l2": rate_summary(t_l2, case.kv_bytes),
                    "read_bandwidth": read_rate,
                    "fma_ceiling_gbps": ceiling,
+                   "inner_loop_limit_gbps": limit,
                    "elements_vs_fp32_paired": statistics.median(
                        f / a for a, f in zip(t, s[f"{isa}/fp32"])),
                    "samples_s": {"dram": t, "l2": t_l2}}
@@ -196,14 +236,15 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
 
 def verdict(row: Dict[str, object]) -> Dict[str, object]:
     read = row["read_bandwidth"]["rate_median"]
-    ceiling = row["fma_ceiling_gbps"]
+    limit = row["inner_loop_limit_gbps"]
     pct_read = row["dram"]["pct_paired"] / 100
     of_l2 = row["dram"]["rate_median"] / row["l2"]["rate_median"]
-    compute_bound = ceiling is not None and ceiling < TARGET * read
-    met = pct_read >= TARGET or (compute_bound and row["dram"]["rate_median"] >= TARGET * ceiling)
+    compute_bound = limit is not None and limit < TARGET * read
+    met = pct_read >= TARGET or (compute_bound and row["dram"]["rate_median"] >= TARGET * limit)
     return {"bound": "arithmetic" if compute_bound else "memory", "pct_of_read": round(100 * pct_read, 1),
             "dram_of_l2": round(of_l2, 3),
-            "l2_of_ceiling": round(row["l2"]["rate_median"] / ceiling, 3) if ceiling else None,
+            "dram_of_limit": round(row["dram"]["rate_median"] / limit, 3) if limit else None,
+            "l2_of_limit": round(row["l2"]["rate_median"] / limit, 3) if limit else None,
             "met": met}
 
 
@@ -254,11 +295,11 @@ def bench_multi_token_isas(isas: List[str], fma: Dict[str, Optional[float]], pla
 
 def print_row(row: Dict[str, object]) -> None:
     d, l2, v = row["dram"], row["l2"], row["verdict"]
-    ceiling = f"{row['fma_ceiling_gbps']:6.1f}" if row["fma_ceiling_gbps"] else "   n/a"
+    limit = f"{row['inner_loop_limit_gbps']:6.1f}" if row["inner_loop_limit_gbps"] else "   n/a"
     fp8 = f" | vs bf16 {row['speedup_over_bf16_paired']:.2f}x" if "speedup_over_bf16_paired" in row else ""
     print(f"isa [{row['isa']:>11}] {row['dtype']:4} 32/{row['num_kv_heads']:<2} | DRAM {d['rate_median']:5.1f} GB/s "
           f"{d['pct_paired']:4.0f}% of read {row['read_bandwidth']['rate_median']:.1f} | L2 "
-          f"{l2['rate_median']:6.1f} | FMA ceiling {ceiling} | elements vs fp32 "
+          f"{l2['rate_median']:6.1f} | inner-loop limit {limit} | elements vs fp32 "
           f"{row['elements_vs_fp32_paired']:.2f}x{fp8} | {v['bound']}, {'met' if v['met'] else 'NOT met'}",
           flush=True)
 
@@ -268,9 +309,19 @@ def bench_isa_matrix(plan: Plan) -> Dict[str, object]:
     fma = {isa: fma_ceiling(tuple(FMA_FLAGS[isa])) for isa in isas}
     print("fp32 multiply-adds/s, two threads: "
           + ", ".join(f"{isa} {v / 1e9:.1f} G" if v else f"{isa} n/a" for isa, v in fma.items()), flush=True)
+    widen = {isa: widen_limits(isa) for isa in isas}
+    for isa, limits in widen.items():
+        if limits:
+            print(f"inner-loop limit, two threads, {isa} (G elements/s, 1 / 4 queries per KV head): "
+                  + ", ".join(f"{name} {limits[(name, 1)] / 1e9:.1f} / {limits[(name, 4)] / 1e9:.1f}"
+                              for name in DTYPES), flush=True)
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
     read.fill_(1.0)
-    decode = [row for kv_heads in KV_HEADS for row in bench_layout(kv_heads, isas, fma, plan, read)]
+    decode = [row for kv_heads in KV_HEADS for row in bench_layout(kv_heads, isas, fma, widen, plan, read)]
     del read
-    return {"cpu": cpu_details(), "isas": isas, "fma_per_s_two_threads": fma, "decode": decode,
+    return {"cpu": cpu_details(), "isas": isas, "fma_per_s_two_threads": fma,
+            "inner_loop_elements_per_s_two_threads": {
+                isa: {f"{name}/G{group}": rate for (name, group), rate in limits.items()} if limits else None
+                for isa, limits in widen.items()},
+            "decode": decode,
             "multi_token": bench_multi_token_isas(isas, fma, plan)}

@@ -1,0 +1,137 @@
+// The decode kernel's arithmetic limit per cache dtype: its inner loop alone. Each step
+// widens two vectors of cache elements to fp32 with the kernel's own loaders (convert.h,
+// compiled for one instruction set) and multiply-adds each into G query accumulators: the
+// work every K and V element of a decode costs, G = query heads per KV head (1 for 32/32,
+// 4 for 32/8). Rows sit in L1 and there is nothing else in the loop (no softmax, no block
+// table, no horizontal sums), so no kernel of that instruction set can take an element
+// faster: where this limit is below the machine's read bandwidth, decode is arithmetic-bound
+// and the limit, not the read, is its target (bench/cpu_perf/isa_matrix.py).
+//
+// Built with the -D macros of an isa_*.cpp and its target flags, e.g. for avx2:
+//   g++ -O3 -fwrapv -std=c++20 -fopenmp -mavx2 -mfma -mf16c -DPAGED_VEC_WIDTH=8 \
+//       -DPAGED_ISA_AVX512=0 -DPAGED_ISA_F16C=1 -I csrc/cpu bench/microbench/widen_peak.cpp
+// Prints one line per dtype and G: elements per second on one thread and on two.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace widen {
+#include "vec.h"
+#include "convert.h"
+}  // namespace widen
+
+namespace {
+
+using namespace widen;
+
+// bf16 as the kernel reads it on this instruction set (split order where it has one).
+using Bf16Rows = std::conditional_t<kHasSplitRows, Bf16Split, Bf16>;
+
+constexpr int kRowBytes = 4096;  // L1-resident
+// Independent accumulators covering the multiply-add latency, as many as the registers hold
+// (the baseline's 16 SSE registers take half a vfloat each).
+constexpr int kChains = kAvxIsa ? 8 : 4;
+
+template <typename T>
+void fill(std::vector<T>& rows) {
+  // Normal values of either sign around 1 (no subnormal, inf or NaN): the baseline's fp16
+  // and e5m2 widening takes a slow branch for those, as rare in real K and V as here.
+  for (size_t i = 0; i < rows.size(); ++i) {
+    uint32_t bits = uint32_t(i * 2654435761u) >> 7;
+    if constexpr (sizeof(T) == 1) rows[i] = T{uint8_t((bits & 0x8f) | 0x30)};
+    else if constexpr (sizeof(T) == 2) rows[i] = T{uint16_t(0x3000 + (bits & 0x8fff))};
+    else rows[i] = float(int(bits & 0xff) - 128) / 64.0f;
+  }
+}
+
+// `passes` passes over the rows: widen 2 VW elements, G x 2 multiply-adds, repeated. Out of
+// line, with the accumulators copied in and out: around the caller's clock calls (which
+// clobber every vector register) GCC otherwise stored them to the stack on every step.
+template <int G, int U, typename T>
+__attribute__((noinline)) void passes_over(const T* rows, int n, int passes, vfloat (&out)[U][G][2],
+                                           const vfloat (&q)[G]) {
+  vfloat acc[U][G][2];
+  std::memcpy(acc, out, sizeof(acc));
+  for (int pass = 0; pass < passes; ++pass) {
+    const T* p = rows;
+    asm volatile("" : "+r"(p));  // an unknown pointer each pass: the rows are loaded again
+    for (int d = 0; d < n; d += 2 * VW * U) {
+      for (int u = 0; u < U; ++u) {
+        vfloat a, b;
+        load2_as_float(p + d + 2 * VW * u, a, b);
+        for (int g = 0; g < G; ++g) {
+          acc[u][g][0] += q[g] * a;
+          acc[u][g][1] += q[g] * b;
+        }
+      }
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+// Elements per second of one thread over `seconds`.
+template <int G, typename T>
+double elements_per_second(double seconds) {
+  constexpr int n = kRowBytes / sizeof(T);
+  constexpr int U = kChains / (2 * G) > 0 ? kChains / (2 * G) : 1;  // steps unrolled
+  std::vector<T> rows(n);
+  fill(rows);
+  vfloat acc[U][G][2];
+  vfloat q[G];
+  for (int g = 0; g < G; ++g) q[g] = splat(1.0f / float(g + 3));
+  for (int u = 0; u < U; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = vfloat{};
+  long passes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  while (elapsed < seconds) {
+    passes_over<G, U>(rows.data(), n, 256, acc, q);
+    passes += 256;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  float sink = 0;
+  for (int u = 0; u < U; ++u)
+    for (int g = 0; g < G; ++g) sink += hsum(acc[u][g][0] + acc[u][g][1]);
+  if (sink == 1234.5f) std::puts("");
+  return double(passes) * n / elapsed;
+}
+
+// Best of three on one thread, and on two (each thread its own rows), summed.
+template <int G, typename T>
+void report(const char* name) {
+  double one = 0, two = 0;
+  for (int run = 0; run < 3; ++run) {
+    one = std::max(one, elements_per_second<G, T>(0.2));
+    double sum = 0;
+#pragma omp parallel num_threads(2) reduction(+ : sum)
+    sum += elements_per_second<G, T>(0.2);
+    two = std::max(two, sum);
+  }
+  std::printf("%s G=%d: 1 thread %.3f G elements/s, 2 threads %.3f G elements/s\n", name, G,
+              one / 1e9, two / 1e9);
+}
+
+template <int G>
+void report_all() {
+  report<G, float>("fp32");
+  report<G, Bf16Rows>("bf16");
+  report<G, Fp16>("fp16");
+  report<G, Fp8E4M3>("e4m3");
+  report<G, Fp8E5M2>("e5m2");
+}
+
+}  // namespace
+
+int main() {
+  report_all<1>();
+  report_all<4>();
+}
