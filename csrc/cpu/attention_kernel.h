@@ -227,10 +227,9 @@ template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
   // Items whose rows all see all their keys (a shared prefix; a causal tile's keys up to its
   // first row, without ALiBi or a window) with at least a vector of queries per KV head:
-  // queries in lanes. Not causal tiles on the baseline, whose lane tiles overflow its 16
-  // SSE registers (multi-token 0.8x the register-tile kernel there).
+  // queries in lanes.
   const bool all_visible =
-      P.queries_after_keys || (kAvxIsa && !P.alibi_slopes && P.sliding_window <= 0 &&
+      P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
                                w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
   if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
     lane_work_item<T>(P, w, ws);
