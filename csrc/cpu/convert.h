@@ -107,6 +107,18 @@ __attribute__((always_inline)) static inline void fp32_from_halves(vhalf8 lower,
   b = (vfloat)__builtin_shufflevector(lower, upper, 4, 12, 5, 13, 6, 14, 7, 15);
 }
 
+// Whether any of eight 16-bit lane masks is set: one byte-sign mask on x86 (pmovmskb), two
+// 64-bit halves elsewhere.
+__attribute__((always_inline)) static inline bool any_lane(vshort8 mask) {
+#if defined(__x86_64__)
+  return _mm_movemask_epi8((__m128i)mask) != 0;
+#else
+  uint64_t halves[2];
+  std::memcpy(halves, &mask, sizeof(halves));
+  return (halves[0] | halves[1]) != 0;
+#endif
+}
+
 // Eight fp16s to fp32. When every lane is zero or normal (nearly always) the fp32 halves
 // are built in 16-bit lanes: the upper half is the sign and the magnitude shifted right by
 // 3 and rebiased, the lower half the magnitude's last three bits; a vector with a
@@ -116,9 +128,7 @@ __attribute__((always_inline)) static inline void half8_to_float(vhalf8 h, vfloa
   const vshort8 zero = (vshort8)magnitude == 0;
   // magnitude + 0x400 is below 0x800 as int16 for exponent 0 and negative for exponent 31.
   const vshort8 rare = ((vshort8)(magnitude + 0x0400) < 0x0800) & ~zero;
-  uint64_t any_rare[2];
-  std::memcpy(any_rare, &rare, sizeof(any_rare));
-  if (__builtin_expect((any_rare[0] | any_rare[1]) != 0, 0)) {
+  if (__builtin_expect(any_lane(rare), 0)) {
     typedef uint16_t v4half __attribute__((vector_size(8)));
     const v4half low = __builtin_shufflevector(h, h, 0, 1, 2, 3), high = __builtin_shufflevector(h, h, 4, 5, 6, 7);
     a = half_bits_to_float(__builtin_convertvector(low, vuint));
