@@ -343,31 +343,26 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const int k_row_bytes = hs * int(sizeof(T));
   const int v_row_bytes = hsv * int(sizeof(T));
-  // Element offsets of the key and value rows of keys [j0, j0 + n) of one KV head, by
-  // the caches' strides: one division per chunk, then a walk through the block table.
-  struct RowOffsets {
-    int64_t k[kKeyChunk], v[kKeyChunk];
-  };
-  auto row_offsets = [&](int j0, int n, int kv_head, RowOffsets* o) {
+  // Pointers to the key and value rows of keys [j0, j0 + n) of one KV head, by the caches'
+  // strides: one division per chunk, then a walk through the block table.
+  auto walk_rows = [&](int j0, int n, int kv_head, const T** k, const T** v) {
     if (n == 0) return;
     int logical = j0 / bs, slot = j0 - logical * bs;
     const int64_t k_head = kv_head * P.k_head_stride, v_head = kv_head * P.v_head_stride;
     int64_t block = table[logical];
-    int64_t k_base = block * P.k_block_stride + k_head, v_base = block * P.v_block_stride + v_head;
+    const T* k_base = key_cache + block * P.k_block_stride + k_head;
+    const T* v_base = value_cache + block * P.v_block_stride + v_head;
     for (int t = 0; t < n; ++t) {
-      o->k[t] = k_base + slot * P.k_token_stride;
-      o->v[t] = v_base + slot * P.v_token_stride;
+      k[t] = k_base + slot * P.k_token_stride;
+      v[t] = v_base + slot * P.v_token_stride;
       if (++slot == bs && t + 1 < n) {
         slot = 0;
         block = table[++logical];
-        k_base = block * P.k_block_stride + k_head;
-        v_base = block * P.v_block_stride + v_head;
+        k_base = key_cache + block * P.k_block_stride + k_head;
+        v_base = value_cache + block * P.v_block_stride + v_head;
       }
     }
   };
-  // Row offsets of the current and the next chunk; the next chunk's become the current
-  // ones one step later (each chunk's table walk is done once).
-  RowOffsets offset_buffers[2];
 
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
@@ -398,34 +393,35 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     // its values are prefetched into L1 and the next chunk's keys into L2; while its
     // values are accumulated, the next chunk's keys into L1 and its values into L2
     // (prefetch_same_line). So one phase's arithmetic overlaps the misses of the next two.
-    const T* k_rows[kKeyChunk];
-    const T* v_rows[kKeyChunk];
-    const T* scores_ahead[2 * kKeyChunk];
-    const T* values_ahead[2 * kKeyChunk];
-    RowOffsets* offsets = &offset_buffers[0];
-    RowOffsets* next_offsets = &offset_buffers[1];
+    // The row pointers live in a ring of chunk rows: a chunk's keys, its values, the next
+    // chunk's keys and the next chunk's values are four consecutive rows, so [values; next
+    // keys] and [next keys; next values] are the `ahead` arrays of its two phases, built by
+    // the table walk alone. Chunks alternate between rows 0-3 and 2-5; every other chunk
+    // first moves its rows from 4-5 to 0-1.
+    const T* ring[6][kKeyChunk];
+    int r = 0;
     Chunk c = first_chunk();
-    row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
+    walk_rows(c.j0, c.n, w.kv_head_begin + c.head, ring[0], ring[1]);
     while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
-      for (int t = 0; t < c.n; ++t) {
-        k_rows[t] = key_cache + offsets->k[t];
-        v_rows[t] = value_cache + offsets->v[t];
+      const T** k_rows = ring[r];
+      const T** v_rows = ring[r + 1];
+      const T** next_k = ring[r + 2];
+      const T** next_v = ring[r + 3];
+      if (next.n > 0) {
+        walk_rows(next.j0, next.n, w.kv_head_begin + next.head, next_k, next_v);
+        // A shorter next chunk: its last row stands in for the missing ones.
+        for (int t = next.n; t < c.n; ++t) {
+          next_k[t] = next_k[next.n - 1];
+          next_v[t] = next_v[next.n - 1];
+        }
+      } else {
+        // After the last chunk the scores phase prefetches this chunk's values twice.
+        for (int t = 0; t < c.n; ++t) next_k[t] = v_rows[t];
       }
-      // The next chunk may be shorter: its last row stands in for the missing ones (and
-      // after the last chunk, this chunk's value rows).
-      for (int t = 0; t < c.n; ++t) {
-        const int u = std::min(t, next.n - 1);
-        const T* next_k = next.n > 0 ? key_cache + next_offsets->k[u] : v_rows[t];
-        const T* next_v = next.n > 0 ? value_cache + next_offsets->v[u] : v_rows[t];
-        scores_ahead[t] = v_rows[t];
-        scores_ahead[kKeyChunk + t] = next_k;
-        values_ahead[t] = next_k;
-        values_ahead[kKeyChunk + t] = next_v;
-      }
-      const T* const* keys_ahead = next.n > 0 ? values_ahead : nullptr;
+      const T* const* scores_ahead = v_rows;
+      const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
       if constexpr (kBf16Dot) {
         if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, scores_ahead);
         else chunk_scores(st, st.q, k_rows, c.n, scores_ahead);
@@ -442,7 +438,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
       }
-      std::swap(offsets, next_offsets);
+      if (r == 0) {
+        r = 2;
+      } else {
+        std::memcpy(ring[0], ring[4], sizeof(ring[0]) * 2);
+        r = 0;
+      }
       c = next;
     }
   } else {
@@ -456,26 +457,29 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       v_rows[t] = v_f + int64_t(t) * hspv;
     }
     const float* const* none = nullptr;
-    RowOffsets* offsets = &offset_buffers[0];
-    RowOffsets* next_offsets = &offset_buffers[1];
+    // The cache rows of the current chunk ([0]: keys, [1]: values) and of the next one.
+    const T* rows[2][2][kKeyChunk];
+    int cur = 0;
     Chunk c = first_chunk();
-    row_offsets(c.j0, c.n, w.kv_head_begin + c.head, offsets);
+    walk_rows(c.j0, c.n, w.kv_head_begin + c.head, rows[0][0], rows[0][1]);
     while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      row_offsets(next.j0, next.n, w.kv_head_begin + next.head, next_offsets);
+      const T* const* next_k = rows[1 - cur][0];
+      const T* const* next_v = rows[1 - cur][1];
+      walk_rows(next.j0, next.n, w.kv_head_begin + next.head, rows[1 - cur][0], rows[1 - cur][1]);
       for (int t = 0; t < c.n; ++t) {
-        row_to_float(key_cache + offsets->k[t], k_f + int64_t(t) * hsp, hs);
-        row_to_float(value_cache + offsets->v[t], v_f + int64_t(t) * hspv, hsv);
+        row_to_float(rows[cur][0][t], k_f + int64_t(t) * hsp, hs);
+        row_to_float(rows[cur][1][t], v_f + int64_t(t) * hspv, hsv);
         if (t < next.n) {
-          prefetch_row(key_cache + next_offsets->k[t], k_row_bytes);
-          prefetch_row(value_cache + next_offsets->v[t], v_row_bytes);
+          prefetch_row(next_k[t], k_row_bytes);
+          prefetch_row(next_v[t], v_row_bytes);
         }
       }
       chunk_scores(st, st.q, k_rows, c.n, none);
       chunk_softmax(P, w, st, c.j0, c.n, CH);
       chunk_values(st, v_rows, c.n, none);
-      std::swap(offsets, next_offsets);
+      cur = 1 - cur;
       c = next;
     }
   }
