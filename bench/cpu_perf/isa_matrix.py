@@ -21,7 +21,7 @@ checked against the reference first. Per row:
 A row meets the target when it reads at >= 80% of the read, or, when its inner-loop limit
 is itself below 80% of the read (the arithmetic cannot keep up with memory), when it runs
 at >= 80% of that limit. Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
-per ISA and dtype in one more loop, in GFLOP/s against the same ceiling.
+per ISA and dtype in one more loop, in GFLOP/s against the multiply-add ceiling.
 """
 
 import functools
@@ -313,7 +313,8 @@ def bench_isa_matrix(plan: Plan) -> Dict[str, object]:
     for isa, limits in widen.items():
         if limits:
             print(f"inner-loop limit, two threads, {isa} (G elements/s, 1 / 4 queries per KV head): "
-                  + ", ".join(f"{name} {limits[(name, 1)] / 1e9:.1f} / {limits[(name, 4)] / 1e9:.1f}"
+                  + ", ".join(f"{name} " + " / ".join(f"{limits[(name, g)] / 1e9:.1f}" if (name, g) in limits
+                                                       else "n/a" for g in (1, 4))
                               for name in DTYPES), flush=True)
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
     read.fill_(1.0)

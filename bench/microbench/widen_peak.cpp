@@ -37,9 +37,9 @@ using namespace widen;
 using Bf16Rows = std::conditional_t<kHasSplitRows, Bf16Split, Bf16>;
 
 constexpr int kRowBytes = 4096;  // L1-resident
-// Independent accumulators covering the multiply-add latency, as many as the registers hold
-// (the baseline's 16 SSE registers take half a vfloat each).
-constexpr int kChains = kAvxIsa ? 8 : 4;
+// Independent accumulators covering the multiply-add latency (with the operands they fit
+// 16 registers on every ISA).
+constexpr int kChains = 8;
 
 template <typename T>
 void fill(std::vector<T>& rows) {

@@ -218,7 +218,8 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
 // chunk: two register tiles or more, each of which would widen every row again. Multi-token
 // on AVX2 (docs/performance.md): fp8 0.85-0.92x -> 1.08x the fp32 rate; fp16 with F16C
 // measured slower converted (0.93x against 1.12x), bf16 the same either way. On the
-// baseline fp16 GQA decode (4 queries, two 2-query tiles) converted: 1.25x in cache.
+// baseline (2-query tiles) from 4 queries, so its fp16 and fp8 GQA decode too: fp16
+// converted 1.25x in cache (8-lane build).
 template <typename T>
 constexpr int kWidenOnceQueries = 2 * kTileQueries<T>;
 
@@ -393,22 +394,23 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     // its values are prefetched into L1 and the next chunk's keys into L2; while its
     // values are accumulated, the next chunk's keys into L1 and its values into L2
     // (prefetch_same_line). So one phase's arithmetic overlaps the misses of the next two.
-    // The row pointers live in a ring of chunk rows: a chunk's keys, its values, the next
-    // chunk's keys and the next chunk's values are four consecutive rows, so [values; next
-    // keys] and [next keys; next values] are the `ahead` arrays of its two phases, built by
-    // the table walk alone. Chunks alternate between rows 0-3 and 2-5; every other chunk
-    // first moves its rows from 4-5 to 0-1.
-    const T* ring[6][kKeyChunk];
+    // The row pointers live in a ring of chunk rows (one flat array, rows kKeyChunk apart):
+    // a chunk's keys, its values, the next chunk's keys and the next chunk's values are four
+    // consecutive rows, so [values; next keys] and [next keys; next values] are the `ahead`
+    // arrays of its two phases, filled by the table walk. Chunks alternate between rows 0-3
+    // and 2-5; every other chunk first copies its rows from 4-5 to 0-1.
+    const T* ring[6 * kKeyChunk];
+    auto row = [&](int i) { return ring + i * kKeyChunk; };
     int r = 0;
     Chunk c = first_chunk();
-    walk_rows(c.j0, c.n, w.kv_head_begin + c.head, ring[0], ring[1]);
+    walk_rows(c.j0, c.n, w.kv_head_begin + c.head, row(0), row(1));
     while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      const T** k_rows = ring[r];
-      const T** v_rows = ring[r + 1];
-      const T** next_k = ring[r + 2];
-      const T** next_v = ring[r + 3];
+      const T** k_rows = row(r);
+      const T** v_rows = row(r + 1);
+      const T** next_k = row(r + 2);
+      const T** next_v = row(r + 3);
       if (next.n > 0) {
         walk_rows(next.j0, next.n, w.kv_head_begin + next.head, next_k, next_v);
         // A shorter next chunk: its last row stands in for the missing ones.
@@ -441,7 +443,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       if (r == 0) {
         r = 2;
       } else {
-        std::memcpy(ring[0], ring[4], sizeof(ring[0]) * 2);
+        std::memcpy(row(0), row(4), sizeof(ring[0]) * 2 * kKeyChunk);
         r = 0;
       }
       c = next;

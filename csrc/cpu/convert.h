@@ -1,5 +1,5 @@
-// The cache's element types and their conversion to fp32: scalar (row tails, the generic
-// fp16 path) and VW elements at a time (widened in registers). Part of the CPU kernel,
+// The cache's element types and their conversion to fp32: scalar (row tails, the
+// reference for the vector paths) and VW elements at a time (widened in registers). Part of the CPU kernel,
 // inside its ISA namespace (see vec.h).
 #pragma once
 
@@ -28,7 +28,7 @@ template <typename T>
 constexpr bool kCheapToWiden = sizeof(T) == 4 || std::is_same_v<T, Bf16> || kSplitRows<T> ||
                                (std::is_same_v<T, Fp16> && kAvxIsa);
 
-// ---- scalar conversions (tails and the generic fp16 path) -------------------
+// ---- scalar conversions (row tails) ------------------------------------------
 static inline float to_float(float x) { return x; }
 static inline float to_float(Bf16 x) {
   uint32_t bits = uint32_t(x.bits) << 16;
@@ -83,9 +83,8 @@ __attribute__((always_inline)) static inline vfloat half_bits_to_float(vuint h) 
   const vuint normal = ((h & 0x7fffu) << 13) + (112u << 23);
   const vuint special = 0x7f800000u | (mantissa << 13);
   const vuint subnormal = (vuint)(__builtin_convertvector((vint)mantissa, vfloat) * splat(0x1p-24f));
-  // Selects as bit masks made by shifts: without AVX GCC compares wide vectors lane by
-  // lane in scalar code. exponent - 1 is negative only for 0; exponent + 0x400 reaches
-  // bit 15 only for 0x7c00.
+  // Selects as bit masks made by shifts (no compares): exponent - 1 is negative only for
+  // 0; exponent + 0x400 reaches bit 15 only for 0x7c00.
   const vuint is_subnormal = (vuint)((vint)(exponent - 1u) >> 31);
   const vuint is_special = (vuint)((vint)((exponent + 0x400u) << 16) >> 31);
   const vuint bits = (subnormal & is_subnormal) | (special & is_special) |

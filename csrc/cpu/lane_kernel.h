@@ -11,8 +11,8 @@
 // kernel, but each serves all the item's queries from registers.
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
-// (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 ones; at least ten
-// accumulators cover the FMA latency on two pipes).
+// (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 or SSE ones; at least
+// ten accumulators cover the FMA latency on two pipes).
 constexpr int kLaneScoreKeys = VW == 16 ? 8 : 6;
 constexpr int kLaneScoreVecs = VW == 16 ? 3 : 2;
 constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
