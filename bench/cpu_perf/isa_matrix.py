@@ -87,23 +87,28 @@ def supported_isas() -> List[str]:
     return list(ISAS[: ISAS.index(best) + 1]) if best in ISAS else [best]
 
 
+def microbench_outputs(source: Path, compile_args: List[str], runs: int) -> Optional[List[str]]:
+    """The standard output of ``runs`` runs of ``source`` compiled with g++ and
+    ``compile_args``. None without g++."""
+    if shutil.which("g++") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, source.stem)
+        subprocess.run(["g++", *compile_args, str(source), "-o", binary], check=True)
+        return [subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+                for _ in range(runs)]
+
+
 @functools.lru_cache(maxsize=None)
 def fma_ceiling(flags: Tuple[str, ...], runs: int = 3) -> Optional[float]:
     """Lane multiply-adds per second on two threads of fma_peak.cpp compiled with ``flags``
     (FMA_FLAGS; kernels sharing them share one measurement), the best of ``runs`` (a
     ceiling: a run that shared a core reads low). None without g++."""
-    if shutil.which("g++") is None:
+    outputs = microbench_outputs(FMA_SOURCE, ["-O2", *flags, "-fopenmp"], runs)
+    if outputs is None:
         return None
-    best = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = os.path.join(tmp, "fma_peak")
-        subprocess.run(["g++", "-O2", *flags, "-fopenmp", str(FMA_SOURCE), "-o", binary],
-                       check=True)
-        for _ in range(runs):
-            out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
-            # "...: fp32 multiply-adds: 1 thread X G/s, 2 threads Y G/s (...)"
-            best = max(best, float(out.split("2 threads")[1].split("G/s")[0]) * 1e9)
-    return best
+    # "...: fp32 multiply-adds: 1 thread X G/s, 2 threads Y G/s (...)"
+    return max(float(out.split("2 threads")[1].split("G/s")[0]) * 1e9 for out in outputs)
 
 
 def isa_compile_flags(isa: str) -> List[str]:
@@ -120,20 +125,16 @@ def isa_compile_flags(isa: str) -> List[str]:
 def widen_limits(isa: str, runs: int = 2) -> Optional[Dict[Tuple[str, int], float]]:
     """KV elements per second on two threads of widen_peak.cpp built for ``isa``, per (dtype,
     queries per KV head), the best of ``runs``. None without g++."""
-    if shutil.which("g++") is None:
+    outputs = microbench_outputs(WIDEN_SOURCE, ["-O3", "-fwrapv", "-std=c++20", "-fopenmp", "-Wno-psabi",
+                                                *isa_compile_flags(isa), "-I", str(KERNEL_SOURCES)], runs)
+    if outputs is None:
         return None
     best: Dict[Tuple[str, int], float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = os.path.join(tmp, "widen_peak")
-        subprocess.run(["g++", "-O3", "-fwrapv", "-std=c++20", "-fopenmp", "-Wno-psabi",
-                        *isa_compile_flags(isa), "-I", str(KERNEL_SOURCES), str(WIDEN_SOURCE),
-                        "-o", binary], check=True)
-        for _ in range(runs):
-            out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
-            # "e4m3 G=4: 1 thread X G elements/s, 2 threads Y G elements/s"
-            for name, group, rate in re.findall(r"^(\w+) G=(\d+):.*2 threads ([\d.]+) G", out, re.M):
-                key = (name, int(group))
-                best[key] = max(best.get(key, 0.0), float(rate) * 1e9)
+    for out in outputs:
+        # "e4m3 G=4: 1 thread X G elements/s, 2 threads Y G elements/s"
+        for name, group, rate in re.findall(r"^(\w+) G=(\d+):.*2 threads ([\d.]+) G", out, re.M):
+            key = (name, int(group))
+            best[key] = max(best.get(key, 0.0), float(rate) * 1e9)
     return best
 
 

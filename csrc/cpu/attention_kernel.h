@@ -467,9 +467,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     while (c.n > 0) {
       const Chunk next = next_chunk(c);
       const ItemState st = head_state(c.head);
-      const T* const* next_k = rows[1 - cur][0];
-      const T* const* next_v = rows[1 - cur][1];
-      walk_rows(next.j0, next.n, w.kv_head_begin + next.head, rows[1 - cur][0], rows[1 - cur][1]);
+      const T** next_k = rows[1 - cur][0];
+      const T** next_v = rows[1 - cur][1];
+      walk_rows(next.j0, next.n, w.kv_head_begin + next.head, next_k, next_v);
       for (int t = 0; t < c.n; ++t) {
         row_to_float(rows[cur][0][t], k_f + int64_t(t) * hsp, hs);
         row_to_float(rows[cur][1][t], v_f + int64_t(t) * hspv, hsv);
