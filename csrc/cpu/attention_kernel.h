@@ -212,6 +212,35 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
 }
 #endif  // PAGED_ISA_AVX512_BF16
 
+// One query's epilogue, shared by every kernel: its head's sink (one more logit without a
+// value; partition 0 takes it, and the merge of partitions by their lse counts it once),
+// its lse, and the factor its unnormalised accumulator row is multiplied by (1 / sum times
+// the value scale; 0 when it sees nothing).
+static inline float finish_query(const AttentionParams& P, const WorkItem& w, int token, int head,
+                                 float top, float sum, float v_factor) {
+  float keep = 1.0f;
+  if (P.sinks && w.partition == 0) {
+    const float sink = P.sinks[head];
+    if (sink > top) {
+      keep = std::exp(top - sink);  // 0 when no key is visible (top = -inf)
+      sum = sum * keep + 1.0f;
+      top = sink;
+    } else if (top != -__builtin_inff()) {
+      sum += std::exp(sink - top);
+    }
+  }
+  const bool any = sum > 0.0f;
+  if (P.lse) {
+    P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
+        any ? top + std::log(sum) : -__builtin_inff();
+  }
+  return any ? keep / sum * v_factor : 0.0f;
+}
+
+static inline float* output_row(const AttentionParams& P, const WorkItem& w, int token, int head) {
+  return P.out + w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
+}
+
 #include "lane_kernel.h"
 
 // Queries per KV head from which rows that are not cheap to widen are converted once per
@@ -490,28 +519,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
     const int head = kv * group + m % group;
-    float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
-               head * P.out_head_stride;
+    float* o = output_row(P, w, token, head);
     const float* am = acc + int64_t(m) * hspv;
-    float top = run_max[m], sum = run_sum[m], keep = 1.0f;
-    if (P.sinks && w.partition == 0) {
-      // The sink is one more logit without a value; partition 0 takes it, and the
-      // merge of partitions by their lse counts it once.
-      const float sink = P.sinks[head];
-      if (sink > top) {
-        keep = std::exp(top - sink);  // 0 when no key is visible (top = -inf)
-        sum = sum * keep + 1.0f;
-        top = sink;
-      } else if (top != -__builtin_inff()) {
-        sum += std::exp(sink - top);
-      }
-    }
-    const bool any = sum > 0.0f;
     // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
     // applies to the weighted sum once.
     const float v_unit = fp8_values ? 1.0f : kUnit;
     const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * v_unit : 1.0f;
-    const float inv = any ? keep / sum * v_factor : 0.0f;
+    const float inv = finish_query(P, w, token, head, run_max[m], run_sum[m], v_factor);
 #if PAGED_ISA_AVX512_BF16
     if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
     else if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
@@ -521,10 +535,6 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       for (int d = 0; d < hsv; ++d) o[d] = am[split_slot(d)] * inv;
     else
       for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
-    if (P.lse) {
-      P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
-          any ? top + std::log(sum) : -__builtin_inff();
-    }
   }
 }
 
@@ -544,6 +554,11 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   else attention_work_item_for<T, 0>(P, w, ws);
 }
 
+#if PAGED_ISA_AMX
+#include "amx_kernel.h"
+
+inline AttentionKernelFn kernel_for(ScalarKind kind) { return amx_kernel_for(kind); }
+#else
 inline AttentionKernelFn kernel_for(ScalarKind kind) {
   switch (kind) {
     case ScalarKind::kFloat32: return &attention_work_item<float>;
@@ -554,3 +569,4 @@ inline AttentionKernelFn kernel_for(ScalarKind kind) {
   }
   return nullptr;
 }
+#endif  // PAGED_ISA_AMX

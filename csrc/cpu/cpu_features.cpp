@@ -1,15 +1,16 @@
 #include "cpu_features.h"
 
 #include <cstdlib>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "../errors.h"
+#include "isa_entry_points.h"
 
 namespace paged::cpu {
-
-AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
-AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
-AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
-AttentionKernelFn generic_attention_kernel(ScalarKind kind);
 
 namespace {
 
@@ -18,7 +19,23 @@ int isa_rank(const std::string& isa) {
   if (isa == "avx2") return 1;
   if (isa == "avx512") return 2;
   if (isa == "avx512_bf16") return 3;
+  if (isa == "amx") return 4;
   return -1;
+}
+
+// AMX-TILE and AMX-BF16, and Linux's permission to use the tile data registers, which a
+// process must ask for once (ARCH_REQ_XCOMP_PERM) before any thread touches a tile.
+bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+  if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
 }
 
 std::string best_supported_isa() {
@@ -28,9 +45,8 @@ std::string best_supported_isa() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     // avx512_bf16 also uses AVX512_VBMI (fp8 -> bf16 lookups): every CPU with AVX512_BF16
     // but Cooper Lake has it; Cooper Lake takes the avx512 kernel.
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")
-               ? "avx512_bf16"
-               : "avx512";
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi")) return "avx512";
+    return amx_usable() ? "amx" : "avx512_bf16";
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -48,7 +64,7 @@ std::string selected_isa() {
   if (requested == nullptr || *requested == '\0') return best;
   const std::string want(requested);
   PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of generic, avx2, ",
-                    "avx512, avx512_bf16; got '", want, "'");
+                    "avx512, avx512_bf16, amx; got '", want, "'");
   PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
   return want;
@@ -56,6 +72,7 @@ std::string selected_isa() {
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind) {
   const std::string isa = selected_isa();
+  if (isa == "amx") return amx_attention_kernel(kind);
   if (isa == "avx512_bf16") return avx512_bf16_attention_kernel(kind);
   if (isa == "avx512") return avx512_attention_kernel(kind);
   if (isa == "avx2") return avx2_attention_kernel(kind);

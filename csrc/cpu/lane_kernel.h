@@ -243,27 +243,10 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
     const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * kUnit : 1.0f;
     for (int i = 0; i < m; ++i) {
       const int token = w.row_begin + i / group, head = kv * group + i % group;
-      float top = run_max[i], sum = run_sum[i], keep = 1.0f;
-      if (P.sinks && w.partition == 0) {
-        const float sink = P.sinks[head];
-        if (sink > top) {
-          keep = std::exp(top - sink);
-          sum = sum * keep + 1.0f;
-          top = sink;
-        } else if (top != -__builtin_inff()) {
-          sum += std::exp(sink - top);
-        }
-      }
-      const bool any = sum > 0.0f;
-      const float inv = any ? keep / sum * v_factor : 0.0f;
-      float* o = P.out + w.partition * P.out_part_stride + token * P.out_token_stride +
-                 head * P.out_head_stride;
+      const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
+      float* o = output_row(P, w, token, head);
       const float* am = acc + int64_t(i) * hspv;
       for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
-      if (P.lse) {
-        P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
-            any ? top + std::log(sum) : -__builtin_inff();
-      }
     }
   }
 }

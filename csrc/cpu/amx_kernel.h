@@ -1,0 +1,329 @@
+// The AMX kernel for bf16 and fp8 caches (bf16 queries): scores and weighted values as
+// tile products (tdpbf16ps), the online softmax of the general kernel between them.
+// Included by attention_kernel.h inside the amx ISA namespace; items it does not take run
+// the avx512_bf16 kernel.
+//
+// Per chunk of 32 keys (32-aligned positions, masked to the item's range) and KV head:
+//   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read
+//           in place by one tile load per 32 elements (fp8 rows converted to bf16 first,
+//           exactly, in the even/odd order of fp8_to_bf16x64); the queries are B tiles in
+//           VNNI order (pairs of elements per dword), built once per item. Up to 16 queries
+//           per tile: a KV head's queries (rows x GQA group) in balanced tiles.
+//   softmax the scores, transposed by masked gathers into the general kernel's
+//           [query][key] rows, take chunk_softmax (masks, ALiBi, soft cap, window, the
+//           running max and sum, the accumulators' rescale).
+//   values  O[query][dv] += P . V: probabilities rounded to bf16 are the A tile, the
+//           chunk's value rows paired into VNNI B tiles of 16 output elements (keys no
+//           query sees are zero: a masked key's NaN or inf never meets a zero weight), and
+//           the accumulator rows themselves the C tiles (loaded, multiplied into, stored).
+// The next step's rows are prefetched into L2 while a step runs.
+
+#include "amx_tiles.h"
+
+// Tiles: 0, 1 scores of keys 0-15 / 16-31 (16 x M fp32); 2 keys (16 x 32 bf16); 3 queries
+// (16 dword rows x M); 4 probabilities (M x 32 bf16); 5 values (16 x 16 bf16 pairs);
+// 6, 7 accumulators (M x 16 fp32).
+static inline TileConfig amx_tile_config(int m) {
+  TileConfig c;
+  const int query_bytes = 4 * m;
+  const uint8_t rows[8] = {16, 16, 16, 16, uint8_t(m), 16, uint8_t(m), uint8_t(m)};
+  const uint16_t bytes[8] = {uint16_t(query_bytes), uint16_t(query_bytes), 64, uint16_t(query_bytes),
+                             64, 64, 64, 64};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = rows[t];
+    c.bytes_per_row[t] = bytes[t];
+  }
+  return c;
+}
+
+constexpr int kAmxKeyGroup = 16;    // keys per tile (a block holds whole groups)
+constexpr int kAmxTileQueries = 16;  // queries per tile at most
+// dword pairs per 32 bf16 elements: a tile row.
+constexpr int kAmxStep = 32;
+
+template <typename T>
+constexpr bool kAmxDtype = std::is_same_v<T, Bf16> || sizeof(T) == 1;
+// Elements per conversion step of a row: fp8 rows convert 64 at a time.
+template <typename T>
+constexpr int kAmxRowStep = sizeof(T) == 1 ? 64 : kAmxStep;
+
+// Fewest queries per KV head an item needs for the tiles (below it the avx512_bf16 kernel's
+// vector products are as fast: docs/performance.md).
+constexpr int kAmxMinQueries = 1;
+
+// The layout of an amx item's workspace (floats).
+struct AmxLayout {
+  int tiles, m, padded;  // query tiles per KV head, queries per tile, their product
+  int64_t acc, scores, run_max, run_sum, queries, keys, values, transposed, probs, total;
+};
+
+static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv) {
+  AmxLayout l{};
+  l.tiles = (per_head + kAmxTileQueries - 1) / kAmxTileQueries;
+  l.m = (per_head + l.tiles - 1) / l.tiles;
+  l.padded = l.tiles * l.m;
+  const int64_t rows = int64_t(num_heads) * l.padded;
+  l.acc = 0;                                            // [heads][padded][hsv]
+  l.scores = l.acc + rows * hsv;                        // [padded][kKeyChunk], one head at a time
+  l.run_max = l.scores + int64_t(l.padded) * kKeyChunk;  // [heads][per_head]
+  l.run_sum = l.run_max + int64_t(num_heads) * per_head;
+  l.queries = l.run_sum + int64_t(num_heads) * per_head;  // B tiles [heads][tiles][hs/32][16][m]
+  l.keys = l.queries + rows * hs / 2;                     // fp8 keys as bf16 [2][16][hs]
+  l.values = l.keys + int64_t(kKeyChunk) * hs / 2;        // B tiles [hsv/16][16][16]
+  l.transposed = l.values + int64_t(kKeyChunk) * hsv / 2;  // scores as stored [32][16]
+  l.probs = l.transposed + int64_t(kKeyChunk) * kAmxTileQueries;  // A tile [m][32] bf16
+  l.total = l.probs + int64_t(kAmxTileQueries) * kKeyChunk / 2;
+  return l;
+}
+
+// Two rows of 32 bf16 as two VNNI tile rows: (a[i], b[i]) for i < 16, then for i >= 16.
+static inline void pair_rows(__m512i a, __m512i b, uint32_t* low, uint32_t* high) {
+  const __m512i lo_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_index = _mm512_add_epi16(lo_index, _mm512_set1_epi16(16));
+  _mm512_storeu_si512(low, _mm512_permutex2var_epi16(a, lo_index, b));
+  _mm512_storeu_si512(high, _mm512_permutex2var_epi16(a, hi_index, b));
+}
+
+// The value rows of keys t0 and t0 + 1 (nullptr: a zero row) into the VNNI B tiles at
+// `tiles` ([hsv / 16][16 rows][16 dwords]), tile row t0 / 2.
+template <typename T>
+static inline void pack_value_pair(const T* a, const T* b, int hsv, uint32_t* tiles, int t0) {
+  uint32_t* row = tiles + (t0 / 2) * 16;
+  const __m512i zero = _mm512_setzero_si512();
+  if constexpr (sizeof(T) == 1) {
+    for (int d = 0; d < hsv; d += 64) {
+      __m512i ea = zero, oa = zero, eb = zero, ob = zero;
+      if (a) fp8_to_bf16x64(a + d, ea, oa);
+      if (b) fp8_to_bf16x64(b + d, eb, ob);
+      const int g = d / 16;
+      pair_rows(ea, eb, row + g * 256, row + (g + 1) * 256);
+      pair_rows(oa, ob, row + (g + 2) * 256, row + (g + 3) * 256);
+    }
+  } else {
+    for (int d = 0; d < hsv; d += kAmxStep) {
+      const __m512i va = a ? _mm512_loadu_si512(a + d) : zero;
+      const __m512i vb = b ? _mm512_loadu_si512(b + d) : zero;
+      const int g = d / 16;
+      pair_rows(va, vb, row + g * 256, row + (g + 1) * 256);
+    }
+  }
+}
+
+template <typename T>
+static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  const int hs = P.head_size, hsv = P.head_size_v;
+  const int group = P.num_heads / P.num_kv_heads;
+  const int num_heads = w.kv_head_end - w.kv_head_begin;
+  const int per_head = (w.row_end - w.row_begin) * group;
+  const AmxLayout L = amx_layout(num_heads, per_head, hs, hsv);
+  const int padded_head = (std::max(hs, hsv) + 15) / 16 * 16;
+  const bool fits = L.total <= kernel_workspace_floats(padded_head, num_heads * per_head + kWorkspacePaddingQueries);
+  if (P.query_kind != ScalarKind::kBFloat16 || hs % kAmxRowStep<T> != 0 || hsv % kAmxRowStep<T> != 0 ||
+      P.block_size % kAmxKeyGroup != 0 || per_head < kAmxMinQueries || !fits) {
+    static const AttentionKernelFn fallback = avx512_bf16_attention_kernel(P.kind);
+    fallback(P, w, ws);
+    return;
+  }
+  const int M = L.m;
+  const int steps = hs / kAmxStep;  // query / key tiles per score tile
+  float* acc = ws + L.acc;
+  float* scores = ws + L.scores;
+  float* run_max = ws + L.run_max;
+  float* run_sum = ws + L.run_sum;
+  uint32_t* q_tiles = reinterpret_cast<uint32_t*>(ws + L.queries);
+  uint16_t* keys_bf16 = reinterpret_cast<uint16_t*>(ws + L.keys);
+  uint32_t* v_tiles = reinterpret_cast<uint32_t*>(ws + L.values);
+  float* transposed = ws + L.transposed;
+  uint16_t* probs = reinterpret_cast<uint16_t*>(ws + L.probs);
+  const int64_t q_tile_dwords = int64_t(steps) * 16 * M;  // one query tile's B tiles
+
+  // Queries as B tiles: dword (r, col) of step c holds elements 2r, 2r + 1 of the step (fp8:
+  // of the key's converted order) of query col; padding queries are zero.
+  const char* query = static_cast<const char*>(P.query);
+  std::memset(q_tiles, 0, sizeof(uint32_t) * int64_t(num_heads) * L.padded * hs / 2);
+  for (int i = 0; i < num_heads; ++i) {
+    const int kv = w.kv_head_begin + i;
+    for (int m = 0; m < per_head; ++m) {
+      const int token = w.row_begin + m / group, head = kv * group + m % group;
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(
+          query + (token * P.query_token_stride + head * P.query_head_stride) * 2);
+      uint32_t* tile = q_tiles + (int64_t(i) * L.tiles + m / M) * q_tile_dwords + m % M;
+      for (int d = 0; d < hs; d += 2) {
+        const int e0 = sizeof(T) == 1 ? d / 64 * 64 + fp8_key_element(d % 64) : d;
+        const int e1 = sizeof(T) == 1 ? d / 64 * 64 + fp8_key_element(d % 64 + 1) : d + 1;
+        tile[(d / kAmxStep * 16 + d % kAmxStep / 2) * M] = uint32_t(q[e0]) | uint32_t(q[e1]) << 16;
+      }
+    }
+    for (int m = 0; m < per_head; ++m) {
+      run_max[i * per_head + m] = -__builtin_inff();
+      run_sum[i * per_head + m] = 0.0f;
+    }
+  }
+  std::memset(acc, 0, sizeof(float) * int64_t(num_heads) * L.padded * hsv);
+  std::memset(probs, 0, sizeof(uint16_t) * kAmxTileQueries * kKeyChunk);
+
+  const TileConfig config = amx_tile_config(M);
+  _tile_loadconfig(&config);
+
+  const T* key_cache = static_cast<const T*>(P.key_cache);
+  const T* value_cache = static_cast<const T*>(P.value_cache);
+  const int bs = P.block_size;
+  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
+  const int64_t k_row_bytes = int64_t(hs) * sizeof(T), v_row_bytes = int64_t(hsv) * sizeof(T);
+  auto key_row = [&](int j, int kv) {
+    return key_cache + int64_t(table[j / bs]) * P.k_block_stride + kv * P.k_head_stride +
+           int64_t(j % bs) * P.k_token_stride;
+  };
+  auto value_row = [&](int j, int kv) {
+    return value_cache + int64_t(table[j / bs]) * P.v_block_stride + kv * P.v_head_stride +
+           int64_t(j % bs) * P.v_token_stride;
+  };
+  // Into L2: the key and value rows [j0, j1) of KV head kv.
+  auto prefetch_step = [&](int j0, int j1, int kv) {
+    for (int j = j0; j < j1; ++j) {
+      prefetch_row(key_row(j, kv), int(k_row_bytes));
+      prefetch_row(value_row(j, kv), int(v_row_bytes));
+    }
+  };
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  for (int a = w.kv_begin / kKeyChunk * kKeyChunk; a < w.kv_end; a += kKeyChunk) {
+    const int j0 = std::max(a, w.kv_begin), j1 = std::min(a + kKeyChunk, w.kv_end);
+    const int n = j1 - j0, off = j0 - a;
+    // The key groups of the chunk that hold keys of the range.
+    const bool group_used[2] = {j0 < a + kAmxKeyGroup, j1 > a + kAmxKeyGroup};
+    for (int i = 0; i < num_heads; ++i) {
+      const int kv = w.kv_head_begin + i;
+      if (i + 1 < num_heads) prefetch_step(j0, j1, kv + 1);
+      else if (j1 < w.kv_end) prefetch_step(j1, std::min(j1 + kKeyChunk, w.kv_end), w.kv_head_begin);
+      // Key group g: 16 rows from position a + 16 g, in place (bf16) or converted.
+      const uint16_t* k_group[2] = {nullptr, nullptr};
+      int64_t k_stride_bytes = 0;
+      for (int g = 0; g < 2; ++g) {
+        if (!group_used[g]) continue;
+        const T* first = key_row(a + g * kAmxKeyGroup, kv);
+        if constexpr (sizeof(T) == 1) {
+          uint16_t* dst = keys_bf16 + int64_t(g) * kAmxKeyGroup * hs;
+          for (int r = 0; r < kAmxKeyGroup; ++r) {
+            const T* src = first + int64_t(r) * P.k_token_stride;
+            for (int d = 0; d < hs; d += 64) {
+              __m512i even, odd;
+              fp8_to_bf16x64(src + d, even, odd);
+              _mm512_storeu_si512(dst + int64_t(r) * hs + d, even);
+              _mm512_storeu_si512(dst + int64_t(r) * hs + d + 32, odd);
+            }
+          }
+          k_group[g] = dst;
+          k_stride_bytes = int64_t(hs) * 2;
+        } else {
+          k_group[g] = reinterpret_cast<const uint16_t*>(first);
+          k_stride_bytes = P.k_token_stride * 2;
+        }
+      }
+      const ItemState st{kv, per_head, group, hs, hsv, nullptr, nullptr,
+                         P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale,
+                         acc + int64_t(i) * L.padded * hsv, scores, run_max + i * per_head,
+                         run_sum + i * per_head};
+
+      // Scores, query tile by query tile, into st.scores[query][key - j0].
+      for (int qt = 0; qt < L.tiles; ++qt) {
+        const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < steps; ++c) {
+          PAGED_TILE_LOAD(3, q + c * 16 * M, 4 * M);
+          if (group_used[0]) {
+            PAGED_TILE_LOAD(2, k_group[0] + c * kAmxStep, k_stride_bytes);
+            _tile_dpbf16ps(0, 2, 3);
+          }
+          if (group_used[1]) {
+            PAGED_TILE_LOAD(2, k_group[1] + c * kAmxStep, k_stride_bytes);
+            _tile_dpbf16ps(1, 2, 3);
+          }
+        }
+        _tile_stored(0, transposed, 64);
+        _tile_stored(1, transposed + kAmxKeyGroup * 16, 64);
+        const vfloat scale = splat(st.scale);
+        const int real = std::min(M, per_head - qt * M);
+        for (int col = 0; col < real; ++col) {
+          float* s = scores + int64_t(qt * M + col) * kKeyChunk;
+          for (int h = 0; h < 2; ++h) {
+            const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(off + 16 * h));
+            const __mmask16 in_range = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * h)),
+                                                               _mm512_set1_epi32(n));
+            const __m512i index = _mm512_add_epi32(_mm512_slli_epi32(key, 4), _mm512_set1_epi32(col));
+            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in_range, index, transposed, 4);
+            store(s + 16 * h, (vfloat)x * scale);
+          }
+        }
+      }
+      chunk_softmax(P, w, st, j0, n, kKeyChunk);
+
+      // Keys some query sees (a nonzero probability): the others' value rows stay zero.
+      uint32_t seen = 0;
+      for (int m = 0; m < per_head; ++m) {
+        const float* s = scores + int64_t(m) * kKeyChunk;
+        seen |= uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s), _mm512_setzero_ps())) |
+                uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s + 16), _mm512_setzero_ps())) << 16;
+      }
+      for (int t = 0; t < kKeyChunk; t += 2) {
+        const T* va = seen >> t & 1 ? value_row(j0 + t, kv) : nullptr;
+        const T* vb = seen >> (t + 1) & 1 ? value_row(j0 + t + 1, kv) : nullptr;
+        pack_value_pair(va, vb, hsv, v_tiles, t);
+      }
+
+      // Weighted values, query tile by query tile, into the accumulator rows.
+      for (int qt = 0; qt < L.tiles; ++qt) {
+        const int real = std::min(M, per_head - qt * M);
+        for (int col = 0; col < real; ++col) {
+          const float* s = scores + int64_t(qt * M + col) * kKeyChunk;
+          _mm512_storeu_si512(probs + col * kKeyChunk,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s)));
+        }
+        PAGED_TILE_LOAD(4, probs, 64);
+        float* out = st.acc + int64_t(qt) * M * hsv;
+        const int64_t out_stride = int64_t(hsv) * 4;
+        for (int g = 0; g < hsv / 16; g += 2) {
+          PAGED_TILE_LOAD(6, out + g * 16, out_stride);
+          PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
+          _tile_dpbf16ps(6, 4, 5);
+          PAGED_TILE_LOAD(7, out + (g + 1) * 16, out_stride);
+          PAGED_TILE_LOAD(5, v_tiles + (g + 1) * 256, 64);
+          _tile_dpbf16ps(7, 4, 5);
+          _tile_stored(6, out + g * 16, out_stride);
+          _tile_stored(7, out + (g + 1) * 16, out_stride);
+        }
+      }
+    }
+  }
+  _tile_release();
+
+  // Scores used the exact bf16 keys (no e4m3 unit), and so did the values.
+  for (int i = 0; i < num_heads; ++i) {
+    const int kv = w.kv_head_begin + i;
+    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] : 1.0f;
+    for (int m = 0; m < per_head; ++m) {
+      const int token = w.row_begin + m / group, head = kv * group + m % group;
+      const float inv = finish_query(P, w, token, head, run_max[i * per_head + m], run_sum[i * per_head + m], v_factor);
+      float* o = output_row(P, w, token, head);
+      const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
+      if constexpr (sizeof(T) == 1) {
+        for (int d = 0; d < hsv; d += 64)
+          for (int e = 0; e < 64; ++e) o[d + fp8_key_element(e)] = am[d + e] * inv;
+      } else {
+        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+      }
+    }
+  }
+}
+
+// The amx compile's entry: tiles for bf16 and fp8 caches, the avx512_bf16 kernel for the rest.
+inline AttentionKernelFn amx_kernel_for(ScalarKind kind) {
+  switch (kind) {
+    case ScalarKind::kBFloat16: return &amx_work_item<Bf16>;
+    case ScalarKind::kFloat8E4M3: return &amx_work_item<Fp8E4M3>;
+    case ScalarKind::kFloat8E5M2: return &amx_work_item<Fp8E5M2>;
+    default: return avx512_bf16_attention_kernel(kind);
+  }
+}

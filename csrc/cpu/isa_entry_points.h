@@ -1,0 +1,16 @@
+// The entry point of each instruction set's compile of the attention kernel (isa_*.cpp via
+// isa_kernel.h): the work-item function for a cache dtype, or nullptr where the compile is
+// not for this architecture.
+#pragma once
+
+#include "attention_params.h"
+
+namespace paged::cpu {
+
+AttentionKernelFn amx_attention_kernel(ScalarKind kind);
+AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
+AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
+AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
+AttentionKernelFn generic_attention_kernel(ScalarKind kind);
+
+}  // namespace paged::cpu
