@@ -9,6 +9,7 @@ from . import _library  # noqa: F401  (loads torch.ops.paged.*)
 from . import fake  # noqa: F401  (fake tensor implementations)
 from .attention_metadata import AttentionMetadata
 from .ops import (
+    CPU_ISAS,
     attention,
     attention_out,
     attention_with_lse,
@@ -21,6 +22,7 @@ from .ops import (
 )
 
 __all__ = [
+    "CPU_ISAS",
     "AttentionMetadata",
     "attention",
     "attention_out",

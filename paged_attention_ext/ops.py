@@ -73,6 +73,7 @@ __all__ = [
     "write_kv",
     "copy_blocks",
     "swap_blocks",
+    "CPU_ISAS",
     "cpu_isa",
 ]
 
@@ -475,9 +476,15 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     torch.ops.paged.swap_blocks(src, dst, block_mapping)
 
 
+# The CPU kernels' instruction sets, each a superset of the ones before it.
+CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+
+
 def cpu_isa() -> str:
-    """The instruction set the CPU attention kernel uses: ``avx512_bf16`` (AVX-512 with bf16
-    dot products), ``avx512``, ``avx2`` or ``generic``, chosen at run time.
+    """The instruction set the CPU attention kernel uses, one of :data:`CPU_ISAS`, chosen at
+    run time: ``amx`` (``avx512_bf16`` plus AMX tile products for bf16 and fp8 caches with a
+    bf16 query), ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512``, ``avx2`` or
+    ``generic``.
 
     The environment variable ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every
     path).
@@ -485,7 +492,7 @@ def cpu_isa() -> str:
     Example::
 
         >>> import paged_attention_ext as pa
-        >>> pa.cpu_isa() in ("avx512_bf16", "avx512", "avx2", "generic")
+        >>> pa.cpu_isa() in pa.CPU_ISAS
         True
     """
     return torch.ops.paged.cpu_isa()

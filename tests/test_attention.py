@@ -23,11 +23,11 @@ def test_attention_scenario(case):
     case.run("cpu")
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype, monkeypatch):
     best = pa.cpu_isa()
-    order = ["generic", "avx2", "avx512", "avx512_bf16"]
+    order = pa.CPU_ISAS
     if order.index(isa) > order.index(best):
         pytest.skip(f"this CPU supports up to {best}")
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
@@ -56,7 +56,7 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
                                      sliding_window=17, sinks=sinks)
 
 
-ISAS = ["generic", "avx2", "avx512", "avx512_bf16"]
+ISAS = list(pa.CPU_ISAS)
 
 
 def select_isa(isa, monkeypatch):
@@ -244,6 +244,34 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
     # Each row's sink is taken by exactly one of the items that share its keys.
     assert_matches_reference(query, case, 128 ** -0.5,
                              sinks=scenarios.random_sinks(num_kv_heads * group))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16] + list(scenarios.FP8_DTYPES), ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 64, 8])
+def test_amx_tiles(cache_dtype, block_size, monkeypatch):
+    """The amx kernel's own edges: query tiles of 1 to 16 queries and KV heads of more
+    (balanced tiles with padding), key groups of 16 inside blocks of 16-64 (8: the
+    avx512_bf16 fallback), chunks that start mid-group (windows, causal partitions), NaN in
+    every unused slot, and the softmax features it shares with the general kernel."""
+    select_isa("amx", monkeypatch)
+    lens = scenarios.edge_lengths(block_size) + [100, 700]
+    for num_heads, num_kv_heads in ((4, 4), (8, 2), (20, 1), (48, 3)):
+        kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype,
+                                per_head_scales=num_kv_heads > 1)
+        case, extra = scenarios.with_format(
+            make_case(lens, num_kv_heads, 128, block_size,
+                      torch.bfloat16 if kv.cache_dtype is None else torch.float32), kv)
+        query = random_query(len(lens), num_heads, 128, torch.bfloat16)
+        assert_matches_reference(query, case, 128 ** -0.5, **extra)
+        assert_matches_reference(query, case, 128 ** -0.5, sliding_window=37,
+                                 sinks=scenarios.random_sinks(num_heads), **extra)
+        q_lens = [min(n, q) for n, q in zip(lens, [1, 1, 5, 17, 40, 100, 300])]
+        qsl = query_start_loc(q_lens)
+        query = random_query(int(qsl[-1]), num_heads, 128, torch.bfloat16)
+        assert_matches_reference(query, case, 128 ** -0.5, query_start_loc=qsl, **extra)
+        assert_matches_reference(query, case, 128 ** -0.5, query_start_loc=qsl, soft_cap=20.0,
+                                 alibi_slopes=scenarios.alibi(num_heads), sliding_window=45,
+                                 **extra)
 
 
 def test_random_shapes_match_reference():

@@ -37,7 +37,7 @@ def test_reference_equals_plain_attention_row_by_row():
         torch.testing.assert_close(lse[row:row + 1], want_lse)
 
 
-ISAS = ["generic", "avx2", "avx512", "avx512_bf16"]
+ISAS = list(pa.CPU_ISAS)
 
 
 @pytest.mark.parametrize("isa", ISAS)

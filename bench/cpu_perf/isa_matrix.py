@@ -48,14 +48,14 @@ from .config import (BATCH, BLOCK_SIZE, CONTEXT, HEAD_SIZE, KV_HEADS, MT_KV_HEAD
 from .machine import Pool, random_pattern, rate_summary, ratios, with_isa
 from .multi_token import visible_pairs
 
-ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+ISAS = pa.CPU_ISAS
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 DTYPES = {**config.DTYPES, **FP8}
 QUERY_DTYPE = {**config.DTYPES, **{name: torch.bfloat16 for name in FP8}}
 TOLERANCE = {**config.TOLERANCE, **{name: 2e-2 for name in FP8}}
 # fma_peak.cpp's compiler flags per kernel: the instruction set the kernel is compiled for.
 FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"],
-             "avx512_bf16": ["-mavx512f"]}
+             "avx512_bf16": ["-mavx512f"], "amx": ["-mavx512f"]}
 FMA_SOURCE = Path(__file__).resolve().parent.parent / "microbench" / "fma_peak.cpp"
 WIDEN_SOURCE = FMA_SOURCE.with_name("widen_peak.cpp")
 KERNEL_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"

@@ -173,7 +173,7 @@ def read_candidate(mem: Memory) -> Candidate:
 
 def lower_isa() -> Optional[str]:
     """The kernel without bf16 dot products, when the best one has them (bf16 rows only)."""
-    return "avx512" if pa.cpu_isa() == "avx512_bf16" else None
+    return "avx512" if pa.cpu_isa() in ("avx512_bf16", "amx") else None
 
 
 def with_isa(isa: str, fn: Candidate) -> Candidate:
