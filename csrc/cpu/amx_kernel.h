@@ -168,41 +168,68 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
-  const int bs = P.block_size;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
-  const int64_t k_row_bytes = int64_t(hs) * sizeof(T), v_row_bytes = int64_t(hsv) * sizeof(T);
-  auto key_row = [&](int j, int kv) {
-    return key_cache + int64_t(table[j / bs]) * P.k_block_stride + kv * P.k_head_stride +
-           int64_t(j % bs) * P.k_token_stride;
+  const int k_lines = (hs * int(sizeof(T)) + 63) / 64, v_lines = (hsv * int(sizeof(T)) + 63) / 64;
+  // A step: the keys [a, a + 32) of the item's range, of its KV head i. Its key group g (16
+  // keys from a + 16 g, in one block) is used when it holds a key of the range; k and v
+  // point at the group's first rows.
+  struct Step {
+    int a, i, j0, j1;
+    bool used[2];
+    const T* k[2];
+    const T* v[2];
   };
-  auto value_row = [&](int j, int kv) {
-    return value_cache + int64_t(table[j / bs]) * P.v_block_stride + kv * P.v_head_stride +
-           int64_t(j % bs) * P.v_token_stride;
+  auto make_step = [&](int a, int i) {
+    Step st{a, i, std::max(a, w.kv_begin), std::min(a + kKeyChunk, w.kv_end), {}, {}, {}};
+    const int kv = w.kv_head_begin + i;
+    for (int g = 0; g < 2; ++g) {
+      const int first = a + g * kAmxKeyGroup;
+      st.used[g] = st.j0 < first + kAmxKeyGroup && st.j1 > first;
+      if (!st.used[g]) continue;
+      const int64_t block = table[first / P.block_size], slot = first % P.block_size;
+      st.k[g] = key_cache + block * P.k_block_stride + kv * P.k_head_stride + slot * P.k_token_stride;
+      st.v[g] = value_cache + block * P.v_block_stride + kv * P.v_head_stride + slot * P.v_token_stride;
+    }
+    return st;
   };
-  // Into L2: the key and value rows [j0, j1) of KV head kv.
-  auto prefetch_step = [&](int j0, int j1, int kv) {
-    for (int j = j0; j < j1; ++j) {
-      prefetch_row(key_row(j, kv), int(k_row_bytes));
-      prefetch_row(value_row(j, kv), int(v_row_bytes));
+  auto step_after = [&](const Step& st) {
+    return st.i + 1 < num_heads ? make_step(st.a, st.i + 1) : make_step(st.a + kKeyChunk, 0);
+  };
+  // Into L2: rows 2p and 2p + 1 of each used group of `st`, keys and values (p < 8); all of
+  // a step's rows over p = 0..7, spread over the packing loop of the step two before it.
+  auto prefetch_rows = [&](const Step& st, int p) {
+    if (st.j0 >= st.j1) return;
+    for (int g = 0; g < 2; ++g) {
+      if (!st.used[g]) continue;
+      for (int r = 2 * p; r < 2 * p + 2; ++r) {
+        const char* k = reinterpret_cast<const char*>(st.k[g] + r * P.k_token_stride);
+        const char* v = reinterpret_cast<const char*>(st.v[g] + r * P.v_token_stride);
+        for (int l = 0; l < k_lines; ++l) prefetch(k + 64 * l);
+        for (int l = 0; l < v_lines; ++l) prefetch(v + 64 * l);
+      }
     }
   };
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
-  for (int a = w.kv_begin / kKeyChunk * kKeyChunk; a < w.kv_end; a += kKeyChunk) {
-    const int j0 = std::max(a, w.kv_begin), j1 = std::min(a + kKeyChunk, w.kv_end);
-    const int n = j1 - j0, off = j0 - a;
-    // The key groups of the chunk that hold keys of the range.
-    const bool group_used[2] = {j0 < a + kAmxKeyGroup, j1 > a + kAmxKeyGroup};
-    for (int i = 0; i < num_heads; ++i) {
-      const int kv = w.kv_head_begin + i;
-      if (i + 1 < num_heads) prefetch_step(j0, j1, kv + 1);
-      else if (j1 < w.kv_end) prefetch_step(j1, std::min(j1 + kKeyChunk, w.kv_end), w.kv_head_begin);
-      // Key group g: 16 rows from position a + 16 g, in place (bf16) or converted.
+  Step cur = make_step(w.kv_begin / kKeyChunk * kKeyChunk, 0);
+  Step next = step_after(cur);
+  for (int p = 0; p < 8; ++p) {
+    prefetch_rows(cur, p);
+    prefetch_rows(next, p);
+  }
+  for (; cur.j0 < cur.j1; cur = next, next = step_after(next)) {
+    const Step ahead = step_after(next);
+    const int kv = w.kv_head_begin + cur.i;
+    const int j0 = cur.j0, n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
+    {
+      const int i = cur.i;
+      const bool* group_used = cur.used;
+      // Key group g: in place (bf16) or converted.
       const uint16_t* k_group[2] = {nullptr, nullptr};
       int64_t k_stride_bytes = 0;
       for (int g = 0; g < 2; ++g) {
         if (!group_used[g]) continue;
-        const T* first = key_row(a + g * kAmxKeyGroup, kv);
+        const T* first = cur.k[g];
         if constexpr (sizeof(T) == 1) {
           uint16_t* dst = keys_bf16 + int64_t(g) * kAmxKeyGroup * hs;
           for (int r = 0; r < kAmxKeyGroup; ++r) {
@@ -267,10 +294,13 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         seen |= uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s), _mm512_setzero_ps())) |
                 uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s + 16), _mm512_setzero_ps())) << 16;
       }
+      auto value_row = [&](int t) {
+        const int k = off + t;
+        return seen >> t & 1 ? cur.v[k / kAmxKeyGroup] + (k % kAmxKeyGroup) * P.v_token_stride : nullptr;
+      };
       for (int t = 0; t < kKeyChunk; t += 2) {
-        const T* va = seen >> t & 1 ? value_row(j0 + t, kv) : nullptr;
-        const T* vb = seen >> (t + 1) & 1 ? value_row(j0 + t + 1, kv) : nullptr;
-        pack_value_pair(va, vb, hsv, v_tiles, t);
+        pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
+        if (t % 4 == 0) prefetch_rows(ahead, t / 4);
       }
 
       // Weighted values, query tile by query tile, into the accumulator rows.

@@ -1,0 +1,203 @@
+"""Attention kernels side by side: ``torch.ops.paged.attention`` against vLLM's CPU kernel
+(``torch.ops._C.cpu_attention_with_kv_cache``) on the same keys, values, queries and
+block tables, in one process (issue 25: our AMX path against vLLM's).
+
+Usage (in the vLLM environment, ``make .venv-vllm/.installed``)::
+
+    .venv-vllm/bin/python bench/bench_vllm_kernels.py [--quick] [--vllm-isa amx] [--out PATH]
+
+Method
+------
+* Cases: decode (B=16, context 2048; 32/32 and 32/8 heads) and a causal multi-token
+  chunk (512 queries at the end of 4096 tokens, 32/8 heads), head size 128, bf16 queries,
+  blocks of 32 and 128 tokens (vLLM's kernels take multiples of 32), caches bf16 and, where
+  vLLM takes it, fp8 e4m3 (scales 1).
+* Each side has its own cache in its own layout, written by its own cache op
+  (``paged.write_kv`` into HND; vLLM's ``cpu_attn_reshape_and_cache`` into its layout for
+  the ISA, which for ``amx`` packs the tiles at write time) from the same tokens, under the
+  same random physical block order. vLLM's scheduler metadata is built once per case
+  outside the timed call (as its backend does once per step); ours plans inside the call.
+* The two outputs are compared against each other first (a case that disagrees stops the
+  run). Then the two calls alternate, ``--rounds`` rounds of one call each after a warm-up,
+  and the speedup is the median over rounds of vLLM's time / ours in the same round.
+* The host: CPU model, flags that matter, torch threads, our ISA (``paged_attention_ext.
+  cpu_isa()``) and vLLM's, recorded in the JSON.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import paged_attention_ext as pa  # noqa: E402
+from common.environment import cpu_model  # noqa: E402
+
+HEAD = 128
+FP8 = {"bf16": None, "e4m3": "fp8_e4m3"}
+
+
+def vllm_ops():
+    import vllm._custom_ops as ops  # noqa: F401  (registers torch.ops._C)
+    return ops
+
+
+class Case:
+    def __init__(self, name: str, cache: str, lens: List[int], q_lens: List[int], heads: int,
+                 kv_heads: int, block_size: int, vllm_isa: str, seed: int = 0):
+        ops = vllm_ops()
+        gen = torch.Generator().manual_seed(seed)
+        self.name, self.cache, self.block_size = name, cache, block_size
+        self.heads, self.kv_heads = heads, kv_heads
+        blocks = [-(-n // block_size) for n in lens]
+        num_blocks = sum(blocks)
+        physical = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        self.block_tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+        first = 0
+        for i, nb in enumerate(blocks):
+            self.block_tables[i, :nb] = physical[first:first + nb]
+            first += nb
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+        self.query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
+                                            dtype=torch.int32)
+        self.query = torch.randn(sum(q_lens), heads, HEAD, generator=gen).to(torch.bfloat16)
+        self.multi_token = max(q_lens) > 1
+        self.kv_bytes = sum(lens) * kv_heads * HEAD * 2 * (1 if FP8[cache] else 2)
+        self.flops = 4 * heads * HEAD * sum(
+            sum(n - q + i + 1 for i in range(q)) for n, q in zip(lens, q_lens))
+
+        # Ours: HND caches.
+        dtype = torch.float8_e4m3fn if FP8[cache] else torch.bfloat16
+        shape = (num_blocks, kv_heads, block_size, HEAD)
+        self.key_cache = torch.zeros(shape, dtype=dtype)
+        self.value_cache = torch.zeros(shape, dtype=dtype)
+        self.scales = ({"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)}
+                       if FP8[cache] else {})
+        # vLLM: [num_blocks, kv_heads, block_size, 2 * head] viewed as keys then values.
+        joint = torch.zeros(num_blocks, kv_heads, block_size, 2 * HEAD,
+                            dtype=torch.uint8 if FP8[cache] else torch.bfloat16)
+        self.vllm_kv = joint
+        self.vllm_key, self.vllm_value = joint.view(num_blocks, kv_heads, 2 * block_size,
+                                                    HEAD).chunk(2, dim=2)
+        self.vllm_isa = vllm_isa
+        for i, n in enumerate(lens):
+            key = torch.randn(n, kv_heads, HEAD, generator=gen).to(torch.bfloat16)
+            value = torch.randn(n, kv_heads, HEAD, generator=gen).to(torch.bfloat16)
+            pos = torch.arange(n)
+            slots = (self.block_tables[i, pos // block_size].long() * block_size
+                     + pos % block_size)
+            pa.write_kv(key.to(dtype) if FP8[cache] else key,
+                        value.to(dtype) if FP8[cache] else value,
+                        self.key_cache, self.value_cache, slots)
+            ops.cpu_attn_reshape_and_cache(key, value, self.vllm_key, self.vllm_value, slots,
+                                           vllm_isa, kv_cache_dtype=FP8[cache] or "auto")
+        self.metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=HEAD,
+            seq_lens=self.seq_lens, dtype=torch.bfloat16, query_start_loc=self.query_start_loc,
+            causal=True, sliding_window_size=-1, isa=vllm_isa, enable_kv_split=True,
+            kv_cache_dtype=FP8[cache] or "auto")
+        self.vllm_out = torch.empty_like(self.query)
+
+    def ours(self) -> torch.Tensor:
+        qsl = self.query_start_loc if self.multi_token else None
+        return pa.attention(self.query, self.key_cache, self.value_cache, self.block_tables,
+                            self.seq_lens, HEAD ** -0.5, query_start_loc=qsl, **self.scales)
+
+    def vllm(self) -> torch.Tensor:
+        ops = vllm_ops()
+        ops.cpu_attention_with_kv_cache(
+            query=self.query, key_cache=self.vllm_key, value_cache=self.vllm_value,
+            output=self.vllm_out, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            scale=HEAD ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=self.block_tables, softcap=0.0, scheduler_metadata=self.metadata,
+            s_aux=None, kv_cache_dtype=FP8[self.cache] or "auto")
+        return self.vllm_out
+
+    def describe(self) -> Dict[str, object]:
+        return {"case": self.name, "cache": self.cache, "heads": self.heads,
+                "kv_heads": self.kv_heads, "block_size": self.block_size,
+                "kv_bytes": self.kv_bytes, "flops": self.flops}
+
+
+def cases(quick: bool, vllm_isa: str, caches: List[str]):
+    batch, context = (4, 1024) if quick else (16, 2048)
+    mt_q, mt_len = (128, 1024) if quick else (512, 4096)
+    for block_size in (32, 128):
+        for cache in caches:
+            for kv_heads in (32, 8):
+                yield (f"decode B={batch} ctx={context}", cache, [context] * batch, [1] * batch,
+                       32, kv_heads, block_size, vllm_isa)
+            yield (f"multi-token {mt_q} causal over {mt_len}", cache, [mt_len], [mt_q], 32, 8,
+                   block_size, vllm_isa)
+
+
+def time_pair(case: Case, rounds: int) -> Dict[str, object]:
+    calls = {"ours": case.ours, "vllm": case.vllm}
+    for fn in calls.values():
+        fn()
+    seconds: Dict[str, List[float]] = {k: [] for k in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - t0)
+    ratios = [v / o for v, o in zip(seconds["vllm"], seconds["ours"])]
+    ours, theirs = statistics.median(seconds["ours"]), statistics.median(seconds["vllm"])
+    row = {**case.describe(), "ours_ms": round(ours * 1e3, 3), "vllm_ms": round(theirs * 1e3, 3),
+           "speedup_over_vllm": round(statistics.median(ratios), 3),
+           "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+    if case.multi_token:
+        row["ours_gflops"] = round(case.flops / ours / 1e9, 1)
+        row["vllm_gflops"] = round(case.flops / theirs / 1e9, 1)
+    else:
+        row["ours_gbps"] = round(case.kv_bytes / ours / 1e9, 1)
+        row["vllm_gbps"] = round(case.kv_bytes / theirs / 1e9, 1)
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--vllm-isa", default="amx")
+    parser.add_argument("--caches", default="bf16,e4m3")
+    parser.add_argument("--out", default="bench/results/vllm_kernels.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for spec in cases(args.quick, args.vllm_isa, args.caches.split(",")):
+        case = Case(*spec)
+        ours, theirs = case.ours().float(), case.vllm().float()
+        diff = (ours - theirs).abs().max().item()
+        if not diff < 5e-2:
+            raise SystemExit(f"{case.describe()}: outputs differ by {diff}")
+        row = time_pair(case, 3 if args.quick else args.rounds)
+        row["max_abs_difference"] = diff
+        rows.append(row)
+        rate = (f"{row['ours_gflops']} vs {row['vllm_gflops']} GFLOP/s" if case.multi_token
+                else f"{row['ours_gbps']} vs {row['vllm_gbps']} GB/s")
+        print(f"{row['case']:<34} {row['cache']:<5} {row['heads']}/{row['kv_heads']:<3} "
+              f"block {row['block_size']:<4} ours {row['ours_ms']:8.2f} ms  vLLM "
+              f"{row['vllm_ms']:8.2f} ms  {row['speedup_over_vllm']:.2f}x "
+              f"({row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f})  {rate}", flush=True)
+        del case
+    import vllm
+    report = {"what": __doc__.splitlines()[0], "cpu_model": cpu_model(),
+              "machine": platform.machine(), "torch": torch.__version__,
+              "vllm": vllm.__version__, "threads": torch.get_num_threads(),
+              "ours_isa": pa.cpu_isa(), "vllm_isa": args.vllm_isa,
+              "loadavg": [round(x, 2) for x in os.getloadavg()],
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
