@@ -54,7 +54,7 @@ constexpr int kAmxMinQueries = 1;
 // The layout of an amx item's workspace (floats).
 struct AmxLayout {
   int tiles, m, padded;  // query tiles per KV head, queries per tile, their product
-  int64_t acc, scores, run_max, run_sum, queries, keys, values, transposed, probs, total;
+  int64_t acc, scores, run_max, run_sum, queries, keys, values, probs, total;
 };
 
 static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv) {
@@ -64,14 +64,14 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   l.padded = l.tiles * l.m;
   const int64_t rows = int64_t(num_heads) * l.padded;
   l.acc = 0;                                            // [heads][padded][hsv]
-  l.scores = l.acc + rows * hsv;                        // [padded][kKeyChunk], one head at a time
-  l.run_max = l.scores + int64_t(l.padded) * kKeyChunk;  // [heads][per_head]
-  l.run_sum = l.run_max + int64_t(num_heads) * per_head;
-  l.queries = l.run_sum + int64_t(num_heads) * per_head;  // B tiles [heads][tiles][hs/32][16][m]
-  l.keys = l.queries + rows * hs / 2;                     // fp8 keys as bf16 [2][16][hs]
-  l.values = l.keys + int64_t(kKeyChunk) * hs / 2;        // B tiles [hsv/16][16][16]
-  l.transposed = l.values + int64_t(kKeyChunk) * hsv / 2;  // scores as stored [32][16]
-  l.probs = l.transposed + int64_t(kKeyChunk) * kAmxTileQueries;  // A tile [m][32] bf16
+  l.scores = l.acc + rows * hsv;                        // [tiles][32 keys][16 queries]
+  const int64_t lanes = int64_t(num_heads) * l.tiles * kAmxTileQueries;
+  l.run_max = l.scores + int64_t(l.tiles) * kKeyChunk * kAmxTileQueries;  // [heads][tiles][16]
+  l.run_sum = l.run_max + lanes;
+  l.queries = l.run_sum + lanes;                         // B tiles [heads][tiles][hs/32][16][m]
+  l.keys = l.queries + rows * hs / 2;                    // fp8 keys as bf16 [2][16][hs]
+  l.values = l.keys + int64_t(kKeyChunk) * hs / 2;       // B tiles [hsv/16][16][16]
+  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tile [16][32] bf16
   l.total = l.probs + int64_t(kAmxTileQueries) * kKeyChunk / 2;
   return l;
 }
@@ -110,6 +110,122 @@ static inline void pack_value_pair(const T* a, const T* b, int hsv, uint32_t* ti
   }
 }
 
+// 16 x 16 dwords transposed in registers: row i of the result is column i of the input.
+static inline void transpose_dwords(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {  // within 128-bit lanes: pairs of rows
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // quads: u[4k + j] holds column 4 L + j in lane L
+    r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit lanes across the quads
+    const __m512i even01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    const __m512i odd01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    const __m512i even23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i odd23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_i32x4(even01, even23, 0x88);
+    t[8 + j] = _mm512_shuffle_i32x4(even01, even23, 0xdd);
+    t[4 + j] = _mm512_shuffle_i32x4(odd01, odd23, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(odd01, odd23, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The online softmax of one query tile with its queries in lanes: `s` holds the scores of
+// the chunk's keys a + t (row t, 16 lanes, unscaled), valid for t in [lo, hi). Rows become
+// probabilities (0 where masked or outside), each lane's running max and sum are updated
+// and the accumulator rows of the tile's `real` queries rescaled. Lane l is the KV head's
+// query q0 + l. Returns the rows some real query sees (bit t).
+static inline uint32_t lane_softmax(const AttentionParams& P, const WorkItem& w, int kv, int group,
+                                    int q0, int real, float scale, int a, int lo, int hi, float* s,
+                                    float* run_max, float* run_sum, float* acc, int hsv) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __mmask16 real_lanes = __mmask16((1u << real) - 1);
+  // Each lane's position and (ALiBi) slope.
+  alignas(64) int32_t pos_of[16];
+  alignas(64) float slope_of[16];
+  for (int l = 0; l < 16; ++l) {
+    const int q = q0 + std::min(l, real - 1);
+    pos_of[l] = w.first_pos + q / group;
+    slope_of[l] = P.alibi_slopes ? P.alibi_slopes[kv * group + q % group] : 0.0f;
+  }
+  const __m512i pos = _mm512_load_si512(pos_of);
+  const __m512 slope = _mm512_load_ps(slope_of);
+  const bool soft_cap = P.soft_cap > 0.0f;
+  const bool all_visible = a + hi - 1 <= w.first_pos + q0 / group && P.sliding_window <= 0 &&
+                           !P.alibi_slopes && !soft_cap;
+  const __m512 minus_inf = _mm512_set1_ps(-__builtin_inff());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 top = minus_inf;
+  for (int t = 0; t < kKeyChunk; ++t) {
+    __m512 x = minus_inf;
+    if (t >= lo && t < hi) {
+      x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), vscale);
+      if (!all_visible) {
+        const int j = a + t;
+        if (soft_cap) {
+          alignas(64) float v[16];
+          _mm512_store_ps(v, x);
+          for (int l = 0; l < 16; ++l) v[l] = P.soft_cap * std::tanh(v[l] / P.soft_cap);
+          x = _mm512_load_ps(v);
+        }
+        const __m512i jv = _mm512_set1_epi32(j);
+        if (P.alibi_slopes) x = _mm512_fmadd_ps(slope, _mm512_cvtepi32_ps(_mm512_sub_epi32(jv, pos)), x);
+        __mmask16 visible = _mm512_cmple_epi32_mask(jv, pos);
+        if (P.sliding_window > 0)
+          visible &= _mm512_cmpgt_epi32_mask(jv, _mm512_sub_epi32(pos, _mm512_set1_epi32(P.sliding_window)));
+        x = _mm512_mask_blend_ps(visible, minus_inf, x);
+      }
+    }
+    _mm512_storeu_ps(s + 16 * t, x);
+    top = _mm512_max_ps(top, x);
+  }
+  const __m512 old_max = _mm512_loadu_ps(run_max);
+  const __m512 new_max = _mm512_max_ps(old_max, top);
+  // Lanes that have seen nothing keep exp(-inf - 0) = 0.
+  const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
+                                            _mm512_setzero_ps());
+  __m512 total = _mm512_setzero_ps();
+  uint32_t seen = 0;
+  for (int t = 0; t < kKeyChunk; ++t) {
+    const __m512 p = (__m512)vexp((vfloat)_mm512_sub_ps(_mm512_loadu_ps(s + 16 * t), shift));
+    _mm512_storeu_ps(s + 16 * t, p);
+    total = _mm512_add_ps(total, p);
+    seen |= uint32_t(_mm512_mask_cmpneq_ps_mask(real_lanes, p, _mm512_setzero_ps()) != 0) << t;
+  }
+  const __m512 alpha = (__m512)vexp((vfloat)_mm512_sub_ps(old_max, shift));
+  _mm512_storeu_ps(run_sum, _mm512_fmadd_ps(_mm512_loadu_ps(run_sum), alpha, total));
+  _mm512_storeu_ps(run_max, new_max);
+  alignas(64) float alphas[16];
+  _mm512_store_ps(alphas, alpha);
+  for (int l = 0; l < real; ++l) {
+    if (alphas[l] == 1.0f) continue;
+    float* am = acc + int64_t(l) * hsv;
+    const vfloat av = splat(alphas[l]);
+    for (int d = 0; d < hsv; d += VW) store(am + d, load(am + d) * av);
+  }
+  return seen;
+}
+
+// The probabilities of a query tile (rows of keys, queries in lanes) as the A tile of P . V:
+// row l holds query l's 32 probabilities in key order, rounded to bf16.
+static inline void probability_tile(const float* s, uint16_t* tile) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i pairs[16];  // pairs[r] dword l: keys 2r, 2r + 1 of query l
+  for (int r = 0; r < 16; ++r) {
+    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 32 * r + 16), _mm512_loadu_ps(s + 32 * r));
+    pairs[r] = _mm512_permutexvar_epi16(interleave, two);
+  }
+  transpose_dwords(pairs);
+  for (int l = 0; l < 16; ++l) _mm512_storeu_si512(tile + 32 * l, pairs[l]);
+}
+
 template <typename T>
 static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const int hs = P.head_size, hsv = P.head_size_v;
@@ -134,7 +250,6 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   uint32_t* q_tiles = reinterpret_cast<uint32_t*>(ws + L.queries);
   uint16_t* keys_bf16 = reinterpret_cast<uint16_t*>(ws + L.keys);
   uint32_t* v_tiles = reinterpret_cast<uint32_t*>(ws + L.values);
-  float* transposed = ws + L.transposed;
   uint16_t* probs = reinterpret_cast<uint16_t*>(ws + L.probs);
   const int64_t q_tile_dwords = int64_t(steps) * 16 * M;  // one query tile's B tiles
 
@@ -155,10 +270,10 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         tile[(d / kAmxStep * 16 + d % kAmxStep / 2) * M] = uint32_t(q[e0]) | uint32_t(q[e1]) << 16;
       }
     }
-    for (int m = 0; m < per_head; ++m) {
-      run_max[i * per_head + m] = -__builtin_inff();
-      run_sum[i * per_head + m] = 0.0f;
-    }
+  }
+  for (int64_t l = 0; l < int64_t(num_heads) * L.tiles * kAmxTileQueries; ++l) {
+    run_max[l] = -__builtin_inff();
+    run_sum[l] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * int64_t(num_heads) * L.padded * hsv);
   std::memset(probs, 0, sizeof(uint16_t) * kAmxTileQueries * kKeyChunk);
@@ -209,8 +324,6 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       }
     }
   };
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-
   Step cur = make_step(w.kv_begin / kKeyChunk * kKeyChunk, 0);
   Step next = step_after(cur);
   for (int p = 0; p < 8; ++p) {
@@ -220,7 +333,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   for (; cur.j0 < cur.j1; cur = next, next = step_after(next)) {
     const Step ahead = step_after(next);
     const int kv = w.kv_head_begin + cur.i;
-    const int j0 = cur.j0, n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
+    const int n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
     {
       const int i = cur.i;
       const bool* group_used = cur.used;
@@ -248,14 +361,16 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
           k_stride_bytes = P.k_token_stride * 2;
         }
       }
-      const ItemState st{kv, per_head, group, hs, hsv, nullptr, nullptr,
-                         P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale,
-                         acc + int64_t(i) * L.padded * hsv, scores, run_max + i * per_head,
-                         run_sum + i * per_head};
+      const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
+      float* head_acc = acc + int64_t(i) * L.padded * hsv;
+      float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
+      float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
 
-      // Scores, query tile by query tile, into st.scores[query][key - j0].
+      // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
+      uint32_t seen = 0;
       for (int qt = 0; qt < L.tiles; ++qt) {
         const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
+        float* s = scores + int64_t(qt) * kKeyChunk * kAmxTileQueries;
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < steps; ++c) {
@@ -269,34 +384,17 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
             _tile_dpbf16ps(1, 2, 3);
           }
         }
-        _tile_stored(0, transposed, 64);
-        _tile_stored(1, transposed + kAmxKeyGroup * 16, 64);
-        const vfloat scale = splat(st.scale);
+        _tile_stored(0, s, 64);
+        _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
         const int real = std::min(M, per_head - qt * M);
-        for (int col = 0; col < real; ++col) {
-          float* s = scores + int64_t(qt * M + col) * kKeyChunk;
-          for (int h = 0; h < 2; ++h) {
-            const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(off + 16 * h));
-            const __mmask16 in_range = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * h)),
-                                                               _mm512_set1_epi32(n));
-            const __m512i index = _mm512_add_epi32(_mm512_slli_epi32(key, 4), _mm512_set1_epi32(col));
-            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in_range, index, transposed, 4);
-            store(s + 16 * h, (vfloat)x * scale);
-          }
-        }
+        seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, s,
+                             head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
+                             head_acc + int64_t(qt) * M * hsv, hsv);
       }
-      chunk_softmax(P, w, st, j0, n, kKeyChunk);
 
-      // Keys some query sees (a nonzero probability): the others' value rows stay zero.
-      uint32_t seen = 0;
-      for (int m = 0; m < per_head; ++m) {
-        const float* s = scores + int64_t(m) * kKeyChunk;
-        seen |= uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s), _mm512_setzero_ps())) |
-                uint32_t(_mm512_cmpneq_ps_mask(_mm512_loadu_ps(s + 16), _mm512_setzero_ps())) << 16;
-      }
+      // The value rows of keys some query sees (the others stay zero) as B tiles.
       auto value_row = [&](int t) {
-        const int k = off + t;
-        return seen >> t & 1 ? cur.v[k / kAmxKeyGroup] + (k % kAmxKeyGroup) * P.v_token_stride : nullptr;
+        return seen >> t & 1 ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
       };
       for (int t = 0; t < kKeyChunk; t += 2) {
         pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
@@ -305,14 +403,9 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
 
       // Weighted values, query tile by query tile, into the accumulator rows.
       for (int qt = 0; qt < L.tiles; ++qt) {
-        const int real = std::min(M, per_head - qt * M);
-        for (int col = 0; col < real; ++col) {
-          const float* s = scores + int64_t(qt * M + col) * kKeyChunk;
-          _mm512_storeu_si512(probs + col * kKeyChunk,
-                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s)));
-        }
+        probability_tile(scores + int64_t(qt) * kKeyChunk * kAmxTileQueries, probs);
         PAGED_TILE_LOAD(4, probs, 64);
-        float* out = st.acc + int64_t(qt) * M * hsv;
+        float* out = head_acc + int64_t(qt) * M * hsv;
         const int64_t out_stride = int64_t(hsv) * 4;
         for (int g = 0; g < hsv / 16; g += 2) {
           PAGED_TILE_LOAD(6, out + g * 16, out_stride);
@@ -335,7 +428,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] : 1.0f;
     for (int m = 0; m < per_head; ++m) {
       const int token = w.row_begin + m / group, head = kv * group + m % group;
-      const float inv = finish_query(P, w, token, head, run_max[i * per_head + m], run_sum[i * per_head + m], v_factor);
+      const int64_t lane = (int64_t(i) * L.tiles + m / M) * kAmxTileQueries + m % M;
+      const float inv = finish_query(P, w, token, head, run_max[lane], run_sum[lane], v_factor);
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
       if constexpr (sizeof(T) == 1) {
