@@ -94,9 +94,7 @@ class Case:
             pos = torch.arange(n)
             slots = (self.block_tables[i, pos // block_size].long() * block_size
                      + pos % block_size)
-            pa.write_kv(key.to(dtype) if FP8[cache] else key,
-                        value.to(dtype) if FP8[cache] else value,
-                        self.key_cache, self.value_cache, slots)
+            pa.write_kv(key, value, self.key_cache, self.value_cache, slots, **self.scales)
             ops.cpu_attn_reshape_and_cache(key, value, self.vllm_key, self.vllm_value, slots,
                                            vllm_isa, kv_cache_dtype=FP8[cache] or "auto")
         self.metadata = ops.cpu_attn_get_scheduler_metadata(

@@ -47,9 +47,11 @@ constexpr bool kAmxDtype = std::is_same_v<T, Bf16> || sizeof(T) == 1;
 template <typename T>
 constexpr int kAmxRowStep = sizeof(T) == 1 ? 64 : kAmxStep;
 
-// Fewest queries per KV head an item needs for the tiles (below it the avx512_bf16 kernel's
-// vector products are as fast: docs/performance.md).
-constexpr int kAmxMinQueries = 1;
+// Fewest queries per KV head an item needs for the tiles. One query per KV head (MHA decode)
+// runs the avx512_bf16 kernel's vector products: from DRAM, 2 threads, tiles measured
+// 0.88x (bf16) and 0.72x (e4m3) of them there, 1.03-1.14x at two queries per KV head and
+// 1.6-3.7x from eight (docs/performance.md).
+constexpr int kAmxMinQueries = 2;
 
 // The layout of an amx item's workspace (floats).
 struct AmxLayout {
@@ -310,25 +312,26 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   auto step_after = [&](const Step& st) {
     return st.i + 1 < num_heads ? make_step(st.a, st.i + 1) : make_step(st.a + kKeyChunk, 0);
   };
-  // Into L2: rows 2p and 2p + 1 of each used group of `st`, keys and values (p < 8); all of
-  // a step's rows over p = 0..7, spread over the packing loop of the step two before it.
-  auto prefetch_rows = [&](const Step& st, int p) {
+  // Into L2: row r of each used group of `st`, keys and values. A step's 16 rows are
+  // prefetched two steps ahead, a row at a time between the tile operations of its phases
+  // (4 in the scores, 8 in the value packing, 4 in the products): in a burst they held the
+  // core's fill buffers while the packing loads waited (2 threads from DRAM, bf16 16/8 heads:
+  // 14.2 -> 21.3 GB/s, 32/4: 13.8 -> 18.6).
+  auto prefetch_row_of = [&](const Step& st, int r) {
     if (st.j0 >= st.j1) return;
     for (int g = 0; g < 2; ++g) {
       if (!st.used[g]) continue;
-      for (int r = 2 * p; r < 2 * p + 2; ++r) {
-        const char* k = reinterpret_cast<const char*>(st.k[g] + r * P.k_token_stride);
-        const char* v = reinterpret_cast<const char*>(st.v[g] + r * P.v_token_stride);
-        for (int l = 0; l < k_lines; ++l) prefetch(k + 64 * l);
-        for (int l = 0; l < v_lines; ++l) prefetch(v + 64 * l);
-      }
+      const char* k = reinterpret_cast<const char*>(st.k[g] + r * P.k_token_stride);
+      const char* v = reinterpret_cast<const char*>(st.v[g] + r * P.v_token_stride);
+      for (int l = 0; l < k_lines; ++l) prefetch(k + 64 * l);
+      for (int l = 0; l < v_lines; ++l) prefetch(v + 64 * l);
     }
   };
   Step cur = make_step(w.kv_begin / kKeyChunk * kKeyChunk, 0);
   Step next = step_after(cur);
-  for (int p = 0; p < 8; ++p) {
-    prefetch_rows(cur, p);
-    prefetch_rows(next, p);
+  for (int r = 0; r < kAmxKeyGroup; ++r) {
+    prefetch_row_of(cur, r);
+    prefetch_row_of(next, r);
   }
   for (; cur.j0 < cur.j1; cur = next, next = step_after(next)) {
     const Step ahead = step_after(next);
@@ -374,6 +377,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < steps; ++c) {
+          if (qt == 0)  // rows 0-3, spread over the steps
+            for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
           PAGED_TILE_LOAD(3, q + c * 16 * M, 4 * M);
           if (group_used[0]) {
             PAGED_TILE_LOAD(2, k_group[0] + c * kAmxStep, k_stride_bytes);
@@ -398,7 +403,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       };
       for (int t = 0; t < kKeyChunk; t += 2) {
         pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
-        if (t % 4 == 0) prefetch_rows(ahead, t / 4);
+        if (t % 4 == 0) prefetch_row_of(ahead, 4 + t / 4);
       }
 
       // Weighted values, query tile by query tile, into the accumulator rows.
@@ -407,7 +412,10 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         PAGED_TILE_LOAD(4, probs, 64);
         float* out = head_acc + int64_t(qt) * M * hsv;
         const int64_t out_stride = int64_t(hsv) * 4;
+        const int pairs = hsv / 32;
         for (int g = 0; g < hsv / 16; g += 2) {
+          if (qt == 0)  // rows 12-15, spread over the pairs of output tiles
+            for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
           PAGED_TILE_LOAD(6, out + g * 16, out_stride);
           PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
           _tile_dpbf16ps(6, 4, 5);
