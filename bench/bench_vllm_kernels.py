@@ -174,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         case = Case(*spec)
         ours, theirs = case.ours().float(), case.vllm().float()
         diff = (ours - theirs).abs().max().item()
-        if not diff < 5e-2:
+        # Both round probabilities to bf16; fp8 rows also meet vLLM's own dequantization.
+        if not diff < (1e-1 if FP8[case.cache] else 5e-2):
             raise SystemExit(f"{case.describe()}: outputs differ by {diff}")
         row = time_pair(case, 3 if args.quick else args.rounds)
         row["max_abs_difference"] = diff
