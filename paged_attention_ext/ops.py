@@ -73,7 +73,6 @@ __all__ = [
     "write_kv",
     "copy_blocks",
     "swap_blocks",
-    "CPU_ISAS",
     "cpu_isa",
 ]
 

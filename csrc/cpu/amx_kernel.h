@@ -146,7 +146,6 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
 static inline uint32_t lane_softmax(const AttentionParams& P, const WorkItem& w, int kv, int group,
                                     int q0, int real, float scale, int a, int lo, int hi, float* s,
                                     float* run_max, float* run_sum, float* acc, int hsv) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __mmask16 real_lanes = __mmask16((1u << real) - 1);
   // Each lane's position and (ALiBi) slope.
   alignas(64) int32_t pos_of[16];
@@ -228,6 +227,107 @@ static inline void probability_tile(const float* s, uint16_t* tile) {
   for (int l = 0; l < 16; ++l) _mm512_storeu_si512(tile + 32 * l, pairs[l]);
 }
 
+// Scores of one query tile, S^T = K . Q^T over `steps` steps of 32 elements: tiles 0 and
+// 1 accumulate key groups 0 and 1, stored as rows of 16 lanes at s. between(c) runs before
+// step c (prefetches spread over the tile operations).
+template <typename Between>
+static inline void score_tile(const uint32_t* q, int64_t q_step, int q_bytes, const uint16_t* const* k,
+                              const bool* used, int64_t k_stride, int steps, float* s, Between between) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int c = 0; c < steps; ++c) {
+    between(c);
+    PAGED_TILE_LOAD(3, q + c * q_step, q_bytes);
+    if (used[0]) {
+      PAGED_TILE_LOAD(2, k[0] + c * kAmxStep, k_stride);
+      _tile_dpbf16ps(0, 2, 3);
+    }
+    if (used[1]) {
+      PAGED_TILE_LOAD(2, k[1] + c * kAmxStep, k_stride);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+  }
+  _tile_stored(0, s, 64);
+  _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
+}
+
+// score_tile for two tiles of 16 queries, where every tile is 16 x 64 bytes: four
+// independent accumulations (tiles 0, 1 and 6, 7) share each key tile load.
+template <typename Between>
+static inline void score_tile_pair(const uint32_t* qa, const uint32_t* qb, int64_t q_step,
+                                   const uint16_t* const* k, const bool* used, int64_t k_stride,
+                                   int steps, float* sa, float* sb, Between between) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int c = 0; c < steps; ++c) {
+    between(c);
+    PAGED_TILE_LOAD(3, qa + c * q_step, 64);
+    PAGED_TILE_LOAD(4, qb + c * q_step, 64);
+    if (used[0]) {
+      PAGED_TILE_LOAD(2, k[0] + c * kAmxStep, k_stride);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(6, 2, 4);
+    }
+    if (used[1]) {
+      PAGED_TILE_LOAD(5, k[1] + c * kAmxStep, k_stride);
+      _tile_dpbf16ps(1, 5, 3);
+      _tile_dpbf16ps(7, 5, 4);
+    }
+  }
+  _tile_stored(0, sa, 64);
+  _tile_stored(1, sa + kAmxKeyGroup * kAmxTileQueries, 64);
+  _tile_stored(6, sb, 64);
+  _tile_stored(7, sb + kAmxKeyGroup * kAmxTileQueries, 64);
+}
+
+// out[query][dv] += P . V for one query tile: the A tile of probabilities (tile 4) times
+// each 16-column B tile of the packed values, the accumulator rows loaded as C tiles and
+// stored back, two at a time (tiles 6, 7). between(g) runs before each pair.
+template <typename Between>
+static inline void value_tiles(float* out, int64_t out_stride, const uint32_t* v_tiles, int hsv,
+                               Between between) {
+  for (int g = 0; g < hsv / 16; g += 2) {
+    between(g);
+    PAGED_TILE_LOAD(6, out + g * 16, out_stride);
+    PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
+    _tile_dpbf16ps(6, 4, 5);
+    PAGED_TILE_LOAD(7, out + (g + 1) * 16, out_stride);
+    PAGED_TILE_LOAD(5, v_tiles + (g + 1) * 256, 64);
+    _tile_dpbf16ps(7, 4, 5);
+    _tile_stored(6, out + g * 16, out_stride);
+    _tile_stored(7, out + (g + 1) * 16, out_stride);
+  }
+}
+
+// value_tiles for 16-query tiles (every tile 16 x 64 bytes) and hsv % 64 == 0: four output
+// tiles at a time (0, 1, 6, 7), B tiles in 2, 3, 5.
+template <typename Between>
+static inline void value_tiles_wide(float* out, int64_t out_stride, const uint32_t* v_tiles, int hsv,
+                                    Between between) {
+  for (int g = 0; g < hsv / 16; g += 4) {
+    between(g);
+    between(g + 2);
+    PAGED_TILE_LOAD(0, out + g * 16, out_stride);
+    PAGED_TILE_LOAD(2, v_tiles + g * 256, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    PAGED_TILE_LOAD(1, out + (g + 1) * 16, out_stride);
+    PAGED_TILE_LOAD(3, v_tiles + (g + 1) * 256, 64);
+    _tile_dpbf16ps(1, 4, 3);
+    PAGED_TILE_LOAD(6, out + (g + 2) * 16, out_stride);
+    PAGED_TILE_LOAD(5, v_tiles + (g + 2) * 256, 64);
+    _tile_dpbf16ps(6, 4, 5);
+    PAGED_TILE_LOAD(7, out + (g + 3) * 16, out_stride);
+    PAGED_TILE_LOAD(2, v_tiles + (g + 3) * 256, 64);
+    _tile_dpbf16ps(7, 4, 2);
+    _tile_stored(0, out + g * 16, out_stride);
+    _tile_stored(1, out + (g + 1) * 16, out_stride);
+    _tile_stored(6, out + (g + 2) * 16, out_stride);
+    _tile_stored(7, out + (g + 3) * 16, out_stride);
+  }
+}
+
 template <typename T>
 static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const int hs = P.head_size, hsv = P.head_size_v;
@@ -281,6 +381,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   std::memset(probs, 0, sizeof(uint16_t) * kAmxTileQueries * kKeyChunk);
 
   const TileConfig config = amx_tile_config(M);
+  // With 16 queries a tile every tile is 16 rows of 64 bytes: the products may use any.
+  const bool wide = M == kAmxTileQueries;
   _tile_loadconfig(&config);
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
@@ -369,32 +471,31 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
       float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
 
-      // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
+      // Scores of each query tile (keys in rows, queries in lanes; two tiles at a time
+      // where all tiles are 16 x 64 bytes), then its softmax.
       uint32_t seen = 0;
+      auto scores_of = [&](int qt) { return scores + int64_t(qt) * kKeyChunk * kAmxTileQueries; };
+      auto queries_of = [&](int qt) { return q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords; };
+      auto prefetch_first_rows = [&](int qt, int c) {  // rows 0-3, spread over the steps
+        if (qt == 0)
+          for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
+      };
       for (int qt = 0; qt < L.tiles; ++qt) {
-        const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
-        float* s = scores + int64_t(qt) * kKeyChunk * kAmxTileQueries;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int c = 0; c < steps; ++c) {
-          if (qt == 0)  // rows 0-3, spread over the steps
-            for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
-          PAGED_TILE_LOAD(3, q + c * 16 * M, 4 * M);
-          if (group_used[0]) {
-            PAGED_TILE_LOAD(2, k_group[0] + c * kAmxStep, k_stride_bytes);
-            _tile_dpbf16ps(0, 2, 3);
-          }
-          if (group_used[1]) {
-            PAGED_TILE_LOAD(2, k_group[1] + c * kAmxStep, k_stride_bytes);
-            _tile_dpbf16ps(1, 2, 3);
-          }
+        const bool pair = wide && qt + 1 < L.tiles;
+        if (pair) {
+          score_tile_pair(queries_of(qt), queries_of(qt + 1), 16 * M, k_group, group_used, k_stride_bytes,
+                          steps, scores_of(qt), scores_of(qt + 1), [&](int c) { prefetch_first_rows(qt, c); });
+        } else {
+          score_tile(queries_of(qt), 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt),
+                     [&](int c) { prefetch_first_rows(qt, c); });
         }
-        _tile_stored(0, s, 64);
-        _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
-        const int real = std::min(M, per_head - qt * M);
-        seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, s,
-                             head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
-                             head_acc + int64_t(qt) * M * hsv, hsv);
+        for (int u = qt; u <= qt + int(pair); ++u) {
+          const int real = std::min(M, per_head - u * M);
+          seen |= lane_softmax(P, w, kv, group, u * M, real, score_scale, cur.a, off, off + n, scores_of(u),
+                               head_max + u * kAmxTileQueries, head_sum + u * kAmxTileQueries,
+                               head_acc + int64_t(u) * M * hsv, hsv);
+        }
+        qt += int(pair);
       }
 
       // The value rows of keys some query sees (the others stay zero) as B tiles.
@@ -407,24 +508,18 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       }
 
       // Weighted values, query tile by query tile, into the accumulator rows.
+      const int pairs = hsv / 32;
+      auto prefetch_last_rows = [&](int qt, int g) {  // rows 12-15, spread over the output tiles
+        if (qt == 0)
+          for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
+      };
       for (int qt = 0; qt < L.tiles; ++qt) {
-        probability_tile(scores + int64_t(qt) * kKeyChunk * kAmxTileQueries, probs);
+        probability_tile(scores_of(qt), probs);
         PAGED_TILE_LOAD(4, probs, 64);
         float* out = head_acc + int64_t(qt) * M * hsv;
-        const int64_t out_stride = int64_t(hsv) * 4;
-        const int pairs = hsv / 32;
-        for (int g = 0; g < hsv / 16; g += 2) {
-          if (qt == 0)  // rows 12-15, spread over the pairs of output tiles
-            for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
-          PAGED_TILE_LOAD(6, out + g * 16, out_stride);
-          PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
-          _tile_dpbf16ps(6, 4, 5);
-          PAGED_TILE_LOAD(7, out + (g + 1) * 16, out_stride);
-          PAGED_TILE_LOAD(5, v_tiles + (g + 1) * 256, 64);
-          _tile_dpbf16ps(7, 4, 5);
-          _tile_stored(6, out + g * 16, out_stride);
-          _tile_stored(7, out + (g + 1) * 16, out_stride);
-        }
+        const auto between = [&](int g) { prefetch_last_rows(qt, g); };
+        if (wide && hsv % 64 == 0) value_tiles_wide(out, int64_t(hsv) * 4, v_tiles, hsv, between);
+        else value_tiles(out, int64_t(hsv) * 4, v_tiles, hsv, between);
       }
     }
   }
