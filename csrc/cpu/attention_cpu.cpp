@@ -48,9 +48,10 @@ struct QueryTile {
 constexpr int64_t kLaneMinQueries = 16;
 constexpr int32_t kMinVisibleKeys = 64;
 
-Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads) {
+Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads,
+               int64_t queries_per_item) {
   const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t rows_per_tile = std::max<int64_t>(1, kMaxQueriesPerItem / group);
+  const int64_t rows_per_tile = std::max<int64_t>(1, queries_per_item / group);
   const int32_t* lens = args.seq_lens.mutable_data_ptr<int32_t>();
   const int64_t lens_stride = args.seq_lens.stride(0);
 
@@ -99,12 +100,12 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
   plan.num_threads = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, max_threads)));
   const int num_threads = plan.num_threads;
 
-  // KV heads per item: as many as kMaxQueriesPerItem queries allow. A decode row takes
+  // KV heads per item: as many as queries_per_item queries allow. A decode row takes
   // every head of a block, and in the HND layout those heads are adjacent, so the item
   // reads long runs of memory instead of one head's rows here and there.
   auto head_groups_of = [&](const QueryTile& t) {
     const int64_t queries_per_head = int64_t(t.row_end - t.row_begin) * group;
-    const int64_t heads = std::clamp<int64_t>(kMaxQueriesPerItem / queries_per_head, 1, s.num_kv_heads);
+    const int64_t heads = std::clamp<int64_t>(queries_per_item / queries_per_head, 1, s.num_kv_heads);
     return (s.num_kv_heads + heads - 1) / heads;
   };
   int64_t base_items = 0;
@@ -236,7 +237,6 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   const std::optional<Tensor> v_scales = scale_row(args.v_scale);
   // The kernel's own OpenMP region: one thread when called inside another one.
   const int max_threads = omp_in_parallel() ? 1 : int(torch::stable::get_num_threads());
-  const Plan plan = make_plan(s, args, max_threads);
 
   AttentionParams p{};
   p.kind = scalar_kind(args.key_cache.scalar_type());
@@ -270,6 +270,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.soft_cap = float(args.soft_cap);
   p.sliding_window = int(args.sliding_window);
   p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
+  const Plan plan = make_plan(s, args, max_threads, queries_per_item(p));
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
   const bool direct = plan.max_parts == 1 && out.scalar_type() == kFloat;

@@ -1,5 +1,6 @@
 #include "cpu_features.h"
 
+#include <algorithm>
 #include <cstdlib>
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -77,6 +78,11 @@ AttentionKernelFn attention_kernel_for(ScalarKind kind) {
   if (isa == "avx512") return avx512_attention_kernel(kind);
   if (isa == "avx2") return avx2_attention_kernel(kind);
   return generic_attention_kernel(kind);
+}
+
+int queries_per_item(const AttentionParams& params) {
+  const int wanted = selected_isa() == "amx" ? amx_queries_per_item(params) : 0;
+  return std::max(kMaxQueriesPerItem, wanted);
 }
 
 }  // namespace paged::cpu

@@ -15,4 +15,8 @@ std::string selected_isa();
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind);
 
+// Query vectors a work item of this call aims for: kMaxQueriesPerItem, or more where the
+// selected kernel asks for it.
+int queries_per_item(const AttentionParams& params);
+
 }  // namespace paged::cpu

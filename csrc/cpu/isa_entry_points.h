@@ -13,4 +13,8 @@ AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
 AttentionKernelFn generic_attention_kernel(ScalarKind kind);
 
+// Query vectors per work item the amx kernel asks for on this call; 0 where its tiles
+// take none of the call's items.
+int amx_queries_per_item(const AttentionParams& params);
+
 }  // namespace paged::cpu

@@ -48,9 +48,15 @@ namespace paged::cpu {
 AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind kind) {
   return PAGED_ISA::kernel_for(kind);
 }
+#if PAGED_ISA_AMX
+int amx_queries_per_item(const AttentionParams& params) { return amx::queries_per_item(params); }
+#endif
 }  // namespace paged::cpu
 #else
 namespace paged::cpu {
 AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind) { return nullptr; }
+#if PAGED_ISA_AMX
+int amx_queries_per_item(const AttentionParams&) { return 0; }
+#endif
 }  // namespace paged::cpu
 #endif
