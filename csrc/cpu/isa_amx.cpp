@@ -2,8 +2,7 @@
 // instruction set: tile products for bf16 and fp8 caches (amx_kernel.h); every other item
 // runs the avx512_bf16 kernel.
 #define PAGED_ISA amx
-#define PAGED_ISA_TARGET \
-  "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c,amx-tile,amx-bf16"
+#define PAGED_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c,amx-tile,amx-bf16"
 #define PAGED_VEC_WIDTH 16
 #define PAGED_ISA_AVX512 1
 #define PAGED_ISA_AVX512_BF16 1
