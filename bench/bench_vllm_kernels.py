@@ -167,10 +167,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--vllm-isa", default="amx")
     parser.add_argument("--caches", default="bf16,e4m3")
+    parser.add_argument("--cases", default="", help="only cases whose name contains this")
     parser.add_argument("--out", default="bench/results/vllm_kernels.json")
     args = parser.parse_args(argv)
     rows = []
     for spec in cases(args.quick, args.vllm_isa, args.caches.split(",")):
+        if args.cases not in spec[0]:
+            continue
         case = Case(*spec)
         ours, theirs = case.ours().float(), case.vllm().float()
         diff = (ours - theirs).abs().max().item()
