@@ -1,28 +1,30 @@
 // The AMX kernel for bf16 and fp8 caches (bf16 queries): scores and weighted values as
-// tile products (tdpbf16ps), the online softmax of the general kernel between them.
-// Included by attention_kernel.h inside the amx ISA namespace; items it does not take run
-// the avx512_bf16 kernel.
+// tile products (tdpbf16ps), an online softmax with the queries in vector lanes between
+// them. Included by attention_kernel.h inside the amx ISA namespace; items it does not
+// take run the avx512_bf16 kernel.
 //
-// Per chunk of 32 keys (32-aligned positions, masked to the item's range) and KV head:
+// Per step (32 keys at 32-aligned positions, masked to the item's range, of one KV head):
 //   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read
 //           in place by one tile load per 32 elements (fp8 rows converted to bf16 first,
 //           exactly, in the even/odd order of fp8_to_bf16x64); the queries are B tiles in
 //           VNNI order (pairs of elements per dword), built once per item. Up to 16 queries
 //           per tile: a KV head's queries (rows x GQA group) in balanced tiles.
-//   softmax the scores, transposed by masked gathers into the general kernel's
-//           [query][key] rows, take chunk_softmax (masks, ALiBi, soft cap, window, the
-//           running max and sum, the accumulators' rescale).
-//   values  O[query][dv] += P . V: probabilities rounded to bf16 are the A tile, the
-//           chunk's value rows paired into VNNI B tiles of 16 output elements (keys no
-//           query sees are zero: a masked key's NaN or inf never meets a zero weight), and
-//           the accumulator rows themselves the C tiles (loaded, multiplied into, stored).
-// The next step's rows are prefetched into L2 while a step runs.
+//   softmax on the score tile as stored (keys in rows, 16 query lanes): masks, ALiBi, soft
+//           cap and window per lane, each lane's running max and sum, the rescale of its
+//           accumulator row (lane_softmax).
+//   values  O[query][dv] += P . V: the probabilities, rounded to bf16 and transposed in
+//           registers, are the A tile; the step's value rows paired into VNNI B tiles of 16
+//           output elements (keys no query sees are zero: a masked key's NaN or inf never
+//           meets a zero weight); the accumulator rows themselves are the C tiles (loaded,
+//           multiplied into, stored back).
+// The rows of the step two ahead are prefetched into L2 a row at a time between the tile
+// operations.
 
 #include "amx_tiles.h"
 
-// Tiles: 0, 1 scores of keys 0-15 / 16-31 (16 x M fp32); 2 keys (16 x 32 bf16); 3 queries
-// (16 dword rows x M); 4 probabilities (M x 32 bf16); 5 values (16 x 16 bf16 pairs);
-// 6, 7 accumulators (M x 16 fp32).
+// Tiles for M queries a tile: 0, 1 scores of keys 0-15 / 16-31 (16 x M fp32); 2 keys
+// (16 x 32 bf16); 3 queries (16 dword rows x M); 4 probabilities (M x 32 bf16); 5 values
+// (16 x 16 bf16 pairs); 6, 7 accumulators (M x 16 fp32).
 static inline TileConfig amx_tile_config(int m) {
   TileConfig c;
   const int query_bytes = 4 * m;
@@ -38,11 +40,7 @@ static inline TileConfig amx_tile_config(int m) {
 
 constexpr int kAmxKeyGroup = 16;    // keys per tile (a block holds whole groups)
 constexpr int kAmxTileQueries = 16;  // queries per tile at most
-// dword pairs per 32 bf16 elements: a tile row.
-constexpr int kAmxStep = 32;
-
-template <typename T>
-constexpr bool kAmxDtype = std::is_same_v<T, Bf16> || sizeof(T) == 1;
+constexpr int kAmxStep = 32;         // bf16 elements per tile row (16 dword pairs)
 // Fewest queries per KV head an item needs for the tiles. One query per KV head (MHA decode)
 // runs the avx512_bf16 kernel's vector products: from DRAM, 2 threads, tiles measured
 // 0.88x (bf16) and 0.72x (e4m3) of them there, 1.03-1.14x at two queries per KV head and
@@ -288,37 +286,6 @@ static inline void score_tile(const uint32_t* q, int64_t q_step, int q_bytes, co
   _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
 }
 
-// score_tile for two tiles of 16 queries, where every tile is 16 x 64 bytes: four
-// independent accumulations (tiles 0, 1 and 6, 7) share each key tile load.
-template <typename Between>
-static inline void score_tile_pair(const uint32_t* qa, const uint32_t* qb, int64_t q_step,
-                                   const uint16_t* const* k, const bool* used, int64_t k_stride,
-                                   int steps, float* sa, float* sb, Between between) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int c = 0; c < steps; ++c) {
-    between(c);
-    PAGED_TILE_LOAD(3, qa + c * q_step, 64);
-    PAGED_TILE_LOAD(4, qb + c * q_step, 64);
-    if (used[0]) {
-      PAGED_TILE_LOAD(2, k[0] + c * kAmxStep, k_stride);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(6, 2, 4);
-    }
-    if (used[1]) {
-      PAGED_TILE_LOAD(5, k[1] + c * kAmxStep, k_stride);
-      _tile_dpbf16ps(1, 5, 3);
-      _tile_dpbf16ps(7, 5, 4);
-    }
-  }
-  _tile_stored(0, sa, 64);
-  _tile_stored(1, sa + kAmxKeyGroup * kAmxTileQueries, 64);
-  _tile_stored(6, sb, 64);
-  _tile_stored(7, sb + kAmxKeyGroup * kAmxTileQueries, 64);
-}
-
 // out[query][dv] += P . V for one query tile: the A tile of probabilities (tile 4) times
 // each 16-column B tile of the packed values, the accumulator rows loaded as C tiles and
 // stored back, two at a time (tiles 6, 7). between(g) runs before each pair.
@@ -335,33 +302,6 @@ static inline void value_tiles(float* out, int64_t out_stride, const uint32_t* v
     _tile_dpbf16ps(7, 4, 5);
     _tile_stored(6, out + g * 16, out_stride);
     _tile_stored(7, out + (g + 1) * 16, out_stride);
-  }
-}
-
-// value_tiles for 16-query tiles (every tile 16 x 64 bytes) and hsv % 64 == 0: four output
-// tiles at a time (0, 1, 6, 7), B tiles in 2, 3, 5.
-template <typename Between>
-static inline void value_tiles_wide(float* out, int64_t out_stride, const uint32_t* v_tiles, int hsv,
-                                    Between between) {
-  for (int g = 0; g < hsv / 16; g += 4) {
-    between(g);
-    between(g + 2);
-    PAGED_TILE_LOAD(0, out + g * 16, out_stride);
-    PAGED_TILE_LOAD(2, v_tiles + g * 256, 64);
-    _tile_dpbf16ps(0, 4, 2);
-    PAGED_TILE_LOAD(1, out + (g + 1) * 16, out_stride);
-    PAGED_TILE_LOAD(3, v_tiles + (g + 1) * 256, 64);
-    _tile_dpbf16ps(1, 4, 3);
-    PAGED_TILE_LOAD(6, out + (g + 2) * 16, out_stride);
-    PAGED_TILE_LOAD(5, v_tiles + (g + 2) * 256, 64);
-    _tile_dpbf16ps(6, 4, 5);
-    PAGED_TILE_LOAD(7, out + (g + 3) * 16, out_stride);
-    PAGED_TILE_LOAD(2, v_tiles + (g + 3) * 256, 64);
-    _tile_dpbf16ps(7, 4, 2);
-    _tile_stored(0, out + g * 16, out_stride);
-    _tile_stored(1, out + (g + 1) * 16, out_stride);
-    _tile_stored(6, out + (g + 2) * 16, out_stride);
-    _tile_stored(7, out + (g + 3) * 16, out_stride);
   }
 }
 
@@ -417,8 +357,6 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   std::memset(probs, 0, sizeof(uint16_t) * kAmxTileQueries * kKeyChunk);
 
   const TileConfig config = amx_tile_config(M);
-  // With 16 queries a tile every tile is 16 rows of 64 bytes: the products may use any.
-  const bool wide = M == kAmxTileQueries;
   _tile_loadconfig(&config);
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
@@ -507,31 +445,19 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
       float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
 
-      // Scores of each query tile (keys in rows, queries in lanes; two tiles at a time
-      // where all tiles are 16 x 64 bytes), then its softmax.
+      // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
       uint32_t seen = 0;
       auto scores_of = [&](int qt) { return scores + int64_t(qt) * kKeyChunk * kAmxTileQueries; };
-      auto queries_of = [&](int qt) { return q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords; };
-      auto prefetch_first_rows = [&](int qt, int c) {  // rows 0-3, spread over the steps
-        if (qt == 0)
-          for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
-      };
       for (int qt = 0; qt < L.tiles; ++qt) {
-        const bool pair = wide && qt + 1 < L.tiles;
-        if (pair) {
-          score_tile_pair(queries_of(qt), queries_of(qt + 1), 16 * M, k_group, group_used, k_stride_bytes,
-                          steps, scores_of(qt), scores_of(qt + 1), [&](int c) { prefetch_first_rows(qt, c); });
-        } else {
-          score_tile(queries_of(qt), 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt),
-                     [&](int c) { prefetch_first_rows(qt, c); });
-        }
-        for (int u = qt; u <= qt + int(pair); ++u) {
-          const int real = std::min(M, per_head - u * M);
-          seen |= lane_softmax(P, w, kv, group, u * M, real, score_scale, cur.a, off, off + n, scores_of(u),
-                               head_max + u * kAmxTileQueries, head_sum + u * kAmxTileQueries,
-                               head_acc + int64_t(u) * M * hsv, hsv);
-        }
-        qt += int(pair);
+        const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
+        score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt), [&](int c) {
+          if (qt == 0)  // rows 0-3 of the step ahead, spread over the steps
+            for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
+        });
+        const int real = std::min(M, per_head - qt * M);
+        seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, scores_of(qt),
+                             head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
+                             head_acc + int64_t(qt) * M * hsv, hsv);
       }
 
       // The value rows of keys some query sees (the others stay zero) as B tiles.
@@ -545,17 +471,13 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
 
       // Weighted values, query tile by query tile, into the accumulator rows.
       const int pairs = hsv / 32;
-      auto prefetch_last_rows = [&](int qt, int g) {  // rows 12-15, spread over the output tiles
-        if (qt == 0)
-          for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
-      };
       for (int qt = 0; qt < L.tiles; ++qt) {
         probability_tile(scores_of(qt), probs);
         PAGED_TILE_LOAD(4, probs, 64);
-        float* out = head_acc + int64_t(qt) * M * hsv;
-        const auto between = [&](int g) { prefetch_last_rows(qt, g); };
-        if (wide && hsv % 64 == 0) value_tiles_wide(out, int64_t(hsv) * 4, v_tiles, hsv, between);
-        else value_tiles(out, int64_t(hsv) * 4, v_tiles, hsv, between);
+        value_tiles(head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, hsv, [&](int g) {
+          if (qt == 0)  // rows 12-15 of the step ahead, spread over the pairs of output tiles
+            for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
+        });
       }
     }
   }
