@@ -26,12 +26,7 @@ def test_attention_scenario(case):
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype, monkeypatch):
-    best = pa.cpu_isa()
-    order = pa.CPU_ISAS
-    if order.index(isa) > order.index(best):
-        pytest.skip(f"this CPU supports up to {best}")
-    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
-    assert pa.cpu_isa() == isa
+    select_isa(isa, monkeypatch)
     lens = [1, 15, 16, 17, 100, 0]
     sinks = scenarios.random_sinks(8)
     # (key, value) head sizes: 128 has its own compile of the kernel; 64 and 192/128 take
@@ -249,9 +244,10 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16] + list(scenarios.FP8_DTYPES), ids=str)
 @pytest.mark.parametrize("block_size", [16, 32, 64, 8])
 def test_amx_tiles(cache_dtype, block_size, monkeypatch):
-    """The amx kernel's own edges: query tiles of 1 to 16 queries and KV heads of more
-    (balanced tiles with padding), key groups of 16 inside blocks of 16-64 (8: the
-    avx512_bf16 fallback), chunks that start mid-group (windows, causal partitions), NaN in
+    """The amx kernel's own edges: query tiles of 2 to 16 queries and KV heads of more
+    (balanced tiles with padding; one query per KV head, MHA decode, is the avx512_bf16
+    fallback, its multi-token rows take the tiles), key groups of 16 inside blocks of 16-64
+    (8: the fallback), chunks that start mid-group (windows, causal partitions), NaN in
     every unused slot, and the softmax features it shares with the general kernel."""
     select_isa("amx", monkeypatch)
     lens = scenarios.edge_lengths(block_size) + [100, 700]

@@ -239,12 +239,7 @@ static inline uint32_t lane_softmax(const AttentionParams& P, const WorkItem& w,
   _mm512_storeu_ps(run_max, new_max);
   alignas(64) float alphas[16];
   _mm512_store_ps(alphas, alpha);
-  for (int l = 0; l < real; ++l) {
-    if (alphas[l] == 1.0f) continue;
-    float* am = acc + int64_t(l) * hsv;
-    const vfloat av = splat(alphas[l]);
-    for (int d = 0; d < hsv; d += VW) store(am + d, load(am + d) * av);
-  }
+  rescale_rows(acc, hsv, alphas, real);
   return seen;
 }
 
@@ -354,7 +349,6 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     run_sum[l] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * int64_t(num_heads) * L.padded * hsv);
-  std::memset(probs, 0, sizeof(uint16_t) * kAmxTileQueries * kKeyChunk);
 
   const TileConfig config = amx_tile_config(M);
   _tile_loadconfig(&config);
@@ -413,72 +407,70 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const Step ahead = step_after(next);
     const int kv = w.kv_head_begin + cur.i;
     const int n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
-    {
-      const int i = cur.i;
-      const bool* group_used = cur.used;
-      // Key group g: in place (bf16) or converted.
-      const uint16_t* k_group[2] = {nullptr, nullptr};
-      int64_t k_stride_bytes = 0;
-      for (int g = 0; g < 2; ++g) {
-        if (!group_used[g]) continue;
-        const T* first = cur.k[g];
-        if constexpr (sizeof(T) == 1) {
-          uint16_t* dst = keys_bf16 + int64_t(g) * kAmxKeyGroup * hs;
-          for (int r = 0; r < kAmxKeyGroup; ++r) {
-            const T* src = first + int64_t(r) * P.k_token_stride;
-            for (int d = 0; d < hs; d += 64) {
-              __m512i even, odd;
-              fp8_to_bf16x64(src + d, even, odd);
-              _mm512_storeu_si512(dst + int64_t(r) * hs + d, even);
-              _mm512_storeu_si512(dst + int64_t(r) * hs + d + 32, odd);
-            }
+    const int i = cur.i;
+    const bool* group_used = cur.used;
+    // Key group g: in place (bf16) or converted.
+    const uint16_t* k_group[2] = {nullptr, nullptr};
+    int64_t k_stride_bytes = 0;
+    for (int g = 0; g < 2; ++g) {
+      if (!group_used[g]) continue;
+      const T* first = cur.k[g];
+      if constexpr (sizeof(T) == 1) {
+        uint16_t* dst = keys_bf16 + int64_t(g) * kAmxKeyGroup * hs;
+        for (int r = 0; r < kAmxKeyGroup; ++r) {
+          const T* src = first + int64_t(r) * P.k_token_stride;
+          for (int d = 0; d < hs; d += 64) {
+            __m512i even, odd;
+            fp8_to_bf16x64(src + d, even, odd);
+            _mm512_storeu_si512(dst + int64_t(r) * hs + d, even);
+            _mm512_storeu_si512(dst + int64_t(r) * hs + d + 32, odd);
           }
-          k_group[g] = dst;
-          k_stride_bytes = int64_t(hs) * 2;
-        } else {
-          k_group[g] = reinterpret_cast<const uint16_t*>(first);
-          k_stride_bytes = P.k_token_stride * 2;
         }
+        k_group[g] = dst;
+        k_stride_bytes = int64_t(hs) * 2;
+      } else {
+        k_group[g] = reinterpret_cast<const uint16_t*>(first);
+        k_stride_bytes = P.k_token_stride * 2;
       }
-      const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
-      float* head_acc = acc + int64_t(i) * L.padded * hsv;
-      float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
-      float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
+    }
+    const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
+    float* head_acc = acc + int64_t(i) * L.padded * hsv;
+    float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
+    float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
 
-      // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
-      uint32_t seen = 0;
-      auto scores_of = [&](int qt) { return scores + int64_t(qt) * kKeyChunk * kAmxTileQueries; };
-      for (int qt = 0; qt < L.tiles; ++qt) {
-        const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
-        score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt), [&](int c) {
-          if (qt == 0)  // rows 0-3 of the step ahead, spread over the steps
-            for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
-        });
-        const int real = std::min(M, per_head - qt * M);
-        seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, scores_of(qt),
-                             head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
-                             head_acc + int64_t(qt) * M * hsv, hsv);
-      }
+    // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
+    uint32_t seen = 0;
+    auto scores_of = [&](int qt) { return scores + int64_t(qt) * kKeyChunk * kAmxTileQueries; };
+    for (int qt = 0; qt < L.tiles; ++qt) {
+      const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
+      score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt), [&](int c) {
+        if (qt == 0)  // rows 0-3 of the step ahead, spread over the steps
+          for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
+      });
+      const int real = std::min(M, per_head - qt * M);
+      seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, scores_of(qt),
+                           head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
+                           head_acc + int64_t(qt) * M * hsv, hsv);
+    }
 
-      // The value rows of keys some query sees (the others stay zero) as B tiles.
-      auto value_row = [&](int t) {
-        return seen >> t & 1 ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
-      };
-      for (int t = 0; t < kKeyChunk; t += 2) {
-        pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
-        if (t % 4 == 0) prefetch_row_of(ahead, 4 + t / 4);
-      }
+    // The value rows of keys some query sees (the others stay zero) as B tiles.
+    auto value_row = [&](int t) {
+      return seen >> t & 1 ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
+    };
+    for (int t = 0; t < kKeyChunk; t += 2) {
+      pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
+      if (t % 4 == 0) prefetch_row_of(ahead, 4 + t / 4);
+    }
 
-      // Weighted values, query tile by query tile, into the accumulator rows.
-      const int pairs = hsv / 32;
-      for (int qt = 0; qt < L.tiles; ++qt) {
-        probability_tile(scores_of(qt), probs);
-        PAGED_TILE_LOAD(4, probs, 64);
-        value_tiles(head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, hsv, [&](int g) {
-          if (qt == 0)  // rows 12-15 of the step ahead, spread over the pairs of output tiles
-            for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
-        });
-      }
+    // Weighted values, query tile by query tile, into the accumulator rows.
+    const int pairs = hsv / 32;
+    for (int qt = 0; qt < L.tiles; ++qt) {
+      probability_tile(scores_of(qt), probs);
+      PAGED_TILE_LOAD(4, probs, 64);
+      value_tiles(head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, hsv, [&](int g) {
+        if (qt == 0)  // rows 12-15 of the step ahead, spread over the pairs of output tiles
+          for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
+      });
     }
   }
   _tile_release();

@@ -237,6 +237,17 @@ static inline float finish_query(const AttentionParams& P, const WorkItem& w, in
   return any ? keep / sum * v_factor : 0.0f;
 }
 
+// Online-softmax rescale of `count` consecutive accumulator rows (hspv floats apart) by
+// their factors alpha[l]; rows whose factor is 1 are left alone.
+static inline void rescale_rows(float* acc, int hspv, const float* alpha, int count) {
+  for (int l = 0; l < count; ++l) {
+    if (alpha[l] == 1.0f) continue;
+    float* am = acc + int64_t(l) * hspv;
+    const vfloat a = splat(alpha[l]);
+    for (int d = 0; d < hspv; d += VW) store(am + d, load(am + d) * a);
+  }
+}
+
 static inline float* output_row(const AttentionParams& P, const WorkItem& w, int token, int head) {
   return P.out + w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -15,13 +16,19 @@ namespace paged::cpu {
 
 namespace {
 
+// The kernels' instruction sets, each a superset of the ones before it (ops.CPU_ISAS).
+constexpr const char* kIsas[] = {"generic", "avx2", "avx512", "avx512_bf16", "amx"};
+
 int isa_rank(const std::string& isa) {
-  if (isa == "generic") return 0;
-  if (isa == "avx2") return 1;
-  if (isa == "avx512") return 2;
-  if (isa == "avx512_bf16") return 3;
-  if (isa == "amx") return 4;
+  for (int i = 0; i < int(std::size(kIsas)); ++i)
+    if (isa == kIsas[i]) return i;
   return -1;
+}
+
+std::string isa_names() {
+  std::string names;
+  for (const char* isa : kIsas) names += std::string(names.empty() ? "" : ", ") + isa;
+  return names;
 }
 
 // AMX-TILE and AMX-BF16, and Linux's permission to use the tile data registers, which a
@@ -64,8 +71,8 @@ std::string selected_isa() {
   const char* requested = std::getenv("PAGED_ATTENTION_CPU_ISA");
   if (requested == nullptr || *requested == '\0') return best;
   const std::string want(requested);
-  PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of generic, avx2, ",
-                    "avx512, avx512_bf16, amx; got '", want, "'");
+  PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of ", isa_names(), "; got '",
+                    want, "'");
   PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
   return want;

@@ -226,12 +226,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
         }
         float alpha[VW];
         for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
-        for (int l = 0; l < VW && v0 + l < m; ++l) {
-          if (alpha[l] == 1.0f) continue;
-          float* am = acc + int64_t(v0 + l) * hspv;
-          const vfloat a = splat(alpha[l]);
-          for (int d = 0; d < hspv; d += VW) store(am + d, load(am + d) * a);
-        }
+        rescale_rows(acc + int64_t(v0) * hspv, hspv, alpha, std::min(VW, m - v0));
         vfloat alphas;
         std::memcpy(&alphas, alpha, sizeof(alphas));
         store(run_sum + v0, load(run_sum + v0) * alphas + total);
