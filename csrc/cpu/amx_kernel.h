@@ -68,7 +68,7 @@ inline int queries_per_item(const AttentionParams& P) { return amx_takes(P) ? kA
 // The layout of an amx item's workspace (floats).
 struct AmxLayout {
   int tiles, m, padded;  // query tiles per KV head, queries per tile, their product
-  int64_t acc, scores, run_max, run_sum, queries, keys, values, probs, total;
+  int64_t acc, scores, run_max, run_sum, lane_slope, lane_pos, queries, keys, values, probs, total;
 };
 
 static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv) {
@@ -78,15 +78,17 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   l.padded = l.tiles * l.m;
   const int64_t rows = int64_t(num_heads) * l.padded;
   l.acc = 0;                                            // [heads][padded][hsv]
-  l.scores = l.acc + rows * hsv;                        // [tiles][32 keys][16 queries]
+  l.scores = l.acc + rows * hsv;                        // [32 keys][16 queries]
   const int64_t lanes = int64_t(num_heads) * l.tiles * kAmxTileQueries;
-  l.run_max = l.scores + int64_t(l.tiles) * kKeyChunk * kAmxTileQueries;  // [heads][tiles][16]
+  l.run_max = l.scores + int64_t(kKeyChunk) * kAmxTileQueries;  // [heads][tiles][16], log2 units
   l.run_sum = l.run_max + lanes;
-  l.queries = l.run_sum + lanes;                         // B tiles [heads][tiles][hs/32][16][m]
+  l.lane_slope = l.run_sum + lanes;                      // [heads][tiles][16]
+  l.lane_pos = l.lane_slope + lanes;                     // [tiles][16] int32
+  l.queries = l.lane_pos + int64_t(l.tiles) * kAmxTileQueries;  // B tiles [heads][tiles][hs/32][16][m]
   l.keys = l.queries + rows * hs / 2;                    // fp8 keys as bf16 [2][16][hs]
   l.values = l.keys + int64_t(kKeyChunk) * hs / 2;       // B tiles [hsv/16][16][16]
-  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tile [16][32] bf16
-  l.total = l.probs + int64_t(kAmxTileQueries) * kKeyChunk / 2;
+  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tiles [tiles][16][32] bf16
+  l.total = l.probs + int64_t(l.tiles) * kAmxTileQueries * kKeyChunk / 2;
   return l;
 }
 
@@ -150,14 +152,13 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// exp(x - shift) for the lane softmax, given shift * log2(e): 2^y with y rounded by the
-// 1.5 * 2^23 addition and 2^f, |f| <= 1/2, by its degree-5 Taylor polynomial (relative
-// error < 2.5e-6, below the bf16 rounding the probabilities get; the lse moves by as
-// much). y is clamped at -200 (exactly 0 then, for -inf too); NaN stays NaN. Ten
-// operations where vexp takes fifteen (its 2-uop vrndscaleps among them).
-static inline __m512 exp_shifted(__m512 x, __m512 shift_log2e) {
-  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.0f),
-                                 _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), shift_log2e));
+// 2^(x * factor - shift) for the lane softmax: y rounded by the 1.5 * 2^23 addition and 2^f,
+// |f| <= 1/2, by its degree-5 Taylor polynomial (relative error < 2.5e-6, below the bf16
+// rounding the probabilities get; the lse moves by as much). y is clamped at -200 (exactly
+// 0 then, for -inf too); NaN stays NaN. Ten operations where vexp takes fifteen (its 2-uop
+// vrndscaleps among them).
+static inline __m512 exp2_shifted(__m512 x, __m512 factor, __m512 shift) {
+  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.0f), _mm512_fmsub_ps(x, factor, shift));
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(y, magic), magic);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -170,91 +171,119 @@ static inline __m512 exp_shifted(__m512 x, __m512 shift_log2e) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A lane's running max moves only when a score passes it by this much (log2 units), as
+// in FlashAttention-4: the probabilities stay below 2^8 (exact to bf16 and fp32 alike) and
+// most steps leave the accumulator rows alone instead of rescaling them.
+constexpr float kLazyRescaleLog2 = 8.0f;
+
+// 16 x 32 probabilities (rows of keys, queries in lanes) as the A tile of P . V: row l holds
+// query l's probabilities in key order, rounded to bf16. pairs[r] dword l holds keys 2r and
+// 2r + 1 of query l.
+static inline void store_probability_tile(__m512i (&pairs)[16], uint16_t* tile) {
+  transpose_dwords(pairs);
+  for (int l = 0; l < 16; ++l) _mm512_storeu_si512(tile + 32 * l, pairs[l]);
+}
+
+// Keys t, t + 1 of one lane set (16 fp32 each) as bf16 pairs: dword l = (p0[l], p1[l]).
+static inline __m512i pair_probabilities(__m512 p0, __m512 p1) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+
+// The lanes of one query tile: each lane's query position and ALiBi slope, set once per item.
+struct TileLanes {
+  const int32_t* pos;  // [16]
+  const float* slope;  // [16], or nullptr without ALiBi
+  int real;            // lanes holding a query
+};
+
 // The online softmax of one query tile with its queries in lanes: `s` holds the scores of
-// the chunk's keys a + t (row t, 16 lanes, unscaled), valid for t in [lo, hi). Rows become
-// probabilities (0 where masked or outside), each lane's running max and sum are updated
-// and the accumulator rows of the tile's `real` queries rescaled. Lane l is the KV head's
-// query q0 + l. Returns the rows some real query sees (bit t).
-static inline uint32_t lane_softmax(const AttentionParams& P, const WorkItem& w, int kv, int group,
-                                    int q0, int real, float scale, int a, int lo, int hi, float* s,
-                                    float* run_max, float* run_sum, float* acc, int hsv) {
-  const __mmask16 real_lanes = __mmask16((1u << real) - 1);
-  // Each lane's position and (ALiBi) slope.
-  alignas(64) int32_t pos_of[16];
-  alignas(64) float slope_of[16];
-  for (int l = 0; l < 16; ++l) {
-    const int q = q0 + std::min(l, real - 1);
-    pos_of[l] = w.first_pos + q / group;
-    slope_of[l] = P.alibi_slopes ? P.alibi_slopes[kv * group + q % group] : 0.0f;
-  }
-  const __m512i pos = _mm512_load_si512(pos_of);
-  const __m512 slope = _mm512_load_ps(slope_of);
+// the chunk's keys a + t (row t, 16 lanes, unscaled), valid for t in [lo, hi). The
+// probabilities (0 where masked or outside) go to the A tile `tile`; each lane's running
+// max and sum are updated and the accumulator rows of the tile's real queries rescaled
+// where the max moved. Returns the rows some real query sees (bit t).
+static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& lanes, float scale, int a,
+                                    int lo, int hi, float* s, float* run_max, float* run_sum, float* acc,
+                                    int hsv, uint16_t* tile) {
+  const __mmask16 real_lanes = __mmask16((1u << lanes.real) - 1);
   const bool soft_cap = P.soft_cap > 0.0f;
-  const bool all_visible = a + hi - 1 <= w.first_pos + q0 / group && P.sliding_window <= 0 &&
-                           !P.alibi_slopes && !soft_cap;
+  // Every key of [lo, hi) visible to every lane (lane 0 holds the tile's first position).
+  const bool all_visible =
+      a + hi - 1 <= lanes.pos[0] && P.sliding_window <= 0 && !lanes.slope && !soft_cap && scale > 0.0f;
   const __m512 minus_inf = _mm512_set1_ps(-__builtin_inff());
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const float log2e = 1.44269504088896341f;
   __m512 top = minus_inf;
-  for (int t = 0; t < kKeyChunk; ++t) {
-    __m512 x = minus_inf;
-    if (t >= lo && t < hi) {
-      x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), vscale);
-      if (!all_visible) {
-        const int j = a + t;
-        if (soft_cap) {
-          alignas(64) float v[16];
-          _mm512_store_ps(v, x);
-          for (int l = 0; l < 16; ++l) v[l] = P.soft_cap * std::tanh(v[l] / P.soft_cap);
-          x = _mm512_load_ps(v);
-        }
-        const __m512i jv = _mm512_set1_epi32(j);
-        if (P.alibi_slopes) x = _mm512_fmadd_ps(slope, _mm512_cvtepi32_ps(_mm512_sub_epi32(jv, pos)), x);
-        __mmask16 visible = _mm512_cmple_epi32_mask(jv, pos);
-        if (P.sliding_window > 0)
-          visible &= _mm512_cmpgt_epi32_mask(jv, _mm512_sub_epi32(pos, _mm512_set1_epi32(P.sliding_window)));
-        x = _mm512_mask_blend_ps(visible, minus_inf, x);
+  // The max of the rows as scaled: without masks from the stored scores (scale > 0), else
+  // the masked, capped and biased scores are stored back in log2 units.
+  float row_factor = scale * log2e;  // stored row -> log2 units
+  if (all_visible) {
+    for (int t = lo; t < hi; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * t));
+    top = _mm512_mul_ps(top, _mm512_set1_ps(row_factor));
+  } else {
+    const __m512i pos = _mm512_loadu_si512(lanes.pos);
+    const __m512 slope = lanes.slope ? _mm512_loadu_ps(lanes.slope) : _mm512_setzero_ps();
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = lo; t < hi; ++t) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), vscale);
+      const int j = a + t;
+      if (soft_cap) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, x);
+        for (int l = 0; l < 16; ++l) v[l] = P.soft_cap * std::tanh(v[l] / P.soft_cap);
+        x = _mm512_load_ps(v);
       }
+      const __m512i jv = _mm512_set1_epi32(j);
+      if (lanes.slope) x = _mm512_fmadd_ps(slope, _mm512_cvtepi32_ps(_mm512_sub_epi32(jv, pos)), x);
+      __mmask16 visible = _mm512_cmple_epi32_mask(jv, pos);
+      if (P.sliding_window > 0)
+        visible &= _mm512_cmpgt_epi32_mask(jv, _mm512_sub_epi32(pos, _mm512_set1_epi32(P.sliding_window)));
+      x = _mm512_mask_blend_ps(visible, minus_inf, _mm512_mul_ps(x, _mm512_set1_ps(log2e)));
+      _mm512_storeu_ps(s + 16 * t, x);
+      top = _mm512_max_ps(top, x);
     }
-    _mm512_storeu_ps(s + 16 * t, x);
-    top = _mm512_max_ps(top, x);
+    row_factor = 1.0f;
   }
+  // run_max is kept in log2 units. A lane's shift moves to its new max only past the lazy
+  // margin; lanes that have seen nothing keep a shift of 0 (2^(-inf - 0) = 0).
   const __m512 old_max = _mm512_loadu_ps(run_max);
-  const __m512 new_max = _mm512_max_ps(old_max, top);
-  // Lanes that have seen nothing keep exp(-inf - 0) = 0.
+  const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(old_max, _mm512_set1_ps(kLazyRescaleLog2)),
+                                             _CMP_GT_OQ);
+  const __m512 new_max = _mm512_mask_blend_ps(moved, old_max, top);
   const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
                                             _mm512_setzero_ps());
-  const __m512 shift_log2e = _mm512_mul_ps(shift, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 factor = _mm512_set1_ps(row_factor);
   __m512 total = _mm512_setzero_ps();
   // With nothing masked every row of the range is seen (a zero from underflow multiplies a
   // real value row: exactly 0).
   uint32_t seen = all_visible ? uint32_t((uint64_t(1) << hi) - (uint64_t(1) << lo)) : 0;
-  for (int t = 0; t < kKeyChunk; ++t) {
-    const __m512 p = exp_shifted(_mm512_loadu_ps(s + 16 * t), shift_log2e);
-    _mm512_storeu_ps(s + 16 * t, p);
-    total = _mm512_add_ps(total, p);
-    if (!all_visible) seen |= uint32_t(_mm512_mask_cmpneq_ps_mask(real_lanes, p, _mm512_setzero_ps()) != 0) << t;
+  __m512i pairs[16];
+  for (int r = 0; r < 16; ++r) {
+    __m512 p[2];
+    for (int h = 0; h < 2; ++h) {
+      const int t = 2 * r + h;
+      p[h] = _mm512_setzero_ps();
+      if (t < lo || t >= hi) continue;
+      p[h] = exp2_shifted(_mm512_loadu_ps(s + 16 * t), factor, shift);
+      total = _mm512_add_ps(total, p[h]);
+      if (!all_visible)
+        seen |= uint32_t(_mm512_mask_cmpneq_ps_mask(real_lanes, p[h], _mm512_setzero_ps()) != 0) << t;
+    }
+    pairs[r] = pair_probabilities(p[0], p[1]);
   }
-  const __m512 alpha = exp_shifted(old_max, shift_log2e);
+  store_probability_tile(pairs, tile);
+  if (moved == 0) {
+    _mm512_storeu_ps(run_sum, _mm512_add_ps(_mm512_loadu_ps(run_sum), total));
+    return seen;
+  }
+  const __m512 alpha = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f),
+                                            exp2_shifted(old_max, _mm512_set1_ps(1.0f), shift));
   _mm512_storeu_ps(run_sum, _mm512_fmadd_ps(_mm512_loadu_ps(run_sum), alpha, total));
   _mm512_storeu_ps(run_max, new_max);
   alignas(64) float alphas[16];
   _mm512_store_ps(alphas, alpha);
-  rescale_rows(acc, hsv, alphas, real);
+  rescale_rows(acc, hsv, alphas, lanes.real);
   return seen;
-}
-
-// The probabilities of a query tile (rows of keys, queries in lanes) as the A tile of P . V:
-// row l holds query l's 32 probabilities in key order, rounded to bf16.
-static inline void probability_tile(const float* s, uint16_t* tile) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512i pairs[16];  // pairs[r] dword l: keys 2r, 2r + 1 of query l
-  for (int r = 0; r < 16; ++r) {
-    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 32 * r + 16), _mm512_loadu_ps(s + 32 * r));
-    pairs[r] = _mm512_permutexvar_epi16(interleave, two);
-  }
-  transpose_dwords(pairs);
-  for (int l = 0; l < 16; ++l) _mm512_storeu_si512(tile + 32 * l, pairs[l]);
 }
 
 // Scores of one query tile, S^T = K . Q^T over `steps` steps of 32 elements: tiles 0 and
@@ -324,6 +353,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   uint16_t* keys_bf16 = reinterpret_cast<uint16_t*>(ws + L.keys);
   uint32_t* v_tiles = reinterpret_cast<uint32_t*>(ws + L.values);
   uint16_t* probs = reinterpret_cast<uint16_t*>(ws + L.probs);
+  float* lane_slope = ws + L.lane_slope;
+  int32_t* lane_pos = reinterpret_cast<int32_t*>(ws + L.lane_pos);
   const int64_t q_tile_dwords = int64_t(steps) * 16 * M;  // one query tile's B tiles
 
   // Queries as B tiles: dword (r, col) of step c holds elements 2r, 2r + 1 of the step (fp8:
@@ -347,6 +378,18 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   for (int64_t l = 0; l < int64_t(num_heads) * L.tiles * kAmxTileQueries; ++l) {
     run_max[l] = -__builtin_inff();
     run_sum[l] = 0.0f;
+  }
+  // Each lane's position and ALiBi slope (padding lanes repeat the tile's last query).
+  for (int qt = 0; qt < L.tiles; ++qt) {
+    const int real = std::min(M, per_head - qt * M);
+    for (int l = 0; l < kAmxTileQueries; ++l) {
+      const int q = qt * M + std::min(l, real - 1);
+      lane_pos[qt * kAmxTileQueries + l] = w.first_pos + q / group;
+      if (!P.alibi_slopes) continue;
+      for (int i = 0; i < num_heads; ++i)
+        lane_slope[(i * L.tiles + qt) * kAmxTileQueries + l] =
+            P.alibi_slopes[(w.kv_head_begin + i) * group + q % group];
+    }
   }
   std::memset(acc, 0, sizeof(float) * int64_t(num_heads) * L.padded * hsv);
 
@@ -435,22 +478,21 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     }
     const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
     float* head_acc = acc + int64_t(i) * L.padded * hsv;
-    float* head_max = run_max + int64_t(i) * L.tiles * kAmxTileQueries;
-    float* head_sum = run_sum + int64_t(i) * L.tiles * kAmxTileQueries;
 
     // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
     uint32_t seen = 0;
-    auto scores_of = [&](int qt) { return scores + int64_t(qt) * kKeyChunk * kAmxTileQueries; };
+    auto probs_of = [&](int qt) { return probs + int64_t(qt) * kAmxTileQueries * kKeyChunk; };
     for (int qt = 0; qt < L.tiles; ++qt) {
       const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
-      score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores_of(qt), [&](int c) {
+      score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores, [&](int c) {
         if (qt == 0)  // rows 0-3 of the step ahead, spread over the steps
           for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
       });
-      const int real = std::min(M, per_head - qt * M);
-      seen |= lane_softmax(P, w, kv, group, qt * M, real, score_scale, cur.a, off, off + n, scores_of(qt),
-                           head_max + qt * kAmxTileQueries, head_sum + qt * kAmxTileQueries,
-                           head_acc + int64_t(qt) * M * hsv, hsv);
+      const int64_t lane0 = (int64_t(i) * L.tiles + qt) * kAmxTileQueries;
+      const TileLanes lanes{lane_pos + qt * kAmxTileQueries, P.alibi_slopes ? lane_slope + lane0 : nullptr,
+                            std::min(M, per_head - qt * M)};
+      seen |= lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores, run_max + lane0,
+                           run_sum + lane0, head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt));
     }
 
     // The value rows of keys some query sees (the others stay zero) as B tiles.
@@ -465,8 +507,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     // Weighted values, query tile by query tile, into the accumulator rows.
     const int pairs = hsv / 32;
     for (int qt = 0; qt < L.tiles; ++qt) {
-      probability_tile(scores_of(qt), probs);
-      PAGED_TILE_LOAD(4, probs, 64);
+      PAGED_TILE_LOAD(4, probs_of(qt), 64);
       value_tiles(head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, hsv, [&](int g) {
         if (qt == 0)  // rows 12-15 of the step ahead, spread over the pairs of output tiles
           for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
@@ -482,7 +523,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     for (int m = 0; m < per_head; ++m) {
       const int token = w.row_begin + m / group, head = kv * group + m % group;
       const int64_t lane = (int64_t(i) * L.tiles + m / M) * kAmxTileQueries + m % M;
-      const float inv = finish_query(P, w, token, head, run_max[lane], run_sum[lane], v_factor);
+      const float top = run_max[lane] * 0.693147180559945309f;  // from log2 units
+      const float inv = finish_query(P, w, token, head, top, run_sum[lane], v_factor);
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
       if constexpr (sizeof(T) == 1) {
