@@ -78,17 +78,17 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   l.padded = l.tiles * l.m;
   const int64_t rows = int64_t(num_heads) * l.padded;
   l.acc = 0;                                            // [heads][padded][hsv]
-  l.scores = l.acc + rows * hsv;                        // [32 keys][16 queries]
+  l.scores = l.acc + rows * hsv;                        // [2][32 keys][16 queries]
   const int64_t lanes = int64_t(num_heads) * l.tiles * kAmxTileQueries;
-  l.run_max = l.scores + int64_t(kKeyChunk) * kAmxTileQueries;  // [heads][tiles][16], log2 units
+  l.run_max = l.scores + 2 * kKeyChunk * kAmxTileQueries;  // [heads][tiles][16], log2 units
   l.run_sum = l.run_max + lanes;
   l.lane_slope = l.run_sum + lanes;                      // [heads][tiles][16]
   l.lane_pos = l.lane_slope + lanes;                     // [tiles][16] int32
   l.queries = l.lane_pos + int64_t(l.tiles) * kAmxTileQueries;  // B tiles [heads][tiles][hs/32][16][m]
   l.keys = l.queries + rows * hs / 2;                    // fp8 keys as bf16 [2][16][hs]
   l.values = l.keys + int64_t(kKeyChunk) * hs / 2;       // B tiles [hsv/16][16][16]
-  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tiles [tiles][16][32] bf16
-  l.total = l.probs + int64_t(l.tiles) * kAmxTileQueries * kKeyChunk / 2;
+  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tiles [2][16][32] bf16
+  l.total = l.probs + kAmxTileQueries * kKeyChunk;
   return l;
 }
 
@@ -152,23 +152,20 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// 2^(x * factor - shift) for the lane softmax: y rounded by the 1.5 * 2^23 addition and 2^f,
-// |f| <= 1/2, by its degree-5 Taylor polynomial (relative error < 2.5e-6, below the bf16
-// rounding the probabilities get; the lse moves by as much). y is clamped at -200 (exactly
-// 0 then, for -inf too); NaN stays NaN. Ten operations where vexp takes fifteen (its 2-uop
-// vrndscaleps among them).
+// 2^(x * factor - shift) for the lane softmax in seven operations (vexp takes fifteen):
+// y = x * factor - shift, its fraction f = y - floor(y) by vreduceps, 2^f on [0, 1) by a
+// degree-4 minimax polynomial (relative error < 2.7e-6, below the bf16 rounding the
+// probabilities get; the lse moves by as much), times 2^floor(y) by vscalefps. -inf gives
+// f = 0 and 2^-inf = 0, a y below -149 rounds to 0, NaN stays NaN: no clamp.
 static inline __m512 exp2_shifted(__m512 x, __m512 factor, __m512 shift) {
-  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.0f), _mm512_fmsub_ps(x, factor, shift));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(y, magic), magic);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 y = _mm512_fmsub_ps(x, factor, shift);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF);  // no fraction bits kept
+  __m512 p = _mm512_set1_ps(1.3534167781e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011463791e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275486e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+0f));
+  return _mm512_scalef_ps(p, y);
 }
 
 // A lane's running max moves only when a score passes it by this much (log2 units), as
@@ -202,11 +199,11 @@ struct TileLanes {
 // the chunk's keys a + t (row t, 16 lanes, unscaled), valid for t in [lo, hi). The
 // probabilities (0 where masked or outside) go to the A tile `tile`; each lane's running
 // max and sum are updated and the accumulator rows of the tile's real queries rescaled
-// where the max moved. Returns the rows some real query sees (bit t).
-static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& lanes, float scale, int a,
-                                    int lo, int hi, float* s, float* run_max, float* run_sum, float* acc,
-                                    int hsv, uint16_t* tile) {
-  const __mmask16 real_lanes = __mmask16((1u << lanes.real) - 1);
+// where the max moved. between(r) runs after each pair of probability rows r (16 in all).
+template <typename Between>
+static inline void lane_softmax(const AttentionParams& P, const TileLanes& lanes, float scale, int a, int lo,
+                                int hi, float* s, float* run_max, float* run_sum,
+                                float* acc, int hsv, uint16_t* tile, Between between) {
   const bool soft_cap = P.soft_cap > 0.0f;
   // Every key of [lo, hi) visible to every lane (lane 0 holds the tile's first position).
   const bool all_visible =
@@ -218,7 +215,9 @@ static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& l
   // the masked, capped and biased scores are stored back in log2 units.
   float row_factor = scale * log2e;  // stored row -> log2 units
   if (all_visible) {
-    for (int t = lo; t < hi; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * t));
+    __m512 tops[4] = {top, top, top, top};  // four chains: the max's latency, not 32 in a row
+    for (int t = lo; t < hi; ++t) tops[t & 3] = _mm512_max_ps(tops[t & 3], _mm512_loadu_ps(s + 16 * t));
+    top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
     top = _mm512_mul_ps(top, _mm512_set1_ps(row_factor));
   } else {
     const __m512i pos = _mm512_loadu_si512(lanes.pos);
@@ -253,10 +252,7 @@ static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& l
   const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
                                             _mm512_setzero_ps());
   const __m512 factor = _mm512_set1_ps(row_factor);
-  __m512 total = _mm512_setzero_ps();
-  // With nothing masked every row of the range is seen (a zero from underflow multiplies a
-  // real value row: exactly 0).
-  uint32_t seen = all_visible ? uint32_t((uint64_t(1) << hi) - (uint64_t(1) << lo)) : 0;
+  __m512 totals[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m512i pairs[16];
   for (int r = 0; r < 16; ++r) {
     __m512 p[2];
@@ -265,16 +261,16 @@ static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& l
       p[h] = _mm512_setzero_ps();
       if (t < lo || t >= hi) continue;
       p[h] = exp2_shifted(_mm512_loadu_ps(s + 16 * t), factor, shift);
-      total = _mm512_add_ps(total, p[h]);
-      if (!all_visible)
-        seen |= uint32_t(_mm512_mask_cmpneq_ps_mask(real_lanes, p[h], _mm512_setzero_ps()) != 0) << t;
+      totals[h] = _mm512_add_ps(totals[h], p[h]);
     }
     pairs[r] = pair_probabilities(p[0], p[1]);
+    between(r);
   }
   store_probability_tile(pairs, tile);
+  const __m512 total = _mm512_add_ps(totals[0], totals[1]);
   if (moved == 0) {
     _mm512_storeu_ps(run_sum, _mm512_add_ps(_mm512_loadu_ps(run_sum), total));
-    return seen;
+    return;
   }
   const __m512 alpha = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f),
                                             exp2_shifted(old_max, _mm512_set1_ps(1.0f), shift));
@@ -283,19 +279,26 @@ static inline uint32_t lane_softmax(const AttentionParams& P, const TileLanes& l
   alignas(64) float alphas[16];
   _mm512_store_ps(alphas, alpha);
   rescale_rows(acc, hsv, alphas, lanes.real);
-  return seen;
 }
 
-// Scores of one query tile, S^T = K . Q^T over `steps` steps of 32 elements: tiles 0 and
-// 1 accumulate key groups 0 and 1, stored as rows of 16 lanes at s. between(c) runs before
-// step c (prefetches spread over the tile operations).
-template <typename Between>
-static inline void score_tile(const uint32_t* q, int64_t q_step, int q_bytes, const uint16_t* const* k,
-                              const bool* used, int64_t k_stride, int steps, float* s, Between between) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int c = 0; c < steps; ++c) {
-    between(c);
+// One query tile's scores, S^T = K . Q^T, as parts to issue between another tile's vector
+// work: part c of `steps` (32 elements each) accumulates key groups 0 and 1 into tiles 0 and
+// 1; the last part stores them as rows of 16 lanes at s.
+struct ScoreTileOps {
+  const uint32_t* q;  // the tile's queries as B tiles, q_step dwords apart
+  int64_t q_step;
+  int q_bytes;
+  const uint16_t* const* k;  // each key group's first row (bf16), k_stride bytes apart
+  const bool* used;
+  int64_t k_stride;
+  int steps;
+  float* s;
+
+  void part(int c) const {
+    if (c == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+    }
     PAGED_TILE_LOAD(3, q + c * q_step, q_bytes);
     if (used[0]) {
       PAGED_TILE_LOAD(2, k[0] + c * kAmxStep, k_stride);
@@ -305,29 +308,37 @@ static inline void score_tile(const uint32_t* q, int64_t q_step, int q_bytes, co
       PAGED_TILE_LOAD(2, k[1] + c * kAmxStep, k_stride);
       _tile_dpbf16ps(1, 2, 3);
     }
+    if (c == steps - 1) {
+      _tile_stored(0, s, 64);
+      _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
+    }
   }
-  _tile_stored(0, s, 64);
-  _tile_stored(1, s + kAmxKeyGroup * kAmxTileQueries, 64);
-}
+};
 
-// out[query][dv] += P . V for one query tile: the A tile of probabilities (tile 4) times
-// each 16-column B tile of the packed values, the accumulator rows loaded as C tiles and
-// stored back, two at a time (tiles 6, 7). between(g) runs before each pair.
-template <typename Between>
-static inline void value_tiles(float* out, int64_t out_stride, const uint32_t* v_tiles, int hsv,
-                               Between between) {
-  for (int g = 0; g < hsv / 16; g += 2) {
-    between(g);
-    PAGED_TILE_LOAD(6, out + g * 16, out_stride);
+// One query tile's out[query][dv] += P . V as parts: part g loads the accumulator rows of
+// output columns [16 g, 16 g + 16) as a C tile (6 or 7, alternating), adds the A tile of
+// probabilities (tile 4, loaded by part 0) times the packed values' B tile g, stores it back.
+struct ValueTileOps {
+  float* out;
+  int64_t out_stride;
+  const uint32_t* v_tiles;  // [hsv / 16][16][16]
+  const uint16_t* probs;
+
+  void part(int g) const {
+    if (g == 0) PAGED_TILE_LOAD(4, probs, 64);
+    float* c = out + g * 16;
     PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
-    _tile_dpbf16ps(6, 4, 5);
-    PAGED_TILE_LOAD(7, out + (g + 1) * 16, out_stride);
-    PAGED_TILE_LOAD(5, v_tiles + (g + 1) * 256, 64);
-    _tile_dpbf16ps(7, 4, 5);
-    _tile_stored(6, out + g * 16, out_stride);
-    _tile_stored(7, out + (g + 1) * 16, out_stride);
+    if (g & 1) {
+      PAGED_TILE_LOAD(7, c, out_stride);
+      _tile_dpbf16ps(7, 4, 5);
+      _tile_stored(7, c, out_stride);
+    } else {
+      PAGED_TILE_LOAD(6, c, out_stride);
+      _tile_dpbf16ps(6, 4, 5);
+      _tile_stored(6, c, out_stride);
+    }
   }
-}
+};
 
 template <typename T>
 static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
@@ -440,6 +451,21 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       for (int l = 0; l < v_lines; ++l) prefetch(v + 64 * l);
     }
   };
+  // The step ahead's rows go out in row order, a few with each tile operation as it is
+  // issued (and 8 in the value packing with one query tile, as tuned for decode): a step of
+  // 16 query tiles issuing them all in its first tile stalled that step's loads behind them
+  // (causal multi-token 32/8 bf16, one thread: the first tile took 3.0x the others), and out
+  // of row order decode ran 0.86-0.89x.
+  const int pack_rows = L.tiles == 1 ? kAmxKeyGroup / 2 : 0;
+  const int value_parts = hsv / 16;
+  const int tile_ops = L.tiles * (steps + value_parts);  // score and value parts of a step
+  struct RowPrefetch {
+    int ops, packed, rows;  // this step's tile operations, packing shares, rows prefetched
+  };
+  auto prefetch_due = [&](const Step& st, RowPrefetch& pf) {
+    const int due = pf.ops * (kAmxKeyGroup - pack_rows) / tile_ops + pf.packed;
+    for (; pf.rows < due; ++pf.rows) prefetch_row_of(st, pf.rows);
+  };
   Step cur = make_step(w.kv_begin / kKeyChunk * kKeyChunk, 0);
   Step next = step_after(cur);
   for (int r = 0; r < kAmxKeyGroup; ++r) {
@@ -479,40 +505,71 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
     float* head_acc = acc + int64_t(i) * L.padded * hsv;
 
-    // Scores of each query tile (keys in rows, queries in lanes), then its softmax.
-    uint32_t seen = 0;
-    auto probs_of = [&](int qt) { return probs + int64_t(qt) * kAmxTileQueries * kKeyChunk; };
+    // The value rows of the step's keys in range as B tiles (the others stay zero: a key
+    // outside the range never meets its zero weight). Every key in range is seen by some
+    // query of the item: its last row's position ends the range and its first row's
+    // window starts it.
+    RowPrefetch pf{0, 0, 0};
+    auto pack_values = [&] {
+      for (int t = 0; t < kKeyChunk; t += 2) {
+        const T* first = t >= off && t < off + n ? cur.v[t / kAmxKeyGroup] : nullptr;
+        const T* second = t + 1 >= off && t + 1 < off + n ? cur.v[(t + 1) / kAmxKeyGroup] : nullptr;
+        pack_value_pair(first ? first + (t % kAmxKeyGroup) * P.v_token_stride : nullptr,
+                        second ? second + ((t + 1) % kAmxKeyGroup) * P.v_token_stride : nullptr, hsv, v_tiles, t);
+        if (t % 4 == 0 && t / 4 < pack_rows) {
+          ++pf.packed;
+          prefetch_due(ahead, pf);
+        }
+      }
+    };
+
+    // Per query tile: scores (keys in rows, queries in lanes), softmax, weighted values into
+    // the accumulator rows. The tile unit works while the vector units run a softmax: the
+    // next tile's scores and the previous tile's values are issued a part at a time between
+    // the softmax's rows (issued around it, the tile operations and the vector work ran one
+    // after the other: the reorder window fills behind a tile operation).
+    auto scores_of = [&](int qt) { return scores + int64_t(qt & 1) * kKeyChunk * kAmxTileQueries; };
+    auto probs_of = [&](int qt) { return probs + int64_t(qt & 1) * kAmxTileQueries * kKeyChunk; };
+    auto score_ops = [&](int qt) {
+      return ScoreTileOps{q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords, 16 * M, 4 * M, k_group,
+                          group_used, k_stride_bytes, steps, scores_of(qt)};
+    };
+    auto value_ops = [&](int qt) {
+      return ValueTileOps{head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, probs_of(qt)};
+    };
+    auto issue_scores = [&](const ScoreTileOps& ops, int c) {
+      ++pf.ops;
+      prefetch_due(ahead, pf);
+      ops.part(c);
+    };
+    auto issue_values = [&](const ValueTileOps& ops, int g) {
+      ++pf.ops;
+      prefetch_due(ahead, pf);
+      ops.part(g);
+    };
+    {
+      const ScoreTileOps first = score_ops(0);
+      for (int c = 0; c < steps; ++c) issue_scores(first, c);
+    }
     for (int qt = 0; qt < L.tiles; ++qt) {
-      const uint32_t* q = q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords;
-      score_tile(q, 16 * M, 4 * M, k_group, group_used, k_stride_bytes, steps, scores, [&](int c) {
-        if (qt == 0)  // rows 0-3 of the step ahead, spread over the steps
-          for (int r = c * 4 / steps; r < (c + 1) * 4 / steps; ++r) prefetch_row_of(ahead, r);
-      });
+      const bool next = qt + 1 < L.tiles, prev = qt > 0;
+      const ScoreTileOps next_scores = score_ops(next ? qt + 1 : qt);
+      const ValueTileOps prev_values = value_ops(prev ? qt - 1 : qt);
       const int64_t lane0 = (int64_t(i) * L.tiles + qt) * kAmxTileQueries;
       const TileLanes lanes{lane_pos + qt * kAmxTileQueries, P.alibi_slopes ? lane_slope + lane0 : nullptr,
                             std::min(M, per_head - qt * M)};
-      seen |= lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores, run_max + lane0,
-                           run_sum + lane0, head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt));
+      lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
+                   head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt), [&](int r) {
+                     if (next)
+                       for (int c = r * steps / 16; c < (r + 1) * steps / 16; ++c) issue_scores(next_scores, c);
+                     if (prev)
+                       for (int g = r * value_parts / 16; g < (r + 1) * value_parts / 16; ++g)
+                         issue_values(prev_values, g);
+                   });
+      if (qt == 0) pack_values();  // after the first softmax: packed first, decode ran 0.8x
     }
-
-    // The value rows of keys some query sees (the others stay zero) as B tiles.
-    auto value_row = [&](int t) {
-      return seen >> t & 1 ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
-    };
-    for (int t = 0; t < kKeyChunk; t += 2) {
-      pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
-      if (t % 4 == 0) prefetch_row_of(ahead, 4 + t / 4);
-    }
-
-    // Weighted values, query tile by query tile, into the accumulator rows.
-    const int pairs = hsv / 32;
-    for (int qt = 0; qt < L.tiles; ++qt) {
-      PAGED_TILE_LOAD(4, probs_of(qt), 64);
-      value_tiles(head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, hsv, [&](int g) {
-        if (qt == 0)  // rows 12-15 of the step ahead, spread over the pairs of output tiles
-          for (int r = g * 2 / pairs; r < (g + 2) * 2 / pairs; ++r) prefetch_row_of(ahead, 12 + r);
-      });
-    }
+    const ValueTileOps last = value_ops(L.tiles - 1);
+    for (int g = 0; g < value_parts; ++g) issue_values(last, g);
   }
   _tile_release();
 
