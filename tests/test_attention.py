@@ -270,6 +270,35 @@ def test_amx_tiles(cache_dtype, block_size, monkeypatch):
                                  **extra)
 
 
+@pytest.mark.parametrize("trend", ["rising", "falling", "spikes"])
+def test_amx_running_max(trend, monkeypatch):
+    """The amx softmax moves a query's running max only when a score passes it by 2^8 (lazy
+    rescale): scores that rise along the sequence move it step after step (the accumulators
+    rescaled), falling ones never, and rare spikes far above the rest move it once in a
+    while. Wide scores (std ~20) so every branch is taken; output and lse both checked."""
+    select_isa("amx", monkeypatch)
+    lens, block_size = [900, 257, 40], 16
+    case = make_case(lens, 2, 128, block_size, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for seq, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        for b in range(blocks):
+            physical = int(case.block_tables[seq, b])
+            if trend == "rising":
+                factor = 0.5 + 4.0 * b / blocks
+            elif trend == "falling":
+                factor = 4.5 - 4.0 * b / blocks
+            else:
+                factor = 6.0 if torch.rand(1, generator=gen).item() < 0.1 else 1.0
+            case.key_cache[physical] = (case.key_cache[physical].float() * factor).to(torch.bfloat16)
+    query = (random_query(len(lens), 8, 128, torch.bfloat16).float() * 3.0).to(torch.bfloat16)
+    assert_matches_reference(query, case, 128 ** -0.5)
+    q_lens = [300, 100, 40]
+    qsl = query_start_loc(q_lens)
+    query = (random_query(int(qsl[-1]), 8, 128, torch.bfloat16).float() * 3.0).to(torch.bfloat16)
+    assert_matches_reference(query, case, 128 ** -0.5, query_start_loc=qsl)
+
+
 def test_random_shapes_match_reference():
     """Seeded random mixes of dtype, heads, key and value head and block size, lengths,
     window, sinks and multi-token rows: the traversal (spans of blocks, heads within them,
