@@ -46,12 +46,14 @@ struct QueryTile {
 
 // A causal tile of at least this many queries per KV head (a vector on every ISA) gets
 // the keys all its rows see as partitions of their own, at least kMinVisibleKeys long:
-// the kernel runs those with queries in vector lanes (no masks, no horizontal sums).
+// the kernel runs those with queries in vector lanes (no masks, no horizontal sums),
+// where the kernel asks for it (PlanHints::split_visible).
 constexpr int64_t kLaneMinQueries = 16;
 constexpr int32_t kMinVisibleKeys = 64;
 
 Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads,
-               int64_t queries_per_item) {
+               const PlanHints& hints) {
+  const int64_t queries_per_item = hints.queries_per_item;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, queries_per_item / group);
   const int32_t* lens = args.seq_lens.mutable_data_ptr<int32_t>();
@@ -86,7 +88,7 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
         kv_begin = std::max<int32_t>(0, first_pos - int32_t(args.sliding_window) + 1);
       const int32_t kv_end = std::max<int32_t>(kv_begin, last_pos + 1);
       // Without ALiBi or a window every row sees the keys up to the first row's position.
-      const bool split_visible = !args.alibi_slopes.has_value() && args.sliding_window <= 0 &&
+      const bool split_visible = hints.split_visible && !args.alibi_slopes.has_value() && args.sliding_window <= 0 &&
                                  r1 - r0 >= 2 && (r1 - r0) * group >= kLaneMinQueries &&
                                  first_pos + 1 - kv_begin >= kMinVisibleKeys && first_pos + 1 < kv_end;
       const int32_t visible_end = split_visible ? first_pos + 1 : kv_begin;
@@ -296,7 +298,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.soft_cap = float(args.soft_cap);
   p.sliding_window = int(args.sliding_window);
   p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
-  const Plan plan = make_plan(s, args, max_threads, queries_per_item(p));
+  const Plan plan = make_plan(s, args, max_threads, plan_hints(p));
 
   // Results go straight into `out` when no merge or dtype conversion is needed.
   const bool direct = plan.max_parts == 1 && out.scalar_type() == kFloat;

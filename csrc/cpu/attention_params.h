@@ -78,7 +78,7 @@ struct WorkItem {
 constexpr int kKeyChunk = 32;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item). A kernel may take more
-// (queries_per_item in cpu_features.h).
+// (plan_hints in cpu_features.h).
 constexpr int kMaxQueriesPerItem = 64;
 
 // Queries beyond an item's own the workspace is sized for: the lane kernel rounds a KV

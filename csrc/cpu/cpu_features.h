@@ -15,8 +15,11 @@ std::string selected_isa();
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind);
 
-// Query vectors a work item of this call aims for: kMaxQueriesPerItem, or more where the
-// selected kernel asks for it.
-int queries_per_item(const AttentionParams& params);
+// What the selected kernel asks of a call's work items.
+struct PlanHints {
+  int queries_per_item;  // query vectors an item aims for: kMaxQueriesPerItem or more
+  bool split_visible;    // the keys every row of a causal tile sees as partitions of their own
+};
+PlanHints plan_hints(const AttentionParams& params);
 
 }  // namespace paged::cpu
