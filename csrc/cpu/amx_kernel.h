@@ -10,15 +10,16 @@
 //           VNNI order (pairs of elements per dword), built once per item. Up to 16 queries
 //           per tile: a KV head's queries (rows x GQA group) in balanced tiles.
 //   softmax on the score tile as stored (keys in rows, 16 query lanes): masks, ALiBi, soft
-//           cap and window per lane, each lane's running max and sum, the rescale of its
-//           accumulator row (lane_softmax).
+//           cap and window per lane, each lane's running max (moved lazily) and sum, the
+//           rescale of its accumulator row where the max moved (lane_softmax).
 //   values  O[query][dv] += P . V: the probabilities, rounded to bf16 and transposed in
-//           registers, are the A tile; the step's value rows paired into VNNI B tiles of 16
-//           output elements (keys no query sees are zero: a masked key's NaN or inf never
-//           meets a zero weight); the accumulator rows themselves are the C tiles (loaded,
-//           multiplied into, stored back).
-// The rows of the step two ahead are prefetched into L2 a row at a time between the tile
-// operations.
+//           registers, are the A tile; the step's value rows in the item's range paired into
+//           VNNI B tiles of 16 output elements (other rows zero: an unused slot's NaN or inf
+//           never meets a zero weight); the accumulator rows themselves are the C tiles
+//           (loaded, multiplied into, stored back).
+// Query tile by query tile, the next tile's score products and the previous tile's value
+// products are issued between the rows of a softmax. The rows of the step two ahead are
+// prefetched into L2 in row order, a few with each tile operation.
 
 #include "amx_tiles.h"
 
