@@ -525,10 +525,10 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     };
 
     // Per query tile: scores (keys in rows, queries in lanes), softmax, weighted values into
-    // the accumulator rows. The tile unit works while the vector units run a softmax: the
-    // next tile's scores and the previous tile's values are issued a part at a time between
-    // the softmax's rows (issued around it, the tile operations and the vector work ran one
-    // after the other: the reorder window fills behind a tile operation).
+    // the accumulator rows. The next tile's scores and the previous tile's values are issued
+    // a part at a time between the softmax's rows, so that the tile unit has work while the
+    // vector units run it (the next tile's scores issued whole before the softmax measured
+    // no faster: 409 vs 402 GFLOP/s, one thread).
     auto scores_of = [&](int qt) { return scores + int64_t(qt & 1) * kKeyChunk * kAmxTileQueries; };
     auto probs_of = [&](int qt) { return probs + int64_t(qt & 1) * kAmxTileQueries * kKeyChunk; };
     auto score_ops = [&](int qt) {
