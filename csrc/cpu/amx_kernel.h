@@ -170,8 +170,8 @@ static inline __m512 exp2_shifted(__m512 x, __m512 factor, __m512 shift) {
 }
 
 // A lane's running max moves only when a score passes it by this much (log2 units), as
-// in FlashAttention-4: the probabilities stay below 2^8 (exact to bf16 and fp32 alike) and
-// most steps leave the accumulator rows alone instead of rescaling them.
+// in FlashAttention-4: the probabilities stay below 2^8 (far from overflow in bf16 and
+// fp32, same relative precision) and most steps leave the accumulator rows alone.
 constexpr float kLazyRescaleLog2 = 8.0f;
 
 // 16 x 32 probabilities (rows of keys, queries in lanes) as the A tile of P . V: row l holds
