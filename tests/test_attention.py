@@ -270,6 +270,28 @@ def test_amx_tiles(cache_dtype, block_size, monkeypatch):
                                  **extra)
 
 
+@pytest.mark.parametrize("cache_dtype,head_size,head_size_v", [
+    (torch.bfloat16, 32, 32), (torch.bfloat16, 32, 64), (torch.bfloat16, 96, 160),
+    (torch.bfloat16, 256, 256), (torch.float8_e4m3fn, 64, 192), (torch.float8_e4m3fn, 256, 256)],
+    ids=str)
+def test_amx_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
+    """The amx kernel spreads a tile's score products (one per 32 key elements) and value
+    products (one per 16 output columns) over the 16 row pairs of another tile's softmax:
+    1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart."""
+    select_isa("amx", monkeypatch)
+    kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
+    case, extra = scenarios.with_format(
+        make_case([1, 15, 16, 17, 100, 333], 2, head_size, 16,
+                  torch.bfloat16 if kv.cache_dtype is None else torch.float32, head_size_v=head_size_v), kv)
+    query = random_query(6, 8, head_size, torch.bfloat16)
+    assert_matches_reference(query, case, head_size ** -0.5, **extra)
+    qsl = query_start_loc([1, 15, 16, 17, 50, 200])
+    query = random_query(int(qsl[-1]), 8, head_size, torch.bfloat16)
+    assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, **extra)
+    assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, sliding_window=20,
+                             sinks=scenarios.random_sinks(8), **extra)
+
+
 @pytest.mark.parametrize("trend", ["rising", "falling", "spikes"])
 def test_amx_running_max(trend, monkeypatch):
     """The amx softmax moves a query's running max only when a score passes it by 2^8 (lazy
