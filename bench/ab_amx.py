@@ -15,14 +15,13 @@ The summary gives each build's median over rounds and the median of the per-roun
 Correctness is the tests' job (``test_amx_tiles``, the ISA-parametrised attention tests).
 """
 
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, alternating_rounds
+from common.ab import ab_parser, ab_rounds, write_report
 from common.environment import cpu_model, source_revision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,13 +80,10 @@ def worker(reps: int) -> Dict[str, object]:
 def main() -> None:
     parser = ab_parser(__doc__.splitlines()[0], default_reps=5, default_out=DEFAULT_OUT)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.reps)))
-        return
-    if args.baseline is None:
-        parser.error("--baseline is required")
     os.environ["PAGED_ATTENTION_CPU_ISA"] = "amx"
-    rounds = alternating_rounds(Path(__file__), args.baseline, args.rounds, args.reps)
+    rounds = ab_rounds(parser, args, Path(__file__), worker)
+    if rounds is None:
+        return
     if rounds[0]["current"]["isa"] != "amx":
         raise SystemExit(f"this CPU's kernel is {rounds[0]['current']['isa']}: no AMX to measure")
     summary = {}
@@ -106,9 +102,7 @@ def main() -> None:
               f"  ({min(ratios):.2f}-{max(ratios):.2f}) {unit}")
     report = {"cpu": cpu_model(), "isa": rounds[0]["current"]["isa"], "source": source_revision(),
               "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

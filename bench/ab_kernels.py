@@ -21,12 +21,11 @@ over 256 KiB of blocks: the arithmetic alone); multi-token (512 queries over 409
 32/8 heads) in fp32 and bf16, in GFLOP/s.
 """
 
-import json
 import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, alternating_rounds
+from common.ab import ab_parser, ab_rounds, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_kernel_ab.json"
@@ -112,12 +111,9 @@ def summarize(rounds: List[Dict[str, Dict[str, object]]]) -> Dict[str, object]:
 def main() -> None:
     parser = ab_parser(__doc__.splitlines()[0], default_reps=12, default_out=DEFAULT_OUT)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.reps)))
+    rounds = ab_rounds(parser, args, Path(__file__), worker)
+    if rounds is None:
         return
-    if args.baseline is None:
-        parser.error("--baseline is required")
-    rounds = alternating_rounds(Path(__file__), args.baseline, args.rounds, args.reps)
     summary = summarize(rounds)
     print(f"{'configuration':28s} {'baseline':>10s} {'current':>10s} {'speedup':>8s}   % of read (base -> cur)")
     for key, row in summary.items():
@@ -131,9 +127,7 @@ def main() -> None:
               f"{row['speedup_paired']:7.2f}x{pct}{states}")
     report = {"baseline": str(args.baseline), "rounds": rounds, "summary": summary,
               "units": "gbps = effective KV GB/s; gflops = multi-token GFLOP/s"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

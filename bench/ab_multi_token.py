@@ -12,14 +12,13 @@ and each dtype's rate relative to the same worker's fp32 (the "never slower per 
 than fp32" target).
 """
 
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, alternating_rounds
+from common.ab import ab_parser, ab_rounds, write_report
 from common.environment import cpu_model, source_revision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,14 +67,11 @@ def main() -> None:
     parser = ab_parser(__doc__.splitlines()[0], default_reps=4, default_out=DEFAULT_OUT)
     parser.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds (default: the best)")
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.reps)))
-        return
-    if args.baseline is None:
-        parser.error("--baseline is required")
     if args.isa:
         os.environ["PAGED_ATTENTION_CPU_ISA"] = args.isa
-    rounds = alternating_rounds(Path(__file__), args.baseline, args.rounds, args.reps)
+    rounds = ab_rounds(parser, args, Path(__file__), worker)
+    if rounds is None:
+        return
     summary = {}
     print(f"{'dtype':6s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  vs fp32 (base -> cur)")
     for name in rounds[0]["current"]["gflops"]:
@@ -94,9 +90,7 @@ def main() -> None:
               f"{row['speedup_paired']:7.2f}x  {row['baseline_vs_fp32']:.2f}x -> {row['current_vs_fp32']:.2f}x")
     report = {"cpu": cpu_model(), "isa": rounds[0]["current"]["isa"], "source": source_revision(),
               "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

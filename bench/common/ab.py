@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -46,3 +46,22 @@ def alternating_rounds(script: Path, baseline: Path, rounds: int, reps: int
         results.append({build: run_worker(script, roots[build], reps) for build in order})
         print(f"round {i + 1}/{rounds} done", flush=True)
     return results
+
+
+def ab_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace, script: Path,
+              worker: Callable[[int], Dict[str, object]]
+              ) -> Optional[List[Dict[str, Dict[str, object]]]]:
+    """As a worker (``--worker``): print worker(reps) as JSON and return None. Otherwise the
+    alternating rounds of this checkout against ``--baseline``."""
+    if args.worker:
+        print(json.dumps(worker(args.reps)))
+        return None
+    if args.baseline is None:
+        parser.error("--baseline is required")
+    return alternating_rounds(script, args.baseline, args.rounds, args.reps)
+
+
+def write_report(path: Path, report: Dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
