@@ -16,12 +16,11 @@ Correctness is the tests' job (``test_amx_tiles``, the ISA-parametrised attentio
 """
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, ab_rounds, write_report
+from common.ab import ab_parser, ab_rounds, paired, write_report
 from common.environment import cpu_model, source_revision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,17 +88,11 @@ def main() -> None:
     summary = {}
     print(f"{'case':42s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}")
     for name, unit in rounds[0]["current"]["units"].items():
-        def rate(build: str, r: Dict[str, object]) -> float:
-            return r[build]["rates"][name]
-
-        ratios = [rate("current", r) / rate("baseline", r) for r in rounds]
-        row = {"unit": unit, "baseline": statistics.median(rate("baseline", r) for r in rounds),
-               "current": statistics.median(rate("current", r) for r in rounds),
-               "speedup_paired": statistics.median(ratios),
-               "speedup_range": [min(ratios), max(ratios)]}
+        row = {"unit": unit, **paired(rounds, lambda w: w["rates"][name])}
         summary[name] = row
+        low, high = row["speedup_range"]
         print(f"{name:42s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.2f}x"
-              f"  ({min(ratios):.2f}-{max(ratios):.2f}) {unit}")
+              f"  ({low:.2f}-{high:.2f}) {unit}")
     report = {"cpu": cpu_model(), "isa": rounds[0]["current"]["isa"], "source": source_revision(),
               "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
     write_report(args.out, report)

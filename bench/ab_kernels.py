@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, ab_rounds, write_report
+from common.ab import ab_parser, ab_rounds, paired, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_kernel_ab.json"
@@ -88,10 +88,9 @@ def summarize(rounds: List[Dict[str, Dict[str, object]]]) -> Dict[str, object]:
         if not isinstance(first, dict):
             continue
         metric = "gflops" if "gflops" in first else "gbps"
-        cur = [r["current"][key][metric] for r in rounds]
-        base = [r["baseline"][key][metric] for r in rounds]
-        row = {f"current_{metric}": statistics.median(cur), f"baseline_{metric}": statistics.median(base),
-               "speedup_paired": statistics.median(c / b for c, b in zip(cur, base))}
+        both = paired(rounds, lambda w: w[key][metric])
+        row = {f"current_{metric}": both["current"], f"baseline_{metric}": both["baseline"],
+               "speedup_paired": both["speedup_paired"]}
         if "pct_of_read" in first:
             row["current_pct_of_read"] = statistics.median(r["current"][key]["pct_of_read"] for r in rounds)
             row["baseline_pct_of_read"] = statistics.median(r["baseline"][key]["pct_of_read"] for r in rounds)

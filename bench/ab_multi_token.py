@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from common.ab import ab_parser, ab_rounds, write_report
+from common.ab import ab_parser, ab_rounds, paired, write_report
 from common.environment import cpu_model, source_revision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,15 +75,12 @@ def main() -> None:
     summary = {}
     print(f"{'dtype':6s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  vs fp32 (base -> cur)")
     for name in rounds[0]["current"]["gflops"]:
-        def rate(build: str, r: Dict[str, object]) -> float:
-            return r[build]["gflops"][name]
-
         def vs_fp32(build: str) -> float:
-            return statistics.median(rate(build, r) / r[build]["gflops"]["fp32"] for r in rounds)
+            return statistics.median(r[build]["gflops"][name] / r[build]["gflops"]["fp32"] for r in rounds)
 
-        row = {"baseline_gflops": statistics.median(rate("baseline", r) for r in rounds),
-               "current_gflops": statistics.median(rate("current", r) for r in rounds),
-               "speedup_paired": statistics.median(rate("current", r) / rate("baseline", r) for r in rounds),
+        both = paired(rounds, lambda w: w["gflops"][name])
+        row = {"baseline_gflops": both["baseline"], "current_gflops": both["current"],
+               "speedup_paired": both["speedup_paired"],
                "baseline_vs_fp32": vs_fp32("baseline"), "current_vs_fp32": vs_fp32("current")}
         summary[name] = row
         print(f"{name:6s} {row['baseline_gflops']:9.1f} {row['current_gflops']:9.1f} "

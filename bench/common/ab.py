@@ -9,6 +9,7 @@ so the two workers of a round usually see the same state.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,15 @@ def write_report(path: Path, report: Dict[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
+
+
+def paired(rounds: List[Dict[str, Dict[str, object]]],
+           value: Callable[[Dict[str, object]], float]) -> Dict[str, object]:
+    """value(worker result) per build: each build's median over rounds, and the median and
+    range of the per-round ratio current / baseline (both workers of a round saw the same
+    host state)."""
+    current = [value(r["current"]) for r in rounds]
+    baseline = [value(r["baseline"]) for r in rounds]
+    ratios = [c / b for c, b in zip(current, baseline)]
+    return {"baseline": statistics.median(baseline), "current": statistics.median(current),
+            "speedup_paired": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
