@@ -511,12 +511,12 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     // query of the item: its last row's position ends the range and its first row's
     // window starts it.
     RowPrefetch pf{0, 0, 0};
+    auto value_row = [&](int t) -> const T* {
+      return t >= off && t < off + n ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
+    };
     auto pack_values = [&] {
       for (int t = 0; t < kKeyChunk; t += 2) {
-        const T* first = t >= off && t < off + n ? cur.v[t / kAmxKeyGroup] : nullptr;
-        const T* second = t + 1 >= off && t + 1 < off + n ? cur.v[(t + 1) / kAmxKeyGroup] : nullptr;
-        pack_value_pair(first ? first + (t % kAmxKeyGroup) * P.v_token_stride : nullptr,
-                        second ? second + ((t + 1) % kAmxKeyGroup) * P.v_token_stride : nullptr, hsv, v_tiles, t);
+        pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
         if (t % 4 == 0 && t / 4 < pack_rows) {
           ++pf.packed;
           prefetch_due(ahead, pf);
@@ -538,19 +538,14 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     auto value_ops = [&](int qt) {
       return ValueTileOps{head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, probs_of(qt)};
     };
-    auto issue_scores = [&](const ScoreTileOps& ops, int c) {
+    auto issue = [&](const auto& ops, int part) {  // a score or value part, with its prefetch share
       ++pf.ops;
       prefetch_due(ahead, pf);
-      ops.part(c);
-    };
-    auto issue_values = [&](const ValueTileOps& ops, int g) {
-      ++pf.ops;
-      prefetch_due(ahead, pf);
-      ops.part(g);
+      ops.part(part);
     };
     {
       const ScoreTileOps first = score_ops(0);
-      for (int c = 0; c < steps; ++c) issue_scores(first, c);
+      for (int c = 0; c < steps; ++c) issue(first, c);
     }
     for (int qt = 0; qt < L.tiles; ++qt) {
       const bool next = qt + 1 < L.tiles, prev = qt > 0;
@@ -562,15 +557,15 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
                    head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt), [&](int r) {
                      if (next)
-                       for (int c = r * steps / 16; c < (r + 1) * steps / 16; ++c) issue_scores(next_scores, c);
+                       for (int c = r * steps / 16; c < (r + 1) * steps / 16; ++c) issue(next_scores, c);
                      if (prev)
                        for (int g = r * value_parts / 16; g < (r + 1) * value_parts / 16; ++g)
-                         issue_values(prev_values, g);
+                         issue(prev_values, g);
                    });
       if (qt == 0) pack_values();  // after the first softmax: packed first, decode ran 0.8x
     }
     const ValueTileOps last = value_ops(L.tiles - 1);
-    for (int g = 0; g < value_parts; ++g) issue_values(last, g);
+    for (int g = 0; g < value_parts; ++g) issue(last, g);
   }
   _tile_release();
 
