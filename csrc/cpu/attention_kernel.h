@@ -197,18 +197,28 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
   }
 }
 
-// chunk_values for fp8 rows of whole 64-element steps (accumulators permuted).
+// chunk_values for fp8 rows of whole 64-element steps, accumulators permuted: with
+// probabilities rounded to bf16 pairs (`pairs`, fp8_pair_slot) or in fp32 (fp8_value_slot).
 template <typename T>
 static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows, int n,
-                                    const T* const* ahead) {
+                                    const T* const* ahead, bool pairs) {
   constexpr int G = kTileQueries<T>;
+  uint32_t bf16_pairs[G * kKeyChunk / 2];
+  auto run = [&](auto queries, int m) {
+    constexpr int Q = decltype(queries)::value;
+    float* acc = st.acc + int64_t(m) * st.hspv;
+    const float* p = st.scores + int64_t(m) * kKeyChunk;
+    const T* const* first_ahead = m == 0 ? ahead : nullptr;
+    if (pairs) {
+      probability_pairs<Q>(p, bf16_pairs);
+      accumulate_fp8_pairs<Q>(acc, st.hspv, bf16_pairs, v_rows, n, first_ahead);
+    } else {
+      accumulate_fp8<Q>(acc, st.hspv, p, v_rows, n, first_ahead);
+    }
+  };
   const int full_queries = st.num_queries / G * G;
-  for (int m = 0; m < full_queries; m += G)
-    accumulate_fp8<G>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                       v_rows, n, m == 0 ? ahead : nullptr);
-  for (int m = full_queries; m < st.num_queries; ++m)
-    accumulate_fp8<1>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                      v_rows, n, m == 0 ? ahead : nullptr);
+  for (int m = 0; m < full_queries; m += G) run(std::integral_constant<int, G>{}, m);
+  for (int m = full_queries; m < st.num_queries; ++m) run(std::integral_constant<int, 1>{}, m);
 }
 #endif  // PAGED_ISA_AVX512_BF16
 
@@ -318,22 +328,25 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const bool split = kSplitRows<T> && in_place;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
-  // 32-element steps. So do e4m3 keys, converted to bf16 exactly (whole 64-element steps),
-  // when the query is bf16 (a wider query rounded to bf16 would lose its exactness) and
-  // fewer than a tile's queries share a KV head. Measured (kernel_cycles, head size 128, time per
-  // item on a loaded host): e4m3 32/32 heads -16% against fp32 FMAs; with register tiles
-  // (32/8) +10%; e5m2, whose fp16 widening is one shift, +6% at 32/32.
+  // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
+  // 64-element steps): keys (a wider query rounded to bf16 would lose its exactness) and
+  // values (probabilities rounded to bf16 as for bf16 caches; a wider query's output is
+  // held to fp32 rounding: its values take fp32 FMAs). Against fp32 FMAs on the widened
+  // rows (kernel_cycles, head size 128, Zen 4, L2-resident): e4m3 32/32 1.19x, 32/8 1.53x;
+  // e5m2 1.36x, 1.35x.
   constexpr bool kFp8 = sizeof(T) == 1;
-  constexpr bool kBf16Dot = std::is_same_v<T, Bf16> || std::is_same_v<T, Fp8E4M3>;
+  constexpr bool kBf16Dot = std::is_same_v<T, Bf16> || kFp8;
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
   const bool bf16_dot =
       kBf16Dot && in_place &&
-      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 && per_head < kTileQueries<T> : hs % 32 == 0);
+      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
   const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
-  const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;  // fp8 -> fp32 lookups
+  const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;
+  const bool fp8_pairs = fp8_values && P.query_kind == ScalarKind::kBFloat16;
 #else
   constexpr bool kFp8 = false;
   constexpr bool fp8_values = false;
+  constexpr bool fp8_pairs = false;
   constexpr bool kBf16Dot = false;
   constexpr bool kBf16Pairs = false;
   constexpr bool bf16_dot = false;
@@ -475,7 +488,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
       } else if constexpr (kFp8) {
-        if (fp8_values) chunk_values_fp8(st, v_rows, c.n, keys_ahead);
+        if (fp8_values) chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);
         else chunk_values(st, v_rows, c.n, keys_ahead);
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
@@ -539,6 +552,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const float inv = finish_query(P, w, token, head, run_max[m], run_sum[m], v_factor);
 #if PAGED_ISA_AVX512_BF16
     if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
+    else if (fp8_pairs) unpermute_fp8_pairs(am, o, hspv, inv);
     else if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
     else
 #endif

@@ -17,7 +17,7 @@ static inline __m512bh load_bf16x32(const void* p) {
 }
 
 template <int G, int K>
-static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
+__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
                             const Bf16* const* ahead) {
   static_assert(G == 4 && K == 4, "the AVX-512 score tile");
   __m512 acc[G][K];
@@ -93,8 +93,50 @@ static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, f
     for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
 }
 
+// Probability-weighted fp8 values with vdpbf16ps, two keys per instruction as
+// accumulate_pairs: each row's 64-element step converted to bf16 (fp8_to_bf16x64: even and
+// odd elements), the two keys' words interleaved (vpunpck{l,h}wd). Accumulators in
+// fp8_pair_slot order, four vectors per query and step.
+static inline int fp8_pair_slot(int i) {  // element i of a 64-element step -> accumulator slot
+  const int word = i / 2, parity = i % 2;
+  return 16 * (2 * parity + word % 8 / 4) + 4 * (word / 8) + word % 4;
+}
+
+template <int G, typename T>
+static inline void accumulate_fp8_pairs(float* acc, int hsp, const uint32_t* pairs, const T* const* v,
+                                        int n, const T* const* ahead) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int d = 0; d < hsp; d += 64) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 16 * i);
+    for (int t = 0; t < n; t += 2) {
+      const bool odd = t + 1 == n;
+      prefetch_same_line(ahead, t, d);
+      if (!odd) prefetch_same_line(ahead, t + 1, d);
+      __m512i even_a, odd_a, even_b = zero, odd_b = zero;
+      fp8_to_bf16x64(v[t] + d, even_a, odd_a);
+      if (!odd) fp8_to_bf16x64(v[t + 1] + d, even_b, odd_b);
+      const __m512bh x[4] = {
+          (__m512bh)_mm512_unpacklo_epi16(even_a, even_b), (__m512bh)_mm512_unpackhi_epi16(even_a, even_b),
+          (__m512bh)_mm512_unpacklo_epi16(odd_a, odd_b), (__m512bh)_mm512_unpackhi_epi16(odd_a, odd_b)};
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpbf16_ps(a[g][i], x[i], pp);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 16 * i, a[g][i]);
+  }
+}
+
+static inline void unpermute_fp8_pairs(const float* acc, float* out, int hsp, float factor) {
+  for (int d = 0; d < hsp; d += 64)
+    for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_pair_slot(i)] * factor;
+}
+
 template <int G, int K, typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
-static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
+__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
                             const T* const* ahead) {
   static_assert(G == 4 && K == 4, "the AVX-512 score tile");
   __m512 acc[G][K];

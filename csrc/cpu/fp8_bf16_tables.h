@@ -12,7 +12,8 @@
 // and masks (no further shuffles: port 5 runs the lookups): a 64-byte step yields the even
 // elements in its first vector and the odd ones in its second (fp8_key_element); the caller
 // permutes the query the same way. Values take the same lookups into fp32 (bf16 << 16),
-// four vectors of elements 4k + r (fp8_value_slot), in accumulators kept in that order.
+// four vectors of elements 4k + r (fp8_value_slot), in accumulators kept in that order;
+// or, for bf16 queries, two keys' words interleaved into pairs (accumulate_fp8_pairs).
 constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
   if (mantissa == 0) return 0;
   int top = 0;
