@@ -124,7 +124,8 @@ def isa_compile_flags(isa: str) -> List[str]:
 @functools.lru_cache(maxsize=None)
 def widen_limits(isa: str, runs: int = 2) -> Optional[Dict[Tuple[str, int], float]]:
     """KV elements per second on two threads of widen_peak.cpp built for ``isa``, per (dtype,
-    queries per KV head), the best of ``runs``. None without g++."""
+    queries per KV head), the best of ``runs`` and of the dtype's inner loops (a second,
+    "<dtype>_vdpbf16ps", on AVX512_BF16). None without g++."""
     outputs = microbench_outputs(WIDEN_SOURCE, ["-O3", "-fwrapv", "-std=c++20", "-fopenmp", "-Wno-psabi",
                                                 *isa_compile_flags(isa), "-I", str(KERNEL_SOURCES)], runs)
     if outputs is None:
@@ -133,7 +134,7 @@ def widen_limits(isa: str, runs: int = 2) -> Optional[Dict[Tuple[str, int], floa
     for out in outputs:
         # "e4m3 G=4: 1 thread X G elements/s, 2 threads Y G elements/s"
         for name, group, rate in re.findall(r"^(\w+) G=(\d+):.*2 threads ([\d.]+) G", out, re.M):
-            key = (name, int(group))
+            key = (name.split("_")[0], int(group))
             best[key] = max(best.get(key, 0.0), float(rate) * 1e9)
     return best
 

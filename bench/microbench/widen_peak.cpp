@@ -7,6 +7,11 @@
 // faster: where this limit is below the machine's read bandwidth, decode is arithmetic-bound
 // and the limit, not the read, is its target (bench/cpu_perf/isa_matrix.py).
 //
+// On AVX512_BF16 the kernel reads bf16 and fp8 rows with vdpbf16ps instead (bf16_tiles.h:
+// fp8 converted to bf16 by table lookups, fp8_bf16_tables.h): for those dtypes a second
+// loop ("bf16_vdpbf16ps", ...) converts a 64-element step to two bf16 vectors and does G
+// vdpbf16ps per vector, and the limit is the faster of the two loops.
+//
 // Built with the -D macros of an isa_*.cpp and its target flags, e.g. for avx2:
 //   g++ -O3 -fwrapv -std=c++20 -fopenmp -mavx2 -mfma -mf16c -DPAGED_VEC_WIDTH=8 \
 //       -DPAGED_ISA_AVX512=0 -DPAGED_ISA_F16C=1 -I csrc/cpu bench/microbench/widen_peak.cpp
@@ -27,6 +32,9 @@
 namespace widen {
 #include "vec.h"
 #include "convert.h"
+#if PAGED_ISA_AVX512_BF16
+#include "fp8_bf16_tables.h"
+#endif
 }  // namespace widen
 
 namespace {
@@ -78,6 +86,72 @@ __attribute__((noinline)) void passes_over(const T* rows, int n, int passes, vfl
   std::memcpy(out, acc, sizeof(acc));
 }
 
+#if PAGED_ISA_AVX512_BF16
+// 64 elements as two bf16 vectors (fp8 in fp8_bf16x64's even / odd order).
+template <typename T>
+__attribute__((always_inline)) inline void load_bf16x64(const T* p, __m512bh& a, __m512bh& b) {
+  if constexpr (sizeof(T) == 1) {
+    __m512i even, odd;
+    fp8_to_bf16x64(p, even, odd);
+    a = (__m512bh)even;
+    b = (__m512bh)odd;
+  } else {
+    a = (__m512bh)_mm512_loadu_si512(p);
+    b = (__m512bh)_mm512_loadu_si512(p + 32);
+  }
+}
+
+// passes_over with vdpbf16ps: each 64-element step as two bf16 vectors, G pair dot
+// products per vector.
+template <int G, int U, typename T>
+__attribute__((noinline)) void dot_passes_over(const T* rows, int n, int passes, __m512 (&out)[U][G][2],
+                                               const __m512bh (&q)[G]) {
+  __m512 acc[U][G][2];
+  std::memcpy(acc, out, sizeof(acc));
+  for (int pass = 0; pass < passes; ++pass) {
+    const T* p = rows;
+    asm volatile("" : "+r"(p));
+    for (int d = 0; d < n; d += 64 * U) {
+      for (int u = 0; u < U; ++u) {
+        __m512bh a, b;
+        load_bf16x64(p + d + 64 * u, a, b);
+        for (int g = 0; g < G; ++g) {
+          acc[u][g][0] = _mm512_dpbf16_ps(acc[u][g][0], q[g], a);
+          acc[u][g][1] = _mm512_dpbf16_ps(acc[u][g][1], q[g], b);
+        }
+      }
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+template <int G, typename T>
+double dot_elements_per_second(double seconds) {
+  constexpr int n = kRowBytes / sizeof(T);
+  constexpr int U = kChains / (2 * G) > 0 ? kChains / (2 * G) : 1;
+  std::vector<T> rows(n);
+  fill(rows);
+  __m512 acc[U][G][2];
+  __m512bh q[G];
+  for (int g = 0; g < G; ++g) q[g] = (__m512bh)_mm512_set1_epi16(short(0x3e80 + g));  // ~0.25
+  for (int u = 0; u < U; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = _mm512_setzero_ps();
+  long passes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  while (elapsed < seconds) {
+    dot_passes_over<G, U>(rows.data(), n, 256, acc, q);
+    passes += 256;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  float sink = 0;
+  for (int u = 0; u < U; ++u)
+    for (int g = 0; g < G; ++g) sink += _mm512_reduce_add_ps(acc[u][g][0] + acc[u][g][1]);
+  if (sink == 1234.5f) std::puts("");
+  return double(passes) * n / elapsed;
+}
+#endif
+
 // Elements per second of one thread over `seconds`.
 template <int G, typename T>
 double elements_per_second(double seconds) {
@@ -106,27 +180,32 @@ double elements_per_second(double seconds) {
 }
 
 // Best of three on one thread, and on two (each thread its own rows), summed.
-template <int G, typename T>
-void report(const char* name) {
+template <typename Rate>
+void report(const char* name, int group, Rate rate) {
   double one = 0, two = 0;
   for (int run = 0; run < 3; ++run) {
-    one = std::max(one, elements_per_second<G, T>(0.2));
+    one = std::max(one, rate(0.2));
     double sum = 0;
 #pragma omp parallel num_threads(2) reduction(+ : sum)
-    sum += elements_per_second<G, T>(0.2);
+    sum += rate(0.2);
     two = std::max(two, sum);
   }
-  std::printf("%s G=%d: 1 thread %.3f G elements/s, 2 threads %.3f G elements/s\n", name, G,
+  std::printf("%s G=%d: 1 thread %.3f G elements/s, 2 threads %.3f G elements/s\n", name, group,
               one / 1e9, two / 1e9);
 }
 
 template <int G>
 void report_all() {
-  report<G, float>("fp32");
-  report<G, Bf16Rows>("bf16");
-  report<G, Fp16>("fp16");
-  report<G, Fp8E4M3>("e4m3");
-  report<G, Fp8E5M2>("e5m2");
+  report("fp32", G, elements_per_second<G, float>);
+  report("bf16", G, elements_per_second<G, Bf16Rows>);
+  report("fp16", G, elements_per_second<G, Fp16>);
+  report("e4m3", G, elements_per_second<G, Fp8E4M3>);
+  report("e5m2", G, elements_per_second<G, Fp8E5M2>);
+#if PAGED_ISA_AVX512_BF16
+  report("bf16_vdpbf16ps", G, dot_elements_per_second<G, Bf16>);
+  report("e4m3_vdpbf16ps", G, dot_elements_per_second<G, Fp8E4M3>);
+  report("e5m2_vdpbf16ps", G, dot_elements_per_second<G, Fp8E5M2>);
+#endif
 }
 
 }  // namespace

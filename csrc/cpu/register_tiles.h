@@ -19,6 +19,25 @@
 template <typename R>
 constexpr int kTileQueries = VW == 4 ? 2 : VW == 16 || sizeof(R) == 1 || kSplitRows<R> ? 4 : 2;
 
+#if PAGED_VEC_WIDTH == 16
+// Lanes l of x without bit S and of y with it, each plus its partner lane l ^ S of the
+// same vector (see hsum_tile).
+template <int S>
+__attribute__((always_inline)) static inline vfloat fold_lanes(vfloat x, vfloat y) {
+  // The blend as vblendmps (a shufflevector of it became a second shuffle).
+  constexpr __mmask16 y_lanes = S == 8 ? 0xff00 : S == 4 ? 0xf0f0 : S == 2 ? 0xcccc : 0xaaaa;
+  const vfloat kept = (vfloat)_mm512_mask_blend_ps(y_lanes, (__m512)x, (__m512)y);
+#define PAGED_FOLD_PARTNER(l) (((l) & S) ? 16 + ((l) ^ S) : ((l) ^ S))
+  return kept + __builtin_shufflevector(x, y, PAGED_FOLD_PARTNER(0), PAGED_FOLD_PARTNER(1),
+                                        PAGED_FOLD_PARTNER(2), PAGED_FOLD_PARTNER(3), PAGED_FOLD_PARTNER(4),
+                                        PAGED_FOLD_PARTNER(5), PAGED_FOLD_PARTNER(6), PAGED_FOLD_PARTNER(7),
+                                        PAGED_FOLD_PARTNER(8), PAGED_FOLD_PARTNER(9), PAGED_FOLD_PARTNER(10),
+                                        PAGED_FOLD_PARTNER(11), PAGED_FOLD_PARTNER(12), PAGED_FOLD_PARTNER(13),
+                                        PAGED_FOLD_PARTNER(14), PAGED_FOLD_PARTNER(15));
+#undef PAGED_FOLD_PARTNER
+}
+#endif
+
 // The G x K accumulators of a score tile summed to G x K scores by one transpose tree
 // (each level halves the lanes per accumulator and packs two vectors into one): cheaper
 // than separate four-way sums. G x K is one vector of sums; scores land in
@@ -28,25 +47,16 @@ __attribute__((always_inline)) static inline void hsum_tile(const vfloat (&acc)[
   static_assert(G * K == VW, "a tile sums to one vector");
   auto flat = [&](int f) { return acc[f / K][f % K]; };
 #if PAGED_VEC_WIDTH == 16
+  // Each level folds pairs (x, y) at lane stride S: a blend keeps x's lanes without bit S
+  // and y's with it, one permute brings each lane its partner (l ^ S) from the same
+  // vector, so a level costs one shuffle per add instead of two. Strides 8 and 2 first
+  // (8 and 4 folds; vshuff32x4 and vshufps), then 4 and 1 (vpermt2ps). Folding
+  // accumulators f and f + S at stride S leaves score f in lane f.
   vfloat l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i) {
-    const vfloat a = flat(2 * i), b = flat(2 * i + 1);
-    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const vfloat a = l1[2 * i], b = l1[2 * i + 1];
-    l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const vfloat a = l2[2 * i], b = l2[2 * i + 1];
-    l3[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  const vfloat r =
-      __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-      __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int i = 0; i < 8; ++i) l1[i] = fold_lanes<8>(flat(i), flat(i + 8));
+  for (int i = 0; i < 4; ++i) l2[i] = fold_lanes<2>(l1[i / 2 * 4 + i % 2], l1[i / 2 * 4 + i % 2 + 2]);
+  for (int i = 0; i < 2; ++i) l3[i] = fold_lanes<4>(l2[i], l2[i + 2]);
+  const vfloat r = fold_lanes<1>(l3[0], l3[1]);
 #elif PAGED_VEC_WIDTH == 4
   const vfloat ab = __builtin_shufflevector(flat(0), flat(1), 0, 4, 1, 5) +
                     __builtin_shufflevector(flat(0), flat(1), 2, 6, 3, 7);
