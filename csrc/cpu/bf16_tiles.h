@@ -16,9 +16,12 @@ static inline __m512bh load_bf16x32(const void* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
+// Forced inline, as the fp32 tiles (register_tiles.h): out of line GCC kept the 16
+// accumulators on the stack (bf16 32/8 decode 1.2-1.3x faster inlined, kernel_cycles).
 template <int G, int K>
-__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp, const Bf16* const* k, float* s,
-                            const Bf16* const* ahead) {
+__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp,
+                                                           const Bf16* const* k, float* s,
+                                                           const Bf16* const* ahead) {
   static_assert(G == 4 && K == 4, "the AVX-512 score tile");
   __m512 acc[G][K];
   for (int g = 0; g < G; ++g)
@@ -136,8 +139,9 @@ static inline void unpermute_fp8_pairs(const float* acc, float* out, int hsp, fl
 }
 
 template <int G, int K, typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
-__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp, const T* const* k, float* s,
-                            const T* const* ahead) {
+__attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, int hsp,
+                                                           const T* const* k, float* s,
+                                                           const T* const* ahead) {
   static_assert(G == 4 && K == 4, "the AVX-512 score tile");
   __m512 acc[G][K];
   for (int g = 0; g < G; ++g)
