@@ -263,6 +263,7 @@ static inline float* output_row(const AttentionParams& P, const WorkItem& w, int
 }
 
 #include "lane_kernel.h"
+#include "lane_pairs.h"
 
 // Queries per KV head from which rows that are not cheap to widen are converted once per
 // chunk: two register tiles or more, each of which would widen every row again. Multi-token
@@ -283,6 +284,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
                                w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
   if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+#if PAGED_ISA_AVX512_BF16
+    if (lane_pairs_apply<T>(P)) {
+      lane_pairs_work_item<T>(P, w, ws);
+      return;
+    }
+#endif
     lane_work_item<T>(P, w, ws);
     return;
   }

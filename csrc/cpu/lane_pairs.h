@@ -1,0 +1,257 @@
+// lane_work_item (lane_kernel.h) on AVX512_BF16 for bf16 and fp8 caches under a bf16
+// query: the same queries-in-lanes tiles, with vdpbf16ps (two products per lane, twice
+// the fp32 FMA's) instead of fp32 FMAs. Included by attention_kernel.h, inside the ISA
+// namespace.
+//
+// Scores: the queries are transposed once into dim pairs, qp[i][m] = (q[m][2i], q[m][2i+1])
+// as two bf16 (exact: the query is bf16), and each key's pair (k[2i], k[2i+1]) is
+// broadcast from a bf16 copy of the chunk's keys (fp8 converted exactly, fp8_bf16_tables.h).
+// The softmax scale (and k_scale) multiplies the scores. Values: the chunk's rows are
+// interleaved once into key pairs (keys t and t + 1, as accumulate_pairs does; the
+// accumulators stay in pair_lane order until the epilogue) and each query's probabilities
+// of the pair are broadcast as two bf16, rounded as the bf16 cache's general kernel does.
+#pragma once
+
+#if PAGED_ISA_AVX512_BF16
+// Whether lane_pairs_work_item takes the item's dtype and head sizes.
+template <typename T>
+static inline bool lane_pairs_apply(const AttentionParams& P) {
+  constexpr bool kPairsDtype = std::is_same_v<T, Bf16> || sizeof(T) == 1;
+  return kPairsDtype && P.query_kind == ScalarKind::kBFloat16 && P.head_size % 64 == 0 &&
+         P.head_size_v % 64 == 0;
+}
+
+// 64 elements of a row as bf16 in their order (fp8 converted exactly).
+template <typename T>
+static inline void row_to_bf16x64(const T* p, uint16_t* out) {
+  if constexpr (sizeof(T) == 1) {
+    __m512i even, odd;
+    fp8_to_bf16x64(p, even, odd);
+    // Words 0-31 of the result: even[0], odd[0], even[1], ...; 32-63 the rest.
+    alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                       37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                       11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(kLow);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi16(even, low, odd));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(even, high, odd));
+  } else {
+    std::memcpy(out, p, 128);
+  }
+}
+
+// s[i][m0 + 16 j ..] = scale * sum_p qp[p][..] . k[i] pair p, for KT keys and MT vectors.
+template <int KT, int MT>
+static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
+                                        float scale, float* s, int m0) {
+  __m512 acc[KT][MT];
+  for (int i = 0; i < KT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int p = 0; p < hs / 2; ++p) {
+    __m512bh q[MT];
+    for (int j = 0; j < MT; ++j) q[j] = (__m512bh)_mm512_loadu_si512(qp + int64_t(p) * mp + m0 + 16 * j);
+    for (int i = 0; i < KT; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, k[i] + 2 * p, sizeof(pair));
+      const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], q[j], kp);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < KT; ++i)
+    for (int j = 0; j < MT; ++j) _mm512_storeu_ps(s + int64_t(i) * mp + m0 + 16 * j, _mm512_mul_ps(acc[i][j], sv));
+}
+
+template <int KT>
+static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
+                                             float scale, float* s) {
+  int m = 0;
+  for (; m + kLaneScoreVecs * 16 <= mp; m += kLaneScoreVecs * 16)
+    lane_pair_score_tile<KT, kLaneScoreVecs>(qp, mp, k, hs, scale, s, m);
+  for (; m < mp; m += 16) lane_pair_score_tile<KT, 1>(qp, mp, k, hs, scale, s, m);
+}
+
+template <typename T>
+static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
+                                    float scale, float* s, const LaneAhead<T>& ahead) {
+  int t = 0;
+  if (mp == 16) {
+    constexpr int kKeys = 2 * kLaneScoreKeys;
+    for (; t + kKeys <= n; t += kKeys) {
+      ahead.fetch(t, t + kKeys);
+      lane_pair_score_tile<kKeys, 1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, 0);
+    }
+  } else {
+    for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
+      ahead.fetch(t, t + kLaneScoreKeys);
+      lane_pair_scores_for_keys<kLaneScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
+    }
+  }
+  ahead.fetch(t, ahead.n);
+  for (; t + 4 <= n; t += 4) lane_pair_scores_for_keys<4>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
+  for (; t < n; ++t) lane_pair_scores_for_keys<1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
+}
+
+// acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
+template <int MR, int DV>
+static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp, int mp, const uint32_t* vp,
+                                        int pairs, int m0, int d0) {
+  __m512 a[MR][DV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < DV; ++j) a[r][j] = _mm512_loadu_ps(acc + int64_t(m0 + r) * hspv + d0 + 16 * j);
+  for (int u = 0; u < pairs; ++u) {
+    __m512bh v[DV];
+    for (int j = 0; j < DV; ++j) v[j] = (__m512bh)_mm512_loadu_si512(vp + int64_t(u) * hspv + d0 + 16 * j);
+    const uint32_t* pu = pp + int64_t(u) * mp + m0;
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(int(pu[r]));
+      for (int j = 0; j < DV; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], v[j], pr);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + int64_t(m0 + r) * hspv + d0 + 16 * j, a[r][j]);
+}
+
+template <int MR>
+static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
+                                             const uint32_t* vp, int pairs, int m0) {
+  int d = 0;
+  for (; d + kLaneValueVecs * 16 <= hspv; d += kLaneValueVecs * 16)
+    lane_pair_value_tile<MR, kLaneValueVecs>(acc, hspv, pp, mp, vp, pairs, m0, d);
+  for (; d < hspv; d += 16) lane_pair_value_tile<MR, 1>(acc, hspv, pp, mp, vp, pairs, m0, d);
+}
+
+template <typename T>
+void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  const int hs = P.head_size, hsv = P.head_size_v;  // multiples of 64 (lane_pairs_apply)
+  const int group = P.num_heads / P.num_kv_heads;
+  const int m = (w.row_end - w.row_begin) * group;  // queries of one KV head
+  const int mp = (m + 15) / 16 * 16;
+  // The fp32 lane kernel's workspace, its regions holding pairs: [hs/2][mp] query pairs in
+  // qt's, [chunk][mp] scores then [chunk/2][mp] probability pairs after them, bf16 keys in
+  // kf's and [chunk/2][hsv] value pairs in vf's.
+  float* qt = ws;
+  float* s = qt + int64_t(mp) * hs;
+  float* acc = s + int64_t(mp) * kLaneChunk;
+  float* run_max = acc + int64_t(mp) * hsv;
+  float* run_sum = run_max + mp;
+  float* kf = run_sum + mp;
+  float* vf = kf + int64_t(kLaneChunk) * hs;
+  float* row = vf + int64_t(kLaneChunk) * hsv;
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(acc) - int64_t(mp) * (kLaneChunk / 2);  // scores' 2nd half
+  uint16_t* kb = reinterpret_cast<uint16_t*>(kf);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(vf);
+  uint16_t* vb = reinterpret_cast<uint16_t*>(row);  // one value row as bf16 (two for a pair)
+  const char* query = static_cast<const char*>(P.query);
+  const T* key_cache = static_cast<const T*>(P.key_cache);
+  const T* value_cache = static_cast<const T*>(P.value_cache);
+  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
+  const bool soft_cap = P.soft_cap > 0.0f;
+  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+
+  for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
+    // Scores of exact bf16 products; k_scale (no unit: the fp8 conversion is exact) applies
+    // with the softmax scale.
+    const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
+    std::memset(qp, 0, sizeof(uint32_t) * mp * (hs / 2));
+    for (int i = 0; i < m; ++i) {
+      const int token = w.row_begin + i / group, head = kv * group + i % group;
+      const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * 2;
+      for (int p = 0; p < hs / 2; ++p) std::memcpy(qp + int64_t(p) * mp + i, q_row + 4 * p, 4);
+    }
+    std::fill(run_max, run_max + mp, -__builtin_inff());
+    std::fill(run_sum, run_sum + mp, 0.0f);
+    std::memset(acc, 0, sizeof(float) * mp * hsv);
+    const int64_t k_head = kv * P.k_head_stride, v_head = kv * P.v_head_stride;
+    const T* k_src[2][kLaneChunk];
+    const T* v_src[2][kLaneChunk];
+    auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
+      for (int t = 0; t < n; ++t) {
+        const int j = j0 + t;
+        const int64_t block = table[j / P.block_size], slot = j % P.block_size;
+        k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
+        v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
+      }
+    };
+    const uint16_t* k_rows[kLaneChunk];
+    int current = 0;
+    locate(w.kv_begin, std::min(kLaneChunk, w.kv_end - w.kv_begin), k_src[0], v_src[0]);
+    for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += kLaneChunk) {
+      const int n = std::min(kLaneChunk, w.kv_end - j0);
+      const int pairs = (n + 1) / 2;
+      const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
+      if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
+      const LaneAhead<T> ahead{k_src[1 - current], v_src[1 - current], next_n,
+                               int(hs * sizeof(T)), int(hsv * sizeof(T))};
+      for (int t = 0; t < n; ++t) {
+        uint16_t* kt = kb + int64_t(t) * hs;
+        for (int d = 0; d < hs; d += 64) row_to_bf16x64(k_src[current][t] + d, kt + d);
+        k_rows[t] = kt;
+      }
+      // Keys t and t + 1 interleaved per 32-element step (pair_lane order); an odd last key
+      // is paired with zeros.
+      for (int u = 0; u < pairs; ++u) {
+        const int t = 2 * u;
+        for (int d = 0; d < hsv; d += 64) {
+          row_to_bf16x64(v_src[current][t] + d, vb);
+          if (t + 1 < n) row_to_bf16x64(v_src[current][t + 1] + d, vb + 64);
+          else std::memset(vb + 64, 0, 128);
+          for (int h = 0; h < 64; h += 32) {
+            const __m512i a = _mm512_loadu_si512(vb + h), b = _mm512_loadu_si512(vb + 64 + h);
+            uint32_t* out = vp + int64_t(u) * hsv + d + h;
+            _mm512_storeu_si512(out, _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(a, b));
+          }
+        }
+      }
+      current = 1 - current;
+      lane_pair_scores(qp, mp, k_rows, n, hs, score_scale, s, ahead);
+      if (soft_cap)
+        for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
+      // The online softmax down the lanes, as lane_work_item's.
+      for (int v0 = 0; v0 < mp; v0 += 16) {
+        vfloat top = load(s + v0);
+        for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+        const vfloat old = load(run_max + v0);
+        const vfloat now = vmax(old, top);
+        vfloat total{};
+        for (int t = 0; t < n; ++t) {
+          const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
+          store(s + int64_t(t) * mp + v0, p);
+          total += p;
+        }
+        float alpha[16];
+        for (int l = 0; l < 16; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
+        rescale_rows(acc + int64_t(v0) * hsv, hsv, alpha, std::min(16, m - v0));
+        vfloat alphas;
+        std::memcpy(&alphas, alpha, sizeof(alphas));
+        store(run_sum + v0, load(run_sum + v0) * alphas + total);
+        store(run_max + v0, now);
+        // The probabilities as bf16 pairs of keys (2u, 2u + 1) into row kLaneChunk / 2 + u
+        // of the scores, last pair first, so no pair reads a row an earlier one overwrote
+        // (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
+        for (int u = pairs - 1; u >= 0; --u) {
+          const __m256bh lo = _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u) * mp + v0));
+          const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u + 1) * mp + v0))
+                                            : (__m256bh)_mm256_setzero_si256();
+          const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)lo),
+                                               _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+          _mm512_storeu_si512(pp + int64_t(u) * mp + v0, pair);
+        }
+      }
+      int r = 0;
+      for (; r + kLaneValueRows <= m; r += kLaneValueRows)
+        lane_pair_values_for_rows<kLaneValueRows>(acc, hsv, pp, mp, vp, pairs, r);
+      for (; r + 2 <= m; r += 2) lane_pair_values_for_rows<2>(acc, hsv, pp, mp, vp, pairs, r);
+      for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv, pp, mp, vp, pairs, r);
+    }
+    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] : 1.0f;
+    for (int i = 0; i < m; ++i) {
+      const int token = w.row_begin + i / group, head = kv * group + i % group;
+      const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
+      unpermute_pairs(acc + int64_t(i) * hsv, output_row(P, w, token, head), hsv, inv);
+    }
+  }
+}
+#endif  // PAGED_ISA_AVX512_BF16
