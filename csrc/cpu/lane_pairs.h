@@ -13,6 +13,21 @@
 #pragma once
 
 #if PAGED_ISA_AVX512_BF16
+// Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors of 16
+// dims; 16 accumulators, so items of 64 queries per KV head (kMaxQueriesPerItem) and head
+// sizes of whole 64s leave no remainder tiles (the fp32 kernel's 8 x 3 tiles left one of a
+// single vector, whose 8 chains ran a third of the value dims at half the rate).
+#ifndef PAGED_PAIR_SK
+#define PAGED_PAIR_SK 8
+#define PAGED_PAIR_SV 2
+#define PAGED_PAIR_VR 8
+#define PAGED_PAIR_VV 2
+#endif
+constexpr int kPairScoreKeys = PAGED_PAIR_SK;
+constexpr int kPairScoreVecs = PAGED_PAIR_SV;
+constexpr int kPairValueRows = PAGED_PAIR_VR;
+constexpr int kPairValueVecs = PAGED_PAIR_VV;
+
 // Whether lane_pairs_work_item takes the item's dtype and head sizes.
 template <typename T>
 static inline bool lane_pairs_apply(const AttentionParams& P) {
@@ -66,8 +81,8 @@ template <int KT>
 static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
                                              float scale, float* s) {
   int m = 0;
-  for (; m + kLaneScoreVecs * 16 <= mp; m += kLaneScoreVecs * 16)
-    lane_pair_score_tile<KT, kLaneScoreVecs>(qp, mp, k, hs, scale, s, m);
+  for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16)
+    lane_pair_score_tile<KT, kPairScoreVecs>(qp, mp, k, hs, scale, s, m);
   for (; m < mp; m += 16) lane_pair_score_tile<KT, 1>(qp, mp, k, hs, scale, s, m);
 }
 
@@ -76,15 +91,15 @@ static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* 
                                     float scale, float* s, const LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == 16) {
-    constexpr int kKeys = 2 * kLaneScoreKeys;
+    constexpr int kKeys = 2 * kPairScoreKeys;
     for (; t + kKeys <= n; t += kKeys) {
       ahead.fetch(t, t + kKeys);
       lane_pair_score_tile<kKeys, 1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, 0);
     }
   } else {
-    for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
-      ahead.fetch(t, t + kLaneScoreKeys);
-      lane_pair_scores_for_keys<kLaneScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
+    for (; t + kPairScoreKeys <= n; t += kPairScoreKeys) {
+      ahead.fetch(t, t + kPairScoreKeys);
+      lane_pair_scores_for_keys<kPairScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
     }
   }
   ahead.fetch(t, ahead.n);
@@ -116,8 +131,8 @@ template <int MR>
 static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
                                              const uint32_t* vp, int pairs, int m0) {
   int d = 0;
-  for (; d + kLaneValueVecs * 16 <= hspv; d += kLaneValueVecs * 16)
-    lane_pair_value_tile<MR, kLaneValueVecs>(acc, hspv, pp, mp, vp, pairs, m0, d);
+  for (; d + kPairValueVecs * 16 <= hspv; d += kPairValueVecs * 16)
+    lane_pair_value_tile<MR, kPairValueVecs>(acc, hspv, pp, mp, vp, pairs, m0, d);
   for (; d < hspv; d += 16) lane_pair_value_tile<MR, 1>(acc, hspv, pp, mp, vp, pairs, m0, d);
 }
 
@@ -241,8 +256,8 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         }
       }
       int r = 0;
-      for (; r + kLaneValueRows <= m; r += kLaneValueRows)
-        lane_pair_values_for_rows<kLaneValueRows>(acc, hsv, pp, mp, vp, pairs, r);
+      for (; r + kPairValueRows <= m; r += kPairValueRows)
+        lane_pair_values_for_rows<kPairValueRows>(acc, hsv, pp, mp, vp, pairs, r);
       for (; r + 2 <= m; r += 2) lane_pair_values_for_rows<2>(acc, hsv, pp, mp, vp, pairs, r);
       for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv, pp, mp, vp, pairs, r);
     }
