@@ -292,6 +292,28 @@ def test_amx_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
                              sinks=scenarios.random_sinks(8), **extra)
 
 
+@pytest.mark.parametrize("cache_dtype,head_size,head_size_v", [
+    (torch.bfloat16, 64, 64), (torch.bfloat16, 128, 256), (torch.bfloat16, 256, 128),
+    (torch.float8_e4m3fn, 64, 128), (torch.float8_e4m3fn, 256, 256), (torch.float8_e5m2, 128, 64)],
+    ids=str)
+def test_lane_pairs_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
+    """On avx512_bf16 the keys every row of a causal tile sees (queries in lanes) take
+    vdpbf16ps for bf16 and fp8 caches under a bf16 query: 32 to 128 key pairs, value rows
+    interleaved in key pairs (odd chunk lengths pair the last key with zeros), soft cap and
+    sinks; fp8 with per-head scales."""
+    select_isa("avx512_bf16", monkeypatch)
+    kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
+    lens = [97, 160, 333, 511]
+    case, extra = scenarios.with_format(
+        make_case(lens, 2, head_size, 16, torch.bfloat16 if kv.cache_dtype is None else torch.float32,
+                  head_size_v=head_size_v), kv)
+    qsl = query_start_loc([33, 64, 131, 77])
+    query = random_query(int(qsl[-1]), 8, head_size, torch.bfloat16)
+    assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, **extra)
+    assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, soft_cap=30.0,
+                             sinks=scenarios.random_sinks(8), **extra)
+
+
 @pytest.mark.parametrize("trend", ["rising", "falling", "spikes"])
 def test_amx_running_max(trend, monkeypatch):
     """The amx softmax moves a query's running max only when a score passes it by 2^8 (lazy
