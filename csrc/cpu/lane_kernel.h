@@ -127,6 +127,44 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }
 
+// The stored key and value rows of keys [j0, j0 + n) of the KV head at k_head / v_head.
+template <typename T>
+static inline void lane_locate(const AttentionParams& P, const int32_t* table, int64_t k_head,
+                               int64_t v_head, int j0, int n, const T** k_out, const T** v_out) {
+  const T* key_cache = static_cast<const T*>(P.key_cache);
+  const T* value_cache = static_cast<const T*>(P.value_cache);
+  for (int t = 0; t < n; ++t) {
+    const int j = j0 + t;
+    const int64_t block = table[j / P.block_size], slot = j % P.block_size;
+    k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
+    v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
+  }
+}
+
+// The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
+// the query vector at v0: one max, exp and sum per vector; the accumulator rows of queries
+// whose max moved (of the first m) are rescaled.
+static inline void lane_softmax(float* s, int n, int mp, int v0, int m, float* run_max, float* run_sum,
+                                float* acc, int hspv) {
+  vfloat top = load(s + v0);
+  for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+  const vfloat old = load(run_max + v0);
+  const vfloat now = vmax(old, top);
+  vfloat total{};
+  for (int t = 0; t < n; ++t) {
+    const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
+    store(s + int64_t(t) * mp + v0, p);
+    total += p;
+  }
+  float alpha[VW];
+  for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
+  rescale_rows(acc + int64_t(v0) * hspv, hspv, alpha, std::min(VW, m - v0));
+  vfloat alphas;
+  std::memcpy(&alphas, alpha, sizeof(alphas));
+  store(run_sum + v0, load(run_sum + v0) * alphas + total);
+  store(run_max + v0, now);
+}
+
 // One work item of shared_prefix_attention (every query sees keys [kv_begin, kv_end)),
 // KV head by KV head. Scratch: (m rounded up to VW) x (hsp + chunk + hspv + 2) plus a
 // chunk of widened keys and values and one query row, within kernel_workspace_floats of
@@ -156,8 +194,6 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   constexpr float kUnit = StoredUnit<T>::value;
   const char* query = static_cast<const char*>(P.query);
   const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
-  const T* key_cache = static_cast<const T*>(P.key_cache);
-  const T* value_cache = static_cast<const T*>(P.value_cache);
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
@@ -180,12 +216,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
     const T* k_src[2][kLaneChunk];
     const T* v_src[2][kLaneChunk];
     auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
-      for (int t = 0; t < n; ++t) {
-        const int j = j0 + t;
-        const int64_t block = table[j / P.block_size], slot = j % P.block_size;
-        k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
-        v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
-      }
+      lane_locate(P, table, k_head, v_head, j0, n, k_out, v_out);
     };
     const float* k_rows[kLaneChunk];
     const float* v_rows[kLaneChunk];
@@ -212,26 +243,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
       lane_scores(qt, mp, k_rows, n, hs, s, ahead);
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      // The online softmax down the lanes: per query vector one max, exp and sum.
-      for (int v0 = 0; v0 < mp; v0 += VW) {
-        vfloat top = load(s + v0);
-        for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
-        const vfloat old = load(run_max + v0);
-        const vfloat now = vmax(old, top);
-        vfloat total{};
-        for (int t = 0; t < n; ++t) {
-          const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
-          store(s + int64_t(t) * mp + v0, p);
-          total += p;
-        }
-        float alpha[VW];
-        for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
-        rescale_rows(acc + int64_t(v0) * hspv, hspv, alpha, std::min(VW, m - v0));
-        vfloat alphas;
-        std::memcpy(&alphas, alpha, sizeof(alphas));
-        store(run_sum + v0, load(run_sum + v0) * alphas + total);
-        store(run_max + v0, now);
-      }
+      for (int v0 = 0; v0 < mp; v0 += VW) lane_softmax(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
       lane_values(acc, hspv, s, mp, v_rows, n, m);
     }
     // As the general kernel's epilogue: the sink (partition 0), the fp8 value scale, lse.

@@ -154,8 +154,6 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   uint32_t* vp = reinterpret_cast<uint32_t*>(vf);
   uint16_t* vb = reinterpret_cast<uint16_t*>(row);  // one value row as bf16 (two for a pair)
   const char* query = static_cast<const char*>(P.query);
-  const T* key_cache = static_cast<const T*>(P.key_cache);
-  const T* value_cache = static_cast<const T*>(P.value_cache);
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
@@ -177,12 +175,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const T* k_src[2][kLaneChunk];
     const T* v_src[2][kLaneChunk];
     auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
-      for (int t = 0; t < n; ++t) {
-        const int j = j0 + t;
-        const int64_t block = table[j / P.block_size], slot = j % P.block_size;
-        k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
-        v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
-      }
+      lane_locate(P, table, k_head, v_head, j0, n, k_out, v_out);
     };
     const uint16_t* k_rows[kLaneChunk];
     int current = 0;
@@ -219,25 +212,8 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       lane_pair_scores(qp, mp, k_rows, n, hs, score_scale, s, ahead);
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      // The online softmax down the lanes, as lane_work_item's.
       for (int v0 = 0; v0 < mp; v0 += 16) {
-        vfloat top = load(s + v0);
-        for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
-        const vfloat old = load(run_max + v0);
-        const vfloat now = vmax(old, top);
-        vfloat total{};
-        for (int t = 0; t < n; ++t) {
-          const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
-          store(s + int64_t(t) * mp + v0, p);
-          total += p;
-        }
-        float alpha[16];
-        for (int l = 0; l < 16; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
-        rescale_rows(acc + int64_t(v0) * hsv, hsv, alpha, std::min(16, m - v0));
-        vfloat alphas;
-        std::memcpy(&alphas, alpha, sizeof(alphas));
-        store(run_sum + v0, load(run_sum + v0) * alphas + total);
-        store(run_max + v0, now);
+        lane_softmax(s, n, mp, v0, m, run_max, run_sum, acc, hsv);
         // The probabilities as bf16 pairs of keys (2u, 2u + 1) into row kLaneChunk / 2 + u
         // of the scores, last pair first, so no pair reads a row an earlier one overwrote
         // (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
