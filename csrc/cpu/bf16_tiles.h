@@ -96,41 +96,12 @@ static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, f
     for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
 }
 
-// Probability-weighted fp8 values with vdpbf16ps, two keys per instruction as
-// accumulate_pairs: each row's 64-element step converted to bf16 (fp8_to_bf16x64: even and
-// odd elements), the two keys' words interleaved (vpunpck{l,h}wd). Accumulators in
-// fp8_pair_slot order, four vectors per query and step.
+// fp8 values take accumulate_pairs too, each row's 64-element step converted to bf16
+// (fp8_to_bf16x64: its even elements, then its odd ones): accumulators in fp8_pair_slot
+// order, four vectors per query and step.
 static inline int fp8_pair_slot(int i) {  // element i of a 64-element step -> accumulator slot
   const int word = i / 2, parity = i % 2;
   return 16 * (2 * parity + word % 8 / 4) + 4 * (word / 8) + word % 4;
-}
-
-template <int G, typename T>
-static inline void accumulate_fp8_pairs(float* acc, int hsp, const uint32_t* pairs, const T* const* v,
-                                        int n, const T* const* ahead) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int d = 0; d < hsp; d += 64) {
-    __m512 a[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 16 * i);
-    for (int t = 0; t < n; t += 2) {
-      const bool odd = t + 1 == n;
-      prefetch_same_line(ahead, t, d);
-      if (!odd) prefetch_same_line(ahead, t + 1, d);
-      __m512i even_a, odd_a, even_b = zero, odd_b = zero;
-      fp8_to_bf16x64(v[t] + d, even_a, odd_a);
-      if (!odd) fp8_to_bf16x64(v[t + 1] + d, even_b, odd_b);
-      const __m512bh x[4] = {
-          (__m512bh)_mm512_unpacklo_epi16(even_a, even_b), (__m512bh)_mm512_unpackhi_epi16(even_a, even_b),
-          (__m512bh)_mm512_unpacklo_epi16(odd_a, odd_b), (__m512bh)_mm512_unpackhi_epi16(odd_a, odd_b)};
-      for (int g = 0; g < G; ++g) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
-        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpbf16_ps(a[g][i], x[i], pp);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 16 * i, a[g][i]);
-  }
 }
 
 static inline void unpermute_fp8_pairs(const float* acc, float* out, int hsp, float factor) {
@@ -214,11 +185,23 @@ static inline void unpermute_pairs(const float* acc, float* out, int hsp, float 
     for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
 }
 
+// STEPS 32-element steps of a row from its element 0 as bf16 words: a bf16 row's own; an
+// fp8 row (STEPS 2: one 64-element step) converted, its even elements then its odd ones.
+template <int STEPS, typename R>
+__attribute__((always_inline)) static inline void row_steps_bf16(const R* row, __m512i (&x)[STEPS]) {
+  if constexpr (sizeof(R) == 1) {
+    static_assert(STEPS == 2, "an fp8 step is 64 elements");
+    fp8_to_bf16x64(row, x[0], x[1]);
+  } else {
+    for (int k = 0; k < STEPS; ++k) x[k] = _mm512_loadu_si512(row + 32 * k);
+  }
+}
+
 // acc[g] += sum_t p[g][t] v[t] for G queries; `pairs[g * kKeyChunk / 2 + t / 2]` holds
 // (p[g][t], p[g][t+1]) as two bf16. An odd last key is paired with a zero row.
-template <int G, int STEPS>
+template <int G, int STEPS, typename R>
 static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint32_t* pairs,
-                                          const Bf16* const* v, int n, const Bf16* const* ahead) {
+                                          const R* const* v, int n, const R* const* ahead) {
   // STEPS 32-element steps of the rows at once: each broadcast pair serves them all.
   const __m512i zero = _mm512_setzero_si512();
   __m512 lo[G][STEPS], hi[G][STEPS];
@@ -229,14 +212,21 @@ static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint
     }
   for (int t = 0; t < n; t += 2) {
     const bool odd = t + 1 == n;
-    __m512bh ab_lo[STEPS], ab_hi[STEPS];
     for (int k = 0; k < STEPS; ++k) {
       prefetch_same_line(ahead, t, d + 32 * k);
       if (!odd) prefetch_same_line(ahead, t + 1, d + 32 * k);
-      const __m512i a = _mm512_loadu_si512(v[t] + d + 32 * k);
-      const __m512i b = odd ? zero : _mm512_loadu_si512(v[t + 1] + d + 32 * k);
-      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    __m512i a[STEPS], b[STEPS];
+    row_steps_bf16<STEPS>(v[t] + d, a);
+    if (odd) {
+      for (int k = 0; k < STEPS; ++k) b[k] = zero;
+    } else {
+      row_steps_bf16<STEPS>(v[t + 1] + d, b);
+    }
+    __m512bh ab_lo[STEPS], ab_hi[STEPS];
+    for (int k = 0; k < STEPS; ++k) {
+      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a[k], b[k]);
+      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a[k], b[k]);
     }
     for (int g = 0; g < G; ++g) {
       const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
@@ -253,12 +243,14 @@ static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint
     }
 }
 
-template <int G>
-static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const Bf16* const* v,
-                                    int n, const Bf16* const* ahead) {
+// bf16 rows of whole 32-element steps, fp8 rows of whole 64-element steps.
+template <int G, typename R>
+static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, const R* const* v,
+                                    int n, const R* const* ahead) {
   int d = 0;
   for (; d + 64 <= hsp; d += 64) accumulate_pairs_block<G, 2>(acc, hsp, d, pairs, v, n, ahead);
-  if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
+  if constexpr (sizeof(R) == 2)
+    if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
 }
 
 // The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).

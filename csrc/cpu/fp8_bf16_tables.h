@@ -13,7 +13,7 @@
 // elements in its first vector and the odd ones in its second (fp8_key_element); the caller
 // permutes the query the same way. Values take the same lookups into fp32 (bf16 << 16),
 // four vectors of elements 4k + r (fp8_value_slot), in accumulators kept in that order;
-// or, for bf16 queries, two keys' words interleaved into pairs (accumulate_fp8_pairs).
+// or, for bf16 queries, two keys' words interleaved into pairs (accumulate_pairs).
 constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
   if (mantissa == 0) return 0;
   int top = 0;
