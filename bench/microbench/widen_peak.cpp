@@ -86,6 +86,20 @@ __attribute__((noinline)) void passes_over(const T* rows, int n, int passes, vfl
   std::memcpy(out, acc, sizeof(acc));
 }
 
+// Passes per second over `seconds` of run256, which makes 256 passes a call.
+template <typename Run>
+double passes_per_second(double seconds, Run run256) {
+  long passes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  while (elapsed < seconds) {
+    run256();
+    passes += 256;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return double(passes) / elapsed;
+}
+
 #if PAGED_ISA_AVX512_BF16
 // 64 elements as two bf16 vectors (fp8 in fp8_bf16x64's even / odd order).
 template <typename T>
@@ -136,19 +150,12 @@ double dot_elements_per_second(double seconds) {
   for (int g = 0; g < G; ++g) q[g] = (__m512bh)_mm512_set1_epi16(short(0x3e80 + g));  // ~0.25
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = _mm512_setzero_ps();
-  long passes = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  double elapsed = 0;
-  while (elapsed < seconds) {
-    dot_passes_over<G, U>(rows.data(), n, 256, acc, q);
-    passes += 256;
-    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  const double passes = passes_per_second(seconds, [&] { dot_passes_over<G, U>(rows.data(), n, 256, acc, q); });
   float sink = 0;
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) sink += _mm512_reduce_add_ps(acc[u][g][0] + acc[u][g][1]);
   if (sink == 1234.5f) std::puts("");
-  return double(passes) * n / elapsed;
+  return passes * n;
 }
 #endif
 
@@ -164,19 +171,12 @@ double elements_per_second(double seconds) {
   for (int g = 0; g < G; ++g) q[g] = splat(1.0f / float(g + 3));
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = vfloat{};
-  long passes = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  double elapsed = 0;
-  while (elapsed < seconds) {
-    passes_over<G, U>(rows.data(), n, 256, acc, q);
-    passes += 256;
-    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  const double passes = passes_per_second(seconds, [&] { passes_over<G, U>(rows.data(), n, 256, acc, q); });
   float sink = 0;
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) sink += hsum(acc[u][g][0] + acc[u][g][1]);
   if (sink == 1234.5f) std::puts("");
-  return double(passes) * n / elapsed;
+  return passes * n;
 }
 
 // Best of three on one thread, and on two (each thread its own rows), summed.
