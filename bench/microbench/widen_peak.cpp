@@ -101,14 +101,14 @@ double passes_per_second(double seconds, Run run256) {
 }
 
 #if PAGED_ISA_AVX512_BF16
-// 64 elements as two bf16 vectors (fp8 in fp8_bf16x64's even / odd order).
+// 64 elements as two bf16 vectors (fp8 in fp8_to_bf16_lanes' order, as the kernel's tiles).
 template <typename T>
 __attribute__((always_inline)) inline void load_bf16x64(const T* p, __m512bh& a, __m512bh& b) {
   if constexpr (sizeof(T) == 1) {
-    __m512i even, odd;
-    fp8_to_bf16x64(p, even, odd);
-    a = (__m512bh)even;
-    b = (__m512bh)odd;
+    __m512i first, second;
+    fp8_to_bf16_lanes<T>(_mm512_loadu_si512(p), first, second);
+    a = (__m512bh)first;
+    b = (__m512bh)second;
   } else {
     a = (__m512bh)_mm512_loadu_si512(p);
     b = (__m512bh)_mm512_loadu_si512(p + 32);

@@ -382,10 +382,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     if (bf16_dot) {
       uint16_t* qb = q_bits + int64_t(m) * hsp;
 #if PAGED_ISA_AVX512_BF16
-      if constexpr (sizeof(T) == 1) {  // in the order fp8_to_bf16x64 leaves a key's elements
+      if constexpr (sizeof(T) == 1) {  // in the order fp8_to_bf16_lanes leaves a key's elements
         const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row);
         for (int d = 0; d < hs; d += 64)
-          for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_key_element(i)];
+          for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_lane_element(i)];
       } else
 #endif
         std::memcpy(qb, q_row, 2 * hs);

@@ -96,12 +96,11 @@ static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, f
     for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
 }
 
-// fp8 values take accumulate_pairs too, each row's 64-element step converted to bf16
-// (fp8_to_bf16x64: its even elements, then its odd ones): accumulators in fp8_pair_slot
-// order, four vectors per query and step.
+// fp8 values take accumulate_pairs too (pair_words): accumulators in fp8_pair_slot order,
+// four vectors per query and 64-element step.
 static inline int fp8_pair_slot(int i) {  // element i of a 64-element step -> accumulator slot
-  const int word = i / 2, parity = i % 2;
-  return 16 * (2 * parity + word % 8 / 4) + 4 * (word / 8) + word % 4;
+  const int lane = i / 16, vector = i % 16 / 4;
+  return 16 * vector + 4 * lane + i % 4;
 }
 
 static inline void unpermute_fp8_pairs(const float* acc, float* out, int hsp, float factor) {
@@ -120,7 +119,7 @@ __attribute__((always_inline)) static inline void dot_tile(const uint16_t* q, in
   for (int d = 0; d < hsp; d += 64) {
     for (int i = 0; i < 4; ++i) prefetch_same_line(ahead, i, d);
     __m512i first[4], second[4];
-    for (int i = 0; i < 4; ++i) fp8_to_bf16x64(k[i] + d, first[i], second[i]);
+    for (int i = 0; i < 4; ++i) fp8_to_bf16_lanes<T>(_mm512_loadu_si512(k[i] + d), first[i], second[i]);
     for (int g = 0; g < G; ++g) {
       const __m512bh q0 = load_bf16x32(q + int64_t(g) * hsp + d);
       const __m512bh q1 = load_bf16x32(q + int64_t(g) * hsp + d + 32);
@@ -146,7 +145,7 @@ static inline void dot4(const uint16_t* q, const T* const* k, int hsp, float* ou
     const __m512bh q0 = load_bf16x32(q + d), q1 = load_bf16x32(q + d + 32);
     for (int i = 0; i < 4; ++i) {
       __m512i lo, hi;
-      fp8_to_bf16x64(k[i] + d, lo, hi);
+      fp8_to_bf16_lanes<T>(_mm512_loadu_si512(k[i] + d), lo, hi);
       even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)lo);
       odd[i] = _mm512_dpbf16_ps(odd[i], q1, (__m512bh)hi);
     }
@@ -161,7 +160,7 @@ static inline float dot1(const uint16_t* q, const T* k, int hsp, const T* const*
   for (int d = 0; d < hsp; d += 64) {
     prefetch_same_line(ahead, 0, d);
     __m512i first, second;
-    fp8_to_bf16x64(k + d, first, second);
+    fp8_to_bf16_lanes<T>(_mm512_loadu_si512(k + d), first, second);
     a = _mm512_dpbf16_ps(a, load_bf16x32(q + d), (__m512bh)first);
     a = _mm512_dpbf16_ps(a, load_bf16x32(q + d + 32), (__m512bh)second);
   }
@@ -185,15 +184,27 @@ static inline void unpermute_pairs(const float* acc, float* out, int hsp, float 
     for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
 }
 
-// STEPS 32-element steps of a row from its element 0 as bf16 words: a bf16 row's own; an
-// fp8 row (STEPS 2: one 64-element step) converted, its even elements then its odd ones.
+// The value pairs of rows a and b (b null: a zero row) over STEPS 32-element steps from
+// element 0: 2 STEPS vectors whose 32-bit lanes hold (a[i], b[i]) as bf16. bf16 rows:
+// their words interleaved (vpunpck{l,h}wd), lanes in pair_lane order. fp8 rows (STEPS 2):
+// their bytes interleaved first (vpunpck{l,h}bw), then converted by fp8_to_bf16_lanes,
+// lanes in fp8_pair_slot order: 12 operations for two rows' 64 elements, where converting
+// each row and interleaving its words took 18.
 template <int STEPS, typename R>
-__attribute__((always_inline)) static inline void row_steps_bf16(const R* row, __m512i (&x)[STEPS]) {
+__attribute__((always_inline)) static inline void pair_words(const R* a, const R* b,
+                                                             __m512i (&ab)[2 * STEPS]) {
+  const __m512i zero = _mm512_setzero_si512();
   if constexpr (sizeof(R) == 1) {
     static_assert(STEPS == 2, "an fp8 step is 64 elements");
-    fp8_to_bf16x64(row, x[0], x[1]);
+    const __m512i xa = _mm512_loadu_si512(a), xb = b ? _mm512_loadu_si512(b) : zero;
+    fp8_to_bf16_lanes<R>(_mm512_unpacklo_epi8(xa, xb), ab[0], ab[1]);
+    fp8_to_bf16_lanes<R>(_mm512_unpackhi_epi8(xa, xb), ab[2], ab[3]);
   } else {
-    for (int k = 0; k < STEPS; ++k) x[k] = _mm512_loadu_si512(row + 32 * k);
+    for (int k = 0; k < STEPS; ++k) {
+      const __m512i xa = _mm512_loadu_si512(a + 32 * k), xb = b ? _mm512_loadu_si512(b + 32 * k) : zero;
+      ab[2 * k] = _mm512_unpacklo_epi16(xa, xb);
+      ab[2 * k + 1] = _mm512_unpackhi_epi16(xa, xb);
+    }
   }
 }
 
@@ -203,44 +214,25 @@ template <int G, int STEPS, typename R>
 static inline void accumulate_pairs_block(float* acc, int hsp, int d, const uint32_t* pairs,
                                           const R* const* v, int n, const R* const* ahead) {
   // STEPS 32-element steps of the rows at once: each broadcast pair serves them all.
-  const __m512i zero = _mm512_setzero_si512();
-  __m512 lo[G][STEPS], hi[G][STEPS];
+  constexpr int kVecs = 2 * STEPS;
+  __m512 a[G][kVecs];
   for (int g = 0; g < G; ++g)
-    for (int k = 0; k < STEPS; ++k) {
-      lo[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k);
-      hi[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16);
-    }
+    for (int k = 0; k < kVecs; ++k) a[g][k] = _mm512_loadu_ps(acc + int64_t(g) * hsp + d + 16 * k);
   for (int t = 0; t < n; t += 2) {
     const bool odd = t + 1 == n;
     for (int k = 0; k < STEPS; ++k) {
       prefetch_same_line(ahead, t, d + 32 * k);
       if (!odd) prefetch_same_line(ahead, t + 1, d + 32 * k);
     }
-    __m512i a[STEPS], b[STEPS];
-    row_steps_bf16<STEPS>(v[t] + d, a);
-    if (odd) {
-      for (int k = 0; k < STEPS; ++k) b[k] = zero;
-    } else {
-      row_steps_bf16<STEPS>(v[t + 1] + d, b);
-    }
-    __m512bh ab_lo[STEPS], ab_hi[STEPS];
-    for (int k = 0; k < STEPS; ++k) {
-      ab_lo[k] = (__m512bh)_mm512_unpacklo_epi16(a[k], b[k]);
-      ab_hi[k] = (__m512bh)_mm512_unpackhi_epi16(a[k], b[k]);
-    }
+    __m512i ab[kVecs];
+    pair_words<STEPS>(v[t] + d, odd ? nullptr : v[t + 1] + d, ab);
     for (int g = 0; g < G; ++g) {
       const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g * (kKeyChunk / 2) + t / 2]));
-      for (int k = 0; k < STEPS; ++k) {
-        lo[g][k] = _mm512_dpbf16_ps(lo[g][k], ab_lo[k], pp);
-        hi[g][k] = _mm512_dpbf16_ps(hi[g][k], ab_hi[k], pp);
-      }
+      for (int k = 0; k < kVecs; ++k) a[g][k] = _mm512_dpbf16_ps(a[g][k], (__m512bh)ab[k], pp);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int k = 0; k < STEPS; ++k) {
-      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k, lo[g][k]);
-      _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 32 * k + 16, hi[g][k]);
-    }
+    for (int k = 0; k < kVecs; ++k) _mm512_storeu_ps(acc + int64_t(g) * hsp + d + 16 * k, a[g][k]);
 }
 
 // bf16 rows of whole 32-element steps, fp8 rows of whole 64-element steps.

@@ -55,16 +55,40 @@ static inline int fp8_value_slot(int i) { return 16 * (i % 4) + i / 4; }
 // ternarylogic immediate for a | (b & c).
 constexpr int kOrAnd = 0xf8;
 
+// The two lookups of 64 fp8 bytes: each byte's bf16 high byte (its sign OR-ed in) and low byte.
+template <typename T>
+__attribute__((always_inline)) static inline void fp8_bf16_bytes(__m512i x, __m512i& high, __m512i& low) {
+  const __m512i* table = reinterpret_cast<const __m512i*>(&kFp8Bf16<T>);
+  high = _mm512_ternarylogic_epi32(  // with the sign: high | (x & 0x80)
+      _mm512_permutex2var_epi8(_mm512_load_si512(table), x, _mm512_load_si512(table + 1)), x,
+      _mm512_set1_epi8(char(0x80)), kOrAnd);
+  low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), x, _mm512_load_si512(table + 3));
+}
+
 template <typename T>
 static inline void fp8_to_bf16x64(const T* p, __m512i& even, __m512i& odd) {
   const __m512i x = _mm512_loadu_si512(p);
-  const __m512i* table = reinterpret_cast<const __m512i*>(&kFp8Bf16<T>);
-  const __m512i high = _mm512_ternarylogic_epi32(  // with the sign: high | (x & 0x80)
-      _mm512_permutex2var_epi8(_mm512_load_si512(table), x, _mm512_load_si512(table + 1)), x,
-      _mm512_set1_epi8(char(0x80)), kOrAnd);
-  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), x, _mm512_load_si512(table + 3));
+  __m512i high, low;
+  fp8_bf16_bytes<T>(x, high, low);
   even = _mm512_ternarylogic_epi32(_mm512_slli_epi16(high, 8), low, _mm512_set1_epi16(0x00ff), kOrAnd);
   odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 8), high, _mm512_set1_epi16(short(0xff00)), kOrAnd);
+}
+
+// 64 fp8 bytes as bf16 words in 128-bit lane order, the lookups' bytes joined by two
+// unpacks (two operations fewer than fp8_to_bf16x64's shifts and blends): lane l of
+// `first` holds the words of bytes 16 l + j, of `second` bytes 16 l + 8 + j (j < 8).
+template <typename T>
+__attribute__((always_inline)) static inline void fp8_to_bf16_lanes(__m512i x, __m512i& first,
+                                                                    __m512i& second) {
+  __m512i high, low;
+  fp8_bf16_bytes<T>(x, high, low);
+  first = _mm512_unpacklo_epi8(low, high);
+  second = _mm512_unpackhi_epi8(low, high);
+}
+// Slot i of a key step converted by fp8_to_bf16_lanes holds element fp8_lane_element(i).
+static inline int fp8_lane_element(int i) {
+  const int half = i / 32, word = i % 32;
+  return 16 * (word / 8) + 8 * half + word % 8;
 }
 
 // 64 fp8 values as fp32: v[r] holds elements 4k + r.

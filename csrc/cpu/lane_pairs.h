@@ -35,16 +35,14 @@ static inline bool lane_pairs_apply(const AttentionParams& P) {
 template <typename T>
 static inline void row_to_bf16x64(const T* p, uint16_t* out) {
   if constexpr (sizeof(T) == 1) {
-    __m512i even, odd;
-    fp8_to_bf16x64(p, even, odd);
-    // Words 0-31 of the result: even[0], odd[0], even[1], ...; 32-63 the rest.
-    alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                       37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                       11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i low = _mm512_load_si512(kLow);
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    _mm512_storeu_si512(out, _mm512_permutex2var_epi16(even, low, odd));
-    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(even, high, odd));
+    __m512i first, second;
+    fp8_to_bf16_lanes<T>(_mm512_loadu_si512(p), first, second);
+    // Words 0-31 of the result: 128-bit lanes 0 of first and second, then lanes 1; 32-63
+    // lanes 2 and 3.
+    const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i high = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi64(first, low, second));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi64(first, high, second));
   } else {
     std::memcpy(out, p, 128);
   }
