@@ -8,12 +8,13 @@
 // fp8 keys against bf16 queries with vdpbf16ps: each key row is converted to bf16 exactly
 // (every e4m3 / e5m2 value is a bf16 value, subnormals included) by two byte lookups,
 // vpermi2b (AVX512_VBMI) over 128-entry tables of the bf16's high and low byte indexed by
-// the byte's low 7 bits (the sign is OR-ed in), then paired into 16-bit lanes by shifts
-// and masks (no further shuffles: port 5 runs the lookups): a 64-byte step yields the even
-// elements in its first vector and the odd ones in its second (fp8_key_element); the caller
-// permutes the query the same way. Values take the same lookups into fp32 (bf16 << 16),
-// four vectors of elements 4k + r (fp8_value_slot), in accumulators kept in that order;
-// or, for bf16 queries, two keys' words interleaved into pairs (accumulate_pairs).
+// the byte's low 7 bits (the sign is OR-ed in), joined into words by two byte unpacks
+// (fp8_to_bf16_lanes): a 64-byte step leaves its elements in 128-bit lane order
+// (fp8_lane_element), and the caller permutes the query the same way. Values take the same
+// words into fp32 (bf16 << 16; fp8_value_slot order), or, for bf16 queries, two rows'
+// bytes interleaved before the lookups into pairs (pair_words, bf16_tiles.h). The AMX
+// kernel takes the even / odd order of fp8_to_bf16x64 (fp8_key_element), which its tiles
+// are laid out for.
 constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
   if (mantissa == 0) return 0;
   int top = 0;
@@ -47,10 +48,8 @@ constexpr Fp8Bf16Table fp8_bf16_table() {
 template <typename T>
 inline constexpr Fp8Bf16Table kFp8Bf16 = fp8_bf16_table<T>();
 
-// Slot i of a key step holds element fp8_key_element(i); element i of a value step is in
-// slot fp8_value_slot(i).
+// Slot i of a step converted by fp8_to_bf16x64 holds element fp8_key_element(i).
 static inline int fp8_key_element(int i) { return i < 32 ? 2 * i : 2 * (i - 32) + 1; }
-static inline int fp8_value_slot(int i) { return 16 * (i % 4) + i / 4; }
 
 // ternarylogic immediate for a | (b & c).
 constexpr int kOrAnd = 0xf8;
@@ -91,16 +90,21 @@ static inline int fp8_lane_element(int i) {
   return 16 * (word / 8) + 8 * half + word % 8;
 }
 
-// 64 fp8 values as fp32: v[r] holds elements 4k + r.
+// 64 fp8 values as fp32, element i in slot fp8_value_slot(i) of the four vectors v: the
+// words of fp8_to_bf16_lanes, low halves of their 32-bit lanes first.
 template <typename T>
 static inline void fp8_to_float64(const T* p, vfloat (&v)[4]) {
-  __m512i even, odd;
-  fp8_to_bf16x64(p, even, odd);
+  __m512i first, second;
+  fp8_to_bf16_lanes<T>(_mm512_loadu_si512(p), first, second);
   const __m512i top = _mm512_set1_epi32(int(0xffff0000u));
-  v[0] = (vfloat)_mm512_slli_epi32(even, 16);
-  v[1] = (vfloat)_mm512_slli_epi32(odd, 16);
-  v[2] = (vfloat)_mm512_and_si512(even, top);
-  v[3] = (vfloat)_mm512_and_si512(odd, top);
+  v[0] = (vfloat)_mm512_slli_epi32(first, 16);
+  v[1] = (vfloat)_mm512_slli_epi32(second, 16);
+  v[2] = (vfloat)_mm512_and_si512(first, top);
+  v[3] = (vfloat)_mm512_and_si512(second, top);
+}
+static inline int fp8_value_slot(int i) {
+  const int lane = i / 16, word = i % 8, second = i % 16 / 8;
+  return 16 * (second + 2 * (word % 2)) + 4 * lane + word / 2;
 }
 
 #endif  // PAGED_ISA_AVX512_BF16
