@@ -331,18 +331,27 @@ static inline void load2_as_float(const Fp8E4M3* p, vfloat& a, vfloat& b) {
   const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), magnitude_bits);
   halves16_to_float(_mm256_or_si256(h, nan), a, b);
 }
+#endif
 
-// Split order: 16 bf16 elements from one 32-byte load, the even ones (shifted up) in the
-// first vector and the odd ones (masked) in the second: one integer instruction per 8
-// elements, half of them a plain AND, instead of a widening and a shift each (vpmovzxwd,
-// vpslld). A dot product does not care about the order when the query is in the same one;
-// value accumulators stay in it for the whole item (split_slot). So every reader of such
-// rows takes whole 2 x VW steps: the kernel splits rows of whole 4 x VW-element steps only.
+// Split order: 2 VW bf16 elements from one load, the even ones (shifted up) in the first
+// vector and the odd ones (masked) in the second: one integer instruction per VW elements,
+// half of them a plain AND, instead of a widening and a shift each (vpmovzxwd, vpslld). A
+// dot product does not care about the order when the query is in the same one; value
+// accumulators stay in it for the whole item (split_slot). So every reader of such rows
+// takes whole 2 x VW steps: the kernel splits rows of whole 4 x VW-element steps only.
+// AVX2 and AVX-512 without AVX512_BF16 (which reads bf16 rows with vdpbf16ps).
+#if (PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8) || (PAGED_ISA_AVX512 && !PAGED_ISA_AVX512_BF16)
 constexpr bool kHasSplitRows = true;
 static inline void load2_as_float(const Bf16Split* p, vfloat& even, vfloat& odd) {
+#if PAGED_VEC_WIDTH == 16
+  const __m512i x = _mm512_loadu_si512(p);
+  even = (vfloat)_mm512_slli_epi32(x, 16);
+  odd = (vfloat)_mm512_and_si512(x, _mm512_set1_epi32(int(0xffff0000u)));
+#else
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = (vfloat)_mm256_slli_epi32(x, 16);
   odd = (vfloat)_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u)));
+#endif
 }
 #else
 constexpr bool kHasSplitRows = false;
