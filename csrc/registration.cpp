@@ -45,7 +45,7 @@ STABLE_TORCH_LIBRARY(paged, m) {
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
-  // The CPU kernel's instruction set ("avx512_bf16", "avx512", "avx2" or "generic").
+  // The CPU kernel's instruction set (one of ops.CPU_ISAS).
   m.def("cpu_isa() -> str");
 }
 

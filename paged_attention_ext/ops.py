@@ -476,14 +476,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 # The CPU kernels' instruction sets, each a superset of the ones before it.
-CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+CPU_ISAS = ("generic", "avx2", "avx512", "avx512_vbmi", "avx512_bf16", "amx")
 
 
 def cpu_isa() -> str:
     """The instruction set the CPU attention kernel uses, one of :data:`CPU_ISAS`, chosen at
     run time: ``amx`` (``avx512_bf16`` plus AMX tile products for bf16 and fp8 caches with a
-    bf16 query), ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512``, ``avx2`` or
-    ``generic``.
+    bf16 query), ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512_vbmi`` (AVX-512
+    with fp8 converted by AVX512_VBMI byte permutes), ``avx512``, ``avx2`` or ``generic``.
 
     The environment variable ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every
     path).

@@ -55,7 +55,7 @@ QUERY_DTYPE = {**config.DTYPES, **{name: torch.bfloat16 for name in FP8}}
 TOLERANCE = {**config.TOLERANCE, **{name: 2e-2 for name in FP8}}
 # fma_peak.cpp's compiler flags per kernel: the instruction set the kernel is compiled for.
 FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"],
-             "avx512_bf16": ["-mavx512f"], "amx": ["-mavx512f"]}
+             "avx512_vbmi": ["-mavx512f"], "avx512_bf16": ["-mavx512f"], "amx": ["-mavx512f"]}
 FMA_SOURCE = Path(__file__).resolve().parent.parent / "microbench" / "fma_peak.cpp"
 WIDEN_SOURCE = FMA_SOURCE.with_name("widen_peak.cpp")
 KERNEL_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
@@ -115,7 +115,7 @@ def isa_compile_flags(isa: str) -> List[str]:
     """The -D macros and -m target flags ``csrc/cpu/isa_<isa>.cpp`` compiles its kernel with."""
     text = (KERNEL_SOURCES / f"isa_{isa}.cpp").read_text()
     flags = [f"-D{name}={value}" for name, value in
-             re.findall(r"^#define (PAGED_(?:VEC_WIDTH|ISA_AVX512|ISA_AVX512_BF16|ISA_F16C)) (\d+)$",
+             re.findall(r"^#define (PAGED_(?:VEC_WIDTH|ISA_AVX512|ISA_AVX512_VBMI|ISA_AVX512_BF16|ISA_F16C)) (\d+)$",
                         text, re.M)]
     target = re.search(r'^#define PAGED_ISA_TARGET "([^"]+)"$', text, re.M)
     return flags + ([f"-m{feature}" for feature in target.group(1).split(",")] if target else [])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and run kernel_cycles.cpp against a source tree's kernel (see that file).
 #   [ISA=avx2] [BASELINE=DIR] [ONLY="bf16 8"] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
-# ISA: the kernel to time (generic, avx2, avx512, avx512_bf16; default avx512_bf16).
+# ISA: the kernel to time (generic, avx2, avx512, avx512_vbmi, avx512_bf16; default avx512_bf16).
 # BASELINE: a second source tree (e.g. a `git worktree` of the commit before a change),
 # timed in the same process in alternating rounds; the -D flags apply to SOURCE_DIR only.
 # RESIDENT: bytes of K (and of V) the block tables cycle over (default 512 KiB; their sum

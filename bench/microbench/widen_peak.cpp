@@ -7,6 +7,8 @@
 // faster: where this limit is below the machine's read bandwidth, decode is arithmetic-bound
 // and the limit, not the read, is its target (bench/cpu_perf/isa_matrix.py).
 //
+// With AVX512_VBMI fp8 rows are converted by table lookups (fp8_bf16_tables.h): a second
+// loop for them ("e4m3_lookup", ...) takes a 64-element step as four fp32 vectors.
 // On AVX512_BF16 the kernel reads bf16 and fp8 rows with vdpbf16ps instead (bf16_tiles.h:
 // fp8 converted to bf16 by table lookups, fp8_bf16_tables.h): for those dtypes a second
 // loop ("bf16_vdpbf16ps", ...) converts a 64-element step to two bf16 vectors and does G
@@ -32,7 +34,7 @@
 namespace widen {
 #include "vec.h"
 #include "convert.h"
-#if PAGED_ISA_AVX512_BF16
+#if PAGED_ISA_AVX512_VBMI
 #include "fp8_bf16_tables.h"
 #endif
 }  // namespace widen
@@ -85,6 +87,30 @@ __attribute__((noinline)) void passes_over(const T* rows, int n, int passes, vfl
   }
   std::memcpy(out, acc, sizeof(acc));
 }
+
+#if PAGED_ISA_AVX512_VBMI
+// passes_over for fp8 rows as the kernel reads them with AVX512_VBMI (fp8_bf16_tables.h):
+// each 64-element step looked up into four fp32 vectors, G multiply-adds per vector.
+template <int G, int U, typename T>
+__attribute__((noinline)) void lookup_passes_over(const T* rows, int n, int passes, vfloat (&out)[U][G][2],
+                                                  const vfloat (&q)[G]) {
+  vfloat acc[U][G][2];
+  std::memcpy(acc, out, sizeof(acc));
+  for (int pass = 0; pass < passes; ++pass) {
+    const T* p = rows;
+    asm volatile("" : "+r"(p));
+    for (int d = 0; d < n; d += 64 * U) {
+      for (int u = 0; u < U; ++u) {
+        vfloat x[4];
+        fp8_to_float64(p + d + 64 * u, x);
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < 4; ++j) acc[u][g][j % 2] += q[g] * x[j];
+      }
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+#endif
 
 // Passes per second over `seconds` of run256, which makes 256 passes a call.
 template <typename Run>
@@ -159,8 +185,8 @@ double dot_elements_per_second(double seconds) {
 }
 #endif
 
-// Elements per second of one thread over `seconds`.
-template <int G, typename T>
+// Elements per second of one thread over `seconds` (fp8 rows: by lookups when LOOKUP).
+template <int G, typename T, bool LOOKUP = false>
 double elements_per_second(double seconds) {
   constexpr int n = kRowBytes / sizeof(T);
   constexpr int U = kChains / (2 * G) > 0 ? kChains / (2 * G) : 1;  // steps unrolled
@@ -171,7 +197,15 @@ double elements_per_second(double seconds) {
   for (int g = 0; g < G; ++g) q[g] = splat(1.0f / float(g + 3));
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = vfloat{};
-  const double passes = passes_per_second(seconds, [&] { passes_over<G, U>(rows.data(), n, 256, acc, q); });
+  const double passes = passes_per_second(seconds, [&] {
+#if PAGED_ISA_AVX512_VBMI
+    if constexpr (LOOKUP) {
+      lookup_passes_over<G, U>(rows.data(), n, 256, acc, q);
+      return;
+    }
+#endif
+    passes_over<G, U>(rows.data(), n, 256, acc, q);
+  });
   float sink = 0;
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) sink += hsum(acc[u][g][0] + acc[u][g][1]);
@@ -201,6 +235,10 @@ void report_all() {
   report("fp16", G, elements_per_second<G, Fp16>);
   report("e4m3", G, elements_per_second<G, Fp8E4M3>);
   report("e5m2", G, elements_per_second<G, Fp8E5M2>);
+#if PAGED_ISA_AVX512_VBMI
+  report("e4m3_lookup", G, elements_per_second<G, Fp8E4M3, true>);
+  report("e5m2_lookup", G, elements_per_second<G, Fp8E5M2, true>);
+#endif
 #if PAGED_ISA_AVX512_BF16
   report("bf16_vdpbf16ps", G, dot_elements_per_second<G, Bf16>);
   report("e4m3_vdpbf16ps", G, dot_elements_per_second<G, Fp8E4M3>);

@@ -197,17 +197,21 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
                         m == 0 ? ahead : nullptr);
   }
 }
+#endif  // PAGED_ISA_AVX512_BF16
 
-// chunk_values for fp8 rows of whole 64-element steps, accumulators permuted: with
-// probabilities rounded to bf16 pairs (`pairs`: chunk_values_pairs, fp8_pair_slot) or in
-// fp32 (fp8_value_slot).
+#if PAGED_ISA_AVX512_VBMI
+// chunk_values for fp8 rows of whole 64-element steps converted by lookups, accumulators
+// permuted: with probabilities rounded to bf16 pairs (`pairs`, AVX512_BF16 only:
+// chunk_values_pairs, fp8_pair_slot) or in fp32 (fp8_value_slot).
 template <typename T>
 static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows, int n,
                                     const T* const* ahead, bool pairs) {
+#if PAGED_ISA_AVX512_BF16
   if (pairs) {
     chunk_values_pairs(st, v_rows, n, ahead);
     return;
   }
+#endif
   constexpr int G = kTileQueries<T>;
   const int full_queries = st.num_queries / G * G;
   for (int m = 0; m < full_queries; m += G)
@@ -217,7 +221,7 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
     accumulate_fp8<1>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
                       v_rows, n, m == 0 ? ahead : nullptr);
 }
-#endif  // PAGED_ISA_AVX512_BF16
+#endif  // PAGED_ISA_AVX512_VBMI
 
 // One query's epilogue, shared by every kernel: its head's sink (one more logit without a
 // value; partition 0 takes it, and the merge of partitions by their lse counts it once),
@@ -325,11 +329,17 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   };
   // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
   // are rows that serve many queries (multi-token items) and cost more to widen than a
-  // load: in place, every register tile of queries would widen each row again.
+  // load: in place, every register tile of queries would widen each row again. fp8 rows
+  // read by lookups (kFp8Lookups) must be whole 64-element steps.
+  constexpr bool kFp8 = sizeof(T) == 1;
+  constexpr bool kFp8LookupRows = kFp8Lookups<T>;
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
-  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
-  // Split rows (convert.h): queries and value accumulators in split order too.
+  const bool in_place = hsp == hs && hspv == hsv && !widen_once &&
+                        (!kFp8LookupRows || (hs % 64 == 0 && hsv % 64 == 0));
+  // Split rows (convert.h): queries and value accumulators in split order too. So for
+  // fp8 rows read by lookups (fp8_value_slot order).
   const bool split = kSplitRows<T> && in_place;
+  const bool fp8_values = kFp8LookupRows && in_place;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
@@ -338,18 +348,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // held to fp32 rounding: its values take fp32 FMAs). Against fp32 FMAs on the widened
   // rows (kernel_cycles, head size 128, Zen 4, L2-resident): e4m3 32/32 1.19x, 32/8 1.53x;
   // e5m2 1.36x, 1.35x.
-  constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kBf16Dot = std::is_same_v<T, Bf16> || kFp8;
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
   const bool bf16_dot =
-      kBf16Dot && in_place &&
-      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
+      kBf16Dot && in_place && (kFp8 ? P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
   const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
-  const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;
   const bool fp8_pairs = fp8_values && P.query_kind == ScalarKind::kBFloat16;
 #else
-  constexpr bool kFp8 = false;
-  constexpr bool fp8_values = false;
   constexpr bool fp8_pairs = false;
   constexpr bool kBf16Dot = false;
   constexpr bool kBf16Pairs = false;
@@ -358,10 +363,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 #endif
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
-  // key scale (and e4m3's unit, see StoredUnit) is folded in: q.(k s) = (q s).k.
+  // key scale (and e4m3's unit, see StoredUnit, unless the rows are looked up exactly) is
+  // folded in: q.(k s) = (q s).k.
   const char* query = static_cast<const char*>(P.query);
   const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
   constexpr float kUnit = StoredUnit<T>::value;
+  const float k_unit = fp8_values ? 1.0f : kUnit;
   for (int m = 0; m < num_queries; ++m) {
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
@@ -370,7 +377,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem;
     std::memset(qm, 0, sizeof(float) * hsp);
     query_row_to_float(P.query_kind, q_row, qm, hs);
-    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
+    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * k_unit) : P.scale;
     for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
     if (split) {
       float row[2 * VW];
@@ -379,6 +386,15 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         for (int i = 0; i < 2 * VW; ++i) qm[d + split_slot(i)] = row[i];
       }
     }
+#if PAGED_ISA_AVX512_VBMI
+    if (fp8_values) {
+      float row[64];
+      for (int d = 0; d < hs; d += 64) {
+        std::memcpy(row, qm + d, sizeof(row));
+        for (int i = 0; i < 64; ++i) qm[d + fp8_value_slot(i)] = row[i];
+      }
+    }
+#endif
     if (bf16_dot) {
       uint16_t* qb = q_bits + int64_t(m) * hsp;
 #if PAGED_ISA_AVX512_BF16
@@ -491,9 +507,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       if constexpr (kBf16Pairs) {
         if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
-      } else if constexpr (kFp8) {
-        if (fp8_values) chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);
-        else chunk_values(st, v_rows, c.n, keys_ahead);
+      } else if constexpr (kFp8LookupRows) {
+        chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);  // in place: fp8_values
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
       }
@@ -557,7 +572,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 #if PAGED_ISA_AVX512_BF16
     if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
     else if (fp8_pairs) unpermute_fp8_pairs(am, o, hspv, inv);
-    else if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
+    else
+#endif
+#if PAGED_ISA_AVX512_VBMI
+    if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
     else
 #endif
     if (split)

@@ -67,35 +67,6 @@ static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* 
   return hsum((vfloat)a);
 }
 
-// accumulate_tile / accumulate_values for fp8 rows of whole 64-element steps, accumulators
-// in fp8_value_slot order.
-template <int G, typename T>
-static inline void accumulate_fp8(float* acc, int hsp, const float* p, const T* const* v, int n,
-                                  const T* const* ahead) {
-  for (int d = 0; d < hsp; d += 64) {
-    vfloat a[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) a[g][i] = load(acc + int64_t(g) * hsp + d + i * VW);
-    for (int t = 0; t < n; ++t) {
-      prefetch_same_line(ahead, t, d);
-      if (G == 1 && p[t] == 0.0f) continue;
-      vfloat x[4];
-      fp8_to_float64(v[t] + d, x);
-      for (int g = 0; g < G; ++g) {
-        const vfloat pg = splat(p[g * kKeyChunk + t]);
-        for (int i = 0; i < 4; ++i) a[g][i] += pg * x[i];
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) store(acc + int64_t(g) * hsp + d + i * VW, a[g][i]);
-  }
-}
-
-static inline void unpermute_fp8_values(const float* acc, float* out, int hsp, float factor) {
-  for (int d = 0; d < hsp; d += 64)
-    for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_value_slot(i)] * factor;
-}
-
 // fp8 values take accumulate_pairs too (pair_words): accumulators in fp8_pair_slot order,
 // four vectors per query and 64-element step.
 static inline int fp8_pair_slot(int i) {  // element i of a 64-element step -> accumulator slot

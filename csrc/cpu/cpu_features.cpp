@@ -17,7 +17,7 @@ namespace paged::cpu {
 namespace {
 
 // The kernels' instruction sets, each a superset of the ones before it (ops.CPU_ISAS).
-constexpr const char* kIsas[] = {"generic", "avx2", "avx512", "avx512_bf16", "amx"};
+constexpr const char* kIsas[] = {"generic", "avx2", "avx512", "avx512_vbmi", "avx512_bf16", "amx"};
 
 int isa_rank(const std::string& isa) {
   for (int i = 0; i < int(std::size(kIsas)); ++i)
@@ -51,9 +51,10 @@ std::string best_supported_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    // avx512_bf16 also uses AVX512_VBMI (fp8 -> bf16 lookups): every CPU with AVX512_BF16
-    // but Cooper Lake has it; Cooper Lake takes the avx512 kernel.
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi")) return "avx512";
+    // AVX512_VBMI's byte permutes convert fp8 (avx512_vbmi); avx512_bf16 uses them too:
+    // every CPU with AVX512_BF16 but Cooper Lake has it, and Cooper Lake takes avx512.
+    if (!__builtin_cpu_supports("avx512vbmi")) return "avx512";
+    if (!__builtin_cpu_supports("avx512bf16")) return "avx512_vbmi";
     return amx_usable() ? "amx" : "avx512_bf16";
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -82,6 +83,7 @@ AttentionKernelFn attention_kernel_for(ScalarKind kind) {
   const std::string isa = selected_isa();
   if (isa == "amx") return amx_attention_kernel(kind);
   if (isa == "avx512_bf16") return avx512_bf16_attention_kernel(kind);
+  if (isa == "avx512_vbmi") return avx512_vbmi_attention_kernel(kind);
   if (isa == "avx512") return avx512_attention_kernel(kind);
   if (isa == "avx2") return avx2_attention_kernel(kind);
   return generic_attention_kernel(kind);

@@ -5,6 +5,7 @@
 #define PAGED_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c,amx-tile,amx-bf16"
 #define PAGED_VEC_WIDTH 16
 #define PAGED_ISA_AVX512 1
+#define PAGED_ISA_AVX512_VBMI 1
 #define PAGED_ISA_AVX512_BF16 1
 #define PAGED_ISA_AMX 1
 #define PAGED_ISA_F16C 1

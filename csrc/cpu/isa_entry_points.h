@@ -9,6 +9,7 @@ namespace paged::cpu {
 
 AttentionKernelFn amx_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
+AttentionKernelFn avx512_vbmi_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
 AttentionKernelFn generic_attention_kernel(ScalarKind kind);

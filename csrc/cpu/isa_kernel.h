@@ -5,7 +5,8 @@
 //                     paged::cpu::<PAGED_ISA>_attention_kernel
 //   PAGED_ISA_TARGET  the `#pragma GCC target` string: x86-64 only (elsewhere the entry
 //                     point returns nullptr); undefined for the baseline, which runs anywhere
-//   PAGED_VEC_WIDTH, PAGED_ISA_AVX512, PAGED_ISA_AVX512_BF16, PAGED_ISA_AMX, PAGED_ISA_F16C:
+//   PAGED_VEC_WIDTH, PAGED_ISA_AVX512, PAGED_ISA_AVX512_VBMI, PAGED_ISA_AVX512_BF16,
+//   PAGED_ISA_AMX, PAGED_ISA_F16C:
 //                     see vec.h
 // One file rather than a begin/end pair: the x86-64 condition must enclose the kernel,
 // and a preprocessor conditional cannot span files.

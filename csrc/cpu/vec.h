@@ -6,7 +6,9 @@
 //   PAGED_VEC_WIDTH        fp32 lanes per vector (16, 8; 4 for the baseline, whose 16-byte
 //                          registers GCC cannot keep wider vectors in)
 //   PAGED_ISA_AVX512       1 when AVX-512F intrinsics may be used
-//   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional)
+//   PAGED_ISA_AVX512_VBMI  1 when AVX512_VBMI byte permutes may be used (optional)
+//   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional; implies
+//                          PAGED_ISA_AVX512_VBMI)
 //   PAGED_ISA_AMX          1 when AMX-TILE and AMX-BF16 may be used (optional; implies
 //                          PAGED_ISA_AVX512_BF16)
 //   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
