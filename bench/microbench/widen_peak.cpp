@@ -63,54 +63,35 @@ void fill(std::vector<T>& rows) {
   }
 }
 
-// `passes` passes over the rows: widen 2 VW elements, G x 2 multiply-adds, repeated. Out of
+// `passes` passes over the rows: widen 2 VW elements, G x 2 multiply-adds, repeated; with
+// LOOKUP (fp8 rows as the kernel reads them with AVX512_VBMI, fp8_bf16_tables.h), each
+// 64-element step looked up into four fp32 vectors, G multiply-adds per vector. Out of
 // line, with the accumulators copied in and out: around the caller's clock calls (which
 // clobber every vector register) GCC otherwise stored them to the stack on every step.
-template <int G, int U, typename T>
+template <int G, int U, bool LOOKUP, typename T>
 __attribute__((noinline)) void passes_over(const T* rows, int n, int passes, vfloat (&out)[U][G][2],
                                            const vfloat (&q)[G]) {
+  constexpr int kStep = LOOKUP ? 64 : 2 * VW;
   vfloat acc[U][G][2];
   std::memcpy(acc, out, sizeof(acc));
   for (int pass = 0; pass < passes; ++pass) {
     const T* p = rows;
     asm volatile("" : "+r"(p));  // an unknown pointer each pass: the rows are loaded again
-    for (int d = 0; d < n; d += 2 * VW * U) {
-      for (int u = 0; u < U; ++u) {
-        vfloat a, b;
-        load2_as_float(p + d + 2 * VW * u, a, b);
-        for (int g = 0; g < G; ++g) {
-          acc[u][g][0] += q[g] * a;
-          acc[u][g][1] += q[g] * b;
-        }
-      }
-    }
-  }
-  std::memcpy(out, acc, sizeof(acc));
-}
-
-#if PAGED_ISA_AVX512_VBMI
-// passes_over for fp8 rows as the kernel reads them with AVX512_VBMI (fp8_bf16_tables.h):
-// each 64-element step looked up into four fp32 vectors, G multiply-adds per vector.
-template <int G, int U, typename T>
-__attribute__((noinline)) void lookup_passes_over(const T* rows, int n, int passes, vfloat (&out)[U][G][2],
-                                                  const vfloat (&q)[G]) {
-  vfloat acc[U][G][2];
-  std::memcpy(acc, out, sizeof(acc));
-  for (int pass = 0; pass < passes; ++pass) {
-    const T* p = rows;
-    asm volatile("" : "+r"(p));
-    for (int d = 0; d < n; d += 64 * U) {
+    for (int d = 0; d < n; d += kStep * U) {
       for (int u = 0; u < U; ++u) {
         vfloat x[4];
-        fp8_to_float64(p + d + 64 * u, x);
+#if PAGED_ISA_AVX512_VBMI
+        if constexpr (LOOKUP) fp8_to_float64(p + d + kStep * u, x);
+        else
+#endif
+          load2_as_float(p + d + kStep * u, x[0], x[1]);
         for (int g = 0; g < G; ++g)
-          for (int j = 0; j < 4; ++j) acc[u][g][j % 2] += q[g] * x[j];
+          for (int j = 0; j < (LOOKUP ? 4 : 2); ++j) acc[u][g][j % 2] += q[g] * x[j];
       }
     }
   }
   std::memcpy(out, acc, sizeof(acc));
 }
-#endif
 
 // Passes per second over `seconds` of run256, which makes 256 passes a call.
 template <typename Run>
@@ -198,13 +179,7 @@ double elements_per_second(double seconds) {
   for (int u = 0; u < U; ++u)
     for (int g = 0; g < G; ++g) acc[u][g][0] = acc[u][g][1] = vfloat{};
   const double passes = passes_per_second(seconds, [&] {
-#if PAGED_ISA_AVX512_VBMI
-    if constexpr (LOOKUP) {
-      lookup_passes_over<G, U>(rows.data(), n, 256, acc, q);
-      return;
-    }
-#endif
-    passes_over<G, U>(rows.data(), n, 256, acc, q);
+    passes_over<G, U, LOOKUP>(rows.data(), n, 256, acc, q);
   });
   float sink = 0;
   for (int u = 0; u < U; ++u)
