@@ -12,8 +12,8 @@
 //   phases ahead into L2 (prefetch.h).
 
 // Its layers, each over the ones before: vector primitives, element conversions, exp,
-// prefetches, one-query products, register tiles, and the AVX512_BF16 tiles (empty
-// elsewhere). In the order of the one header they were split from: GCC's register
+// prefetches, one-query products, register tiles, the AVX512_VBMI fp8 tiles and the
+// AVX512_BF16 tiles (empty elsewhere). In the order of the one header they were split from: GCC's register
 // allocation of the generic compile depends on it.
 #include "vec.h"
 #include "convert.h"
@@ -21,6 +21,7 @@
 #include "prefetch.h"
 #include "single_query.h"
 #include "register_tiles.h"
+#include "fp8_tiles.h"
 #include "bf16_tiles.h"
 
 // One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
@@ -91,6 +92,24 @@ static inline void chunk_scores(const ItemState& st, const Q* q, const R* const*
       for (int t = 0; t < kKeyChunk; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
     }
   }
+}
+
+// The chunk's scores by the item's key path: vdpbf16ps on bf16 queries (bf16_dot), fp8
+// looked up into fp32 (lookup_keys), or rows widened to fp32 in registers.
+template <typename T>
+__attribute__((always_inline)) static inline void item_chunk_scores(const ItemState& st, bool bf16_dot,
+                                                                    bool lookup_keys,
+                                                                    const T* const* k_rows, int n,
+                                                                    const T* const* ahead) {
+#if PAGED_ISA_AVX512_BF16
+  if constexpr (std::is_same_v<T, Bf16> || sizeof(T) == 1)
+    if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
+#endif
+#if PAGED_ISA_AVX512_VBMI
+  if constexpr (sizeof(T) == 1)
+    if (lookup_keys) return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
+#endif
+  chunk_scores(st, st.q, k_rows, n, ahead);
 }
 
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
@@ -329,17 +348,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   };
   // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
   // are rows that serve many queries (multi-token items) and cost more to widen than a
-  // load: in place, every register tile of queries would widen each row again. fp8 rows
-  // read by lookups (kFp8Lookups) must be whole 64-element steps.
-  constexpr bool kFp8 = sizeof(T) == 1;
-  constexpr bool kFp8LookupRows = kFp8Lookups<T>;
+  // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
-  const bool in_place = hsp == hs && hspv == hsv && !widen_once &&
-                        (!kFp8LookupRows || (hs % 64 == 0 && hsv % 64 == 0));
-  // Split rows (convert.h): queries and value accumulators in split order too. So for
-  // fp8 rows read by lookups (fp8_value_slot order).
+  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
+  // Split rows (convert.h): queries and value accumulators in split order too.
   const bool split = kSplitRows<T> && in_place;
-  const bool fp8_values = kFp8LookupRows && in_place;
+  constexpr bool kFp8 = sizeof(T) == 1;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
@@ -348,18 +362,32 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // held to fp32 rounding: its values take fp32 FMAs). Against fp32 FMAs on the widened
   // rows (kernel_cycles, head size 128, Zen 4, L2-resident): e4m3 32/32 1.19x, 32/8 1.53x;
   // e5m2 1.36x, 1.35x.
-  constexpr bool kBf16Dot = std::is_same_v<T, Bf16> || kFp8;
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
   const bool bf16_dot =
-      kBf16Dot && in_place && (kFp8 ? P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
+      (kBf16Pairs || kFp8) && in_place &&
+      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
   const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
-  const bool fp8_pairs = fp8_values && P.query_kind == ScalarKind::kBFloat16;
 #else
-  constexpr bool fp8_pairs = false;
-  constexpr bool kBf16Dot = false;
   constexpr bool kBf16Pairs = false;
   constexpr bool bf16_dot = false;
   constexpr bool bf16_pairs = false;
+#endif
+#if PAGED_ISA_AVX512_VBMI
+  // Other fp8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
+  // whole 64-element steps, keys and values each: the query or the value accumulators are
+  // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
+  constexpr bool kLookupRows = kFp8;
+  const bool lookup_keys = kFp8 && in_place && hs % 64 == 0 && !bf16_dot;
+  const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;
+#else
+  constexpr bool kLookupRows = false;
+  constexpr bool lookup_keys = false;
+  constexpr bool fp8_values = false;
+#endif
+#if PAGED_ISA_AVX512_BF16
+  const bool fp8_pairs = fp8_values && P.query_kind == ScalarKind::kBFloat16;
+#else
+  constexpr bool fp8_pairs = false;
 #endif
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
@@ -368,7 +396,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const char* query = static_cast<const char*>(P.query);
   const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
   constexpr float kUnit = StoredUnit<T>::value;
-  const float k_unit = fp8_values ? 1.0f : kUnit;
+  const float k_unit = lookup_keys ? 1.0f : kUnit;
   for (int m = 0; m < num_queries; ++m) {
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
@@ -387,7 +415,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
     }
 #if PAGED_ISA_AVX512_VBMI
-    if (fp8_values) {
+    if (lookup_keys) {
       float row[64];
       for (int d = 0; d < hs; d += 64) {
         std::memcpy(row, qm + d, sizeof(row));
@@ -497,18 +525,14 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
       const T* const* scores_ahead = v_rows;
       const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
-      if constexpr (kBf16Dot) {
-        if (bf16_dot) chunk_scores(st, st.q_bits, k_rows, c.n, scores_ahead);
-        else chunk_scores(st, st.q, k_rows, c.n, scores_ahead);
-      } else {
-        chunk_scores(st, st.q, k_rows, c.n, scores_ahead);
-      }
+      item_chunk_scores(st, bf16_dot, lookup_keys, k_rows, c.n, scores_ahead);
       chunk_softmax(P, w, st, c.j0, c.n, CH);
       if constexpr (kBf16Pairs) {
         if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
-      } else if constexpr (kFp8LookupRows) {
-        chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);  // in place: fp8_values
+      } else if constexpr (kLookupRows) {
+        if (fp8_values) chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);
+        else chunk_values(st, v_rows, c.n, keys_ahead);
       } else {
         chunk_values(st, v_rows, c.n, keys_ahead);
       }

@@ -6,17 +6,6 @@
 #include "convert.h"
 
 #if PAGED_ISA_AVX512_VBMI
-// fp8 rows of whole 64-element steps read in place are converted by these lookups: exactly
-// (no e4m3 unit, see StoredUnit), in the orders below, which the kernel puts its queries
-// and value accumulators in. Against widening through fp16 (convert.h), the avx512_vbmi
-// kernel with and without them (kernel_cycles, Zen 4, one core, L2): e4m3 32/32 1.53x,
-// 32/8 1.20x (from DRAM 1.31x / 1.17x); e5m2, the top byte of an fp16, 1.16x / 0.99x. Per 64
-// elements 9 instructions against 14 micro-ops (e5m2: sign extension, shift, extract and
-// two-micro-op fp16 conversions), 4 of them shuffles against 8 by uops.info's Ice Lake
-// tables, where one port runs every shuffle.
-template <typename T>
-constexpr bool kFp8Lookups = sizeof(T) == 1;
-
 // fp8 keys against bf16 queries with vdpbf16ps: each key row is converted to bf16 exactly
 // (every e4m3 / e5m2 value is a bf16 value, subnormals included) by two byte lookups,
 // vpermi2b (AVX512_VBMI) over 128-entry tables of the bf16's high and low byte indexed by
@@ -125,7 +114,4 @@ static inline int fp8_value_slot(int i) {
   return 16 * (second + 2 * (word % 2)) + 4 * lane + word / 2;
 }
 
-#else
-template <typename T>
-constexpr bool kFp8Lookups = false;
 #endif  // PAGED_ISA_AVX512_VBMI

@@ -3,7 +3,6 @@
 #pragma once
 
 #include "convert.h"
-#include "fp8_tiles.h"
 #include "prefetch.h"
 
 // Register tiles: the queries of a tile share every loaded (and widened) key or value
@@ -96,10 +95,7 @@ __attribute__((always_inline)) static inline void dot_tile(const float* q, int h
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < K; ++i) acc[g][i] = vfloat{};
   int d = 0;
-  if constexpr (kFp8Lookups<R>) {  // fp8 by lookups (fp8_tiles.h)
-    fp8_tile_products<G, K>(q, hsp, k, acc, ahead);
-    d = hsp;
-  } else if constexpr (sizeof(R) == 1 || kSplitRows<R>) {  // fp8 and split rows: two vectors a step
+  if constexpr (sizeof(R) == 1 || kSplitRows<R>) {  // fp8 and split rows: two vectors a step
     for (; d + 2 * VW <= hsp; d += 2 * VW) {
       for (int i = 0; i < K; ++i) prefetch_same_line(ahead, i, d);
       vfloat lo[K], hi[K];

@@ -4,19 +4,12 @@
 #pragma once
 
 #include "convert.h"
-#include "fp8_tiles.h"
 #include "prefetch.h"
 
 // Dot products of one query with 4 keys.
 template <typename R>
 static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
                         const R* const* ahead) {
-  if constexpr (kFp8Lookups<R>) {
-    vfloat acc[1][4] = {};
-    fp8_tile_products<1, 4>(q, hsp, k, acc, ahead);
-    hsum4(acc[0][0], acc[0][1], acc[0][2], acc[0][3], out);
-    return;
-  }
   // Two accumulators per key (even and odd steps): eight independent FMA chains. The
   // loop takes two steps at a time so that both sets stay in registers (indexing them
   // by step parity put them on the stack: a store-forwarding chain per FMA).
@@ -46,11 +39,7 @@ static inline void dot4(const float* q, const R* const* k, int hsp, float* out,
 template <typename R>
 static inline float dot1(const float* q, const R* k, int hsp, const R* const* ahead) {
   vfloat a{};
-  if constexpr (kFp8Lookups<R>) {
-    vfloat acc[1][1] = {};
-    fp8_tile_products<1, 1>(q, hsp, &k, acc, ahead);
-    a = acc[0][0];
-  } else if constexpr (kSplitRows<R>) {
+  if constexpr (kSplitRows<R>) {
     for (int d = 0; d < hsp; d += 2 * VW) {
       prefetch_same_line(ahead, 0, d);
       vfloat k0, k1;
