@@ -1,6 +1,6 @@
 // fp8 rows converted to bf16 (and fp32) by AVX512_VBMI table lookups, for the vdpbf16ps
-// tiles (bf16_tiles.h) and the fp32 tiles (register_tiles.h, single_query.h). Part of the
-// CPU kernel, inside its ISA namespace (see vec.h).
+// tiles (bf16_tiles.h), the fp32 tiles (fp8_tiles.h) and the lane kernels. Part of the CPU
+// kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
 #include "convert.h"
@@ -91,9 +91,9 @@ static inline int fp8_lane_element(int i) {
   return 16 * (word / 8) + 8 * half + word % 8;
 }
 
-// 64 fp8 values as fp32, element i in slot fp8_value_slot(i) of the four vectors v: the
-// words of fp8_to_bf16_lanes, low halves of their 32-bit lanes first.
-// Vector j of them from fp8_to_bf16_lanes' words.
+// 64 fp8 values as fp32, element i in slot fp8_value_slot(i) of four vectors: the words of
+// fp8_to_bf16_lanes, low halves of their 32-bit lanes first. fp8_words_to_float<J> makes
+// vector J, fp8_to_float64 all four.
 template <int J>
 __attribute__((always_inline)) static inline vfloat fp8_words_to_float(__m512i first, __m512i second) {
   const __m512i words = J % 2 == 0 ? first : second;
