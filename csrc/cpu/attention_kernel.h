@@ -13,8 +13,8 @@
 
 // Its layers, each over the ones before: vector primitives, element conversions, exp,
 // prefetches, one-query products, register tiles, the AVX512_VBMI fp8 tiles and the
-// AVX512_BF16 tiles (empty elsewhere). In the order of the one header they were split from: GCC's register
-// allocation of the generic compile depends on it.
+// AVX512_BF16 tiles (empty elsewhere). In the order of the one header they were split
+// from: GCC's register allocation of the generic compile depends on it.
 #include "vec.h"
 #include "convert.h"
 #include "vec_exp.h"
@@ -97,17 +97,17 @@ static inline void chunk_scores(const ItemState& st, const Q* q, const R* const*
 // The chunk's scores by the item's key path: vdpbf16ps on bf16 queries (bf16_dot), fp8
 // looked up into fp32 (lookup_keys), or rows widened to fp32 in registers.
 template <typename T>
-__attribute__((always_inline)) static inline void item_chunk_scores(const ItemState& st, bool bf16_dot,
-                                                                    bool lookup_keys,
-                                                                    const T* const* k_rows, int n,
-                                                                    const T* const* ahead) {
+__attribute__((always_inline)) static inline void item_chunk_scores(
+    const ItemState& st, bool bf16_dot, bool lookup_keys, const T* const* k_rows, int n,
+    const T* const* ahead) {
 #if PAGED_ISA_AVX512_BF16
   if constexpr (std::is_same_v<T, Bf16> || sizeof(T) == 1)
     if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
 #endif
 #if PAGED_ISA_AVX512_VBMI
   if constexpr (sizeof(T) == 1)
-    if (lookup_keys) return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
+    if (lookup_keys)
+      return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
 #endif
   chunk_scores(st, st.q, k_rows, n, ahead);
 }
