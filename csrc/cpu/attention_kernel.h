@@ -285,6 +285,17 @@ static inline float* output_row(const AttentionParams& P, const WorkItem& w, int
 #include "lane_kernel.h"
 #include "lane_pairs.h"
 
+// Each STEP-element step of row x (n elements, whole steps) in a reader's order: element i
+// of a step to slot slot(i) (split rows, fp8 lookups).
+template <int STEP, typename Slot>
+static inline void to_slot_order(float* x, int n, Slot slot) {
+  float step[STEP];
+  for (int d = 0; d < n; d += STEP) {
+    std::memcpy(step, x + d, sizeof(step));
+    for (int i = 0; i < STEP; ++i) x[d + slot(i)] = step[i];
+  }
+}
+
 // Queries per KV head from which rows that are not cheap to widen are converted once per
 // chunk: two register tiles or more, each of which would widen every row again. Multi-token
 // on AVX2 (docs/performance.md): fp8 0.85-0.92x -> 1.08x the fp32 rate; fp16 with F16C
@@ -363,8 +374,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // rows (kernel_cycles, head size 128, Zen 4, L2-resident): e4m3 32/32 1.19x, 32/8 1.53x;
   // e5m2 1.36x, 1.35x.
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
+  constexpr bool kBf16Dot = kBf16Pairs || kFp8;
   const bool bf16_dot =
-      (kBf16Pairs || kFp8) && in_place &&
+      kBf16Dot && in_place &&
       (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
   const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
 #else
@@ -407,21 +419,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     query_row_to_float(P.query_kind, q_row, qm, hs);
     const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * k_unit) : P.scale;
     for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
-    if (split) {
-      float row[2 * VW];
-      for (int d = 0; d < hs; d += 2 * VW) {
-        std::memcpy(row, qm + d, sizeof(row));
-        for (int i = 0; i < 2 * VW; ++i) qm[d + split_slot(i)] = row[i];
-      }
-    }
+    if (split) to_slot_order<2 * VW>(qm, hs, split_slot);
 #if PAGED_ISA_AVX512_VBMI
-    if (lookup_keys) {
-      float row[64];
-      for (int d = 0; d < hs; d += 64) {
-        std::memcpy(row, qm + d, sizeof(row));
-        for (int i = 0; i < 64; ++i) qm[d + fp8_value_slot(i)] = row[i];
-      }
-    }
+    if (lookup_keys) to_slot_order<64>(qm, hs, fp8_value_slot);
 #endif
     if (bf16_dot) {
       uint16_t* qb = q_bits + int64_t(m) * hsp;
