@@ -314,13 +314,15 @@ def test_lane_pairs_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch)
                              sinks=scenarios.random_sinks(8), **extra)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("trend", ["rising", "falling", "spikes"])
-def test_amx_running_max(trend, monkeypatch):
-    """The amx softmax moves a query's running max only when a score passes it by 2^8 (lazy
-    rescale): scores that rise along the sequence move it step after step (the accumulators
-    rescaled), falling ones never, and rare spikes far above the rest move it once in a
-    while. Wide scores (std ~20) so every branch is taken; output and lse both checked."""
-    select_isa("amx", monkeypatch)
+def test_running_max(isa, trend, monkeypatch):
+    """Every kernel's softmax moves a query's running max only when a score passes it by a
+    margin (lazy rescale; amx: 2^8, the others e^8): scores that rise along the sequence
+    move it step after step (the accumulators rescaled), falling ones never, and rare spikes
+    far above the rest move it once in a while. Wide scores (std ~20) so every branch is
+    taken; output and lse both checked, for decode (GQA and MHA) and multi-token rows."""
+    select_isa(isa, monkeypatch)
     lens, block_size = [900, 257, 40], 16
     case = make_case(lens, 2, 128, block_size, torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
@@ -335,8 +337,9 @@ def test_amx_running_max(trend, monkeypatch):
             else:
                 factor = 6.0 if torch.rand(1, generator=gen).item() < 0.1 else 1.0
             case.key_cache[physical] = (case.key_cache[physical].float() * factor).to(torch.bfloat16)
-    query = (random_query(len(lens), 8, 128, torch.bfloat16).float() * 3.0).to(torch.bfloat16)
-    assert_matches_reference(query, case, 128 ** -0.5)
+    for num_heads in (8, 2):
+        query = (random_query(len(lens), num_heads, 128, torch.bfloat16).float() * 3.0).to(torch.bfloat16)
+        assert_matches_reference(query, case, 128 ** -0.5)
     q_lens = [300, 100, 40]
     qsl = query_start_loc(q_lens)
     query = (random_query(int(qsl[-1]), 8, 128, torch.bfloat16).float() * 3.0).to(torch.bfloat16)

@@ -72,6 +72,17 @@ static inline float hmax(vfloat v) {
   return c[0];
 }
 
+// Whether any lane of v is above limit (false for NaN lanes).
+static inline bool any_above(vfloat v, float limit) {
+#if PAGED_ISA_AVX512
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(limit), _CMP_GT_OQ) != 0;
+#elif PAGED_ISA_F16C
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(limit), _CMP_GT_OQ)) != 0;
+#else
+  return hmax(v) > limit;
+#endif
+}
+
 // Four horizontal sums at once (a shuffle tree instead of four separate ones).
 static inline void hsum4(vfloat a, vfloat b, vfloat c, vfloat d, float* out) {
 #if PAGED_VEC_WIDTH >= 8
