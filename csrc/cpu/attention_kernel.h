@@ -51,11 +51,16 @@ struct ItemState {
 
 // Scores of G queries from query m on (a tile) with the chunk's n keys: K at a time, the
 // last n % K one by one. `ahead` is prefetched by the tile of query 0 (see
-// prefetch_same_line). Forced inline: out of line GCC kept the head size a run-time loop
-// bound in the head-size-128 compile (kernel_cycles, Zen 4: fp8 32/32 1.05-1.06x, bf16 32/8
-// 1.03x inlined).
+// prefetch_same_line). Forced inline on the AVX kernels: out of line GCC kept the head size
+// a run-time loop bound in the head-size-128 compile (kernel_cycles, Zen 4: fp8 32/32
+// 1.05-1.06x, bf16 32/8 1.03x inlined); the baseline's compile lost 12% on fp16 MHA with it.
+#if PAGED_ISA_F16C || PAGED_ISA_AVX512
+#define PAGED_AVX_INLINE __attribute__((always_inline))
+#else
+#define PAGED_AVX_INLINE
+#endif
 template <int G, int K, typename Q, typename R>
-__attribute__((always_inline)) static inline void tile_scores(const ItemState& st, const Q* q, int m,
+PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q, int m,
                                                               const R* const* k_rows, int n,
                                                               const R* const* ahead) {
   const int hsp = st.hsp;
