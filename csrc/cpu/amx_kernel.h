@@ -153,22 +153,6 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// 2^(x * factor - shift) for the lane softmax in seven operations (vexp takes fifteen):
-// y = x * factor - shift, its fraction f = y - floor(y) by vreduceps, 2^f on [0, 1) by a
-// degree-4 minimax polynomial (relative error < 2.7e-6, below the bf16 rounding the
-// probabilities get; the lse moves by as much), times 2^floor(y) by vscalefps. -inf gives
-// f = 0 and 2^-inf = 0, a y below -149 rounds to 0, NaN stays NaN: no clamp.
-static inline __m512 exp2_shifted(__m512 x, __m512 factor, __m512 shift) {
-  const __m512 y = _mm512_fmsub_ps(x, factor, shift);
-  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF);  // no fraction bits kept
-  __m512 p = _mm512_set1_ps(1.3534167781e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011463791e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275486e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383329e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226e+0f));
-  return _mm512_scalef_ps(p, y);
-}
-
 // A lane's running max moves only when a score passes it by this much (log2 units), as
 // in FlashAttention-4: the probabilities stay below 2^8 (far from overflow in bf16 and
 // fp32, same relative precision) and most steps leave the accumulator rows alone.

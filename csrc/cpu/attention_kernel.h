@@ -126,6 +126,7 @@ constexpr float kRescaleMargin = 8.0f;
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
 // from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
+template <bool kShortExp>  // exp_minus's
 static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, const ItemState& st,
                                  int j0, int n, int chunk) {
   const bool soft_cap = P.soft_cap > 0.0f;
@@ -171,10 +172,9 @@ static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, co
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    const vfloat shift = splat(new_max);
     vfloat total{};
     for (t = 0; t < chunk; t += VW) {
-      const vfloat p = vexp(load(s + t) - shift);
+      const vfloat p = exp_minus<kShortExp>(load(s + t), new_max);
       store(s + t, p);
       total += p;
     }
@@ -384,6 +384,14 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Split rows (convert.h): queries and value accumulators in split order too.
   const bool split = kSplitRows<T> && in_place;
   constexpr bool kFp8 = sizeof(T) == 1;
+  // The shorter exp (exp_minus) where the output is 16-bit: 16-bit caches, fp8 caches under
+  // a 16-bit query (an fp32 query's output keeps fp32 accuracy).
+  const bool short_exp = sizeof(T) == 2 || (kFp8 && P.query_kind != ScalarKind::kFloat32);
+  auto softmax = [&](const ItemState& st, int j0, int n) {
+    if constexpr (sizeof(T) < sizeof(float))
+      if (short_exp) return chunk_softmax<true>(P, w, st, j0, n, CH);
+    chunk_softmax<false>(P, w, st, j0, n, CH);
+  };
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
@@ -546,7 +554,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const T* const* scores_ahead = v_rows;
       const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
       item_chunk_scores(st, bf16_dot, lookup_keys, k_rows, c.n, scores_ahead);
-      chunk_softmax(P, w, st, c.j0, c.n, CH);
+      softmax(st, c.j0, c.n);
       if constexpr (kBf16Pairs) {
         if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
         else chunk_values(st, v_rows, c.n, keys_ahead);
@@ -595,7 +603,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         }
       }
       chunk_scores(st, st.q, k_rows, c.n, none);
-      chunk_softmax(P, w, st, c.j0, c.n, CH);
+      softmax(st, c.j0, c.n);
       chunk_values(st, v_rows, c.n, none);
       cur = 1 - cur;
       c = next;

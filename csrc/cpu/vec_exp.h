@@ -31,6 +31,36 @@ static inline vfloat vexp(vfloat x) {
   r = r - n * splat(-2.12194440e-4f);
   return (vfloat)_mm512_scalef_ps((__m512)exp_reduced(r), (__m512)n);
 }
+
+// Coefficients of 2^f on [0, 1), highest degree first.
+struct Exp2Poly {
+  float c4, c3, c2, c1, c0;
+};
+// Minimax in relative error (< 2.7e-6).
+constexpr Exp2Poly kExp2Minimax{1.3534167781e-2f, 5.2011463791e-2f, 2.4144275486e-1f,
+                                6.9300383329e-1f, 1.0000026226e+0f};
+// The same fitted with the constant term 1, so 2^0 is exactly 1 (< 3.0e-6 in fp32).
+constexpr Exp2Poly kExp2ExactAtZero{1.3426606543e-2f, 5.2242599428e-2f, 2.4128015339e-1f,
+                                    6.9304484129e-1f, 1.0f};
+
+// 2^y in six operations: the fraction f = y - floor(y) by vreduceps, 2^f by the degree-4
+// polynomial c, times 2^floor(y) by vscalefps. -inf gives f = 0 and 2^-inf = 0, a y below
+// -149 rounds to 0, NaN stays NaN: no clamp.
+static inline __m512 exp2_poly(__m512 y, const Exp2Poly& c) {
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF);  // no fraction bits kept
+  __m512 p = _mm512_set1_ps(c.c4);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c.c3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c.c2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c.c1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c.c0));
+  return _mm512_scalef_ps(p, y);
+}
+
+// 2^(x * factor - shift) in seven operations (vexp takes fifteen), for the amx kernel's
+// lane softmax: below the bf16 rounding its probabilities get (the lse moves by as much).
+static inline __m512 exp2_shifted(__m512 x, __m512 factor, __m512 shift) {
+  return exp2_poly(_mm512_fmsub_ps(x, factor, shift), kExp2Minimax);
+}
 #else
 // Elsewhere: clamps, rounding by adding and subtracting 1.5 * 2^23, and 2^n built in the
 // exponent bits (0 below the normal range, the largest finite result above it).
@@ -47,3 +77,16 @@ static inline vfloat vexp(vfloat x) {
   return x < lo ? vfloat{} : result;
 }
 #endif
+
+// e^(x - shift) for the chunk softmax. kShort: the caller's outputs are 16-bit or fp8-fed
+// (probabilities rounded to bf16 on some paths), so on AVX-512 exp2_poly's eight operations
+// do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
+// exactly 1, so a score equal to the max weighs exactly 1 (one visible key: its value as is).
+template <bool kShort>
+static inline vfloat exp_minus(vfloat x, float shift) {
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  if constexpr (kShort)
+    return (vfloat)exp2_poly((__m512)((x - splat(shift)) * splat(1.44269504088896341f)), kExp2ExactAtZero);
+#endif
+  return vexp(x - splat(shift));
+}
