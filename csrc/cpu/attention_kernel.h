@@ -61,8 +61,8 @@ struct ItemState {
 #endif
 template <int G, int K, typename Q, typename R>
 PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q, int m,
-                                                              const R* const* k_rows, int n,
-                                                              const R* const* ahead) {
+                                                const R* const* k_rows, int n,
+                                                const R* const* ahead) {
   const int hsp = st.hsp;
   const Q* qm = q + int64_t(m) * hsp;
   float* s = st.scores + int64_t(m) * kKeyChunk;
@@ -126,7 +126,8 @@ constexpr float kRescaleMargin = 8.0f;
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
 // from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
-template <bool kShortExp>  // exp_minus's
+// kShortExp: the exp of exp_minus<kShortExp>.
+template <bool kShortExp>
 static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w, const ItemState& st,
                                  int j0, int n, int chunk) {
   const bool soft_cap = P.soft_cap > 0.0f;
