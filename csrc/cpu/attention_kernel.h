@@ -389,9 +389,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Split rows (convert.h): queries and value accumulators in split order too.
   const bool split = kSplitRows<T> && in_place;
   constexpr bool kFp8 = sizeof(T) == 1;
-  // The shorter exp (exp_minus) where the output is 16-bit: 16-bit caches, fp8 caches under
-  // a 16-bit query (an fp32 query's output keeps fp32 accuracy).
-  const bool short_exp = sizeof(T) == 2 || (kFp8 && P.query_kind != ScalarKind::kFloat32);
+  // The shorter exp (exp_minus) where the output is 16-bit.
+  const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
     if constexpr (sizeof(T) < sizeof(float))
       if (short_exp) return chunk_softmax<true>(P, w, st, j0, n, CH);

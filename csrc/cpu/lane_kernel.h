@@ -143,7 +143,8 @@ static inline void lane_locate(const AttentionParams& P, const int32_t* table, i
 
 // The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
 // the query vector at v0: one max, exp and sum per vector; the accumulator rows of queries
-// whose max moved (of the first m) are rescaled.
+// whose max moved (of the first m) are rescaled. kShortExp: the exp of exp_minus<kShortExp>.
+template <bool kShortExp>
 static inline void lane_softmax(float* s, int n, int mp, int v0, int m, float* run_max, float* run_sum,
                                 float* acc, int hspv) {
   vfloat top = load(s + v0);
@@ -152,7 +153,7 @@ static inline void lane_softmax(float* s, int n, int mp, int v0, int m, float* r
   const vfloat now = vmax(old, top);
   vfloat total{};
   for (int t = 0; t < n; ++t) {
-    const vfloat p = vexp(load(s + int64_t(t) * mp + v0) - now);
+    const vfloat p = exp_minus<kShortExp>(load(s + int64_t(t) * mp + v0), now);
     store(s + int64_t(t) * mp + v0, p);
     total += p;
   }
@@ -197,6 +198,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+  const bool short_exp = short_exp_output<T>(P.query_kind);  // the shorter exp (exp_minus)
 
   for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
     const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
@@ -243,7 +245,14 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
       lane_scores(qt, mp, k_rows, n, hs, s, ahead);
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      for (int v0 = 0; v0 < mp; v0 += VW) lane_softmax(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+      for (int v0 = 0; v0 < mp; v0 += VW) {
+        if constexpr (sizeof(T) < sizeof(float))
+          if (short_exp) {
+            lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+            continue;
+          }
+        lane_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+      }
       lane_values(acc, hspv, s, mp, v_rows, n, m);
     }
     // As the general kernel's epilogue: the sink (partition 0), the fp8 value scale, lse.

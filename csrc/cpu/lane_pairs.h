@@ -211,7 +211,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
       for (int v0 = 0; v0 < mp; v0 += 16) {
-        lane_softmax(s, n, mp, v0, m, run_max, run_sum, acc, hsv);
+        lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hsv);  // bf16 query: 16-bit output
         // The probabilities as bf16 pairs of keys (2u, 2u + 1) into row kLaneChunk / 2 + u
         // of the scores, last pair first, so no pair reads a row an earlier one overwrote
         // (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).

@@ -78,15 +78,26 @@ static inline vfloat vexp(vfloat x) {
 }
 #endif
 
-// e^(x - shift) for the chunk softmax. kShort: the caller's outputs are 16-bit or fp8-fed
+// e^(x - shift) for the online softmaxes (a shift per lane, or one for all). kShort: the caller's outputs are 16-bit or fp8-fed
 // (probabilities rounded to bf16 on some paths), so on AVX-512 exp2_poly's eight operations
 // do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
 // exactly 1, so a score equal to the max weighs exactly 1 (one visible key: its value as is).
 template <bool kShort>
-static inline vfloat exp_minus(vfloat x, float shift) {
+static inline vfloat exp_minus(vfloat x, vfloat shift) {
 #if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
   if constexpr (kShort)
-    return (vfloat)exp2_poly((__m512)((x - splat(shift)) * splat(1.44269504088896341f)), kExp2ExactAtZero);
+    return (vfloat)exp2_poly((__m512)((x - shift) * splat(1.44269504088896341f)), kExp2ExactAtZero);
 #endif
-  return vexp(x - splat(shift));
+  return vexp(x - shift);
+}
+template <bool kShort>
+static inline vfloat exp_minus(vfloat x, float shift) {
+  return exp_minus<kShort>(x, splat(shift));
+}
+
+// Whether a kernel's outputs allow the short exp: 16-bit caches, fp8 caches under a 16-bit
+// query (an fp32 query's output keeps fp32 accuracy).
+template <typename T>
+constexpr bool short_exp_output(ScalarKind query_kind) {
+  return sizeof(T) == 2 || (sizeof(T) == 1 && query_kind != ScalarKind::kFloat32);
 }
