@@ -68,9 +68,10 @@ def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
     """fp8 caches on each ISA's conversion (F16C / AVX-512 / scalar), with each query dtype,
     per-layer and per-head scales, whole-vector, ragged and mixed head sizes, and
     special stored values (NaN in a visible row must reach the output, as in the
-    reference; subnormals and the largest values convert exactly)."""
+    reference; subnormals and the largest values convert exactly). Lengths around the
+    block (16) and around the fp8 decode chunk (64 keys at head sizes up to 128)."""
     select_isa(isa, monkeypatch)
-    lens = [1, 15, 16, 17, 100, 0]
+    lens = [1, 15, 16, 17, 63, 64, 65, 100, 129, 0]
     for i, (head_size, head_size_v) in enumerate(((64, 64), (72, 72), (128, 128), (192, 128),
                                                   (40, 128), (80, 64))):
         dtype = DTYPES[i % 3]
@@ -79,7 +80,7 @@ def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
                                                       head_size_v=head_size_v), kv)
         query = random_query(len(lens), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, **extra)
-        qsl = query_start_loc([1, 3, 16, 17, 40, 0])
+        qsl = query_start_loc([1, 3, 16, 17, 2, 1, 5, 40, 3, 0])
         query = random_query(int(qsl[-1]), 8, head_size, dtype)
         assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl,
                                  soft_cap=20.0, sinks=scenarios.random_sinks(8), **extra)

@@ -39,6 +39,7 @@ static inline TileConfig amx_tile_config(int m) {
   return c;
 }
 
+constexpr int kAmxKeyChunk = 32;    // keys per online-softmax step
 constexpr int kAmxKeyGroup = 16;    // keys per tile (a block holds whole groups)
 constexpr int kAmxTileQueries = 16;  // queries per tile at most
 constexpr int kAmxStep = 32;         // bf16 elements per tile row (16 dword pairs)
@@ -81,15 +82,15 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   l.acc = 0;                                            // [heads][padded][hsv]
   l.scores = l.acc + rows * hsv;                        // [2][32 keys][16 queries]
   const int64_t lanes = int64_t(num_heads) * l.tiles * kAmxTileQueries;
-  l.run_max = l.scores + 2 * kKeyChunk * kAmxTileQueries;  // [heads][tiles][16], log2 units
+  l.run_max = l.scores + 2 * kAmxKeyChunk * kAmxTileQueries;  // [heads][tiles][16], log2 units
   l.run_sum = l.run_max + lanes;
   l.lane_slope = l.run_sum + lanes;                      // [heads][tiles][16]
   l.lane_pos = l.lane_slope + lanes;                     // [tiles][16] int32
   l.queries = l.lane_pos + int64_t(l.tiles) * kAmxTileQueries;  // B tiles [heads][tiles][hs/32][16][m]
   l.keys = l.queries + rows * hs / 2;                    // fp8 keys as bf16 [2][16][hs]
-  l.values = l.keys + int64_t(kKeyChunk) * hs / 2;       // B tiles [hsv/16][16][16]
-  l.probs = l.values + int64_t(kKeyChunk) * hsv / 2;     // A tiles [2][16][32] bf16
-  l.total = l.probs + kAmxTileQueries * kKeyChunk;
+  l.values = l.keys + int64_t(kAmxKeyChunk) * hs / 2;       // B tiles [hsv/16][16][16]
+  l.probs = l.values + int64_t(kAmxKeyChunk) * hsv / 2;     // A tiles [2][16][32] bf16
+  l.total = l.probs + kAmxTileQueries * kAmxKeyChunk;
   return l;
 }
 
@@ -406,7 +407,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const T* v[2];
   };
   auto make_step = [&](int a, int i) {
-    Step st{a, i, std::max(a, w.kv_begin), std::min(a + kKeyChunk, w.kv_end), {}, {}, {}};
+    Step st{a, i, std::max(a, w.kv_begin), std::min(a + kAmxKeyChunk, w.kv_end), {}, {}, {}};
     const int kv = w.kv_head_begin + i;
     for (int g = 0; g < 2; ++g) {
       const int first = a + g * kAmxKeyGroup;
@@ -419,7 +420,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     return st;
   };
   auto step_after = [&](const Step& st) {
-    return st.i + 1 < num_heads ? make_step(st.a, st.i + 1) : make_step(st.a + kKeyChunk, 0);
+    return st.i + 1 < num_heads ? make_step(st.a, st.i + 1) : make_step(st.a + kAmxKeyChunk, 0);
   };
   // Into L2: row r of each used group of `st`, keys and values. A step's 16 rows are
   // prefetched two steps ahead, a row at a time between the tile operations of its phases
@@ -451,7 +452,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const int due = pf.ops * (kAmxKeyGroup - pack_rows) / tile_ops + pf.packed;
     for (; pf.rows < due; ++pf.rows) prefetch_row_of(st, pf.rows);
   };
-  Step cur = make_step(w.kv_begin / kKeyChunk * kKeyChunk, 0);
+  Step cur = make_step(w.kv_begin / kAmxKeyChunk * kAmxKeyChunk, 0);
   Step next = step_after(cur);
   for (int r = 0; r < kAmxKeyGroup; ++r) {
     prefetch_row_of(cur, r);
@@ -499,7 +500,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       return t >= off && t < off + n ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
     };
     auto pack_values = [&] {
-      for (int t = 0; t < kKeyChunk; t += 2) {
+      for (int t = 0; t < kAmxKeyChunk; t += 2) {
         pack_value_pair(value_row(t), value_row(t + 1), hsv, v_tiles, t);
         if (t % 4 == 0 && t / 4 < pack_rows) {
           ++pf.packed;
@@ -513,8 +514,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     // a part at a time between the softmax's rows, so that the tile unit has work while the
     // vector units run it (the next tile's scores issued whole before the softmax measured
     // no faster: 409 vs 402 GFLOP/s, one thread).
-    auto scores_of = [&](int qt) { return scores + int64_t(qt & 1) * kKeyChunk * kAmxTileQueries; };
-    auto probs_of = [&](int qt) { return probs + int64_t(qt & 1) * kAmxTileQueries * kKeyChunk; };
+    auto scores_of = [&](int qt) { return scores + int64_t(qt & 1) * kAmxKeyChunk * kAmxTileQueries; };
+    auto probs_of = [&](int qt) { return probs + int64_t(qt & 1) * kAmxTileQueries * kAmxKeyChunk; };
     auto score_ops = [&](int qt) {
       return ScoreTileOps{q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords, 16 * M, 4 * M, k_group,
                           group_used, k_stride_bytes, steps, scores_of(qt)};

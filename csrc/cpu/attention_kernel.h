@@ -24,6 +24,12 @@
 #include "fp8_tiles.h"
 #include "bf16_tiles.h"
 
+// The most keys a chunk of rows R takes (CH in attention_work_item_for): loops over a
+// chunk's keys that run to this constant rather than to the chunk's n are unrolled.
+template <typename R>
+constexpr int kMaxChunk = sizeof(R) == 1 ? 64 : 32;
+static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
+
 // One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
 static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {
   switch (kind) {
@@ -101,7 +107,7 @@ PAGED_AVX_INLINE static inline void chunk_scores(const ItemState& st, const Q* q
     const vfloat scale = splat(st.scale);
     for (int i = 0; i < st.num_queries; ++i) {
       float* s = st.scores + int64_t(i) * kKeyChunk;
-      for (int t = 0; t < kKeyChunk; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
+      for (int t = 0; t < kMaxChunk<R>; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
     }
   }
 }
@@ -230,12 +236,12 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
   uint32_t pairs[G * kKeyChunk / 2];
   const int full_queries = st.num_queries / G * G;
   for (int m = 0; m < full_queries; m += G) {
-    probability_pairs<G>(st.scores + int64_t(m) * kKeyChunk, pairs);
+    probability_pairs<G, kMaxChunk<R>>(st.scores + int64_t(m) * kKeyChunk, pairs);
     accumulate_pairs<G>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
                          m == 0 ? ahead : nullptr);
   }
   for (int m = full_queries; m < st.num_queries; ++m) {
-    probability_pairs<1>(st.scores + int64_t(m) * kKeyChunk, pairs);
+    probability_pairs<1, kMaxChunk<R>>(st.scores + int64_t(m) * kKeyChunk, pairs);
     accumulate_pairs<1>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
                         m == 0 ? ahead : nullptr);
   }
@@ -359,8 +365,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const int num_queries = num_heads * per_head;
   // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
   // fp32 with several queries per KV head, where the shorter chunk measured faster
-  // (8 KiB of a head's rows at head size 128, one block at block size 16).
-  const int CH = sizeof(T) == sizeof(float) && per_head > 1 ? kKeyChunk / 2 : kKeyChunk;
+  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8 rows
+  // of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (kernel_cycles, Zen 4, head
+  // size 128, against 32: DRAM fp8 1.04-1.07x, L2 32/8 1.07-1.09x; 64 keys of 16-bit rows,
+  // 16 KiB a phase, measured 0.93x from DRAM, MHA).
+  const int CH = sizeof(T) == sizeof(float) && per_head > 1   ? 16
+                 : sizeof(T) == 1 && std::max(hs, hsv) <= 128 ? 64
+                                                              : 32;
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
   // (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
@@ -571,7 +582,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       if (r == 0) {
         r = 2;
       } else {
-        std::memcpy(row(0), row(4), sizeof(ring[0]) * 2 * kKeyChunk);
+        // Keys and values: as many pointers as T's chunks take at most, a constant size
+        // (one 1 KiB copy of both rows, or a run-time size, measured bf16 decode 0.97x).
+        std::memcpy(row(0), row(4), sizeof(ring[0]) * kMaxChunk<T>);
+        std::memcpy(row(1), row(5), sizeof(ring[0]) * kMaxChunk<T>);
         r = 0;
       }
       c = next;

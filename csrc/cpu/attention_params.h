@@ -74,8 +74,10 @@ struct WorkItem {
   int32_t partition;
 };
 
-// Most keys per online-softmax step (some fp32 items take half, see attention_kernel.h).
-constexpr int kKeyChunk = 32;
+// Most keys per online-softmax step: the decode kernel's chunk capacity (it takes 64 for
+// fp8 rows of up to 128 bytes, 32 or 16 for others: attention_kernel.h); the lane and AMX
+// kernels have their own.
+constexpr int kKeyChunk = 64;
 // Query vectors (rows x heads of one GQA group) a work item aims for; a group
 // larger than this still stays whole (one row per item). A kernel may take more
 // (plan_hints in cpu_features.h).

@@ -216,12 +216,13 @@ static inline void accumulate_pairs(float* acc, int hsp, const uint32_t* pairs, 
     if (d < hsp) accumulate_pairs_block<G, 1>(acc, hsp, d, pairs, v, n, ahead);
 }
 
-// The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs).
-template <int G>
+// The chunk's probabilities of G queries as bf16 pairs (see accumulate_pairs), of its
+// first K keys (a constant bound; keys from the chunk's n on are not read).
+template <int G, int K>
 static inline void probability_pairs(const float* scores, uint32_t* pairs) {
-  static_assert(kKeyChunk % 16 == 0, "whole fp32 vectors of probabilities per query");
+  static_assert(K % 16 == 0 && K <= kKeyChunk, "whole fp32 vectors of probabilities per query");
   for (int g = 0; g < G; ++g) {
-    for (int t = 0; t < kKeyChunk; t += 16) {
+    for (int t = 0; t < K; t += 16) {
       const __m256bh p = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * kKeyChunk + t));
       std::memcpy(pairs + g * (kKeyChunk / 2) + t / 2, &p, sizeof(p));
     }

@@ -17,7 +17,7 @@ constexpr int kLaneScoreKeys = VW == 16 ? 8 : 6;
 constexpr int kLaneScoreVecs = VW == 16 ? 3 : 2;
 constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
 constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
-constexpr int kLaneChunk = kKeyChunk;
+constexpr int kLaneChunk = 32;  // keys per step
 
 // s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors.
 template <int KT, int MT>
