@@ -143,7 +143,38 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
                                                   const ItemState& st, int j0, int n, int chunk) {
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
-  for (int m = 0; m < st.num_queries; ++m) {
+  int m = 0;
+  // Four queries at a time while the whole chunk is plainly visible to every row of the
+  // item (decode; rows past the chunk) and each query's running max stands for its chunk's
+  // (the lazy rescale below): the four sums in one transpose (hsum4) instead of four.
+  const int last_pos = w.first_pos + (st.num_queries - 1) / st.group;
+  const bool plain = !soft_cap && !P.alibi_slopes && j0 + n - 1 <= w.first_pos &&
+                     (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
+  for (; plain && m + 4 <= st.num_queries; m += 4) {
+    bool within = true;
+    for (int g = 0; g < 4; ++g) {
+      float* s = st.scores + int64_t(m + g) * kKeyChunk;
+      for (int t = n; t < chunk; ++t) s[t] = -__builtin_inff();
+      vfloat highest = load(s);
+      for (int t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
+      const float run_max = st.run_max[m + g];
+      within = within && run_max != -__builtin_inff() && !any_above(highest, run_max + kRescaleMargin);
+    }
+    if (!within) break;  // these four and the rest: one at a time, below
+    vfloat total[4] = {};
+    for (int g = 0; g < 4; ++g) {
+      float* s = st.scores + int64_t(m + g) * kKeyChunk;
+      for (int t = 0; t < chunk; t += VW) {
+        const vfloat p = exp_minus<kShortExp>(load(s + t), st.run_max[m + g]);
+        store(s + t, p);
+        total[g] += p;
+      }
+    }
+    float sums[4];
+    hsum4(total[0], total[1], total[2], total[3], sums);
+    for (int g = 0; g < 4; ++g) st.run_sum[m + g] += sums[g];
+  }
+  for (; m < st.num_queries; ++m) {
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
     const int head = st.kv_head * st.group + m % st.group;
