@@ -65,6 +65,12 @@ struct ItemState {
 #else
 #define PAGED_AVX_INLINE
 #endif
+// The same for AVX-512 only (16-register AVX2 loses by it, see chunk_scores).
+#if PAGED_ISA_AVX512
+#define PAGED_AVX512_INLINE __attribute__((always_inline))
+#else
+#define PAGED_AVX512_INLINE
+#endif
 template <int G, int K, typename Q, typename R>
 PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q, int m,
                                                 const R* const* k_rows, int n,
@@ -82,11 +88,11 @@ PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q,
 
 // Scores of every query with the chunk's n keys: register tiles (kTileQueries; a pair
 // tile for 2 left over where tiles hold 4 queries of 8 lanes), then single queries.
-// Forced inline on the AVX kernels as tile_scores is: out of line it was one copy for
-// every head size, so the head-size-128 compile ran its tiles with a run-time head size
-// (kernel_cycles, Zen 4, L2: bf16 32/8 1.08x inlined).
+// Forced inline on the AVX-512 kernels: out of line it is one copy for every head size, so
+// the head-size-128 compile runs its tiles with a run-time head size (kernel_cycles, Zen 4,
+// L2: bf16 32/8 1.08x inlined). Not on AVX2, whose 16 registers it cost 10-15% on GQA.
 template <typename Q, typename R>
-PAGED_AVX_INLINE static inline void chunk_scores(const ItemState& st, const Q* q,
+PAGED_AVX512_INLINE static inline void chunk_scores(const ItemState& st, const Q* q,
                                                  const R* const* k_rows, int n,
                                                  const R* const* ahead) {
   constexpr int G = kTileQueries<R>;
