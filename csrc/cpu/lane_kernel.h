@@ -144,9 +144,12 @@ static inline void lane_locate(const AttentionParams& P, const int32_t* table, i
 // The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
 // the query vector at v0: one max, exp and sum per vector; the accumulator rows of queries
 // whose max moved (of the first m) are rescaled. kShortExp: the exp of exp_minus<kShortExp>.
+// Out of line: inlined into lane_pairs_work_item, GCC kept the running total on the stack
+// (a store and a reload per key; multi-token bf16 / fp8 1.03-1.04x out of line).
 template <bool kShortExp>
-static inline void lane_softmax(float* s, int n, int mp, int v0, int m, float* run_max, float* run_sum,
-                                float* acc, int hspv) {
+__attribute__((noinline)) static void lane_softmax(float* s, int n, int mp, int v0, int m,
+                                                   float* run_max, float* run_sum,
+                                                   float* acc, int hspv) {
   vfloat top = load(s + v0);
   for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
   const vfloat old = load(run_max + v0);
