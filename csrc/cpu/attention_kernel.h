@@ -139,6 +139,32 @@ __attribute__((always_inline)) static inline void item_chunk_scores(
 // How far a chunk's max may pass the running max before the accumulators are rescaled to it.
 constexpr float kRescaleMargin = 8.0f;
 
+// The lanes of a chunk's n scores of one query, padded with -inf to `chunk`, folded by max.
+static inline vfloat padded_max(float* s, int n, int chunk) {
+  for (int t = n; t < chunk; ++t) s[t] = -__builtin_inff();
+  vfloat highest = load(s);
+  for (int t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
+  return highest;
+}
+
+// Whether a query's running max stands for a chunk whose lanes fold to `highest`: set, and
+// passed by no score by more than kRescaleMargin (then the chunk's own max is not needed).
+static inline bool max_stands(vfloat highest, float run_max) {
+  return run_max != -__builtin_inff() && !any_above(highest, run_max + kRescaleMargin);
+}
+
+// A chunk's scores of one query replaced by e^(score - max); their sum, by lanes.
+template <bool kShortExp>
+static inline vfloat exp_in_place(float* s, int chunk, float max) {
+  vfloat total{};
+  for (int t = 0; t < chunk; t += VW) {
+    const vfloat p = exp_minus<kShortExp>(load(s + t), max);
+    store(s + t, p);
+    total += p;
+  }
+  return total;
+}
+
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
 // from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
@@ -158,24 +184,13 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
                      (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
   for (; plain && m + 4 <= st.num_queries; m += 4) {
     bool within = true;
-    for (int g = 0; g < 4; ++g) {
-      float* s = st.scores + int64_t(m + g) * kKeyChunk;
-      for (int t = n; t < chunk; ++t) s[t] = -__builtin_inff();
-      vfloat highest = load(s);
-      for (int t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
-      const float run_max = st.run_max[m + g];
-      within = within && run_max != -__builtin_inff() && !any_above(highest, run_max + kRescaleMargin);
-    }
+    for (int g = 0; g < 4; ++g)
+      within = within && max_stands(padded_max(st.scores + int64_t(m + g) * kKeyChunk, n, chunk),
+                                    st.run_max[m + g]);
     if (!within) break;  // these four and the rest: one at a time, below
-    vfloat total[4] = {};
-    for (int g = 0; g < 4; ++g) {
-      float* s = st.scores + int64_t(m + g) * kKeyChunk;
-      for (int t = 0; t < chunk; t += VW) {
-        const vfloat p = exp_minus<kShortExp>(load(s + t), st.run_max[m + g]);
-        store(s + t, p);
-        total[g] += p;
-      }
-    }
+    vfloat total[4];
+    for (int g = 0; g < 4; ++g)
+      total[g] = exp_in_place<kShortExp>(st.scores + int64_t(m + g) * kKeyChunk, chunk, st.run_max[m + g]);
     float sums[4];
     hsum4(total[0], total[1], total[2], total[3], sums);
     for (int g = 0; g < 4; ++g) st.run_sum[m + g] += sums[g];
@@ -190,15 +205,11 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     const bool all_visible = j0 + n - 1 <= pos &&
                              (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
     if (all_visible && !soft_cap && !P.alibi_slopes) {
-      // The common decode case: nothing to mask or modify.
-      for (t = n; t < chunk; ++t) s[t] = -__builtin_inff();
-      vfloat highest = load(s);
-      for (t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
-      // Most chunks stay within kRescaleMargin of the running max (below): then their max
-      // is not needed, and the running max stands for it.
+      // The common decode case: nothing to mask or modify. Most chunks leave the running
+      // max standing (below), and then their own max is not needed.
+      const vfloat highest = padded_max(s, n, chunk);
       const float run_max = st.run_max[m];
-      const bool within = run_max != -__builtin_inff() && !any_above(highest, run_max + kRescaleMargin);
-      chunk_max = within ? run_max : hmax(highest);
+      chunk_max = max_stands(highest, run_max) ? run_max : hmax(highest);
     } else {
       for (t = 0; t < n; ++t) {
         const int j = j0 + t;
@@ -221,12 +232,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    vfloat total{};
-    for (t = 0; t < chunk; t += VW) {
-      const vfloat p = exp_minus<kShortExp>(load(s + t), new_max);
-      store(s + t, p);
-      total += p;
-    }
+    const vfloat total = exp_in_place<kShortExp>(s, chunk, new_max);
     float* am = st.acc + int64_t(m) * st.hspv;
     if (new_max != st.run_max[m]) {
       const float alpha = std::exp(st.run_max[m] - new_max);

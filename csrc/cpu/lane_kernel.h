@@ -202,6 +202,11 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
   const bool short_exp = short_exp_output<T>(P.query_kind);  // the shorter exp (exp_minus)
+  auto softmax = [&](int v0, int n) {
+    if constexpr (sizeof(T) < sizeof(float))
+      if (short_exp) return lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+    lane_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+  };
 
   for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
     const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
@@ -248,14 +253,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
       lane_scores(qt, mp, k_rows, n, hs, s, ahead);
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      for (int v0 = 0; v0 < mp; v0 += VW) {
-        if constexpr (sizeof(T) < sizeof(float))
-          if (short_exp) {
-            lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
-            continue;
-          }
-        lane_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
-      }
+      for (int v0 = 0; v0 < mp; v0 += VW) softmax(v0, n);
       lane_values(acc, hspv, s, mp, v_rows, n, m);
     }
     // As the general kernel's epilogue: the sink (partition 0), the fp8 value scale, lse.

@@ -78,9 +78,9 @@ static inline vfloat vexp(vfloat x) {
 }
 #endif
 
-// e^(x - shift) for the online softmaxes (a shift per lane, or one for all). kShort: the caller's outputs are 16-bit or fp8-fed
-// (probabilities rounded to bf16 on some paths), so on AVX-512 exp2_poly's eight operations
-// do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
+// e^(x - shift) for the online softmaxes (a shift per lane, or one for all). kShort: the
+// caller's outputs are 16-bit or fp8-fed (probabilities rounded to bf16 on some paths), so
+// on AVX-512 exp2_poly's eight operations do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
 // exactly 1, so a score equal to the max weighs exactly 1 (one visible key: its value as is).
 template <bool kShort>
 static inline vfloat exp_minus(vfloat x, vfloat shift) {
