@@ -334,7 +334,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   const int per_head = (w.row_end - w.row_begin) * group;
   const AmxLayout L = amx_layout(num_heads, per_head, hs, hsv);
   const int padded_head = (std::max(hs, hsv) + 15) / 16 * 16;
-  const bool fits = L.total <= kernel_workspace_floats(padded_head, num_heads * per_head + kWorkspacePaddingQueries);
+  const bool fits = kCacheLineFloats + L.total <= kernel_workspace_floats(padded_head, num_heads * per_head + kWorkspacePaddingQueries);
   if (!amx_takes(P) || per_head < kAmxMinQueries || !fits) {
     static const AttentionKernelFn fallback = avx512_bf16_attention_kernel(P.kind);
     fallback(P, w, ws);
@@ -342,6 +342,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   }
   const int M = L.m;
   const int steps = hs / kAmxStep;  // query / key tiles per score tile
+  ws = aligned_workspace(ws);
   float* acc = ws + L.acc;
   float* scores = ws + L.scores;
   float* run_max = ws + L.run_max;

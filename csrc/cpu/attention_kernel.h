@@ -420,12 +420,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Workspace: queries, accumulators, scores, running max and sum of every query
   // (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
   // sizes), then the unscaled bf16 queries (bf16 dot products).
-  float* q_f = ws;
+  float* q_f = aligned_workspace(ws);
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hspv;
   float* run_max = scores + int64_t(num_queries) * kKeyChunk;
-  float* run_sum = run_max + num_queries;
-  float* k_f = run_sum + num_queries;
+  float* run_sum = run_max + cache_lines_floats(num_queries);
+  float* k_f = run_sum + cache_lines_floats(num_queries);
   float* v_f = k_f + int64_t(CH) * hsp;
   uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hspv);
   auto head_state = [&](int i) {

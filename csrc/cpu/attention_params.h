@@ -87,11 +87,21 @@ constexpr int kMaxQueriesPerItem = 64;
 // head's queries up to whole vectors.
 constexpr int kWorkspacePaddingQueries = 16;
 
+// Workspace regions start on cache lines: a zmm load or store across two lines costs two
+// (std::vector<float>'s storage is only 16-byte aligned).
+constexpr int kCacheLineFloats = 16;
+constexpr int64_t cache_lines_floats(int64_t n) { return (n + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats; }
+inline float* aligned_workspace(float* ws) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ws) + 63) & ~uintptr_t(63));
+}
+
 // Floats of per-thread scratch a kernel needs; head_size_padded is the larger of the key
 // and value head sizes rounded up to whole vectors (an upper bound when they differ).
 inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
-  return int64_t(num_queries) * head_size_padded * 2   // scaled queries, accumulators
-         + int64_t(num_queries) * (kKeyChunk + 2)      // scores, running max, running sum
+  return kCacheLineFloats                              // aligning the start (aligned_workspace)
+         + int64_t(num_queries) * head_size_padded * 2   // scaled queries, accumulators
+         + int64_t(num_queries) * kKeyChunk            // scores
+         + 2 * cache_lines_floats(num_queries)         // running max, running sum
          + int64_t(kKeyChunk) * head_size_padded * 2   // fp32 keys and values of a chunk
          + (int64_t(num_queries) * head_size_padded + 1) / 2;  // bf16 queries
 }

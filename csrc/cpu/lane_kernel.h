@@ -180,7 +180,7 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const int group = P.num_heads / P.num_kv_heads;
   const int m = (w.row_end - w.row_begin) * group;  // queries of one KV head
   const int mp = (m + VW - 1) / VW * VW;
-  float* qt = ws;                                // [hs][mp] scaled queries, transposed
+  float* qt = aligned_workspace(ws);             // [hs][mp] scaled queries, transposed
   float* s = qt + int64_t(mp) * hsp;             // [chunk][mp] scores, then probabilities
   float* acc = s + int64_t(mp) * kLaneChunk;     // [mp][hspv] unnormalised outputs
   float* run_max = acc + int64_t(mp) * hspv;     // [mp]

@@ -138,7 +138,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   // The fp32 lane kernel's workspace, its regions holding pairs: [hs/2][mp] query pairs in
   // qt's, [chunk][mp] scores then [chunk/2][mp] probability pairs after them, bf16 keys in
   // kf's and [chunk/2][hsv] value pairs in vf's.
-  float* qt = ws;
+  float* qt = aligned_workspace(ws);
   float* s = qt + int64_t(mp) * hs;
   float* acc = s + int64_t(mp) * kLaneChunk;
   float* run_max = acc + int64_t(mp) * hsv;
