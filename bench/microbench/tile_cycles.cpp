@@ -1,7 +1,7 @@
 // The AVX512_BF16 kernel's register tiles alone, against the vdpbf16ps they contain (docs/
 // performance.md, session 23): one chunk of 32 L1-resident keys of one KV head and its
-// four queries (32/8 heads, head size 128), scores by dot_tile<4, 4> and values by
-// accumulate_pairs<4>, bf16 and e4m3 rows; each does 512 vdpbf16ps, timed against a loop of
+// four queries (32/8 heads, head size 128), scores by dot_tile<4, 4> (and, for e4m3, by
+// the kernel's quad_tile, session 24) and values by accumulate_pairs<4>, bf16 and e4m3 rows; each does 512 vdpbf16ps, timed against a loop of
 // 512 independent vdpbf16ps (16 accumulators) in the same process. The gap is what the
 // tiles add beside their dot products (folds, conversions, latency), before the kernel's
 // softmax, table walk and prefetches.
@@ -38,11 +38,12 @@ constexpr int kKeys = 32, kHead = 128, kQueries = 4;
 alignas(64) uint16_t bf16_rows[kKeys][kHead];
 alignas(64) uint8_t e4m3_rows[kKeys][kHead];
 alignas(64) uint16_t queries[kQueries][kHead];
+alignas(64) uint16_t quad_queries[kQueries][4 * kHead];
 alignas(64) float scores[kQueries * kKeyChunk];
 alignas(64) float acc[kQueries * kHead];
 alignas(64) uint32_t pairs[kQueries * kKeyChunk / 2];
 
-enum Kind { kStream, kBf16Scores, kBf16Values, kE4m3Scores, kE4m3Values };
+enum Kind { kStream, kBf16Scores, kBf16Values, kE4m3Scores, kE4m3QuadScores, kE4m3Values };
 
 template <Kind kKind>
 __attribute__((noinline)) double ticks_per_chunk(long iters) {
@@ -72,6 +73,12 @@ __attribute__((noinline)) double ticks_per_chunk(long iters) {
     if constexpr (kKind == kE4m3Scores)
       for (int t = 0; t < kKeys; t += 4)
         dot_tile<4, 4>(q, kHead, e4m3 + t, scores + t, static_cast<const Fp8E4M3* const*>(nullptr));
+    if constexpr (kKind == kE4m3QuadScores) {
+      const uint16_t* qq = &quad_queries[0][0];
+      asm volatile("" : "+r"(qq)::"memory");
+      for (int t = 0; t < kKeys; t += kQuadKeys)
+        quad_tile(qq, kHead, e4m3 + t, scores + t, static_cast<const Fp8E4M3* const*>(nullptr));
+    }
     if constexpr (kKind == kBf16Values)
       accumulate_pairs<4>(acc, kHead, pairs, bf16, kKeys, static_cast<const Bf16* const*>(nullptr));
     if constexpr (kKind == kE4m3Values)
@@ -93,6 +100,7 @@ int main() {
     }
   for (int g = 0; g < kQueries; ++g)
     for (int d = 0; d < kHead; ++d) queries[g][d] = uint16_t(0x3e80 + (g * d) % 5);
+  for (int g = 0; g < kQueries; ++g) quad_query_order(queries[g], kHead, quad_queries[g]);
   for (auto& p : pairs) p = 0x3f803f80u;
   const long n = 1000000;
   const double stream = ticks_per_chunk<kStream>(n);
@@ -103,5 +111,6 @@ int main() {
   report("bf16 score tiles (8 x dot_tile<4, 4>)", ticks_per_chunk<kBf16Scores>(n));
   report("bf16 value pairs (accumulate_pairs<4>)", ticks_per_chunk<kBf16Values>(n));
   report("e4m3 score tiles (8 x dot_tile<4, 4>)", ticks_per_chunk<kE4m3Scores>(n));
+  report("e4m3 score tiles (2 x quad_tile)", ticks_per_chunk<kE4m3QuadScores>(n));
   report("e4m3 value pairs (accumulate_pairs<4>)", ticks_per_chunk<kE4m3Values>(n));
 }

@@ -48,6 +48,7 @@ struct ItemState {
   int hspv;  // padded value head size
   float* q;        // [num_queries, hsp] scaled queries, zero padded
   const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
+  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile)
   float scale;     // applied to the scores of the bf16 dot path (softmax scale x key scale)
   float* acc;      // [num_queries, hspv] unnormalised outputs
   float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
@@ -86,6 +87,28 @@ PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q,
       s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp, g == 0 ? ahead_at(t) : nullptr);
 }
 
+#if PAGED_ISA_AVX512_BF16
+// Scores of 4 queries from query m with the chunk's n fp8 keys by quad tiles; the last
+// tile's missing rows repeat row n - 1 (their scores land past n, unused).
+template <typename R>
+PAGED_AVX_INLINE static inline void quad_scores(const ItemState& st, int m, const R* const* k_rows,
+                                                int n, const R* const* ahead) {
+  const uint16_t* qm = st.q_quad + int64_t(m) * 4 * st.hsp;
+  float* s = st.scores + int64_t(m) * kKeyChunk;
+  const R* const* tile_ahead = m == 0 ? ahead : nullptr;
+  int t = 0;
+  for (; t + kQuadKeys <= n; t += kQuadKeys)
+    quad_tile(qm, st.hsp, k_rows + t, s + t, tile_ahead ? tile_ahead + t : nullptr);
+  if (t < n) {
+    const R* rows[kQuadKeys];
+    for (int i = 0; i < kQuadKeys; ++i) rows[i] = k_rows[std::min(t + i, n - 1)];
+    if (tile_ahead)
+      for (int i = t; i < n; ++i) prefetch_same_line_row(tile_ahead, i, st.hsp);
+    quad_tile(qm, st.hsp, rows, s + t, static_cast<const R* const*>(nullptr));
+  }
+}
+#endif
+
 // Scores of every query with the chunk's n keys: register tiles (kTileQueries; a pair
 // tile for 2 left over where tiles hold 4 queries of 8 lanes), then single queries.
 // Forced inline on the AVX-512 kernels: out of line it is one copy for every head size, so
@@ -98,6 +121,10 @@ PAGED_AVX512_INLINE static inline void chunk_scores(const ItemState& st, const Q
   constexpr int G = kTileQueries<R>;
   const int hsp = st.hsp;
   int m = 0;
+#if PAGED_ISA_AVX512_BF16
+  if constexpr (sizeof(R) == 1 && std::is_same_v<Q, uint16_t>)
+    for (; m + 4 <= st.num_queries; m += 4) quad_scores(st, m, k_rows, n, ahead);
+#endif
   for (; m + G <= st.num_queries; m += G) tile_scores<G, VW / G>(st, q, m, k_rows, n, ahead);
   if constexpr (G == 4 && VW == 8)
     for (; m + 2 <= st.num_queries; m += 2) tile_scores<2, 4>(st, q, m, k_rows, n, ahead);
@@ -419,7 +446,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
   // (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
-  // sizes), then the unscaled bf16 queries (bf16 dot products).
+  // sizes), then the unscaled bf16 queries (bf16 dot products), for fp8 keys in quad
+  // order too; each region from a cache line (aligned_workspace).
   float* q_f = aligned_workspace(ws);
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hspv;
@@ -428,13 +456,14 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   float* k_f = run_sum + cache_lines_floats(num_queries);
   float* v_f = k_f + int64_t(CH) * hsp;
   uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hspv);
+  uint16_t* q_quad = q_bits + 2 * cache_lines_floats((int64_t(num_queries) * hsp + 1) / 2);
   auto head_state = [&](int i) {
     const int64_t m0 = int64_t(i) * per_head;
     const int kv = w.kv_head_begin + i;
     const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
     return ItemState{kv, per_head, group, hsp, hspv, q_f + m0 * hsp,
-                     q_bits + m0 * hsp, score_scale, acc + m0 * hspv, scores + m0 * kKeyChunk,
-                     run_max + m0, run_sum + m0};
+                     q_bits + m0 * hsp, q_quad + m0 * 4 * hsp, score_scale, acc + m0 * hspv,
+                     scores + m0 * kKeyChunk, run_max + m0, run_sum + m0};
   };
   // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
   // are rows that serve many queries (multi-token items) and cost more to widen than a
@@ -516,6 +545,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row);
         for (int d = 0; d < hs; d += 64)
           for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_lane_element(i)];
+        if (per_head >= 4) quad_query_order(src, hs, q_quad + int64_t(m) * 4 * hsp);
       } else
 #endif
         std::memcpy(qb, q_row, 2 * hs);

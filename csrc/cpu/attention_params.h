@@ -103,7 +103,8 @@ inline int64_t kernel_workspace_floats(int head_size_padded, int num_queries) {
          + int64_t(num_queries) * kKeyChunk            // scores
          + 2 * cache_lines_floats(num_queries)         // running max, running sum
          + int64_t(kKeyChunk) * head_size_padded * 2   // fp32 keys and values of a chunk
-         + (int64_t(num_queries) * head_size_padded + 1) / 2;  // bf16 queries
+         + cache_lines_floats((int64_t(num_queries) * head_size_padded + 1) / 2)  // bf16 queries
+         + int64_t(num_queries) * head_size_padded * 2;  // the same in quad order (fp8 keys)
 }
 
 using AttentionKernelFn = void (*)(const AttentionParams&, const WorkItem&, float* workspace);

@@ -138,6 +138,69 @@ static inline float dot1(const uint16_t* q, const T* k, int hsp, const T* const*
   return hsum((vfloat)a);
 }
 
+// fp8 keys of a GQA group, 16 keys and 4 queries a tile, four keys in each vector: 16
+// bytes of key 4 L + j in 128-bit lane L of vector j (masked loads, no shuffle), so the
+// 4 x 4 accumulators hold 64 scores in 4-lane groups and sum to them by 12 in-lane folds,
+// where four dot_tile<4, 4> take 60, 44 of them across lanes. The queries are in quad order
+// (quad_query_order): per 16 elements, elements 0-7 four times, then 8-15 four times.
+// tile_cycles (Zen 4, head size 128): e4m3 score tiles 1.25x faster than by dot_tile.
+constexpr int kQuadKeys = 16;
+
+static inline void quad_query_order(const uint16_t* q, int hs, uint16_t* out) {
+  for (int d = 0; d < hs; d += 16)
+    for (int half = 0; half < 2; ++half)
+      for (int lane = 0; lane < 4; ++lane)
+        std::memcpy(out + 4 * d + 32 * half + 8 * lane, q + d + 8 * half, 8 * sizeof(uint16_t));
+}
+
+// Bytes [d, d + 16) of rows k[0], k[4], k[8], k[12] in lanes 0-3. The masked loads touch
+// only their enabled 16 bytes, whatever lies before the row.
+template <typename T>
+__attribute__((always_inline)) static inline __m512i load_quad(const T* const* k, int d) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[0] + d)));
+  v = _mm512_mask_loadu_epi64(v, 0x0c, reinterpret_cast<const char*>(k[4] + d) - 16);
+  v = _mm512_mask_loadu_epi64(v, 0x30, reinterpret_cast<const char*>(k[8] + d) - 32);
+  return _mm512_mask_loadu_epi64(v, 0xc0, reinterpret_cast<const char*>(k[12] + d) - 48);
+}
+
+// s[g * kKeyChunk + t] = q_g . k[t] for 4 queries (q: quad order, 4 hsp apart) and 16 keys
+// (hsp a multiple of 64). Each 16-byte step prefetches 4 rows' line of `ahead` (see
+// prefetch_same_line), so the 16 rows' lines are fetched over the line's 4 steps.
+template <typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
+__attribute__((always_inline)) static inline void quad_tile(const uint16_t* q, int hsp,
+                                                            const T* const* k, float* s,
+                                                            const T* const* ahead) {
+  __m512 acc[4][4];  // [query][vector]
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int d = 0; d < hsp; d += 16) {
+    if (ahead) {
+      const int line = d & ~63, first = d % 64 / 16 * 4;
+      for (int t = first; t < first + 4; ++t) {
+        prefetch_l1(ahead[t] + line);
+        prefetch(ahead[kKeyChunk + t] + line);
+      }
+    }
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) fp8_to_bf16_lanes<T>(load_quad(k + j, d), lo[j], hi[j]);
+    for (int g = 0; g < 4; ++g) {
+      const __m512bh q0 = load_bf16x32(q + int64_t(g) * 4 * hsp + 4 * d);
+      const __m512bh q1 = load_bf16x32(q + int64_t(g) * 4 * hsp + 4 * d + 32);
+      for (int j = 0; j < 4; ++j) {
+        acc[g][j] = _mm512_dpbf16_ps(acc[g][j], q0, (__m512bh)lo[j]);
+        acc[g][j] = _mm512_dpbf16_ps(acc[g][j], q1, (__m512bh)hi[j]);
+      }
+    }
+  }
+  // Folding query g's vectors 0 and 2, 1 and 3 at stride 2, then the two results at stride
+  // 1, leaves key 4 L + j (vector j, lane L) in lane 4 L + j: query g's 16 scores in order.
+  for (int g = 0; g < 4; ++g) {
+    const vfloat even = fold_lanes<2>((vfloat)acc[g][0], (vfloat)acc[g][2]);
+    const vfloat odd = fold_lanes<2>((vfloat)acc[g][1], (vfloat)acc[g][3]);
+    store(s + g * kKeyChunk, fold_lanes<1>(even, odd));
+  }
+}
+
 // Probability-weighted bf16 values with vdpbf16ps, two keys per instruction: the rows
 // of keys t and t+1 are interleaved (vpunpck{l,h}wd) and dotted with the pair
 // (p[t], p[t+1]) rounded to bf16, as flash-attention kernels do on GPUs.

@@ -38,3 +38,12 @@ static inline void prefetch_same_line(const R* const* ahead, int t, int element)
     prefetch(ahead[kKeyChunk + t] + element);
   }
 }
+
+// prefetch_same_line for every line of row t (`ahead` not null).
+template <typename R>
+static inline void prefetch_same_line_row(const R* const* ahead, int t, int elements) {
+  for (int element = 0; element < elements; element += 64 / int(sizeof(R))) {
+    prefetch_l1(ahead[t] + element);
+    prefetch(ahead[kKeyChunk + t] + element);
+  }
+}
