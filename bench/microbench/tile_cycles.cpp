@@ -1,10 +1,10 @@
 // The AVX512_BF16 kernel's register tiles alone, against the vdpbf16ps they contain (docs/
-// performance.md, session 23): one chunk of 32 L1-resident keys of one KV head and its
+// performance.md, sessions 23-24): one chunk of 32 L1-resident keys of one KV head and its
 // four queries (32/8 heads, head size 128), scores by dot_tile<4, 4> (and, for e4m3, by
-// the kernel's quad_tile, session 24) and values by accumulate_pairs<4>, bf16 and e4m3 rows; each does 512 vdpbf16ps, timed against a loop of
-// 512 independent vdpbf16ps (16 accumulators) in the same process. The gap is what the
-// tiles add beside their dot products (folds, conversions, latency), before the kernel's
-// softmax, table walk and prefetches.
+// the kernel's quad_tile) and values by accumulate_pairs<4>, bf16 and e4m3 rows; each does
+// 512 vdpbf16ps, timed against a loop of 512 independent vdpbf16ps (16 accumulators) in
+// the same process. The gap is what the tiles add beside their dot products (folds,
+// conversions, latency), before the kernel's softmax, table walk and prefetches.
 //   g++ -std=c++20 -O3 -fwrapv -march=native -DPAGED_VEC_WIDTH=16 -DPAGED_ISA_AVX512=1 \
 //       -DPAGED_ISA_F16C=1 -DPAGED_ISA_AVX512_VBMI=1 -DPAGED_ISA_AVX512_BF16=1 -DPAGED_ISA_AMX=0 \
 //       -I csrc/cpu -I csrc bench/microbench/tile_cycles.cpp -o /tmp/tile_cycles && /tmp/tile_cycles
