@@ -209,9 +209,8 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
   const WorkItem item{0, 0, item_heads, 0, 1, kContext - 1, 0, kContext, 0};
   // The workspace where run_items' std::vector<float> puts it: a vector this large is
   // mmap'd by glibc, its storage 16 bytes past a page (so past a cache line) boundary.
-  std::vector<float> workspace_storage(kernel_workspace_floats(kHead, item_heads * group) + 16);
-  float* workspace = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(workspace_storage.data()) + 63) / 64 * 64 + 16);
+  std::vector<float> workspace_storage(kernel_workspace_floats(kHead, item_heads * group) + kCacheLineFloats);
+  float* workspace = aligned_workspace(workspace_storage.data()) + 4;
   const AttentionKernelFn kernel = entry(int(kind));
   const AttentionKernelFn base_kernel = baseline ? baseline(int(kind)) : nullptr;
   auto time_item = [&](AttentionKernelFn fn) {

@@ -92,7 +92,8 @@ constexpr int kWorkspacePaddingQueries = 16;
 constexpr int kCacheLineFloats = 16;
 constexpr int64_t cache_lines_floats(int64_t n) { return (n + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats; }
 inline float* aligned_workspace(float* ws) {
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ws) + 63) & ~uintptr_t(63));
+  constexpr uintptr_t kLineBytes = kCacheLineFloats * sizeof(float);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ws) + kLineBytes - 1) & ~(kLineBytes - 1));
 }
 
 // Floats of per-thread scratch a kernel needs; head_size_padded is the larger of the key

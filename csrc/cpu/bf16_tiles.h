@@ -176,10 +176,7 @@ __attribute__((always_inline)) static inline void quad_tile(const uint16_t* q, i
   for (int d = 0; d < hsp; d += 16) {
     if (ahead) {
       const int line = d & ~63, first = d % 64 / 16 * 4;
-      for (int t = first; t < first + 4; ++t) {
-        prefetch_l1(ahead[t] + line);
-        prefetch(ahead[kKeyChunk + t] + line);
-      }
+      for (int t = first; t < first + 4; ++t) prefetch_ahead(ahead, t, line);
     }
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) fp8_to_bf16_lanes<T>(load_quad(k + j, d), lo[j], hi[j]);

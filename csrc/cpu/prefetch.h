@@ -24,6 +24,14 @@ static inline void prefetch_row(const void* row, int bytes) {
   for (int off = 0; off < bytes; off += 64) prefetch(p + off);
 }
 
+// Row t's bytes at `element` into L1 from ahead[t] and into L2 from ahead[kKeyChunk + t]
+// (the next phase's and the one after's rows), `ahead` not null.
+template <typename R>
+static inline void prefetch_ahead(const R* const* ahead, int t, int element) {
+  prefetch_l1(ahead[t] + element);
+  prefetch(ahead[kKeyChunk + t] + element);
+}
+
 // Prefetching mirrors the loads: while a phase reads bytes [x, x + 64) of its row t, it
 // prefetches the same bytes of row t of the next phase's rows into L1 (ahead[t]) and of
 // the phase after it into L2 (ahead[kKeyChunk + t]); `ahead` is nullable. Misses then stay
@@ -33,17 +41,11 @@ static inline void prefetch_row(const void* row, int bytes) {
 // with every line already in L2 (twice the prefetch instructions).
 template <typename R>
 static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
-  if (ahead && (element * int(sizeof(R))) % 64 == 0) {
-    prefetch_l1(ahead[t] + element);
-    prefetch(ahead[kKeyChunk + t] + element);
-  }
+  if (ahead && (element * int(sizeof(R))) % 64 == 0) prefetch_ahead(ahead, t, element);
 }
 
 // prefetch_same_line for every line of row t (`ahead` not null).
 template <typename R>
 static inline void prefetch_same_line_row(const R* const* ahead, int t, int elements) {
-  for (int element = 0; element < elements; element += 64 / int(sizeof(R))) {
-    prefetch_l1(ahead[t] + element);
-    prefetch(ahead[kKeyChunk + t] + element);
-  }
+  for (int element = 0; element < elements; element += 64 / int(sizeof(R))) prefetch_ahead(ahead, t, element);
 }
