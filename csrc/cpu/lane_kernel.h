@@ -19,14 +19,74 @@ constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
 constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
 constexpr int kLaneChunk = 32;  // keys per step
 
-// s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors.
-template <int KT, int MT>
+// The next chunk's stored key and value rows, fetched into L2 by the score tiles a few
+// lines per step of their loop over the head's elements (`per_step`, set by plan), so the
+// misses go out at the pace of the arithmetic. Fetched a tile's rows at a time, the
+// bursts overflowed the miss buffers and stalled the core (causal multi-token, fp32: 8% of
+// the samples on the prefetches and 7% on copying keys whose lines had not arrived).
+template <typename T>
+class LaneAhead {
+ public:
+  LaneAhead(const T* const* k, const T* const* v, int n, int k_bytes, int v_bytes)
+      : k_(k), v_(v), n_(n), k_bytes_(k_bytes), v_bytes_(v_bytes) {
+    start_row();
+  }
+
+  // Spreads the lines over `steps` calls of step().
+  void plan(int steps) {
+    const int lines = n_ * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
+    per_step_ = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+
+  void step() {
+    for (int i = 0; i < per_step_ && line_ != nullptr; ++i) next_line();
+  }
+
+  // Every line not yet fetched.
+  void finish() {
+    while (line_ != nullptr) next_line();
+  }
+
+ private:
+  // Rows 0 .. n - 1 are the keys', n .. 2n - 1 the values'.
+  void start_row() {
+    if (row_ >= 2 * n_) {
+      line_ = nullptr;
+      return;
+    }
+    const bool key = row_ < n_;
+    line_ = reinterpret_cast<const char*>(key ? k_[row_] : v_[row_ - n_]);
+    row_end_ = line_ + (key ? k_bytes_ : v_bytes_);
+  }
+  void next_line() {
+    prefetch(line_);
+    line_ += 64;
+    if (line_ >= row_end_) {
+      ++row_;
+      start_row();
+    }
+  }
+
+  const T* const* k_;
+  const T* const* v_;
+  int n_;
+  int k_bytes_, v_bytes_;
+  int per_step_ = 0;
+  int row_ = 0;
+  const char* line_ = nullptr;
+  const char* row_end_ = nullptr;
+};
+
+// s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors;
+// `ahead` (nullable) steps once per element.
+template <int KT, int MT, typename Ahead>
 static inline void lane_score_tile(const float* qt, int mp, const float* const* k, int hs, float* s,
-                                   int m0) {
+                                   int m0, Ahead* ahead) {
   vfloat acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = vfloat{};
   for (int d = 0; d < hs; ++d) {
+    if (ahead) ahead->step();
     vfloat q[MT];
     for (int j = 0; j < MT; ++j) q[j] = load(qt + int64_t(d) * mp + m0 + j * VW);
     for (int i = 0; i < KT; ++i) {
@@ -38,54 +98,36 @@ static inline void lane_score_tile(const float* qt, int mp, const float* const* 
     for (int j = 0; j < MT; ++j) store(s + int64_t(i) * mp + m0 + j * VW, acc[i][j]);
 }
 
-template <int KT>
+// The first tile (query vectors from 0) steps `ahead`.
+template <int KT, typename Ahead>
 static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k, int hs,
-                                        float* s) {
+                                        float* s, Ahead* ahead) {
   int m = 0;
-  for (; m + kLaneScoreVecs * VW <= mp; m += kLaneScoreVecs * VW)
-    lane_score_tile<KT, kLaneScoreVecs>(qt, mp, k, hs, s, m);
-  for (; m < mp; m += VW) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m);
+  for (; m + kLaneScoreVecs * VW <= mp; m += kLaneScoreVecs * VW, ahead = nullptr)
+    lane_score_tile<KT, kLaneScoreVecs>(qt, mp, k, hs, s, m, ahead);
+  for (; m < mp; m += VW, ahead = nullptr) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m, ahead);
 }
-
-// The next chunk's stored rows, fetched into L2 a few rows per score tile: spread over the
-// chunk's arithmetic, the misses stay in flight instead of overflowing the miss buffers
-// in one burst (and into L1 they would evict the queries and accumulators).
-template <typename T>
-struct LaneAhead {
-  const T* const* k;
-  const T* const* v;
-  int n;
-  int k_bytes, v_bytes;
-
-  void fetch(int begin, int end) const {
-    for (int t = begin; t < end && t < n; ++t) {
-      prefetch_row(k[t], k_bytes);
-      prefetch_row(v[t], v_bytes);
-    }
-  }
-};
 
 // Scores of the chunk's n keys with every query: s[t][m]. With one vector of queries
 // (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
+// The next chunk's rows are fetched over the full tiles' steps (LaneAhead).
 template <typename T>
 static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
-                               float* s, const LaneAhead<T>& ahead) {
+                               float* s, LaneAhead<T>& ahead) {
+  const int keys = mp == VW ? 2 * kLaneScoreKeys : kLaneScoreKeys;
+  ahead.plan(n / keys * hs);
   int t = 0;
   if (mp == VW) {
     constexpr int kKeys = 2 * kLaneScoreKeys;
-    for (; t + kKeys <= n; t += kKeys) {
-      ahead.fetch(t, t + kKeys);
-      lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0);
-    }
+    for (; t + kKeys <= n; t += kKeys) lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0, &ahead);
   } else {
-    for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys) {
-      ahead.fetch(t, t + kLaneScoreKeys);
-      lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp);
-    }
+    for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys)
+      lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp, &ahead);
   }
-  ahead.fetch(t, ahead.n);
-  for (; t + 4 <= n; t += 4) lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp);
-  for (; t < n; ++t) lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp);
+  ahead.finish();
+  using None = LaneAhead<T>;
+  for (; t + 4 <= n; t += 4) lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+  for (; t < n; ++t) lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
 }
 
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
@@ -237,8 +279,8 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
       // The next chunk's rows are fetched while this one computes (LaneAhead).
       const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
       if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
-      const LaneAhead<T> ahead{k_src[1 - current], v_src[1 - current], next_n,
-                               int(hs * sizeof(T)), int(hsv * sizeof(T))};
+      LaneAhead<T> ahead(k_src[1 - current], v_src[1 - current], next_n, int(hs * sizeof(T)),
+                         int(hsv * sizeof(T)));
       for (int t = 0; t < n; ++t) {
         row_to_float(k_src[current][t], kf + int64_t(t) * hsp, hs);
         k_rows[t] = kf + int64_t(t) * hsp;

@@ -49,13 +49,15 @@ static inline void row_to_bf16x64(const T* p, uint16_t* out) {
 }
 
 // s[i][m0 + 16 j ..] = scale * sum_p qp[p][..] . k[i] pair p, for KT keys and MT vectors.
-template <int KT, int MT>
+// `ahead` (nullable) steps once per pair.
+template <int KT, int MT, typename Ahead>
 static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                        float scale, float* s, int m0) {
+                                        float scale, float* s, int m0, Ahead* ahead) {
   __m512 acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int p = 0; p < hs / 2; ++p) {
+    if (ahead) ahead->step();
     __m512bh q[MT];
     for (int j = 0; j < MT; ++j) q[j] = (__m512bh)_mm512_loadu_si512(qp + int64_t(p) * mp + m0 + 16 * j);
     for (int i = 0; i < KT; ++i) {
@@ -70,34 +72,37 @@ static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16
     for (int j = 0; j < MT; ++j) _mm512_storeu_ps(s + int64_t(i) * mp + m0 + 16 * j, _mm512_mul_ps(acc[i][j], sv));
 }
 
-template <int KT>
+// The first tile (query vectors from 0) steps `ahead`.
+template <int KT, typename Ahead>
 static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                             float scale, float* s) {
+                                             float scale, float* s, Ahead* ahead) {
   int m = 0;
-  for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16)
-    lane_pair_score_tile<KT, kPairScoreVecs>(qp, mp, k, hs, scale, s, m);
-  for (; m < mp; m += 16) lane_pair_score_tile<KT, 1>(qp, mp, k, hs, scale, s, m);
+  for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16, ahead = nullptr)
+    lane_pair_score_tile<KT, kPairScoreVecs>(qp, mp, k, hs, scale, s, m, ahead);
+  for (; m < mp; m += 16, ahead = nullptr) lane_pair_score_tile<KT, 1>(qp, mp, k, hs, scale, s, m, ahead);
 }
 
+// As lane_scores (lane_kernel.h).
 template <typename T>
 static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
-                                    float scale, float* s, const LaneAhead<T>& ahead) {
+                                    float scale, float* s, LaneAhead<T>& ahead) {
+  const int keys = mp == 16 ? 2 * kPairScoreKeys : kPairScoreKeys;
+  ahead.plan(n / keys * (hs / 2));
   int t = 0;
   if (mp == 16) {
     constexpr int kKeys = 2 * kPairScoreKeys;
-    for (; t + kKeys <= n; t += kKeys) {
-      ahead.fetch(t, t + kKeys);
-      lane_pair_score_tile<kKeys, 1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, 0);
-    }
+    for (; t + kKeys <= n; t += kKeys)
+      lane_pair_score_tile<kKeys, 1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, 0, &ahead);
   } else {
-    for (; t + kPairScoreKeys <= n; t += kPairScoreKeys) {
-      ahead.fetch(t, t + kPairScoreKeys);
-      lane_pair_scores_for_keys<kPairScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
-    }
+    for (; t + kPairScoreKeys <= n; t += kPairScoreKeys)
+      lane_pair_scores_for_keys<kPairScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, &ahead);
   }
-  ahead.fetch(t, ahead.n);
-  for (; t + 4 <= n; t += 4) lane_pair_scores_for_keys<4>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
-  for (; t < n; ++t) lane_pair_scores_for_keys<1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp);
+  ahead.finish();
+  using None = LaneAhead<T>;
+  for (; t + 4 <= n; t += 4)
+    lane_pair_scores_for_keys<4>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+  for (; t < n; ++t)
+    lane_pair_scores_for_keys<1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, static_cast<None*>(nullptr));
 }
 
 // acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
@@ -183,8 +188,8 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       const int pairs = (n + 1) / 2;
       const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
       if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
-      const LaneAhead<T> ahead{k_src[1 - current], v_src[1 - current], next_n,
-                               int(hs * sizeof(T)), int(hsv * sizeof(T))};
+      LaneAhead<T> ahead(k_src[1 - current], v_src[1 - current], next_n, int(hs * sizeof(T)),
+                         int(hsv * sizeof(T)));
       for (int t = 0; t < n; ++t) {
         uint16_t* kt = kb + int64_t(t) * hs;
         for (int d = 0; d < hs; d += 64) row_to_bf16x64(k_src[current][t] + d, kt + d);
