@@ -4,7 +4,7 @@
 # ISA: the kernel to time (generic, avx2, avx512, avx512_vbmi, avx512_bf16; default avx512_bf16).
 # BASELINE: a second source tree (e.g. a `git worktree` of the commit before a change),
 # timed in the same process in alternating rounds; the -D flags apply to SOURCE_DIR only.
-# RESIDENT: bytes of K (and of V) the block tables cycle over (default 512 KiB; their sum
+# RESIDENT: bytes of K (and of V) the block tables cycle over (default 128 KiB; their sum
 # must fit the core's L2 for an arithmetic-only reading); 268435456 (256 MiB) and more:
 # every call reads fresh blocks in a random order, from DRAM.
 # ROUNDS: alternating rounds of a BASELINE comparison (default 15).
@@ -39,4 +39,4 @@ fi
 g++ -std=c++20 -O2 -mf16c -DKERNEL_ISA="$isa" -I "$src/csrc/cpu" "$here/kernel_cycles.cpp" \
     -ldl -o "$out/kernel_cycles"
 # shellcheck disable=SC2086  # ONLY is two words
-"$out/kernel_cycles" "$out/kernel.so" "$baseline_lib" "${RESIDENT:-524288}" ${ONLY:-}
+"$out/kernel_cycles" "$out/kernel.so" "$baseline_lib" "${RESIDENT:-131072}" ${ONLY:-}
