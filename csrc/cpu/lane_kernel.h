@@ -19,11 +19,12 @@ constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
 constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
 constexpr int kLaneChunk = 32;  // keys per step
 
-// The next chunk's stored key and value rows, fetched into L2 by the score tiles a few
-// lines per step of their loop over the head's elements (`per_step`, set by plan), so the
-// misses go out at the pace of the arithmetic. Fetched a tile's rows at a time, the
-// bursts overflowed the miss buffers and stalled the core (causal multi-token, fp32: 8% of
-// the samples on the prefetches and 7% on copying keys whose lines had not arrived).
+// The next chunk's stored key and value rows, fetched into L2 (into L1 they would evict the
+// queries and accumulators) by the score tiles, a few lines per step of their loop over the
+// head's elements (plan), so the misses go out at the pace of the arithmetic. Fetched a
+// tile's rows at a time, the bursts overflowed the miss buffers and stalled the core
+// (causal multi-token, fp32: 8% of the samples on the prefetches and 7% on copying keys
+// whose lines had not arrived).
 template <typename T>
 class LaneAhead {
  public:
@@ -119,15 +120,18 @@ static inline void lane_scores(const float* qt, int mp, const float* const* k, i
   int t = 0;
   if (mp == VW) {
     constexpr int kKeys = 2 * kLaneScoreKeys;
-    for (; t + kKeys <= n; t += kKeys) lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0, &ahead);
+    for (; t + kKeys <= n; t += kKeys)
+      lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0, &ahead);
   } else {
     for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys)
       lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp, &ahead);
   }
   ahead.finish();
   using None = LaneAhead<T>;
-  for (; t + 4 <= n; t += 4) lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
-  for (; t < n; ++t) lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+  for (; t + 4 <= n; t += 4)
+    lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+  for (; t < n; ++t)
+    lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
 }
 
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
