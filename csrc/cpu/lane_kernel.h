@@ -99,15 +99,28 @@ static inline void lane_score_tile(const float* qt, int mp, const float* const* 
     for (int j = 0; j < MT; ++j) store(s + int64_t(i) * mp + m0 + j * VW, acc[i][j]);
 }
 
-// The first tile (query vectors from 0) steps `ahead`.
-template <int KT, typename Ahead>
+// Scores of KT keys with every query vector: tiles of MT vectors, then (MT >= 4) of MT / 2,
+// then of one. The first tile steps `ahead`.
+template <int KT, int MT, typename Ahead>
 static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k, int hs,
                                         float* s, Ahead* ahead) {
   int m = 0;
-  for (; m + kLaneScoreVecs * VW <= mp; m += kLaneScoreVecs * VW, ahead = nullptr)
-    lane_score_tile<KT, kLaneScoreVecs>(qt, mp, k, hs, s, m, ahead);
+  for (; m + MT * VW <= mp; m += MT * VW, ahead = nullptr)
+    lane_score_tile<KT, MT>(qt, mp, k, hs, s, m, ahead);
+  if constexpr (MT >= 4)
+    for (; m + MT / 2 * VW <= mp; m += MT / 2 * VW, ahead = nullptr)
+      lane_score_tile<KT, MT / 2>(qt, mp, k, hs, s, m, ahead);
   for (; m < mp; m += VW, ahead = nullptr) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m, ahead);
 }
+
+// Query vectors of the tiles of the last n % kLaneScoreKeys keys: where 32 keys leave a
+// tail (AVX2: 5 tiles of 6 and 2 left, which took tiles of 1 key x 2 vectors, two FMA
+// chains), fewer keys a tile take more vectors, so the tile still has enough accumulators
+// to cover the latency within the registers. (On AVX-512, whose 8-key tiles leave none in
+// a full chunk, wider tails cost fp32 multi-token 3%: GCC's code for the main tiles moved.)
+template <int KT>
+constexpr int kLaneTailVecs = kLaneChunk % kLaneScoreKeys == 0 ? kLaneScoreVecs
+                                                                 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
 
 // Scores of the chunk's n keys with every query: s[t][m]. With one vector of queries
 // (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
@@ -124,14 +137,18 @@ static inline void lane_scores(const float* qt, int mp, const float* const* k, i
       lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0, &ahead);
   } else {
     for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys)
-      lane_scores_for_keys<kLaneScoreKeys>(qt, mp, k + t, hs, s + int64_t(t) * mp, &ahead);
+      lane_scores_for_keys<kLaneScoreKeys, kLaneScoreVecs>(qt, mp, k + t, hs, s + int64_t(t) * mp,
+                                                           &ahead);
   }
   ahead.finish();
-  using None = LaneAhead<T>;
+  LaneAhead<T>* const none = nullptr;
   for (; t + 4 <= n; t += 4)
-    lane_scores_for_keys<4>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+    lane_scores_for_keys<4, kLaneTailVecs<4>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
+  if constexpr (kLaneChunk % kLaneScoreKeys != 0)
+    for (; t + 2 <= n; t += 2)
+      lane_scores_for_keys<2, kLaneTailVecs<2>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
   for (; t < n; ++t)
-    lane_scores_for_keys<1>(qt, mp, k + t, hs, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+    lane_scores_for_keys<1, kLaneTailVecs<1>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
 }
 
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
@@ -169,6 +186,11 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   int r = 0;
   for (; r + kLaneValueRows <= m; r += kLaneValueRows)
     lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
+  // Where 64 queries leave 4 rows (AVX2: 10 tiles of 6), 4 rows before 2: 2 x
+  // kLaneValueVecs accumulators are too few chains. (Not on AVX-512, whose 8-row tiles
+  // leave none: there the extra tile made GCC keep the value tiles out of line.)
+  if constexpr (kLaneValueRows % 4 != 0)
+    for (; r + 4 <= m; r += 4) lane_values_for_rows<4>(acc, hspv, p, mp, v, n, r);
   for (; r + 2 <= m; r += 2) lane_values_for_rows<2>(acc, hspv, p, mp, v, n, r);
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }

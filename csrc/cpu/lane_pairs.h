@@ -98,11 +98,9 @@ static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* 
       lane_pair_scores_for_keys<kPairScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, &ahead);
   }
   ahead.finish();
-  using None = LaneAhead<T>;
-  for (; t + 4 <= n; t += 4)
-    lane_pair_scores_for_keys<4>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, static_cast<None*>(nullptr));
-  for (; t < n; ++t)
-    lane_pair_scores_for_keys<1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, static_cast<None*>(nullptr));
+  LaneAhead<T>* const none = nullptr;
+  for (; t + 4 <= n; t += 4) lane_pair_scores_for_keys<4>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, none);
+  for (; t < n; ++t) lane_pair_scores_for_keys<1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, none);
 }
 
 // acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
