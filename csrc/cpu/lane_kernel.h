@@ -113,14 +113,12 @@ static inline void lane_scores_for_keys(const float* qt, int mp, const float* co
   for (; m < mp; m += VW, ahead = nullptr) lane_score_tile<KT, 1>(qt, mp, k, hs, s, m, ahead);
 }
 
-// Query vectors of the tiles of the last n % kLaneScoreKeys keys: where 32 keys leave a
-// tail (AVX2: 5 tiles of 6 and 2 left, which took tiles of 1 key x 2 vectors, two FMA
-// chains), fewer keys a tile take more vectors, so the tile still has enough accumulators
-// to cover the latency within the registers. (On AVX-512, whose 8-key tiles leave none in
-// a full chunk, wider tails cost fp32 multi-token 3%: GCC's code for the main tiles moved.)
+// Query vectors of the tiles of the last n % kLaneScoreKeys keys: fewer keys a tile, more
+// vectors, so the tile still has enough accumulators (FMA chains) to cover the latency
+// within the registers. On AVX2 a chunk of 32 keys ends in 2 (5 tiles of 6), which took
+// tiles of 1 key x 2 vectors: two chains.
 template <int KT>
-constexpr int kLaneTailVecs = kLaneChunk % kLaneScoreKeys == 0 ? kLaneScoreVecs
-                                                                 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
+constexpr int kLaneTailVecs = VW == 16 ? 4 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
 
 // Scores of the chunk's n keys with every query: s[t][m]. With one vector of queries
 // (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
@@ -144,9 +142,8 @@ static inline void lane_scores(const float* qt, int mp, const float* const* k, i
   LaneAhead<T>* const none = nullptr;
   for (; t + 4 <= n; t += 4)
     lane_scores_for_keys<4, kLaneTailVecs<4>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
-  if constexpr (kLaneChunk % kLaneScoreKeys != 0)
-    for (; t + 2 <= n; t += 2)
-      lane_scores_for_keys<2, kLaneTailVecs<2>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
+  for (; t + 2 <= n; t += 2)
+    lane_scores_for_keys<2, kLaneTailVecs<2>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
   for (; t < n; ++t)
     lane_scores_for_keys<1, kLaneTailVecs<1>>(qt, mp, k + t, hs, s + int64_t(t) * mp, none);
 }
@@ -188,7 +185,8 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
     lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
   // Where 64 queries leave 4 rows (AVX2: 10 tiles of 6), 4 rows before 2: 2 x
   // kLaneValueVecs accumulators are too few chains. (Not on AVX-512, whose 8-row tiles
-  // leave none: there the extra tile made GCC keep the value tiles out of line.)
+  // leave none: there the extra tile made GCC keep the value tiles out of line, multi-token
+  // 0.97-0.99x.)
   if constexpr (kLaneValueRows % 4 != 0)
     for (; r + 4 <= m; r += 4) lane_values_for_rows<4>(acc, hspv, p, mp, v, n, r);
   for (; r + 2 <= m; r += 2) lane_values_for_rows<2>(acc, hspv, p, mp, v, n, r);
