@@ -126,14 +126,14 @@ constexpr int kLaneTailVecs = VW == 16 ? 4 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
 template <typename T>
 static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
                                float* s, LaneAhead<T>& ahead) {
-  const int keys = mp == VW ? 2 * kLaneScoreKeys : kLaneScoreKeys;
-  ahead.plan(n / keys * hs);
   int t = 0;
   if (mp == VW) {
     constexpr int kKeys = 2 * kLaneScoreKeys;
+    ahead.plan(n / kKeys * hs);
     for (; t + kKeys <= n; t += kKeys)
       lane_score_tile<kKeys, 1>(qt, mp, k + t, hs, s + int64_t(t) * mp, 0, &ahead);
   } else {
+    ahead.plan(n / kLaneScoreKeys * hs);
     for (; t + kLaneScoreKeys <= n; t += kLaneScoreKeys)
       lane_scores_for_keys<kLaneScoreKeys, kLaneScoreVecs>(qt, mp, k + t, hs, s + int64_t(t) * mp,
                                                            &ahead);

@@ -86,14 +86,14 @@ static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const u
 template <typename T>
 static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
                                     float scale, float* s, LaneAhead<T>& ahead) {
-  const int keys = mp == 16 ? 2 * kPairScoreKeys : kPairScoreKeys;
-  ahead.plan(n / keys * (hs / 2));
   int t = 0;
   if (mp == 16) {
     constexpr int kKeys = 2 * kPairScoreKeys;
+    ahead.plan(n / kKeys * (hs / 2));
     for (; t + kKeys <= n; t += kKeys)
       lane_pair_score_tile<kKeys, 1>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, 0, &ahead);
   } else {
+    ahead.plan(n / kPairScoreKeys * (hs / 2));
     for (; t + kPairScoreKeys <= n; t += kPairScoreKeys)
       lane_pair_scores_for_keys<kPairScoreKeys>(qp, mp, k + t, hs, scale, s + int64_t(t) * mp, &ahead);
   }
