@@ -484,9 +484,13 @@ def cpu_isa() -> str:
     run time: ``amx`` (``avx512_bf16`` plus AMX tile products for bf16 and fp8 caches with a
     bf16 query), ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512_vbmi`` (AVX-512
     with fp8 converted by AVX512_VBMI byte permutes), ``avx512``, ``avx2`` or ``generic``.
+    By default the best the CPU runs, except that where a ``vdpbf16ps`` does fewer
+    multiply-adds per cycle than fp32 FMAs (measured once, ~0.1 ms; the Xeons with AMX so
+    far), ``avx512_vbmi`` runs instead of ``avx512_bf16``, and the ``amx`` kernel hands the
+    items its tiles do not take to ``avx512_vbmi`` too.
 
-    The environment variable ``PAGED_ATTENTION_CPU_ISA`` may lower it (for testing every
-    path).
+    The environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the
+    CPU runs (for testing every path); one it lacks raises a ``ValueError``.
 
     Example::
 

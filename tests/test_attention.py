@@ -11,6 +11,7 @@ import torch
 import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from cpu_isas import ISAS, select_isa, supported_isas
 from paged_case import DTYPES, free_out_of_window, make_case, query_start_loc, random_query
 
 
@@ -51,15 +52,6 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
                                      sliding_window=17, sinks=sinks)
 
 
-ISAS = list(pa.CPU_ISAS)
-
-
-def select_isa(isa, monkeypatch):
-    best = pa.cpu_isa()
-    if ISAS.index(isa) > ISAS.index(best):
-        pytest.skip(f"this CPU supports up to {best}")
-    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
-    assert pa.cpu_isa() == isa
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -173,9 +165,7 @@ def test_strided_layouts_on_every_instruction_set(layout, dtype, monkeypatch):
     """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
     each ISA: float caches of each dtype and an fp8 cache per layout."""
     lens = [1, 15, 16, 17, 100, 0]
-    for isa in ISAS:
-        if ISAS.index(isa) > ISAS.index(pa.cpu_isa()):
-            continue
+    for isa in supported_isas():
         monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
         for head_size, head_size_v in ((128, 128), (72, 40)):
             case, extra = scenarios.with_format(
@@ -187,6 +177,15 @@ def test_strided_layouts_on_every_instruction_set(layout, dtype, monkeypatch):
         case, extra = scenarios.with_format(make_case(lens, 2, 64, 16, torch.float32),
                                             scenarios.KVFormat(fp8, True, layout))
         assert_matches_reference(random_query(len(lens), 4, 64, dtype), case, 0.125, **extra)
+
+
+def test_default_instruction_set(monkeypatch):
+    """The default kernel is one the CPU runs; it is the best one, except avx512_vbmi's in
+    place of avx512_bf16's where bf16 dot products do not pay (either stays requestable)."""
+    monkeypatch.delenv("PAGED_ATTENTION_CPU_ISA", raising=False)
+    default, supported = pa.cpu_isa(), supported_isas()
+    assert default in supported
+    assert default == supported[-1] or (default, supported[-1]) == ("avx512_vbmi", "avx512_bf16")
 
 
 def test_unknown_instruction_set_is_rejected(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from cpu_isas import ISAS, select_isa
 from paged_case import DTYPES, TOLERANCES, query_start_loc, random_query
 
 
@@ -37,17 +38,10 @@ def test_reference_equals_plain_attention_row_by_row():
         torch.testing.assert_close(lse[row:row + 1], want_lse)
 
 
-ISAS = list(pa.CPU_ISAS)
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype, monkeypatch):
-    best = pa.cpu_isa()
-    if ISAS.index(isa) > ISAS.index(best):
-        pytest.skip(f"this CPU supports up to {best}")
-    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
-    assert pa.cpu_isa() == isa
+    select_isa(isa, monkeypatch)
     # Head sizes with their own compile (128), the general one (64), ragged rows (72, 40/128).
     for head_size in (64, 72, 128):
         case = scenarios.shared_prefix_case([1, 15, 16, 17, 300], [8, 1, 3, 2, 4], [1] * 18, 2,

@@ -1,7 +1,7 @@
 // The AMX kernel for bf16 and fp8 caches (bf16 queries): scores and weighted values as
 // tile products (tdpbf16ps), an online softmax with the queries in vector lanes between
 // them. Included by attention_kernel.h inside the amx ISA namespace; items it does not
-// take run the avx512_bf16 kernel.
+// take run a vector kernel (vector_kernel_beside_amx).
 //
 // Per step (32 keys at 32-aligned positions, masked to the item's range, of one KV head):
 //   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read
@@ -44,7 +44,7 @@ constexpr int kAmxKeyGroup = 16;    // keys per tile (a block holds whole groups
 constexpr int kAmxTileQueries = 16;  // queries per tile at most
 constexpr int kAmxStep = 32;         // bf16 elements per tile row (16 dword pairs)
 // Fewest queries per KV head an item needs for the tiles. One query per KV head (MHA decode)
-// runs the avx512_bf16 kernel's vector products: from DRAM, 2 threads, tiles measured
+// runs a vector kernel (avx512_bf16's measured here): from DRAM, 2 threads, tiles measured
 // 0.88x (bf16) and 0.72x (e4m3) of them there, 1.03-1.14x at two queries per KV head and
 // 1.6-3.7x from eight (docs/performance.md).
 constexpr int kAmxMinQueries = 2;
@@ -336,7 +336,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   const int padded_head = (std::max(hs, hsv) + 15) / 16 * 16;
   const bool fits = kCacheLineFloats + L.total <= kernel_workspace_floats(padded_head, num_heads * per_head + kWorkspacePaddingQueries);
   if (!amx_takes(P) || per_head < kAmxMinQueries || !fits) {
-    static const AttentionKernelFn fallback = avx512_bf16_attention_kernel(P.kind);
+    static const AttentionKernelFn fallback = vector_kernel_beside_amx(P.kind);
     fallback(P, w, ws);
     return;
   }
@@ -576,12 +576,12 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   }
 }
 
-// The amx compile's entry: tiles for bf16 and fp8 caches, the avx512_bf16 kernel for the rest.
+// The amx compile's entry: tiles for bf16 and fp8 caches, a vector kernel for the rest.
 inline AttentionKernelFn amx_kernel_for(ScalarKind kind) {
   switch (kind) {
     case ScalarKind::kBFloat16: return &amx_work_item<Bf16>;
     case ScalarKind::kFloat8E4M3: return &amx_work_item<Fp8E4M3>;
     case ScalarKind::kFloat8E5M2: return &amx_work_item<Fp8E5M2>;
-    default: return avx512_bf16_attention_kernel(kind);
+    default: return vector_kernel_beside_amx(kind);
   }
 }

@@ -65,18 +65,40 @@ std::string best_supported_isa() {
   return "generic";
 }
 
+// Whether the avx512_bf16 kernel's pair dot products outrun the avx512_vbmi kernel's fp32
+// multiply-adds on this core: a vdpbf16ps issues as often as an FMA on Zen 4 (2x the
+// multiply-adds) but at a quarter of the rate on the Xeon with AMX (0.5x), where the pair
+// kernel ran multi-token at 0.70-0.76x and fp8 GQA decode at 0.84x of avx512_vbmi
+// (docs/performance.md, session 26).
+bool bf16_dots_pay() {
+  static const bool pay = avx512_bf16_dot_gain() >= 1.25;
+  return pay;
+}
+
+// The kernel chosen when PAGED_ATTENTION_CPU_ISA is unset: the best supported one, but
+// avx512_vbmi's where bf16 dot products do not pay.
+std::string preferred_isa() {
+  const std::string best = best_supported_isa();
+  return best == "avx512_bf16" && !bf16_dots_pay() ? "avx512_vbmi" : best;
+}
+
 }  // namespace
 
 std::string selected_isa() {
   static const std::string best = best_supported_isa();
+  static const std::string preferred = preferred_isa();
   const char* requested = std::getenv("PAGED_ATTENTION_CPU_ISA");
-  if (requested == nullptr || *requested == '\0') return best;
+  if (requested == nullptr || *requested == '\0') return preferred;
   const std::string want(requested);
   PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of ", isa_names(), "; got '",
                     want, "'");
   PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
   return want;
+}
+
+AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) {
+  return bf16_dots_pay() ? avx512_bf16_attention_kernel(kind) : avx512_vbmi_attention_kernel(kind);
 }
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind) {

@@ -14,6 +14,15 @@ AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx2_attention_kernel(ScalarKind kind);
 AttentionKernelFn generic_attention_kernel(ScalarKind kind);
 
+// Multiply-adds per unit time of vdpbf16ps over vfmadd231ps on this core (measured, ~0.1 ms;
+// bf16_dot_probe.h); 0 where the avx512_bf16 compile is not for this architecture. Call it
+// only on a CPU with AVX512_BF16.
+double avx512_bf16_dot_gain();
+
+// The vector kernel for the items the amx kernel's tiles do not take: avx512_bf16's where
+// its bf16 dot products pay on this CPU, else avx512_vbmi's (cpu_features.cpp).
+AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind);
+
 // Query vectors per work item the amx kernel asks for on this call; 0 where its tiles
 // take none of the call's items.
 int amx_queries_per_item(const AttentionParams& params);

@@ -41,6 +41,9 @@ PAGED_TARGET_PRAGMA(PAGED_ISA_TARGET)
 // The kernel headers are included inside the namespace, after every system header they use.
 namespace paged::cpu::PAGED_ISA {
 #include "attention_kernel.h"
+#if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
+#include "bf16_dot_probe.h"
+#endif
 }  // namespace paged::cpu::PAGED_ISA
 
 #pragma GCC pop_options
@@ -52,12 +55,18 @@ AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind kind) {
 #if PAGED_ISA_AMX
 int amx_queries_per_item(const AttentionParams& params) { return amx::queries_per_item(params); }
 #endif
+#if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
+double avx512_bf16_dot_gain() { return avx512_bf16::bf16_dot_gain(); }
+#endif
 }  // namespace paged::cpu
 #else
 namespace paged::cpu {
 AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind) { return nullptr; }
 #if PAGED_ISA_AMX
 int amx_queries_per_item(const AttentionParams&) { return 0; }
+#endif
+#if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
+double avx512_bf16_dot_gain() { return 0.0; }
 #endif
 }  // namespace paged::cpu
 #endif
