@@ -245,7 +245,7 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
 @pytest.mark.parametrize("block_size", [16, 32, 64, 8])
 def test_amx_tiles(cache_dtype, block_size, monkeypatch):
     """The amx kernel's own edges: query tiles of 2 to 16 queries and KV heads of more
-    (balanced tiles with padding; one query per KV head, MHA decode, is the avx512_bf16
+    (balanced tiles with padding; one query per KV head, MHA decode, is the vector kernel's
     fallback, its multi-token rows take the tiles), key groups of 16 inside blocks of 16-64
     (8: the fallback), chunks that start mid-group (windows, causal partitions), NaN in
     every unused slot, and the softmax features it shares with the general kernel."""

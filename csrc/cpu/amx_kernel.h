@@ -154,6 +154,34 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// One query tile's B tiles: dword j * m + col holds elements 2j and 2j + 1 (fp8 caches: of
+// the key's converted order, fp8_to_bf16x64's evens then odds of each 64) of query col,
+// for the `real` queries at `rows` (the other columns zero). 32 elements of each query at a
+// time, transposed in registers (element by element this was 5% of a multi-token call).
+template <typename T>
+static inline void pack_query_tile(const uint16_t* const* rows, int real, int m, int hs, uint32_t* tile) {
+  const __mmask16 columns = __mmask16((1u << m) - 1);
+  const __m512i evens = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_add_epi16(evens, _mm512_set1_epi16(1));
+  for (int d = 0; d < hs; d += kAmxStep) {
+    __m512i r[16];
+    for (int l = 0; l < 16; ++l) {
+      r[l] = _mm512_setzero_si512();
+      if (l >= real) continue;
+      if constexpr (sizeof(T) == 1) {
+        const uint16_t* group = rows[l] + d / 64 * 64;
+        r[l] = _mm512_permutex2var_epi16(_mm512_loadu_si512(group), d % 64 == 0 ? evens : odds,
+                                         _mm512_loadu_si512(group + 32));
+      } else {
+        r[l] = _mm512_loadu_si512(rows[l] + d);
+      }
+    }
+    transpose_dwords(r);
+    for (int j = 0; j < 16; ++j) _mm512_mask_storeu_epi32(tile + (d / 2 + j) * m, columns, r[j]);
+  }
+}
+
 // A lane's running max moves only when a score passes it by this much (log2 units), as
 // in FlashAttention-4: the probabilities stay below 2^8 (far from overflow in bf16 and
 // fp32, same relative precision) and most steps leave the accumulator rows alone.
@@ -355,22 +383,18 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   int32_t* lane_pos = reinterpret_cast<int32_t*>(ws + L.lane_pos);
   const int64_t q_tile_dwords = int64_t(steps) * 16 * M;  // one query tile's B tiles
 
-  // Queries as B tiles: dword (r, col) of step c holds elements 2r, 2r + 1 of the step (fp8:
-  // of the key's converted order) of query col; padding queries are zero.
-  const char* query = static_cast<const char*>(P.query);
-  std::memset(q_tiles, 0, sizeof(uint32_t) * int64_t(num_heads) * L.padded * hs / 2);
+  // Queries as B tiles (pack_query_tile), padding queries zero.
+  const uint16_t* query = static_cast<const uint16_t*>(P.query);
   for (int i = 0; i < num_heads; ++i) {
     const int kv = w.kv_head_begin + i;
-    for (int m = 0; m < per_head; ++m) {
-      const int token = w.row_begin + m / group, head = kv * group + m % group;
-      const uint16_t* q = reinterpret_cast<const uint16_t*>(
-          query + (token * P.query_token_stride + head * P.query_head_stride) * 2);
-      uint32_t* tile = q_tiles + (int64_t(i) * L.tiles + m / M) * q_tile_dwords + m % M;
-      for (int d = 0; d < hs; d += 2) {
-        const int e0 = sizeof(T) == 1 ? d / 64 * 64 + fp8_key_element(d % 64) : d;
-        const int e1 = sizeof(T) == 1 ? d / 64 * 64 + fp8_key_element(d % 64 + 1) : d + 1;
-        tile[(d / kAmxStep * 16 + d % kAmxStep / 2) * M] = uint32_t(q[e0]) | uint32_t(q[e1]) << 16;
+    for (int qt = 0; qt < L.tiles; ++qt) {
+      const uint16_t* rows[kAmxTileQueries];
+      const int real = std::min(M, per_head - qt * M);
+      for (int l = 0; l < real; ++l) {
+        const int q = qt * M + l, token = w.row_begin + q / group, head = kv * group + q % group;
+        rows[l] = query + token * P.query_token_stride + head * P.query_head_stride;
       }
+      pack_query_tile<T>(rows, real, M, hs, q_tiles + (int64_t(i) * L.tiles + qt) * q_tile_dwords);
     }
   }
   for (int64_t l = 0; l < int64_t(num_heads) * L.tiles * kAmxTileQueries; ++l) {
@@ -446,12 +470,25 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   const int pack_rows = L.tiles == 1 ? kAmxKeyGroup / 2 : 0;
   const int value_parts = hsv / 16;
   const int tile_ops = L.tiles * (steps + value_parts);  // score and value parts of a step
+  // The parts issued after a softmax's pair of rows r: [first[r], first[r + 1]), as tables
+  // (a division per row pair and query tile was 7% of a multi-token call, perf).
+  struct RowShares {
+    int score[17], value[17];
+  } first{};
+  for (int r = 0; r <= 16; ++r) {
+    first.score[r] = r * steps / 16;
+    first.value[r] = r * value_parts / 16;
+  }
+  // Rows due after n tile operations: n * (16 - pack_rows) / tile_ops, kept as a quotient
+  // and remainder (a division per operation was 5% of a multi-token call, perf).
   struct RowPrefetch {
-    int ops, packed, rows;  // this step's tile operations, packing shares, rows prefetched
+    int op_rows, credit, packed, rows;  // rows due from operations (and remainder), packing shares, prefetched
+    void add_op(int share, int per_row) {
+      for (credit += share; credit >= per_row; credit -= per_row) ++op_rows;
+    }
   };
   auto prefetch_due = [&](const Step& st, RowPrefetch& pf) {
-    const int due = pf.ops * (kAmxKeyGroup - pack_rows) / tile_ops + pf.packed;
-    for (; pf.rows < due; ++pf.rows) prefetch_row_of(st, pf.rows);
+    for (const int due = pf.op_rows + pf.packed; pf.rows < due; ++pf.rows) prefetch_row_of(st, pf.rows);
   };
   Step cur = make_step(w.kv_begin / kAmxKeyChunk * kAmxKeyChunk, 0);
   Step next = step_after(cur);
@@ -496,7 +533,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     // outside the range never meets its zero weight). Every key in range is seen by some
     // query of the item: its last row's position ends the range and its first row's
     // window starts it.
-    RowPrefetch pf{0, 0, 0};
+    RowPrefetch pf{0, 0, 0, 0};
     auto value_row = [&](int t) -> const T* {
       return t >= off && t < off + n ? cur.v[t / kAmxKeyGroup] + (t % kAmxKeyGroup) * P.v_token_stride : nullptr;
     };
@@ -525,13 +562,13 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       return ValueTileOps{head_acc + int64_t(qt) * M * hsv, int64_t(hsv) * 4, v_tiles, probs_of(qt)};
     };
     auto issue = [&](const auto& ops, int part) {  // a score or value part, with its prefetch share
-      ++pf.ops;
+      pf.add_op(kAmxKeyGroup - pack_rows, tile_ops);
       prefetch_due(ahead, pf);
       ops.part(part);
     };
     {
-      const ScoreTileOps first = score_ops(0);
-      for (int c = 0; c < steps; ++c) issue(first, c);
+      const ScoreTileOps first_scores = score_ops(0);
+      for (int c = 0; c < steps; ++c) issue(first_scores, c);
     }
     for (int qt = 0; qt < L.tiles; ++qt) {
       const bool next = qt + 1 < L.tiles, prev = qt > 0;
@@ -543,10 +580,9 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
                    head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt), [&](int r) {
                      if (next)
-                       for (int c = r * steps / 16; c < (r + 1) * steps / 16; ++c) issue(next_scores, c);
+                       for (int c = first.score[r]; c < first.score[r + 1]; ++c) issue(next_scores, c);
                      if (prev)
-                       for (int g = r * value_parts / 16; g < (r + 1) * value_parts / 16; ++g)
-                         issue(prev_values, g);
+                       for (int g = first.value[r]; g < first.value[r + 1]; ++g) issue(prev_values, g);
                    });
       if (qt == 0) pack_values();  // after the first softmax: packed first, decode ran 0.8x
     }
@@ -566,9 +602,16 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       const float inv = finish_query(P, w, token, head, top, run_sum[lane], v_factor);
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
-      if constexpr (sizeof(T) == 1) {
+      if constexpr (sizeof(T) == 1) {  // each 64 columns: evens then odds, interleaved back
+        const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+        const __m512 scale = _mm512_set1_ps(inv);
         for (int d = 0; d < hsv; d += 64)
-          for (int e = 0; e < 64; ++e) o[d + fp8_key_element(e)] = am[d + e] * inv;
+          for (int h = 0; h < 2; ++h) {
+            const __m512 even = _mm512_loadu_ps(am + d + 16 * h), odd = _mm512_loadu_ps(am + d + 32 + 16 * h);
+            _mm512_storeu_ps(o + d + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), scale));
+            _mm512_storeu_ps(o + d + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), scale));
+          }
       } else {
         for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
       }
