@@ -77,8 +77,7 @@ bool bf16_dots_pay() {
 
 // The kernel chosen when PAGED_ATTENTION_CPU_ISA is unset: the best supported one, but
 // avx512_vbmi's where bf16 dot products do not pay.
-std::string preferred_isa() {
-  const std::string best = best_supported_isa();
+std::string preferred_isa(const std::string& best) {
   return best == "avx512_bf16" && !bf16_dots_pay() ? "avx512_vbmi" : best;
 }
 
@@ -86,7 +85,7 @@ std::string preferred_isa() {
 
 std::string selected_isa() {
   static const std::string best = best_supported_isa();
-  static const std::string preferred = preferred_isa();
+  static const std::string preferred = preferred_isa(best);
   const char* requested = std::getenv("PAGED_ATTENTION_CPU_ISA");
   if (requested == nullptr || *requested == '\0') return preferred;
   const std::string want(requested);

@@ -14,8 +14,8 @@
 // (fp8_lane_element), and the caller permutes the query the same way. Values take the same
 // words into fp32 (bf16 << 16; fp8_value_slot order), or, for bf16 queries, two rows'
 // bytes interleaved before the lookups into pairs (pair_words, bf16_tiles.h). The AMX
-// kernel takes the even / odd order of fp8_to_bf16x64 (fp8_key_element), which its tiles
-// are laid out for.
+// kernel takes the even / odd order of fp8_to_bf16x64 (slot i of a 64-element step holds
+// element 2i for i < 32, 2 (i - 32) + 1 after), which its tiles are laid out for.
 constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
   if (mantissa == 0) return 0;
   int top = 0;
@@ -48,9 +48,6 @@ constexpr Fp8Bf16Table fp8_bf16_table() {
 }
 template <typename T>
 inline constexpr Fp8Bf16Table kFp8Bf16 = fp8_bf16_table<T>();
-
-// Slot i of a step converted by fp8_to_bf16x64 holds element fp8_key_element(i).
-static inline int fp8_key_element(int i) { return i < 32 ? 2 * i : 2 * (i - 32) + 1; }
 
 // ternarylogic immediate for a | (b & c).
 constexpr int kOrAnd = 0xf8;
