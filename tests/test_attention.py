@@ -246,12 +246,13 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
 def test_amx_tiles(cache_dtype, block_size, monkeypatch):
     """The amx kernel's own edges: query tiles of 2 to 16 queries and KV heads of more
     (balanced tiles with padding; one query per KV head, MHA decode, is the vector kernel's
-    fallback, its multi-token rows take the tiles), key groups of 16 inside blocks of 16-64
-    (8: the fallback), chunks that start mid-group (windows, causal partitions), NaN in
-    every unused slot, and the softmax features it shares with the general kernel."""
+    fallback, its multi-token rows take the tiles), decode tiles of 2, 4 and 8 queries with
+    compact score rows, key groups of 16 inside blocks of 16-64 (8: the fallback), chunks
+    that start mid-group (windows, causal partitions), NaN in every unused slot, and the
+    softmax features it shares with the general kernel."""
     select_isa("amx", monkeypatch)
     lens = scenarios.edge_lengths(block_size) + [100, 700]
-    for num_heads, num_kv_heads in ((4, 4), (8, 2), (20, 1), (48, 3)):
+    for num_heads, num_kv_heads in ((4, 4), (4, 2), (8, 2), (16, 2), (20, 1), (48, 3)):
         kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype,
                                 per_head_scales=num_kv_heads > 1)
         case, extra = scenarios.with_format(
