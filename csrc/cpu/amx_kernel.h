@@ -104,20 +104,41 @@ static inline void pair_rows(__m512i a, __m512i b, uint32_t* low, uint32_t* high
   _mm512_storeu_si512(high, _mm512_permutex2var_epi16(a, hi_index, b));
 }
 
+// fp8 value pairs leave output element 16 L + 4 j + k of each 64 (L, j, k < 4) in
+// accumulator column 16 j + 4 L + k (pack_value_pair); the output puts them back.
+static inline void unpermute_fp8_value_columns(const float* acc, float* out, int hsv, float factor) {
+  const __m512 scale = _mm512_set1_ps(factor);
+  for (int d = 0; d < hsv; d += 64) {
+    __m512 v[4], t[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(acc + d + 16 * j);
+    // A 4 x 4 transpose of 128-bit blocks: block L of vector j to block j of vector L.
+    t[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);  // v0 blocks 0 1, v1 blocks 0 1
+    t[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xee);  // v0 blocks 2 3, v1 blocks 2 3
+    t[2] = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    t[3] = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0x88), scale));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0xdd), scale));
+    _mm512_storeu_ps(out + d + 32, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0x88), scale));
+    _mm512_storeu_ps(out + d + 48, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0xdd), scale));
+  }
+}
+
 // The value rows of keys t0 and t0 + 1 (nullptr: a zero row) into the VNNI B tiles at
-// `tiles` ([hsv / 16][16 rows][16 dwords]), tile row t0 / 2.
+// `tiles` ([hsv / 16][16 rows][16 dwords]), tile row t0 / 2. fp8 rows have their bytes
+// interleaved first and each byte pair converted into a dword by the lane-order lookups
+// (12 operations for two rows' 64 elements, where converting each row and pairing its words
+// took 18): B tile j of a 64-element step holds elements 16 L + 4 j + k in column 4 L + k.
 template <typename T>
 static inline void pack_value_pair(const T* a, const T* b, int hsv, uint32_t* tiles, int t0) {
   uint32_t* row = tiles + (t0 / 2) * 16;
   const __m512i zero = _mm512_setzero_si512();
   if constexpr (sizeof(T) == 1) {
     for (int d = 0; d < hsv; d += 64) {
-      __m512i ea = zero, oa = zero, eb = zero, ob = zero;
-      if (a) fp8_to_bf16x64(a + d, ea, oa);
-      if (b) fp8_to_bf16x64(b + d, eb, ob);
-      const int g = d / 16;
-      pair_rows(ea, eb, row + g * 256, row + (g + 1) * 256);
-      pair_rows(oa, ob, row + (g + 2) * 256, row + (g + 3) * 256);
+      const __m512i xa = a ? _mm512_loadu_si512(a + d) : zero, xb = b ? _mm512_loadu_si512(b + d) : zero;
+      __m512i pairs[4];
+      fp8_to_bf16_lanes<T>(_mm512_unpacklo_epi8(xa, xb), pairs[0], pairs[1]);
+      fp8_to_bf16_lanes<T>(_mm512_unpackhi_epi8(xa, xb), pairs[2], pairs[3]);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(row + (d / 16 + j) * 256, pairs[j]);
     }
   } else {
     for (int d = 0; d < hsv; d += kAmxStep) {
@@ -706,16 +727,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       const float inv = finish_query(P, w, token, head, top, run_sum[lane], v_factor);
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
-      if constexpr (sizeof(T) == 1) {  // each 64 columns: evens then odds, interleaved back
-        const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-        const __m512 scale = _mm512_set1_ps(inv);
-        for (int d = 0; d < hsv; d += 64)
-          for (int h = 0; h < 2; ++h) {
-            const __m512 even = _mm512_loadu_ps(am + d + 16 * h), odd = _mm512_loadu_ps(am + d + 32 + 16 * h);
-            _mm512_storeu_ps(o + d + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(even, low, odd), scale));
-            _mm512_storeu_ps(o + d + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, high, odd), scale));
-          }
+      if constexpr (sizeof(T) == 1) {
+        unpermute_fp8_value_columns(am, o, hsv, inv);
       } else {
         for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
       }
