@@ -6,7 +6,7 @@
 // Per step (32 keys at 32-aligned positions, masked to the item's range, of one KV head):
 //   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read
 //           in place by one tile load per 32 elements (fp8 rows converted to bf16 first,
-//           exactly, in the even/odd order of fp8_to_bf16x64); the queries are B tiles in
+//           exactly, in the lane order of fp8_to_bf16_lanes); the queries are B tiles in
 //           VNNI order (pairs of elements per dword), built once per item. Up to 16 queries
 //           per tile: a KV head's queries (rows x GQA group) in balanced tiles.
 //   softmax on the score tile as stored (keys in rows, 16 query lanes): masks, ALiBi, soft
@@ -177,15 +177,17 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
 }
 
 // One query tile's B tiles: dword j * m + col holds elements 2j and 2j + 1 (fp8 caches: of
-// the key's converted order, fp8_to_bf16x64's evens then odds of each 64) of query col,
+// the key's converted order, fp8_to_bf16_lanes' slot i of each 64 holding element
+// fp8_lane_element(i)) of query col,
 // for the `real` queries at `rows` (the other columns zero). 32 elements of each query at a
 // time, transposed in registers (element by element this was 5% of a multi-token call).
 template <typename T>
 static inline void pack_query_tile(const uint16_t* const* rows, int real, int m, int hs, uint32_t* tile) {
   const __mmask16 columns = __mmask16((1u << m) - 1);
-  const __m512i evens = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
-                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odds = _mm512_add_epi16(evens, _mm512_set1_epi16(1));
+  // Slots 0-31 and 32-63 of a 64-element step in fp8_lane_element order.
+  const __m512i first = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34, 33, 32,
+                                         23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(8));
   for (int d = 0; d < hs; d += kAmxStep) {
     __m512i r[16];
     for (int l = 0; l < 16; ++l) {
@@ -193,7 +195,7 @@ static inline void pack_query_tile(const uint16_t* const* rows, int real, int m,
       if (l >= real) continue;
       if constexpr (sizeof(T) == 1) {
         const uint16_t* group = rows[l] + d / 64 * 64;
-        r[l] = _mm512_permutex2var_epi16(_mm512_loadu_si512(group), d % 64 == 0 ? evens : odds,
+        r[l] = _mm512_permutex2var_epi16(_mm512_loadu_si512(group), d % 64 == 0 ? first : second,
                                          _mm512_loadu_si512(group + 32));
       } else {
         r[l] = _mm512_loadu_si512(rows[l] + d);
@@ -632,10 +634,10 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         for (int r = 0; r < kAmxKeyGroup; ++r) {
           const T* src = first + int64_t(r) * P.k_token_stride;
           for (int d = 0; d < hs; d += 64) {
-            __m512i even, odd;
-            fp8_to_bf16x64(src + d, even, odd);
-            _mm512_storeu_si512(dst + int64_t(r) * hs + d, even);
-            _mm512_storeu_si512(dst + int64_t(r) * hs + d + 32, odd);
+            __m512i words[2];
+            fp8_to_bf16_lanes<T>(_mm512_loadu_si512(src + d), words[0], words[1]);
+            _mm512_storeu_si512(dst + int64_t(r) * hs + d, words[0]);
+            _mm512_storeu_si512(dst + int64_t(r) * hs + d + 32, words[1]);
           }
         }
         k_group[g] = dst;

@@ -13,9 +13,8 @@
 // (fp8_to_bf16_lanes): a 64-byte step leaves its elements in 128-bit lane order
 // (fp8_lane_element), and the caller permutes the query the same way. Values take the same
 // words into fp32 (bf16 << 16; fp8_value_slot order), or, for bf16 queries, two rows'
-// bytes interleaved before the lookups into pairs (pair_words, bf16_tiles.h). The AMX
-// kernel takes the even / odd order of fp8_to_bf16x64 (slot i of a 64-element step holds
-// element 2i for i < 32, 2 (i - 32) + 1 after), which its tiles are laid out for.
+// bytes interleaved before the lookups into pairs (pair_words, bf16_tiles.h; the AMX
+// kernel's value tiles alike).
 constexpr uint16_t fp8_bf16_bits(int mantissa, int exponent) {  // mantissa * 2^exponent
   if (mantissa == 0) return 0;
   int top = 0;
@@ -62,17 +61,8 @@ __attribute__((always_inline)) static inline void fp8_bf16_bytes(__m512i x, __m5
   low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), x, _mm512_load_si512(table + 3));
 }
 
-template <typename T>
-static inline void fp8_to_bf16x64(const T* p, __m512i& even, __m512i& odd) {
-  const __m512i x = _mm512_loadu_si512(p);
-  __m512i high, low;
-  fp8_bf16_bytes<T>(x, high, low);
-  even = _mm512_ternarylogic_epi32(_mm512_slli_epi16(high, 8), low, _mm512_set1_epi16(0x00ff), kOrAnd);
-  odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 8), high, _mm512_set1_epi16(short(0xff00)), kOrAnd);
-}
-
 // 64 fp8 bytes as bf16 words in 128-bit lane order, the lookups' bytes joined by two
-// unpacks (two operations fewer than fp8_to_bf16x64's shifts and blends): lane l of
+// unpacks (two operations fewer than shifts and blends into even / odd order): lane l of
 // `first` holds the words of bytes 16 l + j, of `second` bytes 16 l + 8 + j (j < 8).
 template <typename T>
 __attribute__((always_inline)) static inline void fp8_to_bf16_lanes(__m512i x, __m512i& first,
