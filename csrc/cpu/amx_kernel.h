@@ -95,13 +95,27 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   return l;
 }
 
-// Two rows of 32 bf16 as two VNNI tile rows: (a[i], b[i]) for i < 16, then for i >= 16.
+// Two rows of 32 bf16 as two VNNI tile rows by in-lane word unpacks (one operation each
+// where a word permute across lanes is two): tile row j holds (a[i], b[i]) for the elements
+// i = 8 L + 4 j + k of lane L in column 4 L + k (L, k < 4), which the output puts back
+// (unpermute_bf16_value_columns).
 static inline void pair_rows(__m512i a, __m512i b, uint32_t* low, uint32_t* high) {
-  const __m512i lo_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_index = _mm512_add_epi16(lo_index, _mm512_set1_epi16(16));
-  _mm512_storeu_si512(low, _mm512_permutex2var_epi16(a, lo_index, b));
-  _mm512_storeu_si512(high, _mm512_permutex2var_epi16(a, hi_index, b));
+  _mm512_storeu_si512(low, _mm512_unpacklo_epi16(a, b));
+  _mm512_storeu_si512(high, _mm512_unpackhi_epi16(a, b));
+}
+
+// bf16 value pairs leave output element 8 L + 4 j + k of each 32 in accumulator column
+// 16 j + 4 L + k (pair_rows); the output puts them back.
+static inline void unpermute_bf16_value_columns(const float* acc, float* out, int hsv, float factor) {
+  const __m512 scale = _mm512_set1_ps(factor);
+  // Per 32 elements, 4 at a time: vector 0's block 0, vector 1's block 0, then blocks 1, 2, 3.
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int d = 0; d < hsv; d += 32) {
+    const __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(v0, first, v1), scale));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(v0, second, v1), scale));
+  }
 }
 
 // fp8 value pairs leave output element 16 L + 4 j + k of each 64 (L, j, k < 4) in
@@ -729,11 +743,10 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       const float inv = finish_query(P, w, token, head, top, run_sum[lane], v_factor);
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
-      if constexpr (sizeof(T) == 1) {
+      if constexpr (sizeof(T) == 1)
         unpermute_fp8_value_columns(am, o, hsv, inv);
-      } else {
-        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
-      }
+      else
+        unpermute_bf16_value_columns(am, o, hsv, inv);
     }
   }
 }
