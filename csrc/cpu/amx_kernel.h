@@ -240,18 +240,37 @@ static inline __m512i pair_probabilities(__m512 p0, __m512 p1) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 }
 
+// A softmax step's lane maxima `top` against the running ones (log2 units). A lane's shift
+// moves to its new max only past the lazy margin; lanes that have seen nothing keep a shift
+// of 0 (2^(-inf - 0) = 0).
+struct LaneShift {
+  __m512 old_max, new_max, shift;
+  __mmask16 moved;
+};
+
+static inline LaneShift lane_shift(__m512 top, const float* run_max) {
+  const __m512 minus_inf = _mm512_set1_ps(-__builtin_inff());
+  LaneShift l;
+  l.old_max = _mm512_loadu_ps(run_max);
+  l.moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(l.old_max, _mm512_set1_ps(kLazyRescaleLog2)), _CMP_GT_OQ);
+  l.new_max = _mm512_mask_blend_ps(l.moved, l.old_max, top);
+  l.shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(l.new_max, minus_inf, _CMP_EQ_OQ), l.new_max,
+                                 _mm512_setzero_ps());
+  return l;
+}
+
 // The end of a softmax step per lane: the running sum (and max, where it moved), and the
 // accumulator rows of the tile's `real` queries rescaled where it moved.
-static inline void update_lanes(__mmask16 moved, __m512 old_max, __m512 new_max, __m512 shift, __m512 total,
-                                float* run_max, float* run_sum, float* acc, int hsv, int real) {
-  if (moved == 0) {
+static inline void update_lanes(const LaneShift& l, __m512 total, float* run_max, float* run_sum, float* acc,
+                                int hsv, int real) {
+  if (l.moved == 0) {
     _mm512_storeu_ps(run_sum, _mm512_add_ps(_mm512_loadu_ps(run_sum), total));
     return;
   }
-  const __m512 alpha = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f),
-                                            exp2_shifted(old_max, _mm512_set1_ps(1.0f), shift));
+  const __m512 alpha = _mm512_mask_blend_ps(l.moved, _mm512_set1_ps(1.0f),
+                                            exp2_shifted(l.old_max, _mm512_set1_ps(1.0f), l.shift));
   _mm512_storeu_ps(run_sum, _mm512_fmadd_ps(_mm512_loadu_ps(run_sum), alpha, total));
-  _mm512_storeu_ps(run_max, new_max);
+  _mm512_storeu_ps(run_max, l.new_max);
   alignas(64) float alphas[16];
   _mm512_store_ps(alphas, alpha);
   rescale_rows(acc, hsv, alphas, real);
@@ -312,14 +331,7 @@ static inline void lane_softmax(const AttentionParams& P, const TileLanes& lanes
     }
     row_factor = 1.0f;
   }
-  // run_max is kept in log2 units. A lane's shift moves to its new max only past the lazy
-  // margin; lanes that have seen nothing keep a shift of 0 (2^(-inf - 0) = 0).
-  const __m512 old_max = _mm512_loadu_ps(run_max);
-  const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(old_max, _mm512_set1_ps(kLazyRescaleLog2)),
-                                             _CMP_GT_OQ);
-  const __m512 new_max = _mm512_mask_blend_ps(moved, old_max, top);
-  const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
-                                            _mm512_setzero_ps());
+  const LaneShift lane = lane_shift(top, run_max);  // run_max in log2 units
   const __m512 factor = _mm512_set1_ps(row_factor);
   __m512 totals[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m512i pairs[16];
@@ -329,15 +341,14 @@ static inline void lane_softmax(const AttentionParams& P, const TileLanes& lanes
       const int t = 2 * r + h;
       p[h] = _mm512_setzero_ps();
       if (t < lo || t >= hi) continue;
-      p[h] = exp2_shifted(_mm512_loadu_ps(s + 16 * t), factor, shift);
+      p[h] = exp2_shifted(_mm512_loadu_ps(s + 16 * t), factor, lane.shift);
       totals[h] = _mm512_add_ps(totals[h], p[h]);
     }
     pairs[r] = pair_probabilities(p[0], p[1]);
     between(r);
   }
   store_probability_tile(pairs, tile);
-  update_lanes(moved, old_max, new_max, shift, _mm512_add_ps(totals[0], totals[1]), run_max, run_sum, acc, hsv,
-               lanes.real);
+  update_lanes(lane, _mm512_add_ps(totals[0], totals[1]), run_max, run_sum, acc, hsv, lanes.real);
 }
 
 // Compact score rows (GQA decode): a query tile of m = 2, 4 or 8 queries stores its scores
@@ -365,7 +376,7 @@ static inline CompactLanes compact_lanes(int m) {
   const int per = 32 / m;
   for (int q = 0; q < m; ++q) {
     alignas(64) int16_t index[32] = {};
-    for (int o = 0; o < 2 * per && o < 32; ++o) index[o] = int16_t(o < per ? q + m * o : 32 + q + m * (o - per));
+    for (int o = 0; o < 2 * per; ++o) index[o] = int16_t(o < per ? q + m * o : 32 + q + m * (o - per));
     c.rows[q] = _mm512_load_si512(index);
   }
   return c;
@@ -394,13 +405,8 @@ static inline void compact_softmax(const CompactLanes& c, float scale, const flo
   const float row_factor = scale * 1.44269504088896341f;
   const __m512 top =
       _mm512_mul_ps(fold_lanes_mod<true>(_mm512_max_ps(tops[0], tops[1]), m), _mm512_set1_ps(row_factor));
-  const __m512 old_max = _mm512_loadu_ps(run_max);
-  const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(old_max, _mm512_set1_ps(kLazyRescaleLog2)),
-                                             _CMP_GT_OQ);
-  const __m512 new_max = _mm512_mask_blend_ps(moved, old_max, top);
-  const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
-                                            _mm512_setzero_ps());
-  const __m512 spread_shift = _mm512_permutexvar_ps(c.spread, shift);
+  const LaneShift lane = lane_shift(top, run_max);
+  const __m512 spread_shift = _mm512_permutexvar_ps(c.spread, lane.shift);
   const __m512 factor = _mm512_set1_ps(row_factor);
   __m512 totals[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m512i words[8];
@@ -418,8 +424,8 @@ static inline void compact_softmax(const CompactLanes& c, float scale, const flo
     for (int u = 0; u < m / 2; ++u)
       _mm512_mask_storeu_epi16(tile + 32 * q + u * run, run_mask,
                                _mm512_permutex2var_epi16(words[2 * u], c.rows[q], words[2 * u + 1]));
-  update_lanes(moved, old_max, new_max, shift, fold_lanes_mod<false>(_mm512_add_ps(totals[0], totals[1]), m),
-               run_max, run_sum, acc, hsv, real);
+  update_lanes(lane, fold_lanes_mod<false>(_mm512_add_ps(totals[0], totals[1]), m), run_max, run_sum, acc, hsv,
+               real);
 }
 
 // One query tile's scores, S^T = K . Q^T, as parts to issue between another tile's vector
