@@ -44,6 +44,7 @@ constexpr int kAmxKeyChunk = 32;    // keys per online-softmax step
 constexpr int kAmxKeyGroup = 16;    // keys per tile (a block holds whole groups)
 constexpr int kAmxTileQueries = 16;  // queries per tile at most
 constexpr int kAmxStep = 32;         // bf16 elements per tile row (16 dword pairs)
+constexpr int kAmxMaxValueBytes = 512;  // a value row at most (kZeroValueRow)
 // Fewest queries per KV head an item needs for the tiles. One query per KV head (MHA decode)
 // runs a vector kernel (avx512_bf16's measured here): from DRAM, 2 threads, tiles measured
 // 0.88x (bf16) and 0.72x (e4m3) of them there, 1.03-1.14x at two queries per KV head and
@@ -58,7 +59,7 @@ static inline bool amx_takes(const AttentionParams& P) {
   if (!fp8 && P.kind != ScalarKind::kBFloat16) return false;
   const int step = fp8 ? 64 : kAmxStep;
   return P.query_kind == ScalarKind::kBFloat16 && P.head_size % step == 0 && P.head_size_v % step == 0 &&
-         P.block_size % kAmxKeyGroup == 0;
+         P.head_size_v * (fp8 ? 1 : 2) <= kAmxMaxValueBytes && P.block_size % kAmxKeyGroup == 0;
 }
 
 // Queries per work item for the tiles: larger items share each step's fixed work (the value
@@ -95,73 +96,32 @@ static inline AmxLayout amx_layout(int num_heads, int per_head, int hs, int hsv)
   return l;
 }
 
-// Two rows of 32 bf16 as two VNNI tile rows by in-lane word unpacks (one operation each
-// where a word permute across lanes is two): tile row j holds (a[i], b[i]) for the elements
-// i = 8 L + 4 j + k of lane L in column 4 L + k (L, k < 4), which the output puts back
-// (unpermute_bf16_value_columns).
-static inline void pair_rows(__m512i a, __m512i b, uint32_t* low, uint32_t* high) {
-  _mm512_storeu_si512(low, _mm512_unpacklo_epi16(a, b));
-  _mm512_storeu_si512(high, _mm512_unpackhi_epi16(a, b));
-}
-
-// bf16 value pairs leave output element 8 L + 4 j + k of each 32 in accumulator column
-// 16 j + 4 L + k (pair_rows); the output puts them back.
-static inline void unpermute_bf16_value_columns(const float* acc, float* out, int hsv, float factor) {
-  const __m512 scale = _mm512_set1_ps(factor);
-  // Per 32 elements, 4 at a time: vector 0's block 0, vector 1's block 0, then blocks 1, 2, 3.
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  for (int d = 0; d < hsv; d += 32) {
-    const __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(v0, first, v1), scale));
-    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(v0, second, v1), scale));
-  }
-}
-
-// fp8 value pairs leave output element 16 L + 4 j + k of each 64 (L, j, k < 4) in
-// accumulator column 16 j + 4 L + k (pack_value_pair); the output puts them back.
-static inline void unpermute_fp8_value_columns(const float* acc, float* out, int hsv, float factor) {
-  const __m512 scale = _mm512_set1_ps(factor);
-  for (int d = 0; d < hsv; d += 64) {
-    __m512 v[4], t[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(acc + d + 16 * j);
-    // A 4 x 4 transpose of 128-bit blocks: block L of vector j to block j of vector L.
-    t[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);  // v0 blocks 0 1, v1 blocks 0 1
-    t[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xee);  // v0 blocks 2 3, v1 blocks 2 3
-    t[2] = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
-    t[3] = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0x88), scale));
-    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0xdd), scale));
-    _mm512_storeu_ps(out + d + 32, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0x88), scale));
-    _mm512_storeu_ps(out + d + 48, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0xdd), scale));
-  }
-}
+// A value row of zeros for a key outside the item's range paired with a key inside it
+// (pair_words reads its first row as given; a zero byte is +0 in both fp8 formats).
+alignas(64) static const uint8_t kZeroValueRow[kAmxMaxValueBytes] = {};
 
 // The value rows of keys t0 and t0 + 1 (nullptr: a zero row) into the VNNI B tiles at
-// `tiles` ([hsv / 16][16 rows][16 dwords]), tile row t0 / 2. fp8 rows have their bytes
-// interleaved first and each byte pair converted into a dword by the lane-order lookups
-// (12 operations for two rows' 64 elements, where converting each row and pairing its words
-// took 18): B tile j of a 64-element step holds elements 16 L + 4 j + k in column 4 L + k.
+// `tiles` ([hsv / 16][16 rows][16 dwords]), tile row t0 / 2: pair_words' vectors, the
+// columns in its pair orders (unpermute_pairs / unpermute_fp8_pairs put them back).
 template <typename T>
 static inline void pack_value_pair(const T* a, const T* b, int hsv, uint32_t* tiles, int t0) {
   uint32_t* row = tiles + (t0 / 2) * 16;
-  const __m512i zero = _mm512_setzero_si512();
-  if constexpr (sizeof(T) == 1) {
-    for (int d = 0; d < hsv; d += 64) {
-      const __m512i xa = a ? _mm512_loadu_si512(a + d) : zero, xb = b ? _mm512_loadu_si512(b + d) : zero;
-      __m512i pairs[4];
-      fp8_to_bf16_lanes<T>(_mm512_unpacklo_epi8(xa, xb), pairs[0], pairs[1]);
-      fp8_to_bf16_lanes<T>(_mm512_unpackhi_epi8(xa, xb), pairs[2], pairs[3]);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(row + (d / 16 + j) * 256, pairs[j]);
-    }
-  } else {
-    for (int d = 0; d < hsv; d += kAmxStep) {
-      const __m512i va = a ? _mm512_loadu_si512(a + d) : zero;
-      const __m512i vb = b ? _mm512_loadu_si512(b + d) : zero;
-      const int g = d / 16;
-      pair_rows(va, vb, row + g * 256, row + (g + 1) * 256);
-    }
+  if (!a) a = reinterpret_cast<const T*>(kZeroValueRow);
+  auto store = [&](int d, const __m512i* pairs, int count) {
+    for (int j = 0; j < count; ++j) _mm512_storeu_si512(row + (d / 16 + j) * 256, pairs[j]);
+  };
+  int d = 0;
+  for (; d + 64 <= hsv; d += 64) {
+    __m512i pairs[4];
+    pair_words<2>(a + d, b ? b + d : nullptr, pairs);
+    store(d, pairs, 4);
   }
+  if constexpr (sizeof(T) == 2)
+    if (d < hsv) {  // a last 32 elements
+      __m512i pairs[2];
+      pair_words<1>(a + d, b ? b + d : nullptr, pairs);
+      store(d, pairs, 2);
+    }
 }
 
 // 16 x 16 dwords transposed in registers: row i of the result is column i of the input.
@@ -750,9 +710,9 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
       if constexpr (sizeof(T) == 1)
-        unpermute_fp8_value_columns(am, o, hsv, inv);
+        unpermute_fp8_pairs(am, o, hsv, inv);
       else
-        unpermute_bf16_value_columns(am, o, hsv, inv);
+        unpermute_pairs(am, o, hsv, inv);
     }
   }
 }

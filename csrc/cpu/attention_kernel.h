@@ -322,7 +322,7 @@ __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemS
 #if PAGED_ISA_AVX512_VBMI
 // chunk_values for fp8 rows of whole 64-element steps converted by lookups, accumulators
 // permuted: with probabilities rounded to bf16 pairs (`pairs`, AVX512_BF16 only:
-// chunk_values_pairs, fp8_pair_slot) or in fp32 (fp8_value_slot).
+// chunk_values_pairs, the fp8 pair order) or in fp32 (fp8_value_slot).
 template <typename T>
 static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows, int n,
                                     const T* const* ahead, bool pairs) {

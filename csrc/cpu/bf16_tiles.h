@@ -67,16 +67,23 @@ static inline float dot1(const uint16_t* q, const Bf16* k, int hsp, const Bf16* 
   return hsum((vfloat)a);
 }
 
-// fp8 values take accumulate_pairs too (pair_words): accumulators in fp8_pair_slot order,
-// four vectors per query and 64-element step.
-static inline int fp8_pair_slot(int i) {  // element i of a 64-element step -> accumulator slot
-  const int lane = i / 16, vector = i % 16 / 4;
-  return 16 * vector + 4 * lane + i % 4;
-}
-
+// fp8 values take accumulate_pairs too (pair_words): four accumulator vectors per query
+// and 64-element step, element 16 L + 4 j + k (L, j, k < 4) in slot 16 j + 4 L + k (the
+// fp8 pair order), put back here by a 4 x 4 transpose of 128-bit blocks.
 static inline void unpermute_fp8_pairs(const float* acc, float* out, int hsp, float factor) {
-  for (int d = 0; d < hsp; d += 64)
-    for (int i = 0; i < 64; ++i) out[d + i] = acc[d + fp8_pair_slot(i)] * factor;
+  const __m512 scale = _mm512_set1_ps(factor);
+  for (int d = 0; d < hsp; d += 64) {
+    __m512 v[4], t[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(acc + d + 16 * j);
+    t[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);  // v0 blocks 0 1, v1 blocks 0 1
+    t[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xee);  // v0 blocks 2 3, v1 blocks 2 3
+    t[2] = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    t[3] = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0x88), scale));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(t[0], t[2], 0xdd), scale));
+    _mm512_storeu_ps(out + d + 32, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0x88), scale));
+    _mm512_storeu_ps(out + d + 48, _mm512_mul_ps(_mm512_shuffle_f32x4(t[1], t[3], 0xdd), scale));
+  }
 }
 
 template <int G, int K, typename T, std::enable_if_t<sizeof(T) == 1, int> = 0>
@@ -203,23 +210,26 @@ __attribute__((always_inline)) static inline void quad_tile(const uint16_t* q, i
 // (p[t], p[t+1]) rounded to bf16, as flash-attention kernels do on GPUs.
 //
 // The interleave works within 128-bit lanes, so each 32-element step of a row leaves
-// its results in a fixed permutation (pair_lane): the accumulators stay permuted for
-// the whole item and unpermute_pairs restores the order at the end.
-static inline int pair_lane(int i) {  // element i of a 32-element step -> accumulator slot
-  const int lane = i / 8, j = i % 8;
-  return (j < 4 ? 0 : 16) + 4 * lane + j % 4;
-}
-
+// its results in a fixed permutation (the pair order: element 8 L + 4 j + k, L, k < 4 and
+// j < 2, in slot 16 j + 4 L + k): the accumulators stay permuted for the whole item and
+// unpermute_pairs restores the order at the end.
 static inline void unpermute_pairs(const float* acc, float* out, int hsp, float factor) {
-  for (int d = 0; d < hsp; d += 32)
-    for (int i = 0; i < 32; ++i) out[d + i] = acc[d + pair_lane(i)] * factor;
+  const __m512 scale = _mm512_set1_ps(factor);
+  // Per 32 elements, 4 at a time: vector 0's block 0, vector 1's block 0, then blocks 1, 2, 3.
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int d = 0; d < hsp; d += 32) {
+    const __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(v0, first, v1), scale));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(v0, second, v1), scale));
+  }
 }
 
 // The value pairs of rows a and b (b null: a zero row) over STEPS 32-element steps from
 // element 0: 2 STEPS vectors whose 32-bit lanes hold (a[i], b[i]) as bf16. bf16 rows:
-// their words interleaved (vpunpck{l,h}wd), lanes in pair_lane order. fp8 rows (STEPS 2):
+// their words interleaved (vpunpck{l,h}wd), lanes in the pair order. fp8 rows (STEPS 2):
 // their bytes interleaved first (vpunpck{l,h}bw), then converted by fp8_to_bf16_lanes,
-// lanes in fp8_pair_slot order: 12 operations for two rows' 64 elements, where converting
+// lanes in the fp8 pair order: 12 operations for two rows' 64 elements, where converting
 // each row and interleaving its words took 18.
 template <int STEPS, typename R>
 __attribute__((always_inline)) static inline void pair_words(const R* a, const R* b,

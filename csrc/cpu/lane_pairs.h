@@ -8,7 +8,7 @@
 // broadcast from a bf16 copy of the chunk's keys (fp8 converted exactly, fp8_bf16_tables.h).
 // The softmax scale (and k_scale) multiplies the scores. Values: the chunk's rows are
 // interleaved once into key pairs (keys t and t + 1, as accumulate_pairs does; the
-// accumulators stay in pair_lane order until the epilogue) and each query's probabilities
+// accumulators stay in the pair order (unpermute_pairs) until the epilogue) and each query's probabilities
 // of the pair are broadcast as two bf16, rounded as the bf16 cache's general kernel does.
 #pragma once
 
@@ -193,7 +193,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         for (int d = 0; d < hs; d += 64) row_to_bf16x64(k_src[current][t] + d, kt + d);
         k_rows[t] = kt;
       }
-      // Keys t and t + 1 interleaved per 32-element step (pair_lane order); an odd last key
+      // Keys t and t + 1 interleaved per 32-element step (the pair order); an odd last key
       // is paired with zeros.
       for (int u = 0; u < pairs; ++u) {
         const int t = 2 * u;
