@@ -11,7 +11,10 @@ block 16) on ``bench_amx.py``'s grouped decode shapes (16/8, 32/8 at context 204
 32/1 at 8192; B=16) and its causal multi-token case (512 queries at the end of 4096 tokens,
 32/8), round-robin, best of ``--reps`` calls: KV GB/s for decode, GFLOP/s for multi-token.
 The summary gives each build's median over rounds and the median of the per-round ratios.
-``AB_AMX_CASES=bf16,decode`` keeps the cases whose names contain every listed word.
+``AB_AMX_CASES=bf16,decode`` keeps the cases whose names contain every listed word;
+``AB_AMX_HUGE_PAGES=1`` puts the caches on huge pages (as ``PagedCache`` allocates them)
+instead of torch's 4 KiB pages; ``AB_AMX_ISA=avx512_vbmi`` times these shapes on another
+kernel.
 Correctness is the tests' job (``test_amx_tiles``, the ISA-parametrised attention tests).
 """
 
@@ -33,19 +36,24 @@ def worker(reps: int) -> Dict[str, object]:
     import torch
 
     import paged_attention_ext as pa
+    from paged_attention_ext.host_memory import zeros_huge_pages
 
     torch.set_num_threads(2)
     caches = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
     shapes = [(f"decode {h}/{kv} ctx {n}", h, kv, [n] * 16, [1] * 16) for h, kv, n in DECODE]
     shapes.append(("multi-token 32/8 512/4096", 32, 8, [4096], [512]))
     gen = torch.Generator().manual_seed(0)
+    huge = os.environ.get("AB_AMX_HUGE_PAGES") == "1"
+
+    def pool(values: torch.Tensor) -> torch.Tensor:
+        return zeros_huge_pages(values.shape, values.dtype).copy_(values) if huge else values
     calls, work = {}, {}
     for cache, dtype in caches.items():
         for label, heads, kv_heads, lens, q_lens in shapes:
             blocks = sum(-(-n // BLOCK) for n in lens)
             shape = (blocks, kv_heads, BLOCK, HEAD)
-            k = torch.randn(shape, generator=gen).to(dtype)
-            v = torch.randn(shape, generator=gen).to(dtype)
+            k = pool(torch.randn(shape, generator=gen).to(dtype))
+            v = pool(torch.randn(shape, generator=gen).to(dtype))
             table = torch.randperm(blocks, generator=gen).to(torch.int32).view(len(lens), -1)
             q = torch.randn(sum(q_lens), heads, HEAD, generator=gen).to(torch.bfloat16)
             kwargs = {} if dtype == torch.bfloat16 else {"k_scale": torch.tensor(1.0),
@@ -79,11 +87,11 @@ def worker(reps: int) -> Dict[str, object]:
 def main() -> None:
     parser = ab_parser(__doc__.splitlines()[0], default_reps=5, default_out=DEFAULT_OUT)
     args = parser.parse_args()
-    os.environ["PAGED_ATTENTION_CPU_ISA"] = "amx"
+    os.environ["PAGED_ATTENTION_CPU_ISA"] = os.environ.get("AB_AMX_ISA", "amx")
     rounds = ab_rounds(parser, args, Path(__file__), worker)
     if rounds is None:
         return
-    if rounds[0]["current"]["isa"] != "amx":
+    if rounds[0]["current"]["isa"] != os.environ.get("AB_AMX_ISA", "amx"):
         raise SystemExit(f"this CPU's kernel is {rounds[0]['current']['isa']}: no AMX to measure")
     summary = {}
     print(f"{'case':42s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}")

@@ -599,6 +599,16 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   }
   for (; cur.j0 < cur.j1; cur = next, next = step_after(next)) {
     const Step ahead = step_after(next);
+    // One line of each group one step further (three ahead): on 4 KiB pages a group's rows
+    // are a page of their own, and this touch walks it a step before its rows' prefetches
+    // need the translation (two threads, bf16 GQA decode 1.09x, e4m3 1.00-1.02x; on huge
+    // pages 1.01-1.03x). Whole rows that early gain no more, and every fourth row 0.70x.
+    {
+      const Step far = step_after(ahead);
+      if (far.j0 < far.j1)
+        for (int g = 0; g < 2; ++g)
+          if (far.used[g]) prefetch(far.k[g]), prefetch(far.v[g]);
+    }
     const int kv = w.kv_head_begin + cur.i;
     const int n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
     const int i = cur.i;

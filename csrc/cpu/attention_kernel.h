@@ -581,6 +581,20 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     }
   };
 
+  // One line of each block of keys [j0, j0 + n) of a KV head, keys and values: where pages
+  // are 4 KiB a head's rows of a block are a page of their own, and this touch, a chunk
+  // before the rows' prefetches, walks it early (the Xeon, two threads, 4 KiB pages:
+  // GQA decode bf16 1.08-1.12x, e4m3 1.02-1.09x; on huge pages 0.98-1.06x).
+  auto touch_blocks = [&](int j0, int n, int kv_head) {
+    const int64_t k_head = kv_head * P.k_head_stride, v_head = kv_head * P.v_head_stride;
+    for (int logical = j0 / bs, end = j0 + n; logical * bs < end; ++logical) {
+      const int64_t block = table[logical];
+      const int slot = std::max(j0 - logical * bs, 0);
+      prefetch(key_cache + block * P.k_block_stride + k_head + slot * k_token_stride);
+      prefetch(value_cache + block * P.v_block_stride + v_head + slot * v_token_stride);
+    }
+  };
+
   // Traversal: the keys are cut into spans of one block (at least one chunk); for each
   // span, every KV head of the item reads its rows of the span chunk by chunk. In the
   // HND layout a head's rows of a block are contiguous and the heads of a block are
@@ -631,6 +645,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const T** next_v = row(r + 3);
       if (next.n > 0) {
         walk_rows(next.j0, next.n, w.kv_head_begin + next.head, next_k, next_v);
+        const Chunk after = next_chunk(next);
+        if (after.n > 0) touch_blocks(after.j0, after.n, w.kv_head_begin + after.head);
         // A shorter next chunk: its last row stands in for the missing ones.
         for (int t = next.n; t < c.n; ++t) {
           next_k[t] = next_k[next.n - 1];
