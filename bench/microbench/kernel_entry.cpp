@@ -2,8 +2,7 @@
 // for kernel_cycles.cpp (which dlopens one or two such libraries).
 #include <cstdint>
 #if KERNEL_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_permission.h"
 #endif
 
 #include "attention_params.h"  // from the same tree as the kernel (kernel_cycles.sh sets -I)
@@ -23,8 +22,7 @@ AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) { return avx512_vbmi
 
 extern "C" __attribute__((visibility("default"))) paged::cpu::AttentionKernelFn kernel_entry(int kind) {
 #if KERNEL_AMX
-  // Linux's permission to use the tile data registers (ARCH_REQ_XCOMP_PERM, XTILEDATA).
-  static const bool tiles_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  static const bool tiles_permitted = paged::cpu::request_amx_tile_permission();
   if (!tiles_permitted) return nullptr;
 #endif
   return paged::cpu::KERNEL_ENTRY(KERNEL_ISA)(paged::ScalarKind(kind));

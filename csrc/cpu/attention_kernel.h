@@ -472,7 +472,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const bool in_place = hsp == hs && hspv == hsv && !widen_once;
   // Split rows (convert.h): queries and value accumulators in split order too.
   const bool split = kSplitRows<T> && in_place;
-  constexpr bool kFp8 = sizeof(T) == 1;
+  [[maybe_unused]] constexpr bool kFp8 = sizeof(T) == 1;  // read only by the AVX-512 kernels
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {

@@ -5,11 +5,10 @@
 #include <iterator>
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include "../errors.h"
+#include "amx_permission.h"
 #include "isa_entry_points.h"
 
 namespace paged::cpu {
@@ -31,16 +30,14 @@ std::string isa_names() {
   return names;
 }
 
-// AMX-TILE and AMX-BF16, and Linux's permission to use the tile data registers, which a
-// process must ask for once (ARCH_REQ_XCOMP_PERM) before any thread touches a tile.
+// AMX-TILE and AMX-BF16, and Linux's permission to use the tile data registers.
 bool amx_usable() {
 #if defined(__x86_64__) && defined(__linux__)
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
   if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return request_amx_tile_permission();
 #else
   return false;
 #endif
