@@ -18,9 +18,10 @@ checked against the reference first. Per row:
   into the (query heads / KV heads) queries that read it, in GB/s; and the ISA's bare
   multiply-add ceiling (``bench/microbench/fma_peak.cpp``) in the same units.
 
-A row meets the target when it reads at >= 80% of the read, or, when its inner-loop limit
+A row meets the target when it reads at >= 80% of the read, or, when its arithmetic limit
 is itself below 80% of the read (the arithmetic cannot keep up with memory), when it runs
-at >= 80% of that limit. Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
+at >= 80% of that limit. The arithmetic limit is the inner-loop limit, or the row's own L2
+rate where the kernel runs faster than that loop (then the loop is not the limit). Multi-token (a 512-token causal chunk over 4096 tokens, 32/8 heads) is timed
 per ISA and dtype in one more loop, in GFLOP/s against the multiply-add ceiling.
 """
 
@@ -244,15 +245,19 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
 
 def verdict(row: Dict[str, object]) -> Dict[str, object]:
     read = row["read_bandwidth"]["rate_median"]
-    limit = row["inner_loop_limit_gbps"]
+    loop_limit = row["inner_loop_limit_gbps"]
     pct_read = row["dram"]["pct_paired"] / 100
-    of_l2 = row["dram"]["rate_median"] / row["l2"]["rate_median"]
+    l2_rate = row["l2"]["rate_median"]
+    of_l2 = row["dram"]["rate_median"] / l2_rate
+    # The arithmetic runs at least as fast as the kernel does from L2: where the kernel
+    # beats the inner loop (a smarter loop than widen_peak's), its own rate is the limit.
+    limit = max(loop_limit, l2_rate) if loop_limit is not None else None
     compute_bound = limit is not None and limit < TARGET * read
     met = pct_read >= TARGET or (compute_bound and row["dram"]["rate_median"] >= TARGET * limit)
     return {"bound": "arithmetic" if compute_bound else "memory", "pct_of_read": round(100 * pct_read, 1),
             "dram_of_l2": round(of_l2, 3),
             "dram_of_limit": round(row["dram"]["rate_median"] / limit, 3) if limit else None,
-            "l2_of_limit": round(row["l2"]["rate_median"] / limit, 3) if limit else None,
+            "l2_of_limit": round(l2_rate / loop_limit, 3) if loop_limit else None,
             "met": met}
 
 
