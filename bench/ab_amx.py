@@ -87,12 +87,13 @@ def worker(reps: int) -> Dict[str, object]:
 def main() -> None:
     parser = ab_parser(__doc__.splitlines()[0], default_reps=5, default_out=DEFAULT_OUT)
     args = parser.parse_args()
-    os.environ["PAGED_ATTENTION_CPU_ISA"] = os.environ.get("AB_AMX_ISA", "amx")
+    isa = os.environ.get("AB_AMX_ISA", "amx")
+    os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
     rounds = ab_rounds(parser, args, Path(__file__), worker)
     if rounds is None:
         return
-    if rounds[0]["current"]["isa"] != os.environ.get("AB_AMX_ISA", "amx"):
-        raise SystemExit(f"this CPU's kernel is {rounds[0]['current']['isa']}: no AMX to measure")
+    if rounds[0]["current"]["isa"] != isa:
+        raise SystemExit(f"this CPU's kernel is {rounds[0]['current']['isa']}: no {isa} to measure")
     summary = {}
     print(f"{'case':42s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}")
     for name, unit in rounds[0]["current"]["units"].items():

@@ -591,24 +591,25 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   auto prefetch_due = [&](const Step& st, RowPrefetch& pf) {
     for (const int due = pf.op_rows + pf.packed; pf.rows < due; ++pf.rows) prefetch_row_of(st, pf.rows);
   };
+  // The step, the next (prefetched), the one after (being prefetched) and the one after
+  // that (touched), each made once, as it enters `far`.
   Step cur = make_step(w.kv_begin / kAmxKeyChunk * kAmxKeyChunk, 0);
   Step next = step_after(cur);
+  Step ahead = step_after(next);
+  Step far{};
   for (int r = 0; r < kAmxKeyGroup; ++r) {
     prefetch_row_of(cur, r);
     prefetch_row_of(next, r);
   }
-  for (; cur.j0 < cur.j1; cur = next, next = step_after(next)) {
-    const Step ahead = step_after(next);
-    // One line of each group one step further (three ahead): on 4 KiB pages a group's rows
-    // are a page of their own, and this touch walks it a step before its rows' prefetches
-    // need the translation (two threads, bf16 GQA decode 1.09x, e4m3 1.00-1.02x; on huge
-    // pages 1.01-1.03x). Whole rows that early gain no more, and every fourth row 0.70x.
-    {
-      const Step far = step_after(ahead);
-      if (far.j0 < far.j1)
-        for (int g = 0; g < 2; ++g)
-          if (far.used[g]) prefetch(far.k[g]), prefetch(far.v[g]);
-    }
+  for (; cur.j0 < cur.j1; cur = next, next = ahead, ahead = far) {
+    far = step_after(ahead);
+    // One line of each group of `far`: on 4 KiB pages a group's rows are a page of their
+    // own, and this touch walks it a step before its rows' prefetches need the translation
+    // (two threads, bf16 GQA decode 1.09x, e4m3 1.00-1.02x; on huge pages 1.01-1.03x).
+    // Whole rows that early gain no more, and every fourth row 0.70x.
+    if (far.j0 < far.j1)
+      for (int g = 0; g < 2; ++g)
+        if (far.used[g]) prefetch(far.k[g]), prefetch(far.v[g]);
     const int kv = w.kv_head_begin + cur.i;
     const int n = cur.j1 - cur.j0, off = cur.j0 - cur.a;
     const int i = cur.i;
