@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
