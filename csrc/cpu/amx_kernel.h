@@ -697,20 +697,6 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       else
         lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
                    head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt), [&](int r) {
-#ifdef EXP_PF_ACC
-                     {
-                       const char* a = reinterpret_cast<const char*>(head_acc + int64_t(qt) * M * hsv);
-                       const int64_t lines = int64_t(M) * hsv * 4 / 64;
-                       for (int64_t l = r * lines / 16; l < (r + 1) * lines / 16; ++l) prefetch_l1(a + 64 * l);
-                     }
-#endif
-#ifdef EXP_PF_Q
-                     if (qt + 2 < L.tiles) {
-                       const char* q = reinterpret_cast<const char*>(q_tiles + (int64_t(i) * L.tiles + qt + 2) * q_tile_dwords);
-                       const int64_t lines = q_tile_dwords * 4 / 64;
-                       for (int64_t l = r * lines / 16; l < (r + 1) * lines / 16; ++l) prefetch_l1(q + 64 * l);
-                     }
-#endif
                      if (next)
                        for (int c = first.score[r]; c < first.score[r + 1]; ++c) issue(next_scores, c);
                      if (prev)
