@@ -16,7 +16,14 @@ checked against the reference first. Per row:
   macros and target from ``csrc/cpu/isa_<isa>.cpp``): KV elements per second of both
   cores when every element is only widened by the kernel's loaders and multiply-added
   into the (query heads / KV heads) queries that read it, in GB/s; and the ISA's bare
-  multiply-add ceiling (``bench/microbench/fma_peak.cpp``) in the same units.
+  multiply-add ceiling (``bench/microbench/fma_peak.cpp``) in the same units;
+* the paged-read ceiling (since session 29): how much of a sequential read a reader of the
+  row's access pattern gets when it does nothing but read (``bench/microbench/paged_read.cpp
+  ceiling``, two threads, huge pages, its own paired sequential read): the row's runs of
+  contiguous KV (a block's rows of all the KV heads, kv_heads x block_size x head_size
+  elements, which a decode item reads in turn) in a random order, the best of the prefetch
+  strategies a kernel could use. Shorter runs cost more than a sequential read can show
+  (session 29: 32 KiB runs 78-82%), so a row near its ceiling is at the memory pattern's limit.
 
 A row meets the target when it reads at >= 80% of the read, or, when its arithmetic limit
 is itself below 80% of the read (the arithmetic cannot keep up with memory), when it runs
@@ -59,6 +66,7 @@ FMA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f"]
              "avx512_vbmi": ["-mavx512f"], "avx512_bf16": ["-mavx512f"], "amx": ["-mavx512f"]}
 FMA_SOURCE = Path(__file__).resolve().parent.parent / "microbench" / "fma_peak.cpp"
 WIDEN_SOURCE = FMA_SOURCE.with_name("widen_peak.cpp")
+PAGED_READ_SOURCE = FMA_SOURCE.with_name("paged_read.cpp")
 KERNEL_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 TARGET = 0.8
 L2_BYTES = 256 << 10
@@ -94,15 +102,16 @@ def supported_isas() -> List[str]:
     return [isa for isa in ISAS if runs(isa)]
 
 
-def microbench_outputs(source: Path, compile_args: List[str], runs: int) -> Optional[List[str]]:
+def microbench_outputs(source: Path, compile_args: List[str], runs: int,
+                       args: Tuple[str, ...] = ()) -> Optional[List[str]]:
     """The standard output of ``runs`` runs of ``source`` compiled with g++ and
-    ``compile_args``. None without g++."""
+    ``compile_args``, each given ``args``. None without g++."""
     if shutil.which("g++") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         binary = os.path.join(tmp, source.stem)
         subprocess.run(["g++", *compile_args, str(source), "-o", binary], check=True)
-        return [subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+        return [subprocess.run([binary, *args], check=True, capture_output=True, text=True).stdout
                 for _ in range(runs)]
 
 
@@ -144,6 +153,22 @@ def widen_limits(isa: str, runs: int = 2) -> Optional[Dict[Tuple[str, int], floa
             key = (name.split("_")[0], int(group))
             best[key] = max(best.get(key, 0.0), float(rate) * 1e9)
     return best
+
+
+def run_kib(kv_heads: int, itemsize: int) -> int:
+    """KiB of one contiguous run of a decode row's K (or V): a block's rows of every KV head."""
+    return kv_heads * BLOCK_SIZE * HEAD_SIZE * itemsize >> 10
+
+
+def paged_read_ceilings(sizes_kib: List[int]) -> Optional[Dict[int, float]]:
+    """% of a sequential read that random runs of each size read at (paged_read.cpp's
+    ceiling mode, built for this CPU). None without g++."""
+    outputs = microbench_outputs(PAGED_READ_SOURCE, ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"], 1,
+                                 ("ceiling", *map(str, sizes_kib)))
+    if outputs is None:
+        return None
+    # "ceiling 32 KiB: 80.9% of the read (...)"
+    return {int(kib): float(pct) for kib, pct in re.findall(r"^ceiling (\d+) KiB: ([\d.]+)%", outputs[0], re.M)}
 
 
 class DecodeCandidate:
@@ -197,7 +222,7 @@ def ceiling_gbps(fma_per_s: Optional[float], kv_heads: int, itemsize: int) -> Op
 
 def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]],
                  widen: Dict[str, Optional[Dict[Tuple[str, int], float]]], plan: Plan,
-                 read: torch.Tensor) -> List[Dict[str, object]]:
+                 read: torch.Tensor, ceilings: Optional[Dict[int, float]]) -> List[Dict[str, object]]:
     blocks_per_seq = -(-CONTEXT // BLOCK_SIZE)
     table = torch.randperm(BATCH * blocks_per_seq, dtype=torch.int32).view(BATCH, blocks_per_seq)
     cases = {name: DecodeCandidate(name, kv_heads, table, seed=10 * i)
@@ -230,6 +255,8 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
                    "read_bandwidth": read_rate,
                    "fma_ceiling_gbps": ceiling,
                    "inner_loop_limit_gbps": limit,
+                   "run_kib": run_kib(kv_heads, DTYPES[name].itemsize),
+                   "paged_read_ceiling_pct": (ceilings or {}).get(run_kib(kv_heads, DTYPES[name].itemsize)),
                    "elements_vs_fp32_paired": statistics.median(
                        f / a for a, f in zip(t, s[f"{isa}/fp32"])),
                    "samples_s": {"dram": t, "l2": t_l2}}
@@ -310,8 +337,10 @@ def print_row(row: Dict[str, object]) -> None:
     d, l2, v = row["dram"], row["l2"], row["verdict"]
     limit = f"{row['inner_loop_limit_gbps']:6.1f}" if row["inner_loop_limit_gbps"] else "   n/a"
     fp8 = f" | vs bf16 {row['speedup_over_bf16_paired']:.2f}x" if "speedup_over_bf16_paired" in row else ""
+    ceiling = row["paged_read_ceiling_pct"]
+    pattern = f" (its {row['run_kib']} KiB runs: {ceiling:.0f}%)" if ceiling else ""
     print(f"isa [{row['isa']:>11}] {row['dtype']:4} 32/{row['num_kv_heads']:<2} | DRAM {d['rate_median']:5.1f} GB/s "
-          f"{d['pct_paired']:4.0f}% of read {row['read_bandwidth']['rate_median']:.1f} | L2 "
+          f"{d['pct_paired']:4.0f}% of read {row['read_bandwidth']['rate_median']:.1f}{pattern} | L2 "
           f"{l2['rate_median']:6.1f} | inner-loop limit {limit} | elements vs fp32 "
           f"{row['elements_vs_fp32_paired']:.2f}x{fp8} | {v['bound']}, {'met' if v['met'] else 'NOT met'}",
           flush=True)
@@ -329,13 +358,19 @@ def bench_isa_matrix(plan: Plan) -> Dict[str, object]:
                   + ", ".join(f"{name} " + " / ".join(f"{limits[(name, g)] / 1e9:.1f}" if (name, g) in limits
                                                        else "n/a" for g in (1, 4))
                               for name in DTYPES), flush=True)
+    sizes = sorted({run_kib(kv_heads, dtype.itemsize) for kv_heads in KV_HEADS for dtype in DTYPES.values()})
+    ceilings = paged_read_ceilings(sizes)
+    if ceilings:
+        print("paged-read ceiling, two threads (% of a sequential read): "
+              + ", ".join(f"{kib} KiB runs {pct:.1f}%" for kib, pct in ceilings.items()), flush=True)
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
     read.fill_(1.0)
-    decode = [row for kv_heads in KV_HEADS for row in bench_layout(kv_heads, isas, fma, widen, plan, read)]
+    decode = [row for kv_heads in KV_HEADS for row in bench_layout(kv_heads, isas, fma, widen, plan, read, ceilings)]
     del read
     return {"cpu": cpu_details(), "isas": isas, "fma_per_s_two_threads": fma,
             "inner_loop_elements_per_s_two_threads": {
                 isa: {f"{name}/G{group}": rate for (name, group), rate in limits.items()} if limits else None
                 for isa, limits in widen.items()},
+            "paged_read_ceiling_pct": ceilings,
             "decode": decode,
             "multi_token": bench_multi_token_isas(isas, fma, plan)}
