@@ -7,7 +7,7 @@
 // The script compiles SOURCE_DIR's csrc/cpu/isa_$ISA.cpp (ISA=avx512_bf16 by default;
 // generic, avx2, avx512 for the other kernels) with setup.py's flags plus any -D flags
 // given into a shared library (kernel_entry.cpp exports its entry point), and this file
-// runs it on decode items of B=1, 32 query heads, head size 128, context 2048, block
+// runs it on decode items of B=1, 32 query heads, head size 128, context 2048 (CONTEXT), block
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
 // bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 128 KiB each by default, inside the L2 of every
@@ -40,6 +40,9 @@
 
 #ifndef KERNEL_ISA
 #define KERNEL_ISA avx512_bf16
+#endif
+#ifndef KERNEL_CONTEXT
+#define KERNEL_CONTEXT 2048  // the item's keys (kernel_cycles.sh: CONTEXT); a multiple of 32
 #endif
 #define KERNEL_NAME_TOKENS(isa) #isa
 #define KERNEL_NAME(isa) KERNEL_NAME_TOKENS(isa)
@@ -144,7 +147,7 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
 
 void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz,
              EntryFn entry, EntryFn baseline) {
-  constexpr int kContext = 2048, kBlock = 16, kHead = 128, kHeads = 32;
+  constexpr int kContext = KERNEL_CONTEXT, kBlock = 16, kHead = 128, kHeads = 32;
   const size_t esize = element_size(kind);
   // fp8 caches take a bf16 query (the model's dtype).
   const ScalarKind query_kind = esize == 1 ? ScalarKind::kBFloat16 : kind;

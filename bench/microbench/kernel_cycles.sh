@@ -10,6 +10,8 @@
 # every call reads fresh blocks in a random order, from DRAM.
 # ROUNDS: alternating rounds of a BASELINE comparison (default 15).
 # ONLY: one cache dtype and optionally one KV head count (e.g. "bf16 8"), for a profiler.
+# CONTEXT: the item's keys (default 2048, a multiple of 32): short items show the per-item
+# work (query tiles, set-up, the output) beside the per-step.
 # KEEP: a directory to keep the binary and libraries in (perf record -e cpu-clock on it:
 # no hardware PMU in this guest).
 set -euo pipefail
@@ -43,7 +45,7 @@ if [[ -n "${BASELINE:-}" ]]; then
   baseline_lib="$out/baseline.so"
   build_kernel "$(cd "$BASELINE" && pwd)" "$baseline_lib"
 fi
-g++ -std=c++20 -O2 -mf16c -DKERNEL_ISA="$isa" -I "$src/csrc/cpu" "$here/kernel_cycles.cpp" \
+g++ -std=c++20 -O2 -mf16c -DKERNEL_ISA="$isa" -DKERNEL_CONTEXT="${CONTEXT:-2048}" -I "$src/csrc/cpu" "$here/kernel_cycles.cpp" \
     -ldl -o "$out/kernel_cycles"
 # shellcheck disable=SC2086  # ONLY is two words
 "$out/kernel_cycles" "$out/kernel.so" "$baseline_lib" "${RESIDENT:-131072}" ${ONLY:-}
