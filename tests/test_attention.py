@@ -54,6 +54,32 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
 
 
 
+@pytest.mark.parametrize("isa", pa.CPU_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_output_rows_at_their_strides(isa, dtype, monkeypatch):
+    """Kernels write fp32 and (one partition) bf16 outputs straight into the caller's rows:
+    each row at out's strides, nothing past head_size_v (padded head sizes included), the
+    same values as a fresh output, and lse alike; a long sequence's partitions take the
+    merge instead, into the same strided rows."""
+    select_isa(isa, monkeypatch)
+    for head_size, lens in ((128, [1, 17, 300, 0]), (72, [5, 33]), (128, [2000])):
+        case = make_case(lens, 2, head_size, 16, dtype)
+        for q_lens in (None, [1, 3, 40, 0][:len(lens)]):
+            qsl = None if q_lens is None else query_start_loc(q_lens)
+            tokens = len(lens) if q_lens is None else sum(q_lens)
+            query = random_query(tokens, 8, head_size, dtype)
+            args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                    head_size ** -0.5)
+            want, want_lse = pa.attention_with_lse(*args, query_start_loc=qsl)
+            wide = torch.full((tokens, 8, 2 * head_size), float("nan"), dtype=dtype)
+            lse = torch.full((tokens, 2 * 8), float("nan"))[:, :8]
+            pa.attention_out(wide[:, :, :head_size], *args, query_start_loc=qsl, lse=lse)
+            torch.testing.assert_close(wide[:, :, :head_size], want, atol=0, rtol=0)
+            torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+            assert wide[:, :, head_size:].isnan().all(), "a row was written past head_size_v"
+            assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
 def test_every_instruction_set_fp8(isa, fp8, monkeypatch):

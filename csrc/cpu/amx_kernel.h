@@ -718,12 +718,13 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       const int64_t lane = (int64_t(i) * L.tiles + m / M) * kAmxTileQueries + m % M;
       const float top = run_max[lane] * 0.693147180559945309f;  // from log2 units
       const float inv = finish_query(P, w, token, head, top, run_sum[lane], v_factor);
-      float* o = output_row(P, w, token, head);
       const float* am = acc + (int64_t(i) * L.padded + m) * hsv;
-      if constexpr (sizeof(T) == 1)
-        unpermute_fp8_pairs(am, o, hsv, inv);
-      else
-        unpermute_pairs(am, o, hsv, inv);
+      write_output(P, w, token, head, [&](float* o) {
+        if constexpr (sizeof(T) == 1)
+          unpermute_fp8_pairs(am, o, hsv, inv);
+        else
+          unpermute_pairs(am, o, hsv, inv);
+      });
     }
   }
 }

@@ -17,6 +17,7 @@
 #include "../checks.h"
 #include "../dtypes.h"
 #include "attention_params.h"
+#include "bf16_rounding.h"
 #include "cpu_features.h"
 
 namespace paged::cpu {
@@ -166,6 +167,8 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
   return plan;
 }
 
+static_assert(kMaxSupportedHeadSize <= kMaxOutputRow, "a direct bf16 output row must fit the kernels' stack row");
+
 void run_items(const AttentionParams& params, const Plan& plan) {
   const AttentionKernelFn kernel = attention_kernel_for(params.kind);
   const int64_t padded_head = (std::max(params.head_size, params.head_size_v) + 15) / 16 * 16;
@@ -181,20 +184,11 @@ void run_items(const AttentionParams& params, const Plan& plan) {
   }
 }
 
-// dst[d] = v[d] * factor in scalar_t. bf16 is rounded from the bit pattern (to nearest
-// even, NaN to the quiet 0x7fc0, as the BFloat16 constructor does) in a loop the compiler
-// vectorises: the per-element constructor made the merge 6% of a causal multi-token call.
+// dst[d] = v[d] * factor in scalar_t (bf16: store_bf16_row's rounding).
 template <typename scalar_t>
 void store_row(const float* v, float factor, scalar_t* dst, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, BFloat16>) {
-    uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t d = 0; d < n; ++d) {
-      const float x = v[d] * factor;
-      uint32_t bits;
-      std::memcpy(&bits, &x, sizeof(bits));
-      const uint16_t rounded = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-      out[d] = x != x ? uint16_t(0x7fc0) : rounded;
-    }
+    store_bf16_row(v, factor, reinterpret_cast<uint16_t*>(dst), n);
   } else {
     for (int64_t d = 0; d < n; ++d) dst[d] = scalar_t(v[d] * factor);
   }
@@ -300,11 +294,14 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
   const Plan plan = make_plan(s, args, max_threads, plan_hints(p));
 
-  // Results go straight into `out` when no merge or dtype conversion is needed.
-  const bool direct = plan.max_parts == 1 && out.scalar_type() == kFloat;
+  // Results go straight into `out` when there is nothing to merge and the kernels write its
+  // dtype: fp32, or bf16 rounded as the merge would (no fp32 copy of the output to fill,
+  // read back and convert: at short contexts that pass was a tenth of a decode call).
+  const bool direct = plan.max_parts == 1 && (out.scalar_type() == kFloat || out.scalar_type() == kBFloat16);
   std::optional<Tensor> part_out, part_lse;  // none when direct: nothing allocated
   if (direct) {
-    p.out = out.mutable_data_ptr<float>();
+    p.out = out.data_ptr();
+    p.out_kind = scalar_kind(out.scalar_type());
     p.out_token_stride = out.stride(0);
     p.out_head_stride = out.stride(1);
     p.lse = lse.has_value() ? lse->mutable_data_ptr<float>() : nullptr;

@@ -379,8 +379,19 @@ static inline void rescale_rows(float* acc, int hspv, const float* alpha, int co
   }
 }
 
-static inline float* output_row(const AttentionParams& P, const WorkItem& w, int token, int head) {
-  return P.out + w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
+// A query's finished output row: `fill(o)` writes its fp32 values into o, which is the
+// output's own row when that is fp32, else a row on the stack then rounded into the bf16
+// output (store_bf16_row).
+template <typename Fill>
+static inline void write_output(const AttentionParams& P, const WorkItem& w, int token, int head, Fill fill) {
+  const int64_t slot = w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
+  if (P.out_kind == ScalarKind::kFloat32) {
+    fill(static_cast<float*>(P.out) + slot);
+    return;
+  }
+  alignas(64) float row[kMaxOutputRow];
+  fill(row);
+  store_bf16_row(row, 1.0f, static_cast<uint16_t*>(P.out) + slot, P.head_size_v);
 }
 
 #include "lane_kernel.h"
@@ -726,26 +737,27 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
     const int head = kv * group + m % group;
-    float* o = output_row(P, w, token, head);
     const float* am = acc + int64_t(m) * hspv;
     // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
     // applies to the weighted sum once.
     const float v_unit = fp8_values ? 1.0f : kUnit;
     const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * v_unit : 1.0f;
     const float inv = finish_query(P, w, token, head, run_max[m], run_sum[m], v_factor);
+    write_output(P, w, token, head, [&](float* o) {
 #if PAGED_ISA_AVX512_BF16
-    if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
-    else if (fp8_pairs) unpermute_fp8_pairs(am, o, hspv, inv);
-    else
+      if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
+      else if (fp8_pairs) unpermute_fp8_pairs(am, o, hspv, inv);
+      else
 #endif
 #if PAGED_ISA_AVX512_VBMI
-    if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
-    else
+      if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
+      else
 #endif
-    if (split)
-      for (int d = 0; d < hsv; ++d) o[d] = am[split_slot(d)] * inv;
-    else
-      for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+      if (split)
+        for (int d = 0; d < hsv; ++d) o[d] = am[split_slot(d)] * inv;
+      else
+        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+    });
   }
 }
 

@@ -46,10 +46,12 @@ struct AttentionParams {
   // per KV head take the lane kernel (lane_kernel.h).
   bool queries_after_keys;
 
-  // fp32 results ([head_size_v] rows), one slot per (partition, token, head):
+  // Results ([head_size_v] rows of out_kind: fp32, or bf16 when one partition writes the
+  // caller's output directly), one slot per (partition, token, head):
   //   o   at out + part*out_part_stride + token*out_token_stride + head*out_head_stride
-  //   lse at lse + part*lse_part_stride + token*lse_token_stride + head
-  float* out;
+  //   lse at lse + part*lse_part_stride + token*lse_token_stride + head (fp32)
+  void* out;
+  ScalarKind out_kind;
   int64_t out_part_stride;
   int64_t out_token_stride;
   int64_t out_head_stride;
@@ -73,6 +75,10 @@ struct WorkItem {
   int32_t kv_end;
   int32_t partition;
 };
+
+// Longest output row (head_size_v; checks.h's kMaxSupportedHeadSize): a kernel writing a
+// bf16 output rounds each row from a stack row this long.
+constexpr int kMaxOutputRow = 256;
 
 // Most keys per online-softmax step: the decode kernel's chunk capacity (it takes 64 for
 // fp8 rows of up to 128 bytes, 32 or 16 for others: attention_kernel.h); the lane and AMX

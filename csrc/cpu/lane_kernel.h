@@ -327,9 +327,10 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
     for (int i = 0; i < m; ++i) {
       const int token = w.row_begin + i / group, head = kv * group + i % group;
       const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
-      float* o = output_row(P, w, token, head);
       const float* am = acc + int64_t(i) * hspv;
-      for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+      write_output(P, w, token, head, [&](float* o) {
+        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+      });
     }
   }
 }

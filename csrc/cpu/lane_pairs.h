@@ -237,7 +237,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     for (int i = 0; i < m; ++i) {
       const int token = w.row_begin + i / group, head = kv * group + i % group;
       const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
-      unpermute_pairs(acc + int64_t(i) * hsv, output_row(P, w, token, head), hsv, inv);
+      write_output(P, w, token, head, [&](float* o) { unpermute_pairs(acc + int64_t(i) * hsv, o, hsv, inv); });
     }
   }
 }
