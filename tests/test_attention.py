@@ -55,9 +55,9 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_output_rows_at_their_strides(isa, dtype, monkeypatch):
-    """Kernels write fp32 and (one partition) bf16 outputs straight into the caller's rows:
+    """Kernels write (one partition) fp32, bf16 and fp16 outputs straight into the caller's rows:
     each row at out's strides, nothing past head_size_v (padded head sizes included), the
     same values as a fresh output, and lse alike; a long sequence's partitions take the
     merge instead, into the same strided rows."""

@@ -17,8 +17,8 @@
 #include "../checks.h"
 #include "../dtypes.h"
 #include "attention_params.h"
-#include "bf16_rounding.h"
 #include "cpu_features.h"
+#include "output_rounding.h"
 
 namespace paged::cpu {
 namespace {
@@ -184,11 +184,13 @@ void run_items(const AttentionParams& params, const Plan& plan) {
   }
 }
 
-// dst[d] = v[d] * factor in scalar_t (bf16: store_bf16_row's rounding).
+// dst[d] = v[d] * factor in scalar_t, 16-bit rows rounded as the kernels round them.
 template <typename scalar_t>
 void store_row(const float* v, float factor, scalar_t* dst, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, BFloat16>) {
     store_bf16_row(v, factor, reinterpret_cast<uint16_t*>(dst), n);
+  } else if constexpr (std::is_same_v<scalar_t, Half>) {
+    store_fp16_row(v, factor, reinterpret_cast<uint16_t*>(dst), n);
   } else {
     for (int64_t d = 0; d < n; ++d) dst[d] = scalar_t(v[d] * factor);
   }
@@ -294,10 +296,10 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.queries_after_keys = args.placement == QueryPlacement::kAfterKeys;
   const Plan plan = make_plan(s, args, max_threads, plan_hints(p));
 
-  // Results go straight into `out` when there is nothing to merge and the kernels write its
-  // dtype: fp32, or bf16 rounded as the merge would (no fp32 copy of the output to fill,
-  // read back and convert: at short contexts that pass was a tenth of a decode call).
-  const bool direct = plan.max_parts == 1 && (out.scalar_type() == kFloat || out.scalar_type() == kBFloat16);
+  // Results go straight into `out` when there is nothing to merge: fp32, or 16-bit rows
+  // rounded as the merge would (no fp32 copy of the output to fill, read back and convert:
+  // at short contexts that pass cost decode 3-6%).
+  const bool direct = plan.max_parts == 1;
   std::optional<Tensor> part_out, part_lse;  // none when direct: nothing allocated
   if (direct) {
     p.out = out.data_ptr();

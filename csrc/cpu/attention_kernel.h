@@ -380,8 +380,8 @@ static inline void rescale_rows(float* acc, int hspv, const float* alpha, int co
 }
 
 // A query's finished output row: `fill(o)` writes its fp32 values into o, which is the
-// output's own row when that is fp32, else a row on the stack then rounded into the bf16
-// output (store_bf16_row).
+// output's own row when that is fp32, else a row on the stack then rounded into the 16-bit
+// output (output_rounding.h).
 template <typename Fill>
 static inline void write_output(const AttentionParams& P, const WorkItem& w, int token, int head, Fill fill) {
   const int64_t slot = w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
@@ -391,7 +391,11 @@ static inline void write_output(const AttentionParams& P, const WorkItem& w, int
   }
   alignas(64) float row[kMaxOutputRow];
   fill(row);
-  store_bf16_row(row, 1.0f, static_cast<uint16_t*>(P.out) + slot, P.head_size_v);
+  uint16_t* dst = static_cast<uint16_t*>(P.out) + slot;
+  if (P.out_kind == ScalarKind::kBFloat16)
+    store_bf16_row(row, 1.0f, dst, P.head_size_v);
+  else
+    store_fp16_row(row, 1.0f, dst, P.head_size_v);
 }
 
 #include "lane_kernel.h"

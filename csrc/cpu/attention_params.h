@@ -46,8 +46,8 @@ struct AttentionParams {
   // per KV head take the lane kernel (lane_kernel.h).
   bool queries_after_keys;
 
-  // Results ([head_size_v] rows of out_kind: fp32, or bf16 when one partition writes the
-  // caller's output directly), one slot per (partition, token, head):
+  // Results ([head_size_v] rows of out_kind: fp32, or the caller's 16-bit output when one
+  // partition writes it directly), one slot per (partition, token, head):
   //   o   at out + part*out_part_stride + token*out_token_stride + head*out_head_stride
   //   lse at lse + part*lse_part_stride + token*lse_token_stride + head (fp32)
   void* out;
@@ -77,7 +77,7 @@ struct WorkItem {
 };
 
 // Longest output row (head_size_v; checks.h's kMaxSupportedHeadSize): a kernel writing a
-// bf16 output rounds each row from a stack row this long.
+// 16-bit output rounds each row from a stack row this long.
 constexpr int kMaxOutputRow = 256;
 
 // Most keys per online-softmax step: the decode kernel's chunk capacity (it takes 64 for

@@ -21,7 +21,7 @@
 #endif
 
 #include "attention_params.h"
-#include "bf16_rounding.h"
+#include "output_rounding.h"
 #include "isa_entry_points.h"
 
 #define PAGED_CONCAT_TOKENS(a, b) a##b
