@@ -244,6 +244,7 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
             t, t_l2 = s[key], s_l2[key]
             ceiling = ceiling_gbps(fma[isa], kv_heads, DTYPES[name].itemsize)
             group = NUM_HEADS // kv_heads
+            run = run_kib(kv_heads, DTYPES[name].itemsize)
             limit = (widen[isa][(name, group)] * DTYPES[name].itemsize / 1e9
                      if widen[isa] and (name, group) in widen[isa] else None)
             row = {"isa": isa, "dtype": name, "num_heads": NUM_HEADS, "num_kv_heads": kv_heads,
@@ -255,8 +256,8 @@ def bench_layout(kv_heads: int, isas: List[str], fma: Dict[str, Optional[float]]
                    "read_bandwidth": read_rate,
                    "fma_ceiling_gbps": ceiling,
                    "inner_loop_limit_gbps": limit,
-                   "run_kib": run_kib(kv_heads, DTYPES[name].itemsize),
-                   "paged_read_ceiling_pct": (ceilings or {}).get(run_kib(kv_heads, DTYPES[name].itemsize)),
+                   "run_kib": run,
+                   "paged_read_ceiling_pct": (ceilings or {}).get(run),
                    "elements_vs_fp32_paired": statistics.median(
                        f / a for a, f in zip(t, s[f"{isa}/fp32"])),
                    "samples_s": {"dram": t, "l2": t_l2}}
