@@ -671,6 +671,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const bool free_order = chunk_blocks > 1 && f.n == CH && !P.alibi_slopes && f.j0 + f.n - 1 <= w.first_pos &&
                               (P.sliding_window <= 0 || f.j0 > last_pos - P.sliding_window);
       if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
+      // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
       const int first = f.j0 / bs;
       for (int b = 0; b < chunk_blocks; ++b) {
         auto [k_row, v_row] = block_rows(first + b, w.kv_head_begin + f.head, 0);
