@@ -192,6 +192,15 @@ static inline vfloat exp_in_place(float* s, int chunk, float max) {
   return total;
 }
 
+// Whether every row of the item sees the keys [j0, j0 + n) whole: none past a row's
+// position or outside its window, and no ALiBi term, so their positions (and order) change
+// nothing but the soft cap, which is position-free.
+static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem& w, int j0, int n) {
+  const int last_pos = w.first_pos + (w.row_end - w.row_begin - 1);
+  return !P.alibi_slopes && j0 + n - 1 <= w.first_pos &&
+         (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
+}
+
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
 // from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
@@ -206,9 +215,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   // Four queries at a time while the whole chunk is plainly visible to every row of the
   // item (decode; rows past the chunk) and each query's running max stands for its chunk's
   // (the lazy rescale below): the four sums in one transpose (hsum4) instead of four.
-  const int last_pos = w.first_pos + (st.num_queries - 1) / st.group;
-  const bool plain = !soft_cap && !P.alibi_slopes && j0 + n - 1 <= w.first_pos &&
-                     (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
+  const bool plain = !soft_cap && keys_plainly_visible(P, w, j0, n);
   for (; plain && m + 4 <= st.num_queries; m += 4) {
     bool within = true;
     for (int g = 0; g < 4; ++g)
@@ -666,10 +673,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     // fp16 32/8 1.04x, fp8 32/8 1.01-1.03x; in L2 and L3 0.97-1.01x. MHA rows keep the row
     // order (one core from DRAM: fp32 0.98x, 16-bit 0.99-1.02x).
     const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
-    const int last_pos = w.first_pos + (per_head - 1) / group;
     auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
-      const bool free_order = chunk_blocks > 1 && f.n == CH && !P.alibi_slopes && f.j0 + f.n - 1 <= w.first_pos &&
-                              (P.sliding_window <= 0 || f.j0 > last_pos - P.sliding_window);
+      const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
       if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
       // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
       const int first = f.j0 / bs;
