@@ -20,6 +20,12 @@ Method
 * The two outputs are compared against each other first (a case that disagrees stops the
   run). Then the two calls alternate, ``--rounds`` rounds of one call each after a warm-up,
   and the speedup is the median over rounds of vLLM's time / ours in the same round.
+* Before every timed call a 1 GiB sum (timed on its own, on huge pages as isa_matrix
+  reads) flushes the caches, so both sides read their KV from DRAM, and gives the read
+  bandwidth of that round: decode rows carry each side's rate as a share of it (median over
+  rounds of the paired ratio), how far a memory-bound side is from the read. Each side's
+  cache is on 4 KiB pages, as vLLM allocates its own, or with ``--huge-pages`` on huge
+  pages. (Since session 31; earlier JSONs timed back-to-back calls without a flush.)
 * The host: CPU model, flags that matter, torch threads, our ISA (``paged_attention_ext.
   cpu_isa()``) and vLLM's, recorded in the JSON.
 """
@@ -39,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paged_attention_ext as pa  # noqa: E402
+from paged_attention_ext.host_memory import zeros_huge_pages  # noqa: E402
 from common.environment import cpu_model  # noqa: E402
 
 HEAD = 128
@@ -52,7 +59,7 @@ def vllm_ops():
 
 class Case:
     def __init__(self, name: str, cache: str, lens: List[int], q_lens: List[int], heads: int,
-                 kv_heads: int, block_size: int, vllm_isa: str, seed: int = 0):
+                 kv_heads: int, block_size: int, vllm_isa: str, huge_pages: bool, seed: int = 0):
         ops = vllm_ops()
         gen = torch.Generator().manual_seed(seed)
         self.name, self.cache, self.block_size = name, cache, block_size
@@ -77,13 +84,14 @@ class Case:
         # Ours: HND caches.
         dtype = torch.float8_e4m3fn if FP8[cache] else torch.bfloat16
         shape = (num_blocks, kv_heads, block_size, HEAD)
-        self.key_cache = torch.zeros(shape, dtype=dtype)
-        self.value_cache = torch.zeros(shape, dtype=dtype)
+        zeros = zeros_huge_pages if huge_pages else (lambda size, dtype: torch.zeros(size, dtype=dtype))
+        self.key_cache = zeros(shape, dtype)
+        self.value_cache = zeros(shape, dtype)
         self.scales = ({"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)}
                        if FP8[cache] else {})
         # vLLM: [num_blocks, kv_heads, block_size, 2 * head] viewed as keys then values.
-        joint = torch.zeros(num_blocks, kv_heads, block_size, 2 * HEAD,
-                            dtype=torch.uint8 if FP8[cache] else torch.bfloat16)
+        joint = zeros((num_blocks, kv_heads, block_size, 2 * HEAD),
+                      torch.uint8 if FP8[cache] else torch.bfloat16)
         self.vllm_kv = joint
         self.vllm_key, self.vllm_value = joint.view(num_blocks, kv_heads, 2 * block_size,
                                                     HEAD).chunk(2, dim=2)
@@ -125,39 +133,52 @@ class Case:
                 "kv_bytes": self.kv_bytes, "flops": self.flops}
 
 
-def cases(quick: bool, vllm_isa: str, caches: List[str]):
+def cases(quick: bool, vllm_isa: str, caches: List[str], huge_pages: bool):
     batch, context = (4, 1024) if quick else (16, 2048)
     mt_q, mt_len = (128, 1024) if quick else (512, 4096)
     for block_size in (32, 128):
         for cache in caches:
             for kv_heads in (32, 8):
                 yield (f"decode B={batch} ctx={context}", cache, [context] * batch, [1] * batch,
-                       32, kv_heads, block_size, vllm_isa)
+                       32, kv_heads, block_size, vllm_isa, huge_pages)
             yield (f"multi-token {mt_q} causal over {mt_len}", cache, [mt_len], [mt_q], 32, 8,
-                   block_size, vllm_isa)
+                   block_size, vllm_isa, huge_pages)
 
 
-def time_pair(case: Case, rounds: int) -> Dict[str, object]:
+READ_BYTES = 1 << 30
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_pair(case: Case, rounds: int, read: torch.Tensor) -> Dict[str, object]:
     calls = {"ours": case.ours, "vllm": case.vllm}
     for fn in calls.values():
         fn()
     seconds: Dict[str, List[float]] = {k: [] for k in calls}
+    read_before: Dict[str, List[float]] = {k: [] for k in calls}  # the read (and flush) before each call
     for _ in range(rounds):
         for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            seconds[name].append(time.perf_counter() - t0)
+            read_before[name].append(timed(read.sum))
+            seconds[name].append(timed(fn))
     ratios = [v / o for v, o in zip(seconds["vllm"], seconds["ours"])]
     ours, theirs = statistics.median(seconds["ours"]), statistics.median(seconds["vllm"])
     row = {**case.describe(), "ours_ms": round(ours * 1e3, 3), "vllm_ms": round(theirs * 1e3, 3),
            "speedup_over_vllm": round(statistics.median(ratios), 3),
-           "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+           "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
+           "read_gbps": round(READ_BYTES / statistics.median(sum(read_before.values(), [])) / 1e9, 1)}
     if case.multi_token:
         row["ours_gflops"] = round(case.flops / ours / 1e9, 1)
         row["vllm_gflops"] = round(case.flops / theirs / 1e9, 1)
     else:
         row["ours_gbps"] = round(case.kv_bytes / ours / 1e9, 1)
         row["vllm_gbps"] = round(case.kv_bytes / theirs / 1e9, 1)
+        for name in calls:  # each call's rate against the read just before it
+            shares = [case.kv_bytes * r / (READ_BYTES * c) for r, c in zip(read_before[name], seconds[name])]
+            row[f"{name}_pct_of_read"] = round(100 * statistics.median(shares), 1)
     return row
 
 
@@ -168,10 +189,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--vllm-isa", default="amx")
     parser.add_argument("--caches", default="bf16,e4m3")
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="both sides' caches on huge pages (default: 4 KiB pages, as vLLM allocates)")
     parser.add_argument("--out", default="bench/results/vllm_kernels.json")
     args = parser.parse_args(argv)
     rows = []
-    for spec in cases(args.quick, args.vllm_isa, args.caches.split(",")):
+    read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
+    for spec in cases(args.quick, args.vllm_isa, args.caches.split(","), args.huge_pages):
         if args.cases not in spec[0]:
             continue
         case = Case(*spec)
@@ -180,11 +204,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         # Both round probabilities to bf16; fp8 rows also meet vLLM's own dequantization.
         if not diff < (1e-1 if FP8[case.cache] else 5e-2):
             raise SystemExit(f"{case.describe()}: outputs differ by {diff}")
-        row = time_pair(case, 3 if args.quick else args.rounds)
+        row = time_pair(case, 3 if args.quick else args.rounds, read)
         row["max_abs_difference"] = diff
         rows.append(row)
         rate = (f"{row['ours_gflops']} vs {row['vllm_gflops']} GFLOP/s" if case.multi_token
-                else f"{row['ours_gbps']} vs {row['vllm_gbps']} GB/s")
+                else f"{row['ours_gbps']} vs {row['vllm_gbps']} GB/s, {row['ours_pct_of_read']} vs "
+                     f"{row['vllm_pct_of_read']}% of the read ({row['read_gbps']} GB/s)")
         print(f"{row['case']:<34} {row['cache']:<5} {row['heads']}/{row['kv_heads']:<3} "
               f"block {row['block_size']:<4} ours {row['ours_ms']:8.2f} ms  vLLM "
               f"{row['vllm_ms']:8.2f} ms  {row['speedup_over_vllm']:.2f}x "
@@ -194,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     report = {"what": __doc__.splitlines()[0], "cpu_model": cpu_model(),
               "machine": platform.machine(), "torch": torch.__version__,
               "vllm": vllm.__version__, "threads": torch.get_num_threads(),
-              "ours_isa": pa.cpu_isa(), "vllm_isa": args.vllm_isa,
+              "ours_isa": pa.cpu_isa(), "vllm_isa": args.vllm_isa, "huge_pages": args.huge_pages,
               "loadavg": [round(x, 2) for x in os.getloadavg()],
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
