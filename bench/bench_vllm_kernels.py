@@ -17,6 +17,8 @@ Method
   the ISA, which for ``amx`` packs the tiles at write time) from the same tokens, under the
   same random physical block order. vLLM's scheduler metadata is built once per case
   outside the timed call (as its backend does once per step); ours plans inside the call.
+  Each side writes into an output allocated once (``paged.attention_out``, as our vLLM
+  backend calls it; before session 31 ours allocated a fresh one per call).
 * The two outputs are compared against each other first (a case that disagrees stops the
   run). Then the two calls alternate, ``--rounds`` rounds of one call each after a warm-up,
   and the speedup is the median over rounds of vLLM's time / ours in the same round.
@@ -111,11 +113,13 @@ class Case:
             causal=True, sliding_window_size=-1, isa=vllm_isa, enable_kv_split=True,
             kv_cache_dtype=FP8[cache] or "auto")
         self.vllm_out = torch.empty_like(self.query)
+        self.ours_out = torch.empty_like(self.query)
 
     def ours(self) -> torch.Tensor:
         qsl = self.query_start_loc if self.multi_token else None
-        return pa.attention(self.query, self.key_cache, self.value_cache, self.block_tables,
-                            self.seq_lens, HEAD ** -0.5, query_start_loc=qsl, **self.scales)
+        return pa.attention_out(self.ours_out, self.query, self.key_cache, self.value_cache,
+                                self.block_tables, self.seq_lens, HEAD ** -0.5, query_start_loc=qsl,
+                                **self.scales)
 
     def vllm(self) -> torch.Tensor:
         ops = vllm_ops()
