@@ -19,12 +19,12 @@ Correctness is the tests' job (``test_amx_tiles``, the ISA-parametrised attentio
 """
 
 import os
-import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 from common.ab import ab_parser, ab_rounds, paired, write_report
 from common.environment import cpu_model, source_revision
+from common.timing import time_interleaved_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_amx_ab.json"
@@ -71,14 +71,7 @@ def worker(reps: int) -> Dict[str, object]:
                 work[name] = (2 * k.numel() * k.element_size(), "GB/s")
     words = [w for w in os.environ.get("AB_AMX_CASES", "").split(",") if w]
     calls = {name: call for name, call in calls.items() if all(w in name for w in words)}
-    samples: Dict[str, List[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(reps):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - t0)
+    samples = time_interleaved_samples(calls, warmup=1, reps=reps)
     return {"isa": pa.cpu_isa(), "library": pa.__file__,
             "rates": {name: work[name][0] / min(t) / 1e9 for name, t in samples.items()},
             "units": {name: work[name][1] for name in calls}}

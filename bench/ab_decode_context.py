@@ -13,12 +13,12 @@ are many short items, each with its own set-up, output rows and pipeline start: 
 per-item and per-call work shows.
 """
 
-import time
 from pathlib import Path
 from typing import Dict, List
 
 from common.ab import ab_parser, ab_rounds, paired, write_report
 from common.environment import cpu_model, source_revision
+from common.timing import time_call
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_decode_context_ab.json"
@@ -56,9 +56,7 @@ def worker(reps: int) -> Dict[str, object]:
         shift = rep % len(CONTEXTS)
         for context in CONTEXTS[shift:] + CONTEXTS[:shift]:
             flush.sum()
-            t0 = time.perf_counter()
-            calls[context]()
-            samples[context].append(time.perf_counter() - t0)
+            samples[context].append(time_call(calls[context]))
     return {"isa": pa.cpu_isa(), "rates": {str(c): KV_BYTES / min(t) / 1e9 for c, t in samples.items()}}
 
 

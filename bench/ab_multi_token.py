@@ -14,12 +14,12 @@ than fp32" target).
 
 import os
 import statistics
-import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 from common.ab import ab_parser, ab_rounds, paired, write_report
 from common.environment import cpu_model, source_revision
+from common.timing import time_interleaved_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "cpu_multi_token_ab.json"
@@ -51,14 +51,7 @@ def worker(reps: int) -> Dict[str, object]:
         scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
         calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
             q, k, v, table, lens, HEAD_SIZE ** -0.5, starts, **scales)
-    samples: Dict[str, List[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(reps):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - t0)
+    samples = time_interleaved_samples(calls, warmup=1, reps=reps)
     return {"isa": pa.cpu_isa(), "library": pa.__file__,
             "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
 

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paged_attention_ext as pa  # noqa: E402
 from paged_attention_ext.host_memory import zeros_huge_pages  # noqa: E402
 from common.environment import cpu_model  # noqa: E402
+from common.timing import time_call  # noqa: E402
 
 HEAD = 128
 FP8 = {"bf16": None, "e4m3": "fp8_e4m3"}
@@ -152,12 +153,6 @@ def cases(quick: bool, vllm_isa: str, caches: List[str], huge_pages: bool):
 READ_BYTES = 1 << 30
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def time_pair(case: Case, rounds: int, read: torch.Tensor) -> Dict[str, object]:
     calls = {"ours": case.ours, "vllm": case.vllm}
     for fn in calls.values():
@@ -166,8 +161,8 @@ def time_pair(case: Case, rounds: int, read: torch.Tensor) -> Dict[str, object]:
     read_before: Dict[str, List[float]] = {k: [] for k in calls}  # the read (and flush) before each call
     for _ in range(rounds):
         for name, fn in calls.items():
-            read_before[name].append(timed(read.sum))
-            seconds[name].append(timed(fn))
+            read_before[name].append(time_call(read.sum))
+            seconds[name].append(time_call(fn))
     ratios = [v / o for v, o in zip(seconds["vllm"], seconds["ours"])]
     ours, theirs = statistics.median(seconds["ours"]), statistics.median(seconds["vllm"])
     row = {**case.describe(), "ours_ms": round(ours * 1e3, 3), "vllm_ms": round(theirs * 1e3, 3),
