@@ -53,6 +53,7 @@ from common.timing import time_call  # noqa: E402
 
 HEAD = 128
 FP8 = {"bf16": None, "e4m3": "fp8_e4m3"}
+READ_BYTES = 1 << 30  # the read that flushes the caches before each call
 
 
 def vllm_ops():
@@ -148,9 +149,6 @@ def cases(quick: bool, vllm_isa: str, caches: List[str], huge_pages: bool):
                        32, kv_heads, block_size, vllm_isa, huge_pages)
             yield (f"multi-token {mt_q} causal over {mt_len}", cache, [mt_len], [mt_q], 32, 8,
                    block_size, vllm_isa, huge_pages)
-
-
-READ_BYTES = 1 << 30
 
 
 def time_pair(case: Case, rounds: int, read: torch.Tensor) -> Dict[str, object]:
