@@ -192,13 +192,17 @@ static inline vfloat exp_in_place(float* s, int chunk, float max) {
   return total;
 }
 
-// Whether every row of the item sees the keys [j0, j0 + n) whole: none past a row's
-// position or outside its window, and no ALiBi term, so their positions (and order) change
-// nothing but the soft cap, which is position-free.
+// Whether every query at positions [first_pos, last_pos] sees every key of [j0, j0 + n):
+// none past the first query's position, none outside the last one's window.
+static inline bool keys_visible(const AttentionParams& P, int j0, int n, int first_pos, int last_pos) {
+  return j0 + n - 1 <= first_pos && (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
+}
+
+// Whether every row of the item sees the keys [j0, j0 + n) whole and without an ALiBi
+// term, so their positions (and order) change nothing but the soft cap, which is
+// position-free.
 static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem& w, int j0, int n) {
-  const int last_pos = w.first_pos + (w.row_end - w.row_begin - 1);
-  return !P.alibi_slopes && j0 + n - 1 <= w.first_pos &&
-         (P.sliding_window <= 0 || j0 > last_pos - P.sliding_window);
+  return !P.alibi_slopes && keys_visible(P, j0, n, w.first_pos, w.first_pos + (w.row_end - w.row_begin - 1));
 }
 
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
@@ -236,8 +240,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     const int pos = w.first_pos + m / st.group;
     const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
     float chunk_max = -__builtin_inff();
-    const bool all_visible = j0 + n - 1 <= pos &&
-                             (P.sliding_window <= 0 || j0 > pos - P.sliding_window);
+    const bool all_visible = keys_visible(P, j0, n, pos, pos);
     if (all_visible && !soft_cap && !P.alibi_slopes) {
       // The common decode case: nothing to mask or modify. Most chunks leave the running
       // max standing (below), and then their own max is not needed.
@@ -661,17 +664,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     auto row = [&](int i) { return ring + i * kKeyChunk; };
     // GQA: a chunk of whole blocks whose keys every row of the item sees unmodified (a
     // key's position then changes nothing) takes its rows interleaved across its blocks,
-    // row r of each block, then row r + 1: the reads and prefetches of every phase then
-    // stream from all its blocks at once instead of one block after another. The amx
-    // kernel's prefetches stream that way, and a build of this kernel whose L2 prefetches
-    // went across the blocks (keys and values too) read 8-9% faster from DRAM (one core,
-    // avx512_vbmi, bf16 32/8, kernel_cycles), close to amx's rate; interleaved rows take
-    // no bookkeeping (the walk writes them in that order), where those prefetches' own
-    // row lists cost 5-15% with the KV in L2 or L3. Measured (the Xeon with AMX, session 30
-    // in docs/performance.md): from DRAM, two threads, avx512_vbmi bf16 32/8 1.04-1.05x at
-    // contexts 256-16384, fp16 32/8 under the amx kernel 1.03-1.05x; one core, bf16 and
-    // fp16 32/8 1.04x, fp8 32/8 1.01-1.03x; in L2 and L3 0.97-1.01x. MHA rows keep the row
-    // order (one core from DRAM: fp32 0.98x, 16-bit 0.99-1.02x).
+    // row r of each block, then row r + 1, so the reads and prefetches of every phase
+    // stream from all its blocks at once, as amx's do, with no bookkeeping: from DRAM
+    // 1.03-1.05x (16-bit 32/8), in L2 and L3 0.97-1.01x; MHA rows keep the row order
+    // (0.98-1.02x). Measurements: docs/performance.md, session 30.
     const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
     auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
       const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
