@@ -46,9 +46,9 @@ constexpr int kAmxTileQueries = 16;  // queries per tile at most
 constexpr int kAmxStep = 32;         // bf16 elements per tile row (16 dword pairs)
 constexpr int kAmxMaxValueBytes = 512;  // a value row at most (kZeroValueRow)
 // Fewest queries per KV head an item needs for the tiles. One query per KV head (MHA decode)
-// runs a vector kernel (avx512_bf16's measured here): from DRAM, 2 threads, tiles measured
-// 0.88x (bf16) and 0.72x (e4m3) of them there, 1.03-1.14x at two queries per KV head and
-// 1.6-3.7x from eight (docs/performance.md).
+// runs a vector kernel (avx512_bf16's measured here): the tiles measured slower than it
+// there, faster from two queries per KV head and far faster from eight
+// (docs/performance.md).
 constexpr int kAmxMinQueries = 2;
 
 // Whether the tiles take a call's items (each item also needs kAmxMinQueries queries per
@@ -154,7 +154,8 @@ static inline void transpose_dwords(__m512i (&r)[16]) {
 // the key's converted order, fp8_to_bf16_lanes' slot i of each 64 holding element
 // fp8_lane_element(i)) of query col,
 // for the `real` queries at `rows` (the other columns zero). 32 elements of each query at a
-// time, transposed in registers (element by element this was 5% of a multi-token call).
+// time, transposed in registers (element by element it was a visible share of a
+// multi-token call).
 template <typename T>
 static inline void pack_query_tile(const uint16_t* const* rows, int real, int m, int hs, uint32_t* tile) {
   const __mmask16 columns = __mmask16((1u << m) - 1);
@@ -545,8 +546,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   // Into L2: row r of each used group of `st`, keys and values. A step's 16 rows are
   // prefetched two steps ahead, a row at a time between the tile operations of its phases
   // (4 in the scores, 8 in the value packing, 4 in the products): in a burst they held the
-  // core's fill buffers while the packing loads waited (2 threads from DRAM, bf16 16/8 heads:
-  // 14.2 -> 21.3 GB/s, 32/4: 13.8 -> 18.6).
+  // core's fill buffers while the packing loads waited (spread out, GQA decode from DRAM
+  // measured faster).
   auto prefetch_row_of = [&](const Step& st, int r) {
     if (st.j0 >= st.j1) return;
     for (int g = 0; g < 2; ++g) {
@@ -560,13 +561,13 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   // The step ahead's rows go out in row order, a few with each tile operation as it is
   // issued (and 8 in the value packing with one query tile, as tuned for decode): a step of
   // 16 query tiles issuing them all in its first tile stalled that step's loads behind them
-  // (causal multi-token 32/8 bf16, one thread: the first tile took 3.0x the others), and out
-  // of row order decode ran 0.86-0.89x.
+  // (its first tile took several times as long as the others), and out of row order decode
+  // measured slower.
   const int pack_rows = L.tiles == 1 ? kAmxKeyGroup / 2 : 0;
   const int value_parts = hsv / 16;
   const int tile_ops = L.tiles * (steps + value_parts);  // score and value parts of a step
   // The parts issued after a softmax's pair of rows r: [first[r], first[r + 1]), as tables
-  // (a division per row pair and query tile was 7% of a multi-token call, perf).
+  // (a division per row pair and query tile was a visible share of a multi-token call).
   struct RowShares {
     int score[17], value[17];
   } first{};
@@ -575,7 +576,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     first.value[r] = r * value_parts / 16;
   }
   // Rows due after n tile operations: n * (16 - pack_rows) / tile_ops, kept as a quotient
-  // and remainder (a division per operation was 5% of a multi-token call, perf).
+  // and remainder (a division per operation was a visible share of a multi-token call).
   struct RowPrefetch {
     int op_rows, credit, packed, rows;  // rows due from operations (and remainder), packing shares, prefetched
     void add_op(int share, int per_row) {
@@ -583,8 +584,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     }
   };
   // One query tile of 2, 4 or 8 queries per head (GQA decode): compact score rows in the steps
-  // that allow them (compact_softmax; 32/8 decode, one core, KV in L2, kernel_cycles: bf16
-  // 2699 -> 2417 cycles a step, e4m3 3050 -> 2821).
+  // that allow them (compact_softmax: 2m vectors a step, not 32 with idle lanes; measured
+  // faster, bf16 and e4m3).
   const bool compact_item =
       L.tiles == 1 && compact_rows(M) && !P.alibi_slopes && P.soft_cap <= 0.0f && P.sliding_window <= 0;
   const CompactLanes item_lanes = compact_item ? compact_lanes(M) : CompactLanes{};
@@ -605,8 +606,8 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     far = step_after(ahead);
     // One line of each group of `far`: on 4 KiB pages a group's rows are a page of their
     // own, and this touch walks it a step before its rows' prefetches need the translation
-    // (two threads, bf16 GQA decode 1.09x, e4m3 1.00-1.02x; on huge pages 1.01-1.03x).
-    // Whole rows that early gain no more, and every fourth row 0.70x.
+    // (measured faster bf16 GQA decode on 4 KiB pages, no loss on huge pages). Whole rows
+    // that early gain no more, and touching every fourth row measured slower.
     if (far.j0 < far.j1)
       for (int g = 0; g < 2; ++g)
         if (far.used[g]) prefetch(far.k[g]), prefetch(far.v[g]);
@@ -702,7 +703,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
                      if (prev)
                        for (int g = first.value[r]; g < first.value[r + 1]; ++g) issue(prev_values, g);
                    });
-      if (qt == 0) pack_values();  // after the first softmax: packed first, decode ran 0.8x
+      if (qt == 0) pack_values();  // after the first softmax: packed first, decode ran slower
     }
     const ValueTileOps last = value_ops(L.tiles - 1);
     for (int g = 0; g < value_parts; ++g) issue(last, g);

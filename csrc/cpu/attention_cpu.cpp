@@ -116,8 +116,8 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
   int64_t base_items = 0;
   for (const QueryTile& t : tiles) base_items += head_groups_of(t);
   // Too few items for the threads: split long key ranges first, then the heads. One thread
-  // has nothing to balance: splits would only add items' set-up and partition merges (one
-  // thread, bf16 32/8 decode, B=1: context 512 1.10-1.17x, 8192 1.01-1.07x).
+  // has nothing to balance: splits would only add items' set-up and partition merges
+  // (measured: one thread decodes faster unsplit, most at short contexts).
   const int64_t wanted = num_threads > 1 ? kItemsPerThread * num_threads : 1;
   int64_t parts = 1, head_split = 1;
   if (base_items > 0 && base_items < wanted) {
@@ -300,7 +300,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
 
   // Results go straight into `out` when there is nothing to merge: fp32, or 16-bit rows
   // rounded as the merge would (no fp32 copy of the output to allocate, fill, read back and
-  // convert: decode at ctx 256 1.05-1.11x, at ctx 16 up to 1.8x).
+  // convert, which measured a large share of short-context decode).
   const bool direct = plan.max_parts == 1;
   std::optional<Tensor> part_out, part_lse;  // none when direct: nothing allocated
   if (direct) {

@@ -59,8 +59,8 @@ struct ItemState {
 // Scores of G queries from query m on (a tile) with the chunk's n keys: K at a time, the
 // last n % K one by one. `ahead` is prefetched by the tile of query 0 (see
 // prefetch_same_line). Forced inline on the AVX kernels: out of line GCC kept the head size
-// a run-time loop bound in the head-size-128 compile (kernel_cycles, Zen 4: fp8 32/32
-// 1.05-1.06x, bf16 32/8 1.03x inlined); the baseline's compile lost 12% on fp16 MHA with it.
+// a run-time loop bound in the head-size-128 compile, which measured slower (fp8 and bf16;
+// the baseline's compile, in turn, lost on fp16 MHA with it; see docs/performance.md).
 #if PAGED_ISA_F16C || PAGED_ISA_AVX512
 #define PAGED_AVX_INLINE __attribute__((always_inline))
 #else
@@ -112,8 +112,8 @@ PAGED_AVX_INLINE static inline void quad_scores(const ItemState& st, int m, cons
 // Scores of every query with the chunk's n keys: register tiles (kTileQueries; a pair
 // tile for 2 left over where tiles hold 4 queries of 8 lanes), then single queries.
 // Forced inline on the AVX-512 kernels: out of line it is one copy for every head size, so
-// the head-size-128 compile runs its tiles with a run-time head size (kernel_cycles, Zen 4,
-// L2: bf16 32/8 1.08x inlined). Not on AVX2, whose 16 registers it cost 10-15% on GQA.
+// the head-size-128 compile runs its tiles with a run-time head size, measured slower. Not
+// on AVX2: with 16 registers, inlining measured slower on GQA.
 template <typename Q, typename R>
 PAGED_AVX512_INLINE static inline void chunk_scores(const ItemState& st, const Q* q,
                                                  const R* const* k_rows, int n,
@@ -208,8 +208,8 @@ static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem
 // Score modifiers and masks for the keys [j0, j0 + n) of a chunk of `chunk` keys (lanes
 // from n on are padding), then the online-softmax update:
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
-// kShortExp: the exp of exp_minus<kShortExp>. Forced inline on the AVX kernels
-// (kernel_cycles, Zen 4, L2: 1.00-1.02x).
+// kShortExp: the exp of exp_minus<kShortExp>. Forced inline on the AVX kernels, where it
+// measured no slower and at times a little faster.
 template <bool kShortExp>
 PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w,
                                                   const ItemState& st, int j0, int n, int chunk) {
@@ -308,7 +308,7 @@ static inline void chunk_values(const ItemState& st, const R* const* v_rows, int
 #if PAGED_ISA_AVX512_BF16
 // chunk_values for bf16 and fp8 rows with pair dot products (accumulators permuted). Forced
 // inline: GCC kept it out of line, so the head-size-128 compile lost its constant trip
-// counts here (bf16 decode from L2: 6-10% more cycles per chunk).
+// counts here (measured slower, bf16 decode from L2).
 template <typename R>
 __attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st,
                                                                      const R* const* v_rows, int n,
@@ -424,10 +424,10 @@ static inline void to_slot_order(float* x, int n, Slot slot) {
 
 // Queries per KV head from which rows that are not cheap to widen are converted once per
 // chunk: two register tiles or more, each of which would widen every row again. Multi-token
-// on AVX2 (docs/performance.md): fp8 0.85-0.92x -> 1.08x the fp32 rate; fp16 with F16C
-// measured slower converted (0.93x against 1.12x), bf16 the same either way. On the
-// baseline (2-query tiles) from 4 queries, so its fp16 and fp8 GQA decode too: fp16
-// converted 1.25x in cache (8-lane build).
+// on AVX2 measured fp8 faster converted (from below the fp32 rate to above it); fp16 with
+// F16C measured slower converted, bf16 the same either way. On the baseline (2-query
+// tiles) from 4 queries, so its fp16 and fp8 GQA decode too, where converted fp16 measured
+// faster in cache. Measurements: docs/performance.md.
 template <typename T>
 constexpr int kWidenOnceQueries = 2 * kTileQueries<T>;
 
@@ -462,9 +462,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
   // fp32 with several queries per KV head, where the shorter chunk measured faster
   // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8 rows
-  // of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (kernel_cycles, Zen 4, head
-  // size 128, against 32: DRAM fp8 1.04-1.07x, L2 32/8 1.07-1.09x; 64 keys of 16-bit rows,
-  // 16 KiB a phase, measured 0.93x from DRAM, MHA).
+  // of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than 32 from
+  // DRAM and from L2; 64 keys of 16-bit rows, 16 KiB a phase, measured slower from DRAM).
   const int CH = sizeof(T) == sizeof(float) && per_head > 1   ? 16
                  : sizeof(T) == 1 && std::max(hs, hsv) <= 128 ? 64
                                                               : 32;
@@ -510,9 +509,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
   // 64-element steps): keys (a wider query rounded to bf16 would lose its exactness) and
   // values (probabilities rounded to bf16 as for bf16 caches; a wider query's output is
-  // held to fp32 rounding: its values take fp32 FMAs). Against fp32 FMAs on the widened
-  // rows (kernel_cycles, head size 128, Zen 4, L2-resident): e4m3 32/32 1.19x, 32/8 1.53x;
-  // e5m2 1.36x, 1.35x.
+  // held to fp32 rounding: its values take fp32 FMAs). Measured faster than fp32 FMAs on
+  // the widened rows, for e4m3 and e5m2 (docs/performance.md).
   constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
   constexpr bool kBf16Dot = kBf16Pairs || kFp8;
   const bool bf16_dot =
@@ -589,7 +587,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Pointers to the key and value rows of keys [j0, j0 + n) of one KV head, by the caches'
   // strides: one division per chunk, then block by block through the table, each block's
   // run of rows a stride walk (GCC vectorises it; the walk with a multiply and a block test
-  // per row was half of the chunk loop's own cost, perf).
+  // per row was a large share of the chunk loop's own cost in profiles).
   const int64_t k_token_stride = P.k_token_stride, v_token_stride = P.v_token_stride;
   // The key and value rows of slot `slot` of logical block `logical` of a KV head.
   auto block_rows = [&](int logical, int kv_head, int slot) {
@@ -611,10 +609,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 
   // One line of each block of keys [j0, j0 + n) of a KV head, keys and values: where pages
   // are 4 KiB a head's rows of a block are a page of their own, and this touch, a chunk
-  // before the rows' prefetches, walks it early (the Xeon, two threads, 4 KiB pages:
-  // GQA decode bf16 1.08-1.12x, e4m3 1.02-1.09x; on huge pages 0.98-1.06x).
+  // before the rows' prefetches, walks it early: the page walk no longer stalls the
+  // prefetches (measured faster GQA decode on 4 KiB pages, about even on huge pages).
   // Only where a block's rows of a head fill 2 KiB or more (at most 1 prefetch in 32 more):
-  // with 1-row bf16 blocks (1 in 4 more) GQA decode ran 0.80x, with 4-row blocks 0.95x.
+  // with small blocks the extra touches cost more than the walks they save (measured).
   const bool touch_pages = int64_t(bs) * k_row_bytes >= 2048;
   auto touch_blocks = [&](int j0, int n, int kv_head) {
     for (int logical = j0 / bs, end = j0 + n; logical * bs < end; ++logical) {
@@ -649,7 +647,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   };
 
   // The chunk loop is written out in both branches below: a shared generic lambda for it
-  // measured 13% slower on bf16 GQA decode.
+  // measured slower on bf16 GQA decode.
   if (in_place) {
     // Rows are whole vectors: read them in place. While a chunk's scores are computed
     // its values are prefetched into L1 and the next chunk's keys into L2; while its
@@ -665,9 +663,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     // GQA: a chunk of whole blocks whose keys every row of the item sees unmodified (a
     // key's position then changes nothing) takes its rows interleaved across its blocks,
     // row r of each block, then row r + 1, so the reads and prefetches of every phase
-    // stream from all its blocks at once, as amx's do, with no bookkeeping: from DRAM
-    // 1.03-1.05x (16-bit 32/8), in L2 and L3 0.97-1.01x; MHA rows keep the row order
-    // (0.98-1.02x). Measurements: docs/performance.md, session 30.
+    // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
+    // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
+    // measured). Measurements: docs/performance.md.
     const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
     auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
       const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
@@ -722,7 +720,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         r = 2;
       } else {
         // Keys and values: as many pointers as T's chunks take at most, a constant size
-        // (one 1 KiB copy of both rows, or a run-time size, measured bf16 decode 0.97x).
+        // (one 1 KiB copy of both rows, or a run-time size, measured slower bf16 decode).
         std::memcpy(row(0), row(4), sizeof(ring[0]) * kMaxChunk<T>);
         std::memcpy(row(1), row(5), sizeof(ring[0]) * kMaxChunk<T>);
         r = 0;

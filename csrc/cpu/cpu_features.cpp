@@ -63,10 +63,10 @@ std::string best_supported_isa() {
 }
 
 // Whether the avx512_bf16 kernel's pair dot products outrun the avx512_vbmi kernel's fp32
-// multiply-adds on this core: a vdpbf16ps issues as often as an FMA on Zen 4 (2x the
-// multiply-adds) but at a quarter of the rate on the Xeon with AMX (0.5x), where the pair
-// kernel ran multi-token at 0.70-0.76x and fp8 GQA decode at 0.84x of avx512_vbmi
-// (docs/performance.md, session 26).
+// multiply-adds on this core: a vdpbf16ps issues as often as an FMA on Zen 4 (twice the
+// multiply-adds) but at a quarter of the rate on the Xeon with AMX (half of them), where the
+// pair kernel measured slower than avx512_vbmi multi-token and on fp8 GQA decode
+// (docs/performance.md).
 bool bf16_dots_pay() {
   static const bool pay = avx512_bf16_dot_gain() >= 1.25;
   return pay;
@@ -111,7 +111,7 @@ PlanHints plan_hints(const AttentionParams& params) {
   const int tiles = selected_isa() == "amx" ? amx_queries_per_item(params) : 0;
   // The vector kernels run a split-off visible range with queries in lanes and no masks;
   // the tile kernel checks masks per step and tile, so a split only adds items and a merge
-  // (causal multi-token 32/8 on amx: 1.05x without it).
+  // (causal multi-token on amx measured faster without it).
   return {std::max(kMaxQueriesPerItem, tiles), tiles == 0};
 }
 

@@ -2,12 +2,11 @@
 // lookups (fp8_bf16_tables.h): score tiles, one-query products and value tiles. Exact
 // conversion in 9 instructions per 64 elements, where widening through fp16 (convert.h)
 // takes about 18 for e4m3 (sign extension, shift, NaN test, fp16 conversions) and 14
-// micro-ops for e5m2. The kernel takes them per item where the head sizes allow; against the
-// fp16 widening (the avx512_vbmi kernel with and without them; kernel_cycles, Zen 4, one
-// core, L2): e4m3 32/32 1.53x, 32/8 1.20x (from DRAM 1.31x / 1.17x); e5m2 1.16x / 0.99x. e5m2
-// takes them too: 4 shuffle micro-ops per 64 elements against 8 by uops.info's Ice Lake
-// tables, where one port runs every shuffle. Part of the CPU kernel, inside its ISA
-// namespace (see vec.h).
+// micro-ops for e5m2. The kernel takes them per item where the head sizes allow: against
+// the fp16 widening e4m3 measured faster from L2 and from DRAM, e5m2 from L2 (even from
+// DRAM on Zen 4). e5m2 takes them also for 4 shuffle micro-ops per 64 elements against 8
+// by uops.info's Ice Lake tables, where one port runs every shuffle. Part of the CPU
+// kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
 #include "fp8_bf16_tables.h"

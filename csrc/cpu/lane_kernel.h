@@ -23,8 +23,8 @@ constexpr int kLaneChunk = 32;  // keys per step
 // queries and accumulators) by the score tiles, a few lines per step of their loop over the
 // head's elements (plan), so the misses go out at the pace of the arithmetic. Fetched a
 // tile's rows at a time, the bursts overflowed the miss buffers and stalled the core
-// (causal multi-token, fp32: 8% of the samples on the prefetches and 7% on copying keys
-// whose lines had not arrived).
+// (profiles showed the samples on the prefetches and on copying keys whose lines had not
+// arrived).
 template <typename T>
 class LaneAhead {
  public:
@@ -185,8 +185,8 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
     lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
   // Where 64 queries leave 4 rows (AVX2: 10 tiles of 6), 4 rows before 2: 2 x
   // kLaneValueVecs accumulators are too few chains. (Not on AVX-512, whose 8-row tiles
-  // leave none: there the extra tile made GCC keep the value tiles out of line, multi-token
-  // 0.97-0.99x.)
+  // leave none: there the extra tile made GCC keep the value tiles out of line, and
+  // multi-token measured slower.)
   if constexpr (kLaneValueRows % 4 != 0)
     for (; r + 4 <= m; r += 4) lane_values_for_rows<4>(acc, hspv, p, mp, v, n, r);
   for (; r + 2 <= m; r += 2) lane_values_for_rows<2>(acc, hspv, p, mp, v, n, r);
@@ -211,7 +211,7 @@ static inline void lane_locate(const AttentionParams& P, const int32_t* table, i
 // the query vector at v0: one max, exp and sum per vector; the accumulator rows of queries
 // whose max moved (of the first m) are rescaled. kShortExp: the exp of exp_minus<kShortExp>.
 // Out of line: inlined into lane_pairs_work_item, GCC kept the running total on the stack
-// (a store and a reload per key; multi-token bf16 / fp8 1.03-1.04x out of line).
+// (a store and a reload per key; multi-token bf16 and fp8 measured faster out of line).
 template <bool kShortExp>
 __attribute__((noinline)) static void lane_softmax(float* s, int n, int mp, int v0, int m,
                                                    float* run_max, float* run_sum,
@@ -255,8 +255,8 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   float* vf = kf + int64_t(kLaneChunk) * hsp;    // [chunk][hspv] widened values, zero padded
   float* row = vf + int64_t(kLaneChunk) * hspv;  // [hsp] one query row in fp32
   // Keys are copied (widened) into an L1 scratch chunk: the score tiles broadcast their
-  // elements from several rows at once, which measured 1.4x slower from the cache's rows
-  // in place (fp32, 4096 keys). fp32 values are read in place when their rows are whole
+  // elements from several rows at once, which measured slower from the cache's rows in
+  // place (fp32). fp32 values are read in place when their rows are whole
   // vectors (one row at a time); other values are widened once per chunk.
   constexpr bool kFloat = std::is_same_v<T, float>;
   const bool values_in_place = kFloat && hsv == hspv;

@@ -17,7 +17,7 @@
 // dims; 16 accumulators, so items of 64 queries per KV head (kMaxQueriesPerItem) and head
 // sizes of whole 64s leave no remainder tiles (the fp32 kernel's 8 x 3 tiles left one of a
 // single vector, whose 8 chains ran a third of the value dims at half the rate: 8 x 2
-// measured 1.25-1.31x; 4 x 4 tiles the same as 8 x 2, 1.00-1.03x).
+// measured faster; 4 x 4 tiles the same as 8 x 2).
 constexpr int kPairScoreKeys = 8;
 constexpr int kPairScoreVecs = 2;
 constexpr int kPairValueRows = 8;

@@ -5,9 +5,9 @@
 #include "vec.h"
 
 // Into L2 (prefetcht1). A T0 prefetch of a line in DRAM holds one of L1's few miss
-// buffers until the line arrives, which on Zen 4 capped a core's decode at about a third of
-// its read bandwidth (10.4 GB/s per core with T0 or with no software prefetch at all, 19.7
-// with T1; docs/performance.md). GCC's dead-code elimination deletes a loop whose only
+// buffers until the line arrives, which on Zen 4 capped a core's decode far below its read
+// bandwidth (T1 measured far faster than T0 or no software prefetch at all; see
+// docs/performance.md). GCC's dead-code elimination deletes a loop whose only
 // effect is prefetching; the empty volatile asm keeps such loops.
 static inline void prefetch(const void* p) {
   __builtin_prefetch(p, 0, 2);
@@ -36,9 +36,9 @@ static inline void prefetch_ahead(const R* const* ahead, int t, int element) {
 // prefetches the same bytes of row t of the next phase's rows into L1 (ahead[t]) and of
 // the phase after it into L2 (ahead[kKeyChunk + t]); `ahead` is nullable. Misses then stay
 // in flight at the pace of the arithmetic instead of in bursts, and every line has two
-// phases to come from DRAM. One core (kernel_cycles, Zen 4, AVX kernels) against the L2
-// prefetch one phase ahead alone: 1.10-1.66x from DRAM, 0.99-1.19x from L3, 0.72-0.96x
-// with every line already in L2 (twice the prefetch instructions).
+// phases to come from DRAM. Against the L2 prefetch one phase ahead alone it measured
+// faster from DRAM and L3, slower with every line already in L2 (twice the prefetch
+// instructions).
 template <typename R>
 static inline void prefetch_same_line(const R* const* ahead, int t, int element) {
   if (ahead && (element * int(sizeof(R))) % 64 == 0) prefetch_ahead(ahead, t, element);

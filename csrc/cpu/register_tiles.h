@@ -10,12 +10,12 @@
 // (VW/G vectors of the row). AVX-512's 32 registers take 4 x 4. The 16 of AVX2 take
 // 2 x 4, or 4 x 2 for fp8 rows: their widening costs more than their multiply-adds,
 // so a tile covering a whole group of 4 queries (32/8 heads) widens each row once, not
-// twice (kernel_cycles, AVX2, 32/8: e4m3 -37%, e5m2 -14% per item; fp32 and fp16 rows
-// measured 7-11% slower in 4 x 2 tiles). So do split bf16 rows (AVX2, convert.h): read two
+// twice (measured faster for e4m3 and e5m2; fp32 and fp16 rows measured slower in 4 x 2
+// tiles). So do split bf16 rows (AVX2, convert.h): read two
 // vectors per key a step, a 2 x 4 tile would need 8 key registers beside 8 accumulators.
 // Two queries left over then take a 2 x 4 tile. The baseline's 4-lane vectors take 2 x 2
 // (a score tile sums to one vector, value tiles load pairs); 4 x 1 score tiles measured
-// 0.88-1.00x there (four accumulators wait on the add latency).
+// no faster there (four accumulators wait on the add latency).
 template <typename R>
 constexpr int kTileQueries = VW == 4 ? 2 : VW == 16 || sizeof(R) == 1 || kSplitRows<R> ? 4 : 2;
 

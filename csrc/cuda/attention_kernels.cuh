@@ -3,9 +3,9 @@
 // fp8_e4m3,fp8_e5m2}.cu, one cache element type each, so nvcc compiles the instances
 // in parallel.
 //
-// Caches (issue 17 part 1): rows are addressed by the block, head and token strides
+// Caches: rows are addressed by the block, head and token strides
 // of CacheLayout (HND, NHD, vLLM's joint views; K and V may differ), the head
-// dimension contiguous. fp8 caches (issue 16): rows are read as 8-byte vectors and
+// dimension contiguous. fp8 caches: rows are read as 8-byte vectors and
 // dequantized in registers (fp8.cuh); the per-head scales are folded in once per CTA,
 // k_scale into the scaled queries (q . (k * s) = (q * s) . k) and v_scale into the
 // final output, so the loop over keys does no extra multiply.

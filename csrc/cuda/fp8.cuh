@@ -1,4 +1,4 @@
-// fp8 KV-cache elements (issue 16): float8_e4m3fn and float8_e5m2, as torch defines them.
+// fp8 KV-cache elements: float8_e4m3fn and float8_e5m2, as torch defines them.
 //
 // Quantization (write_kv) is one software routine on every architecture, bit-identical
 // to the reference's `(x.float() / s).clamp(-max, max).to(fp8)`: round to nearest even,

@@ -23,7 +23,7 @@ inline constexpr int cache_vector_bytes(ScalarKind cache_kind) { return is_fp8_k
 
 // One cache's layout: the logical shape is [num_blocks, num_kv_heads, block_size,
 // head_size] (HND), any strides on the first three dimensions (in elements), the head
-// dimension contiguous (issue 17 part 1: NHD views, vLLM's joint [2, ...] tensor).
+// dimension contiguous (so NHD views and vLLM's joint [2, ...] tensor need no copy).
 struct CacheLayout {
   int64_t block_stride;
   int64_t head_stride;
@@ -32,7 +32,7 @@ struct CacheLayout {
 
 struct AttentionParams {
   ScalarKind kind;        // of query and out
-  ScalarKind cache_kind;  // of key_cache and value_cache: kind, or fp8 (issue 16)
+  ScalarKind cache_kind;  // of key_cache and value_cache: kind, or fp8
   // query [num_tokens, num_heads, head_size], last dim contiguous (strides in elements).
   const void* query;
   int64_t query_token_stride;
