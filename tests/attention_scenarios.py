@@ -5,7 +5,7 @@ on the given device and checks the result against the fp32 reference on the CPU.
 Plain functions and parameter grids (no pytest), so test_cuda.py can also run them as a
 script on a machine without pytest.
 
-KV formats (issue 16, 17.1): :class:`KVFormat` names a cache dtype (fp8 with per-layer or
+KV formats: :class:`KVFormat` names a cache dtype (fp8 with per-layer or
 per-head scales) and a layout (HND, NHD, a view into a joint K/V tensor, padded rows);
 :func:`with_format` turns a float HND case into it. The kv_format_* scenarios sample the
 formats across the adversarial cases; fp8 results are checked against a float64

@@ -150,7 +150,7 @@ def test_one_block_pools_with_any_leading_stride():
     assert torch.equal(back[0], one[0])
 
 
-# ---- fp8 caches (issue 16) and strided layouts (issue 17.1) --------------------------------
+# ---- fp8 caches and strided layouts --------------------------------------------------------
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_ops_never_synchronize_the_host():
         torch.cuda.set_sync_debug_mode(0)
 
 
-# ---- sinks and value head sizes (issue 12), split-KV planning (issue 14) ------------
+# ---- sinks and value head sizes, split-KV planning ----------------------------------
 
 def with_value_head_size(case: PagedCase, head_size_v: int, seed: int = 5) -> PagedCase:
     """``case`` with a value cache of another head size (unused slots NaN-poisoned)."""
@@ -189,7 +189,7 @@ def test_value_head_size_differs(head_sizes, dtype, multi_token):
 
 
 def test_window_near_int32_max_equals_no_window():
-    # Issue 14 item 1: window + rows_per_tile - 1 was computed in int32 and wrapped, so a
+    # window + rows_per_tile - 1 was once computed in int32 and wrapped, so a
     # multi-token call with such a window got partitions of one key and wrong output.
     case = make_case([900, 4100], 2, 64, 16, torch.float32)
     q_lens = [7, 12]
@@ -201,7 +201,7 @@ def test_window_near_int32_max_equals_no_window():
 
 @parametrize("batch,real_len", [(1, 4096), (1, 70000), (3, 1), (64, 4000)])
 def test_padded_block_table(batch, real_len):
-    # Issue 14 items 2 and 3: tables padded far past the real lengths (CUDA-graph
+    # Tables padded far past the real lengths (CUDA-graph
     # style), so most splits are empty and the merge weighs many partitions.
     dtype = torch.bfloat16
     bs, width = 16, 128 * 1024 // 16
@@ -217,7 +217,7 @@ def test_padded_block_table(batch, real_len):
 @parametrize("heads,kv_heads", [(8, 8), (8, 4), (12, 4), (8, 2), (16, 2), (40, 2)])
 @parametrize("multi_token", [False, True])
 def test_every_query_bucket(heads, kv_heads, multi_token):
-    # Issue 14 item 4: instances with 1, 2, 4 and 8 query vectors per CTA.
+    # Instances with 1, 2, 4 and 8 query vectors per CTA.
     case = make_case([1, 700, 5000], kv_heads, 128, 16, torch.bfloat16)
     q_lens = [1, 6, 11] if multi_token else None
     query = random_query(sum(q_lens) if multi_token else 3, heads, 128, torch.bfloat16)
@@ -245,7 +245,7 @@ def test_cache_ops_with_value_head_size(dtype):
 
 
 def test_swap_blocks_keeps_the_pinned_source_alive():
-    # Issue 14 item 7: the pinned-memory allocator must not hand a host pool freed
+    # The pinned-memory allocator must not hand a host pool freed
     # right after swap_blocks to another tensor while the copy is still in flight.
     pool = random_caches(num_blocks=16, head_size=128)[0]
     host = pool.pin_memory()
@@ -261,7 +261,7 @@ def test_swap_blocks_keeps_the_pinned_source_alive():
     assert torch.equal(device_pool.cpu(), pool)
 
 
-# ---- fp8 caches (issue 16) and strided layouts (issue 17 part 1) --------------------
+# ---- fp8 caches and strided layouts -------------------------------------------------
 # The attention scenarios cover fp8 and the layouts across features (attention_scenarios.py,
 # kv_format_*); these check what they do not: the device's fp8 conversion of every byte,
 # write_kv's bytes, the cache ops on fp8 and strided views, graphs with fp8 scales.

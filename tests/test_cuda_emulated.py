@@ -263,7 +263,7 @@ def test_occupancy_changes_split_not_result():
     assert len(splits) > 1
 
 
-# ---- fp8 caches (issue 16) -------------------------------------------------------------
+# ---- fp8 caches ------------------------------------------------------------------------
 
 def fp8_max(dtype):
     return torch.finfo(dtype).max
@@ -394,7 +394,7 @@ def test_fp8_nan_in_a_used_slot_reaches_the_output(dtype, which):
     torch.testing.assert_close(lse, want_lse, equal_nan=True, atol=1e-4, rtol=1e-5)
 
 
-# ---- strided cache layouts (issue 17 part 1) ---------------------------------------------
+# ---- strided cache layouts ---------------------------------------------------------------
 
 def nhd_views(case):
     """case with its caches copied into NHD tensors and passed as HND-shaped views."""

@@ -113,7 +113,7 @@ def active_ctas(p, real_len, num_seqs, kv_heads):
     return num_seqs * kv_heads * p["head_chunks"] * min(p["num_partitions"], chunks)
 
 
-# ---- issue 14 item 1: int64 arithmetic for user-controlled sizes ---------------------
+# ---- int64 arithmetic for user-controlled sizes --------------------------------------
 
 @pytest.mark.parametrize("window", [INT32_MAX, INT32_MAX - 3, 2 ** 31 - 8])
 def test_window_near_int32_max_plans_like_no_window(window):
@@ -137,7 +137,7 @@ def test_largest_table_fits_int32_positions():
     assert p["max_keys"] == 2 ** 31 - 2 ** 11 and 1 <= p["num_partitions"] <= 512
 
 
-# ---- issue 14 item 2: fixed-size chunks, grid from the table width -------------------
+# ---- fixed-size chunks, grid from the table width ------------------------------------
 
 def test_padded_table_single_sequence_spreads_real_keys():
     # B=1, a 128k-wide table (CUDA-graph padding), 4k real context, 32/8 heads. The old
@@ -189,7 +189,7 @@ def test_key_schedule_visits_every_key_once(begin, end, splits):
         assert ((k - begin) // 512) % splits == z
 
 
-# ---- issue 14 item 6: occupancy from the runtime ---------------------------------------
+# ---- occupancy from the runtime --------------------------------------------------------
 
 def test_occupancy_drives_the_split():
     # sm_86/89 with head size 256 fit 2 CTAs per SM, not 3: the planner sizes the
@@ -210,7 +210,7 @@ def test_occupancy_of_the_chosen_instance_is_used():
     assert a == b and a["query_bucket"] == 0
 
 
-# ---- issue 14 item 4: instances by queries per CTA -------------------------------------
+# ---- instances by queries per CTA ------------------------------------------------------
 
 @pytest.mark.parametrize("heads,kv_heads,multi,queries", [
     (32, 32, False, 1), (32, 16, False, 2), (32, 8, False, 4), (24, 8, False, 4), (32, 4, False, 8),

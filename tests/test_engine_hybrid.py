@@ -1,4 +1,4 @@
-"""The engine on sliding-window models (issue 23): each KV group keeps its own block tables,
+"""The engine on sliding-window models: each KV group keeps its own block tables,
 sliding groups hold only their window, and the tokens equal transformers' ``generate``
 (greedy, sampled n > 1, beams) under swap and recompute preemption and with prefix caching,
 over contexts several windows long."""

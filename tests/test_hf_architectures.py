@@ -1,6 +1,6 @@
 """Architectures beyond test_hf_generate.py: attention sinks (GPT-OSS), different key and
 value head sizes (DeepSeek-V2/V3 multi-head latent attention), a sweep of decoder
-architectures, and the architectures PagedCache refuses (issue 12 items 2 and 3).
+architectures, and the architectures PagedCache refuses.
 
 Tiny random fp32 models, built twice with the same weights: once with ``eager`` and the
 default DynamicCache, once with ``paged_attention_ext`` and a PagedCache. Outputs must be

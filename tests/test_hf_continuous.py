@@ -1,4 +1,4 @@
-"""transformers' continuous batching with ``paged|paged_attention_ext`` (issue 17 part 3).
+"""transformers' continuous batching with ``paged|paged_attention_ext``.
 
 ``model.generate_batch`` on tiny random models generates exactly the greedy tokens of
 ``paged|sdpa`` (transformers' own gather-then-SDPA path on the same cache), through

@@ -1,5 +1,5 @@
 """PagedCache and the paged_attention_ext attention refuse what they cannot do, and stay
-usable after every exception (issue 12 items 1, 5, 6, 7).
+usable after every exception.
 
 Each refusal is checked for its exception type and message, and after it the same cache
 (after ``reset()`` where the message asks for it) must still generate exactly what the

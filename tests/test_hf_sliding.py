@@ -1,4 +1,4 @@
-"""PagedCache on sliding-window models (issue 23): each KV group has its own block tables,
+"""PagedCache on sliding-window models: each KV group has its own block tables,
 the sliding groups keep only their window, and generate's tokens equal eager's over
 contexts many windows long (greedy, sampled, beams)."""
 

@@ -1,4 +1,4 @@
-"""PagedCache under transformers' tensor parallelism (issue 17 part 4).
+"""PagedCache under transformers' tensor parallelism.
 
 A tiny random Llama (4 query heads, 2 KV heads) is saved to a temporary folder and loaded
 by two processes (``torchrun --nproc-per-node 2``, gloo on CPU) with

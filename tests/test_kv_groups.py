@@ -1,4 +1,4 @@
-"""KV groups (issue 23): the layout of a hybrid model's layers and the block manager over
+"""KV groups: the layout of a hybrid model's layers and the block manager over
 several groups (admission, forks, copy-on-write, swap, recompute, prefix-cache hits
 intersected across groups). A sliding-window table alone: test_block_table.py."""
 

@@ -155,7 +155,7 @@ def test_cli_simulate_json_and_trace_file(tmp_path, capsys):
     assert replayed["strategies"] == report["strategies"]
 
 
-# ---- KV groups (issue 23) -----------------------------------------------------------------
+# ---- KV groups ----------------------------------------------------------------------------
 
 def test_kv_groups_fit_more_long_requests_in_the_same_bytes():
     from paged_attention_ext.kv_groups import KVGroupLayout

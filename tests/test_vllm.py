@@ -1,4 +1,4 @@
-"""vLLM with paged_attention_ext's attention backend (issue 17 part 2), offline on CPU.
+"""vLLM with paged_attention_ext's attention backend, offline on CPU.
 
 Each case runs vLLM twice on the same tiny random-weight model and prompts, each run in its
 own process (the plugin overrides the backend process-wide): once with the plugin (every

@@ -46,10 +46,10 @@ class EngineConfig:
     v_scale: Optional[Union[float, Seq]] = None
     kv_scale_calibration: str = "per_layer"
     # Sliding-window layers in KV groups of their own, which free the blocks that leave the
-    # window (issue 23). False: one block table for every layer, each keeping every block
+    # window (docs/kv_groups.md). False: one block table for every layer, each keeping every block
     # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py).
     hybrid_kv_groups: bool = True
-    # Cascade attention (issue 24, docs/cascade.md): running sequences that share prefix
+    # Cascade attention (docs/cascade.md): running sequences that share prefix
     # blocks (samples, beams, requests on one cached prompt) read them once per step where
     # that saves at least this many key reads ((sharers - 1) * prefix tokens); None: plain
     # attention only (the baseline of bench/bench_cascade.py).

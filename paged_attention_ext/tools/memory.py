@@ -6,7 +6,8 @@ Every layer stores one key and one value vector per KV head per token, so
 A model with sliding-window layers (a ``layer_pattern`` of sliding : full layers) keeps
 them in KV groups of their own (:mod:`paged_attention_ext.kv_groups`) that hold only
 their window; the report then counts each group's blocks as the block manager holds them
-while a sequence decodes, beside one block table for every layer (before issue 23).
+while a sequence decodes, beside one block table for every layer (the layout without
+KV groups).
 """
 
 from dataclasses import asdict, dataclass
@@ -45,7 +46,7 @@ PRESETS: Dict[str, ModelShape] = {
     "mistral-7b": ModelShape(layers=32, kv_heads=8, head_size=128),
     "qwen2-7b": ModelShape(layers=28, kv_heads=4, head_size=128),
     "opt-13b": ModelShape(layers=40, kv_heads=40, head_size=128),  # the vLLM paper's model
-    # Sliding-window layers beside full ones (issue 23's shapes).
+    # Sliding-window layers beside full ones (their KV groups: docs/kv_groups.md).
     "gemma-3-27b": ModelShape(62, 16, 128, sliding_window=1024, layer_pattern=(5, 1)),
     "gemma-3-1b": ModelShape(26, 1, 256, sliding_window=512, layer_pattern=(5, 1)),
     "gpt-oss-120b": ModelShape(36, 8, 64, sliding_window=128, layer_pattern=(1, 1)),
