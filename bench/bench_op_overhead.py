@@ -1,4 +1,4 @@
-"""What one call of a paged op costs besides its kernel, two builds side by side (issue 27).
+"""What one call of a paged op costs besides its kernel, two builds side by side.
 
 Usage: ``.venv/bin/python bench/bench_op_overhead.py --baseline DIR [--current DIR]
 [--rounds N] [--calls N] [--threads N] [--out PATH]``
@@ -7,7 +7,7 @@ Usage: ``.venv/bin/python bench/bench_op_overhead.py --baseline DIR [--current D
 add DIR COMMIT && cd DIR && python setup.py build_ext --inplace``); ``--current`` defaults to
 this checkout. One process cannot load two builds (both register the ``paged`` op
 namespace), so each round runs one worker process per variant, back to back, the order
-cycling through all permutations (as ``ab_kernels.py`` alternates). The variants:
+cycling through all permutations (as ``ab.py`` alternates its two builds). The variants:
 ``baseline``, ``current``, and ``current_no_entry``: the current build with its Python entry
 (``op_entry.py``'s BackendSelect kernel) removed after import, which splits current -
 baseline into the entry's share and the compiled library's (stable ABI: boxed kernels,
@@ -33,7 +33,7 @@ difference current - baseline and its two parts (``entry_us`` = current - curren
 ``library_us`` = current_no_entry - baseline), current / baseline, and the median over
 rounds of the per-round ratio (``ratio_paired``); for the tiny rows the same again
 normalized by the ``torch.add`` reference (``*_norm``, see ``summarize``). Writes
-``bench/results/stable_abi_op_overhead.json``.
+``bench/results/op_overhead.json``.
 """
 
 import argparse
@@ -49,7 +49,7 @@ from typing import Callable, ContextManager, Dict, List
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "bench" / "results" / "stable_abi_op_overhead.json"
+DEFAULT_OUT = ROOT / "bench" / "results" / "op_overhead.json"
 MODES: Dict[str, Callable[[], ContextManager]] = {
     "grad": torch.enable_grad,
     "no_grad": torch.no_grad,
