@@ -1,6 +1,6 @@
 // Cycles per 32 keys of the CPU kernel's decode work item, cache-resident, on one core:
 // the arithmetic cost of a kernel change measured in seconds of build time instead of a
-// full extension build (docs/performance.md, "Where time goes").
+// full extension build (docs/performance.md, "Running it").
 //
 //   [BASELINE=DIR] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
 //
@@ -11,8 +11,8 @@
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
 // bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 128 KiB each by default, inside the L2 of every
-// CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; until session 25 512 KiB each,
-// which on Zen 4 left the fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
+// CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; 512 KiB each would leave Zen 4's
+// fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
 // A `resident` of more blocks than a sequence has (e.g. 256 MiB, far beyond the L3) gives
 // every call fresh blocks in a random order instead: decode from DRAM on one core.
 // Numbers are best-of-five in thread CPU time. With BASELINE, that tree's kernel is a

@@ -1,5 +1,5 @@
 // How fast blocks in a random order can be read, per software prefetch strategy
-// (docs/performance.md, sessions 28-29): every line prefetched some blocks ahead, as the
+// (docs/performance.md, "Method"): every line prefetched some blocks ahead, as the
 // kernels do, against only a block's first lines (for the L2 streamer to fetch the rest),
 // none, and variants. Nothing but the loads and one add per line (and optional register
 // arithmetic): the memory side of a paged decode. Portable C++ (GCC vector extensions), so
@@ -17,8 +17,8 @@
 // block_kib: the bytes read in a row at each place (4: one KV head's rows of a 16-token bf16
 // block; 32: the 8 KV heads of such a block, which a decode item reads one after another).
 // work: multiply-adds on registers after each line (none on the loaded data; eight chains,
-// whole rounds of eight), the arithmetic a kernel does between its loads (session 29: bf16
-// GQA decode in L2 takes about 8 cycles a line, some 16 multiply-adds' worth).
+// whole rounds of eight), the arithmetic a kernel does between its loads (bf16 GQA decode
+// in L2 takes about 8 cycles a line on the Xeon with AMX, some 16 multiply-adds' worth).
 // ceiling: for each block size, two threads on huge pages, lines in address order, no
 // work: the best median ratio of the strategies a kernel could use (none, every line one or
 // two blocks ahead, a block's first lines two ahead), one line per size:
