@@ -13,7 +13,9 @@ to minutes, so the two workers of a round usually see the same state. Every suit
 each build's median over rounds and the median (and range) of the per-round ratio
 current / baseline. Correctness is the tests' job.
 
-Suites (each writes ``bench/results/cpu_<suite>_ab.json`` unless ``--out`` says otherwise):
+Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
+``cpu_multi_token_ab.json``, ``cpu_amx_ab.json``, ``cpu_decode_context_ab.json`` there, unless
+``--out`` says otherwise):
 
 ``kernels``
     Decode B=16, 32 query heads, head size 128, context 2048, block 16, on huge-page pools,

@@ -1,4 +1,4 @@
-"""The amx kernel against the avx512_bf16 kernel it extends, side by side (issue 25).
+"""The amx kernel against the avx512_bf16 kernel it extends, side by side.
 
 Usage: ``.venv/bin/python bench/bench_amx.py [--rounds N] [--out PATH]`` on a CPU with AMX.
 

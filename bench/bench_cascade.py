@@ -1,4 +1,4 @@
-"""Cascade attention (issue 24): shared prefixes read once. Op time and engine throughput.
+"""Cascade attention: shared prefixes read once. Op time and engine throughput.
 
 Usage: ``.venv/bin/python bench/bench_cascade.py [--quick] [--out PATH] [--threads N]``
 

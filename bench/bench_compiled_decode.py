@@ -21,7 +21,7 @@ values), so no prefill is needed. Compile and warm-up time (building ``CompiledD
 tracing, inductor, graph capture) is reported separately, once per model, dtype and path.
 The largest difference between each compiled path's logits and eager's is a sanity check.
 
-Targets (issue 15): on CPU compiled >= 1.3x eager at batch 1 for the 0.5B shape and never
+Targets: on CPU compiled >= 1.3x eager at batch 1 for the 0.5B shape and never
 slower at batch 32; on CUDA with graphs >= 2x at batch 1.
 
     python bench/bench_compiled_decode.py [--quick] [--device cpu|cuda] [--backend B]

@@ -1,4 +1,4 @@
-"""CPU kernels against the machine's limits (issue 5): bandwidth, FLOP/s and copy speed.
+"""CPU kernels against the machine's limits: bandwidth, FLOP/s and copy speed.
 
 Usage: ``.venv/bin/python bench/bench_cpu_perf.py [--quick] [--out PATH] [--no-plots]``
 
@@ -28,7 +28,7 @@ Sections: decode (fp32/bf16/fp16 x 32/32 and 32/8 heads, B=16, ctx 2048, block 1
 fp8_layouts (fp8 e4m3/e5m2 and NHD views against the bf16 HND cache, B=16 ctx 2048 and B=1
 ctx 32k; ``--sections fp8_layouts`` runs it alone, without the 4 GiB of shared pools),
 isa_matrix (every kernel the CPU supports x every cache dtype, 32/32 and 32/8, beside the
-read, each row's L2-resident rate and the ISA's multiply-add ceiling: issue 25; pools of its
+read, each row's L2-resident rate, inner-loop limit and paged-read ceiling; pools of its
 own like fp8_layouts),
 context sweep 512..32k (B=16, or the largest B whose K fits the 1 GiB pool), batch 1 at
 32k with 1 and 2 threads, block-size sweep 1..256, a diagnostic with the KV resident in

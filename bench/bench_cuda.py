@@ -38,11 +38,11 @@ Method
   device, with random and with consecutive block ids (one copy per run of adjacent
   blocks). Bandwidth counts bytes read plus written for device-only ops, bytes moved for
   transfers; the transfers are also compared with one plain pinned copy of the same bytes.
-* Padded block tables (the CUDA-graph case, issue 14 item 2): the decode of ``paged`` at
+* Padded block tables (the CUDA-graph case: tables padded to a fixed width): the decode of ``paged`` at
   batch 1 and 64, 32/8 heads, 4k real context, with block tables 128k keys wide (the
   entries past the real blocks are padding), against the same call with a table of the
   real width.
-* KV formats (issues 16 and 17.1), first in the run: decode at head size 128, block size
+* KV formats (fp8 caches and NHD views), first in the run: decode at head size 128, block size
   16, bf16 queries, on configurations of the fp8 target (batch >= 64, context >= 4k;
   32/8 and 32/32 heads): the bf16 cache (HND) against the same values quantized to
   float8_e4m3fn and float8_e5m2 with per-head scales (absmax / format max), and against
@@ -50,7 +50,7 @@ Method
   Each entry gives the median time, the effective bandwidth (bytes of the cache as
   stored), ``speedup_vs_bf16`` (bf16 HND time over this time) and, for NHD,
   ``time_vs_hnd`` (over the same format's HND time). ``fp8_target`` says whether every
-  fp8 row reached issue 16's 1.7x. fp8 outputs are compared with bf16's (the quantization
+  fp8 row reached the 1.7x target. fp8 outputs are compared with bf16's (the quantization
   error, for information).
 * Timing: CUDA events around each call, the L2 cache flushed before each (a 256 MiB
   write), warm-up calls first, the median of the repetitions.
@@ -258,7 +258,7 @@ def bench_decode(timer, device, copy_gbps, configs, budget_s, reps, results, sav
     return results
 
 
-# (kv_heads, batch, context): issue 16's GPU target, B >= 64 and context >= 4k.
+# (kv_heads, batch, context): the fp8 GPU target's shapes, B >= 64 and context >= 4k.
 FORMAT_CONFIGS = [(8, 64, 4096), (8, 256, 4096), (8, 64, 16384), (32, 64, 4096), (32, 128, 8192)]
 FP8_TARGET = 1.7
 
@@ -320,7 +320,7 @@ def bench_kv_formats(timer, device, copy_gbps, quick, reps, save, results):
 
 
 def fp8_target(results):
-    """Issue 16's GPU target over the measured rows: every fp8 HND row >= FP8_TARGET x bf16."""
+    """The fp8 GPU target over the measured rows: every fp8 HND row >= FP8_TARGET x bf16."""
     speedups = [e[f]["speedup_vs_bf16"] for e in results for f in ("fp8_e4m3_hnd", "fp8_e5m2_hnd")
                 if "speedup_vs_bf16" in e.get(f, {}) and e["batch"] >= 64 and e["context"] >= 4096]
     return {"rule": f"fp8 decode >= {FP8_TARGET}x bf16 at batch >= 64, context >= 4k", "rows": len(speedups),
@@ -506,7 +506,7 @@ def print_table(report):
 
 def bench_cascade(timer, device, quick, reps):
     """Decode of 8 (quick: 4) sequences sharing a 4096-token prompt (64 own tokens each),
-    32/8 heads: the plain op against the cascade plan's three ops (issue 24)."""
+    32/8 heads: the plain op against the cascade plan's three ops."""
     from paged_attention_ext.cascade import plan_cascade
 
     seqs, prefix, own, heads, kv_heads = (4, 1024, 64, 32, 8) if quick else (8, 4096, 64, 32, 8)
@@ -565,7 +565,7 @@ def main():
         out.write_text(json.dumps(report, indent=2) + "\n")
 
     save()
-    # The fp8 / layout rows first: the issue-16 target, and the phase a short run must not lose.
+    # The fp8 / layout rows first: the fp8 target, and the phase a short run must not lose.
     report["kv_formats"] = []
     bench_kv_formats(timer, device, copy_gbps, args.quick, reps, save, report["kv_formats"])
     report["fp8_target"] = fp8_target(report["kv_formats"])
@@ -576,7 +576,7 @@ def main():
         print_table(report)
         print(f"wrote {out}")
         return
-    try:  # cheap, and new (issue 24): before the long sweep
+    try:  # cheap: before the long sweep
         report["cascade"] = bench_cascade(timer, device, args.quick, reps)
     except Exception as e:  # noqa: BLE001 (recorded, not fatal)
         report["cascade"] = {"error": error_text(e)}

@@ -1,4 +1,4 @@
-"""fp8 KV cache accuracy and capacity (issue 16): the op, tiny models, and the pool's tokens.
+"""fp8 KV cache accuracy and capacity: the op, tiny models, and the pool's tokens.
 
 Usage: ``.venv/bin/python bench/bench_fp8_accuracy.py [--quick] [--out PATH] [--threads N]``
 

@@ -1,4 +1,4 @@
-"""Sliding-window layers in KV groups of their own (issue 23): memory, capacity, attention time.
+"""Sliding-window layers in KV groups of their own: memory, capacity, attention time.
 
 Usage: ``.venv/bin/python bench/bench_kv_groups.py [--quick] [--out PATH] [--threads N]``
 
@@ -7,8 +7,8 @@ Method
 * **Bytes per sequence** (no model): for each preset shape of ``paged-attention memory``
   (Gemma-3, GPT-OSS, Gemma-2, Cohere-2, Mistral v0.1), the block manager places one sequence
   of 4k and 32k tokens and takes one decode step; the blocks each KV group then holds, times
-  the page size, against one block table for every layer (before issue 23) and against the
-  issue's estimate (the full layers' share plus the sliding layers' (window + block) /
+  the page size, against one block table for every layer (the layout before KV groups) and against the
+  design's estimate (the full layers' share plus the sliding layers' (window + block) /
   context). Goal: each group within one block of what its tokens need.
 * **Capacity**: a tiny Gemma-3-shaped model (6 layers, 5 sliding with window 512 : 1 full,
   random weights, fp32) served by the engine with the same KV-pool bytes twice: KV groups

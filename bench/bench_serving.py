@@ -21,7 +21,7 @@ layers, hidden 256, 8/2 heads, vocabulary 2048; fp32) in
 For each: useful tokens/s (each request's own output tokens over the time from the first
 arrival to the last token), time to first token (from the request's arrival) and
 per-token latency (gaps between a request's consecutive tokens), mean and p50/p90.
-Target (issue 15): the engine >= 2x the better transformers path.
+Target: the engine >= 2x the better transformers path.
 
 One thread by default, everywhere: transformers' continuous batching runs its model in a
 background thread, whose OpenMP thread count is not the one torch.set_num_threads gives the

@@ -1,10 +1,13 @@
 """Attention kernels side by side: ``torch.ops.paged.attention`` against vLLM's CPU kernel
 (``torch.ops._C.cpu_attention_with_kv_cache``) on the same keys, values, queries and
-block tables, in one process (issue 25: our AMX path against vLLM's).
+block tables, in one process (on AMX CPUs our tile kernel against vLLM's).
 
 Usage (in the vLLM environment, ``make .venv-vllm/.installed``)::
 
-    .venv-vllm/bin/python bench/bench_vllm_kernels.py [--quick] [--vllm-isa amx] [--out PATH]
+    .venv-vllm/bin/python bench/bench_vllm_kernels.py [--quick] [--vllm-isa amx] --out PATH
+
+``PATH`` is per CPU: ``bench/results/vllm_kernels_<cpu>.json`` (e.g. ``intel_amx``,
+``amd_epyc_zen4``).
 
 Method
 ------
@@ -18,7 +21,7 @@ Method
   same random physical block order. vLLM's scheduler metadata is built once per case
   outside the timed call (as its backend does once per step); ours plans inside the call.
   Each side writes into an output allocated once (``paged.attention_out``, as our vLLM
-  backend calls it; before session 31 ours allocated a fresh one per call).
+  backend calls it).
 * The two outputs are compared against each other first (a case that disagrees stops the
   run). Then the two calls alternate, ``--rounds`` rounds of one call each after a warm-up,
   and the speedup is the median over rounds of vLLM's time / ours in the same round.
@@ -27,7 +30,7 @@ Method
   bandwidth of that round: decode rows carry each side's rate as a share of it (median over
   rounds of the paired ratio), how far a memory-bound side is from the read. Each side's
   cache is on 4 KiB pages, as vLLM allocates its own, or with ``--huge-pages`` on huge
-  pages. (Since session 31; earlier JSONs timed back-to-back calls without a flush.)
+  pages.
 * The host: CPU model, flags that matter, torch threads, our ISA (``paged_attention_ext.
   cpu_isa()``) and vLLM's, recorded in the JSON.
 """
@@ -188,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
     parser.add_argument("--huge-pages", action="store_true",
                         help="both sides' caches on huge pages (default: 4 KiB pages, as vLLM allocates)")
-    parser.add_argument("--out", default="bench/results/vllm_kernels.json")
+    parser.add_argument("--out", required=True, help="e.g. bench/results/vllm_kernels_<cpu>.json")
     args = parser.parse_args(argv)
     rows = []
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)

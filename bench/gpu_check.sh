@@ -135,7 +135,7 @@ if ! step build 240 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" "$PY" s
 fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-  # The fp8 and layout tests (issues 16, 17.1) first, so a slow run still reaches them.
+  # The fp8 and layout tests first, so a slow run still reaches them.
   KV_TESTS="fp8 or strided or kv_format"
   step tests_kv 120 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/test_cuda.py -k "$KV_TESTS" \
     --junitxml="$OUT/tests_kv.xml"
@@ -150,10 +150,10 @@ SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/
 # access past a tensor's end falls outside any allocation and is caught.
 sanitize memcheck 70 memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1
 
-# The fp8 / layout rows come first inside the benchmark (issue 16's target).
+# The fp8 / layout rows come first inside the benchmark (the fp8 target's).
 step bench 150 "$PY" bench/bench_cuda.py --out "$OUT/bench_cuda.json" --budget-s 50
 
-# Issue 15: the engine's decode with CUDA graphs against eager (helper script, when present).
+# The engine's decode with CUDA graphs against eager (helper script, when present).
 if [ -f bench/bench_compiled_decode.py ]; then
   COMPILED_ARGS=(--device cuda)
   if timeout 30 "$PY" bench/bench_compiled_decode.py --help 2>/dev/null | grep -q -- '--out'; then

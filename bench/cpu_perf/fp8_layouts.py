@@ -1,9 +1,9 @@
-"""fp8 KV caches (issue 16) and strided layouts (issue 17.1) against the bf16 HND cache.
+"""fp8 KV caches and strided (NHD) layouts against the bf16 HND cache.
 
 Each configuration times, round-robin in the same rounds (``common/timing.py``): the bf16 cache in
 HND (the baseline), e4m3 and e5m2 caches in HND (per-layer scales), and the bf16 and e4m3
 caches as NHD views (``layouts.from_nhd``). The query is bf16 throughout. Speedups are
-paired per round (baseline time / candidate time); the issue's target is fp8 >= 1.5x bf16
+paired per round (baseline time / candidate time); the target is fp8 >= 1.5x bf16
 (fp8 KV bytes per second >= 75% of bf16's) at B=16, context 2048 and at B=1, context 32k.
 
 Every cache lives in its own huge-page pool (as the engine allocates), filled with random
@@ -116,7 +116,7 @@ def print_row(row: Dict[str, object]) -> None:
 
 
 def fp8_targets(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
-    """Issue 16's speed target per row and format: fp8 time >= 1.5x faster than bf16's."""
+    """The fp8 speed target per row and format: fp8 time >= 1.5x faster than bf16's."""
     out = []
     for row in rows:
         for fp8 in ("e4m3", "e5m2"):

@@ -1,4 +1,4 @@
-"""Every kernel this CPU can run, every cache dtype, side by side (issue 25).
+"""Every kernel this CPU can run, every cache dtype, side by side.
 
 For each head layout (32/32 and 32/8 heads; B=16, context 2048, block 16, head size 128)
 one round-robin loop (``common/timing.py``) times, for each instruction set the CPU supports
@@ -17,13 +17,13 @@ checked against the reference first. Per row:
   cores when every element is only widened by the kernel's loaders and multiply-added
   into the (query heads / KV heads) queries that read it, in GB/s; and the ISA's bare
   multiply-add ceiling (``bench/microbench/fma_peak.cpp``) in the same units;
-* the paged-read ceiling (since session 29): how much of a sequential read a reader of the
+* the paged-read ceiling: how much of a sequential read a reader of the
   row's access pattern gets when it does nothing but read (``bench/microbench/paged_read.cpp
   ceiling``, two threads, huge pages, its own paired sequential read): the row's runs of
   contiguous KV (a block's rows of all the KV heads, kv_heads x block_size x head_size
   elements, which a decode item reads in turn) in a random order, the best of the prefetch
   strategies a kernel could use. Shorter runs cost more than a sequential read can show
-  (session 29: 32 KiB runs 78-82%), so a row near its ceiling is at the memory pattern's limit.
+  (on the Xeon with AMX 32 KiB runs read at 78-82%), so a row near its ceiling is at the memory pattern's limit.
 
 A row meets the target when it reads at >= 80% of the read, or, when its arithmetic limit
 is itself below 80% of the read (the arithmetic cannot keep up with memory), when it runs

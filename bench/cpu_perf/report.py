@@ -1,11 +1,12 @@
-"""Issue 5's targets evaluated on a report, the target table, and the two sweep plots."""
+"""The default run's targets (decode, sweeps, multi-token and cache ops against the machine)
+evaluated on a report, the target table, and the two sweep plots."""
 
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from .config import BATCH, KV_HEADS, LONG_CONTEXT
 
-# Issue 5's thresholds, in percent.
+# The thresholds, in percent (docs/performance.md, "Targets").
 DECODE_TARGET = {"fp32": 80.0, "bf16": 70.0, "fp16": 70.0}
 LONG_TARGET = 70.0
 BLOCK_TARGET = 70.0
