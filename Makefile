@@ -2,7 +2,7 @@
 # a virtual environment with torch, transformers, the test tools and this package.
 #
 # The stack: the pins below by default (reproducible), with the package built in place.
-# `make test TORCH=2.15.0 TRANSFORMERS=5.24.0` (any release of the supported range,
+# `make test TORCH=2.15.0 TRANSFORMERS=5.25.0` (any release of the tested range,
 # paged_attention_ext/versions.py) tests that stack instead, in its own venv under
 # .venv-stacks/, with the one wheel (`make wheel`, built once by the pinned stack on
 # torch's stable ABI) pip-installed as a user installs it: nothing is compiled there.
@@ -15,7 +15,7 @@ TRANSFORMERS ?= $(PINNED_TRANSFORMERS)
 OLDEST_TORCH := 2.10.0
 OLDEST_TRANSFORMERS := 5.18.0
 NEWEST_TORCH := 2.15.0
-NEWEST_TRANSFORMERS := 5.24.0
+NEWEST_TRANSFORMERS := 5.25.0
 
 ifeq ($(TORCH) $(TRANSFORMERS),$(PINNED_TORCH) $(PINNED_TRANSFORMERS))
 VENV := .venv
@@ -26,6 +26,10 @@ VENV := .venv-stacks/torch$(TORCH)-transformers$(TRANSFORMERS)
 TEST_ENV := PAGED_ATTENTION_TEST_INSTALLED=1
 endif
 PY := $(VENV)/bin/python
+# A failing command anywhere in a recipe's pipeline fails the recipe (the build's progress
+# filter below must not hide a compiler error).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 # This machine's pip configuration caps torch at the releases on its disk; the supported
 # range goes beyond them (the registry's CUDA builds of torch, which also run on a CPU).
 PIP := PIP_CONSTRAINT=/dev/null $(PY) -m pip
@@ -50,12 +54,23 @@ deps: $(DEPS_STAMP)
 
 $(DEPS_STAMP): requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "== installing torch $(TORCH), transformers $(TRANSFORMERS) and the test tools into $(VENV)"
 	$(PIP) install --quiet -r requirements-dev.txt torch==$(TORCH) transformers==$(TRANSFORMERS)
 	touch $@
 
+# The compile takes minutes on a small machine: one line per compiled source (ninja's [n/N]),
+# the whole log in build/ (its end printed when the build fails).
+BUILD_LOG := build/build-extension.log
+SHOW_PROGRESS := sed -u -n -E 's/^(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]*\/)?(csrc\/[^ ]+) .*/  \1 compiling \3/p'
+define build_with_progress
+	@mkdir -p build
+	@echo "== compiling the C++ extension (several minutes on 2 cores; log: $(BUILD_LOG))"
+	$(1) -v 2>&1 | tee $(BUILD_LOG) | $(SHOW_PROGRESS) || { tail -n 60 $(BUILD_LOG); exit 1; }
+endef
+
 ifdef PINNED
 $(STAMP): $(DEPS_STAMP) $(SOURCES)
-	$(PIP) install --quiet --no-build-isolation -e .
+	$(call build_with_progress,$(PIP) install --no-build-isolation -e .)
 	touch $@
 else
 $(STAMP): $(DEPS_STAMP) $(WHEEL_STAMP)
@@ -71,7 +86,7 @@ wheel: $(WHEEL_STAMP)
 $(WHEEL_STAMP): $(WHEEL_SOURCES)
 	$(MAKE) setup TORCH=$(PINNED_TORCH) TRANSFORMERS=$(PINNED_TRANSFORMERS)
 	rm -rf dist
-	.venv/bin/python -m pip wheel --quiet --no-build-isolation --no-deps -w dist .
+	$(call build_with_progress,.venv/bin/python -m pip wheel --no-build-isolation --no-deps -w dist .)
 	touch $@
 
 demo: $(STAMP)

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Refuse an unsupported torch before compiling anything (the package itself is not
 # importable yet: versions.py imports nothing).
 _versions = runpy.run_path(os.path.join(ROOT, "paged_attention_ext", "versions.py"))
-_problem = _versions["unsupported"]("torch", torch.__version__, _versions["TORCH_SUPPORTED"])
+_problem = _versions["refusal"]("torch", torch.__version__, _versions["TORCH_TESTED"])
 if _problem:
     raise SystemExit(_problem)
 
@@ -55,7 +55,7 @@ def stable_abi_target() -> str:
     """The oldest supported torch as TORCH_TARGET_VERSION encodes it (torch's
     TORCH_VERSION_X_Y_0: major << 56 | minor << 48): the library then uses only the stable
     ABI that torch offers, which every later one keeps."""
-    major, minor = _versions["TORCH_SUPPORTED"][0][:2]
+    major, minor = _versions["TORCH_TESTED"][0][:2]
     return f"0x{(major << 56) | (minor << 48):016x}"
 
 

@@ -3,11 +3,12 @@ installs the ops' Python entry (op_entry.py)."""
 
 import torch
 
-from .versions import TORCH_SUPPORTED, unsupported
+from .versions import TORCH_TESTED, refusal, warn_if_untested
 
-_problem = unsupported("torch", torch.__version__, TORCH_SUPPORTED)
+_problem = refusal("torch", torch.__version__, TORCH_TESTED)
 if _problem:
     raise ImportError(_problem)
+warn_if_untested("torch", torch.__version__, TORCH_TESTED)
 
 try:
     from . import _C  # noqa: F401

@@ -15,14 +15,17 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
+    """``setting``: what sizes this pool, named when it runs out (e.g. ``"num_blocks"``)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 name: str = "device") -> None:
+                 name: str = "device", setting: str = "num_blocks") -> None:
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.name = name
+        self.setting = setting
         # Popped from the end: block 0 is handed out first (deterministic ids).
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_counts: List[int] = [0] * num_blocks
@@ -50,6 +53,16 @@ class BlockAllocator:
         """Blocks on the free list (content meaningless); cached blocks excluded."""
         return list(self._free)
 
+    def exhausted(self, needed: int, available: Optional[int] = None,
+                  who: str = "") -> NoFreeBlocksError:
+        """The error for a request of ``needed`` blocks that does not fit, naming the setting
+        that sizes the pool."""
+        available = self.num_free_blocks if available is None else available
+        return NoFreeBlocksError(
+            f"{who + ': ' if who else ''}the {self.name} pool has {available} of its "
+            f"{self.num_blocks} blocks available and {needed} are needed: raise {self.setting} "
+            "(or run fewer or shorter sequences at once)")
+
     def ref_count(self, block: int) -> int:
         self._check_id(block)
         return self._ref_counts[block]
@@ -60,8 +73,7 @@ class BlockAllocator:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if count > self.num_free_blocks:
-            raise NoFreeBlocksError(f"{self.name} pool: need {count} blocks, "
-                                    f"{self.num_free_blocks} of {self.num_blocks} available")
+            raise self.exhausted(count)
         blocks = []
         for _ in range(count):
             block = self._free.pop() if self._free else self._evict()

@@ -62,14 +62,19 @@ class Checkpoint(NamedTuple):
 class BlockSpaceManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  enable_prefix_caching: bool = False, watermark: float = 0.01,
-                 kv_group_windows: Sequence[Optional[int]] = (None,)) -> None:
+                 kv_group_windows: Sequence[Optional[int]] = (None,),
+                 device_setting: str = "num_device_blocks",
+                 host_setting: str = "num_host_blocks") -> None:
+        """``device_setting`` / ``host_setting``: what the caller's user sets to size each
+        pool, named when it runs out."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if not kv_group_windows:
             raise ValueError("kv_group_windows needs one entry per KV group (None: full attention)")
         self.kv_group_windows = tuple(kv_group_windows)
-        self.device = BlockAllocator(num_device_blocks, block_size, enable_prefix_caching, "device")
-        self.host = BlockAllocator(num_host_blocks, block_size, name="host")
+        self.device = BlockAllocator(num_device_blocks, block_size, enable_prefix_caching, "device",
+                                     device_setting)
+        self.host = BlockAllocator(num_host_blocks, block_size, name="host", setting=host_setting)
         self.block_size = block_size
         # Admission keeps this many device blocks spare so running groups can keep decoding.
         self._watermark_blocks = int(watermark * num_device_blocks)
@@ -215,8 +220,7 @@ class BlockSpaceManager:
         first_query = 0 if queries_from_start else None
         needed, num_hits = self._admission(seqs, shared_len, first_query)
         if needed > self.device.num_free_blocks:
-            raise NoFreeBlocksError(f"device pool: group {group_id} needs {needed} blocks, "
-                                    f"{self.device.num_free_blocks} available")
+            raise self.device.exhausted(needed, who=f"group {group_id}")
         return self._place_group(group_id, seqs, shared_len, num_hits, first_query)
 
     def try_admit(self, group_id: int, seqs: Sequence[SeqSpec],
@@ -248,8 +252,7 @@ class BlockSpaceManager:
         count = tokens if isinstance(tokens, int) else len(tokens)
         needed = self._append_cost(((t, count) for t in tables), computed)
         if needed > self.device.num_free_blocks:
-            raise NoFreeBlocksError(f"sequence {seq_id}: needs {needed} blocks, "
-                                    f"{self.device.num_free_blocks} available")
+            raise self.device.exhausted(needed, who=f"sequence {seq_id}")
         if computed and count:
             self._release(tables)  # before any table allocates: the cost counted them
         parts = [t.append_tokens(count, names, computed=False) for t in tables]
@@ -271,8 +274,7 @@ class BlockSpaceManager:
         needed = self._append_cost(((t, n) for s, n in num_tokens.items() for t in self._tables[s]),
                                    computed)
         if needed > self.device.num_free_blocks:
-            raise NoFreeBlocksError(f"group {group_id}: needs {needed} blocks, "
-                                    f"{self.device.num_free_blocks} available")
+            raise self.device.exhausted(needed, who=f"group {group_id}")
         if computed:  # every sequence's released blocks before any allocates
             self._release(t for s, n in num_tokens.items() if n for t in self._device_tables(s))
         return {seq_id: self.append(seq_id, count, names.get(seq_id, ()) if names else (),
@@ -548,8 +550,7 @@ class BlockSpaceManager:
         if needed + keep_free > target.num_free_blocks:
             if or_none:
                 return None
-            raise NoFreeBlocksError(f"{target.name} pool: group {group_id} needs "
-                                    f"{needed} blocks, {target.num_free_blocks} available")
+            raise target.exhausted(needed, who=f"group {group_id}")
         references = Counter(b for t in tables for b in t.live_blocks)
         mapping = {old: target.acquire_cached(content) for old, content in reuse.items()}
         copied = dict(zip(to_copy, target.allocate(len(to_copy))))

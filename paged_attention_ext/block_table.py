@@ -156,8 +156,7 @@ class BlockTable:
         release = computed and count > 0
         available = self.allocator.num_free_blocks + (self.releasable() if release else 0)
         if needed > available:
-            raise NoFreeBlocksError(f"{self.allocator.name} pool: need {needed} blocks, "
-                                    f"{available} available")
+            raise self.allocator.exhausted(needed, available)
         if release:
             self.release_unreachable()
         fresh = self.allocator.allocate(needed)

@@ -178,7 +178,7 @@ def test_failed_prefill_leaves_the_cache_as_new(models):
     _, paged = models
     cache = PagedCache(paged.config, block_size=BLOCK_SIZE, num_blocks=3)  # 2 rows x 9 tokens: 6
     ids, mask = prompts()
-    with pytest.raises(NoFreeBlocksError):
+    with pytest.raises(NoFreeBlocksError, match=r"raise PagedCache\(num_blocks=\.\.\.\)"):
         generate(paged, ids, mask, max_new_tokens=2, past_key_values=cache)
     assert cache.memory_usage() == {"pool_bytes": 0, "used_bytes": 0, "blocks_used": 0,
                                     "block_references": 0}
@@ -306,3 +306,18 @@ def test_paged_cache_arguments(models, kwargs, error, match):
 def test_paged_cache_needs_a_config():
     with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
         PagedCache({"num_hidden_layers": 2})
+
+
+def test_a_second_generate_on_a_used_cache_says_how_to_reuse_it(models):
+    """generate drops the prompt tokens its cache already holds: a prompt no longer than
+    that leaves no new token, which is reported as the earlier call's cache, with the fix."""
+    _, paged = models
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    ids, mask = prompts()
+    generate(paged, ids, mask, max_new_tokens=3, past_key_values=cache)  # 9 + 2 stored
+    with pytest.raises(ValueError, match=r"no new tokens: the cache passed to generate already "
+                                         r"holds 11 positions per row from an earlier call\. Call "
+                                         r"cache\.reset\(\)"):
+        generate(paged, ids[:, :5], mask[:, :5], max_new_tokens=3, past_key_values=cache)
+    cache.reset()
+    assert_generates_like_reference(models, cache)

@@ -56,3 +56,12 @@ def test_allowlist_hook_is_needed_and_installed():
 def test_no_hook_before_the_allowlist():
     switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
     assert not getattr(switch, cb_attention_allowlist.HOOKED, False)
+
+
+@pytest.mark.skipif(not STRIPS_PAGED_PREFIX, reason="the hook is for transformers >= 5.19")
+def test_allowlist_hook_warns_instead_of_failing_when_transformers_drops_the_method(monkeypatch):
+    """A release without the method loses continuous batching with this name, nothing else."""
+    monkeypatch.delattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn")
+    with pytest.warns(RuntimeWarning, match=r"changed continuous batching \(.*switch_to_cb_friendly"
+                                            r"_attn is gone"):
+        assert not cb_attention_allowlist.install(ATTN_IMPLEMENTATION)

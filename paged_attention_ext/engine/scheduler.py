@@ -64,7 +64,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_group_windows: TypingSequence[Optional[int]]) -> None:
         self._manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
                                           config.block_size, config.enable_prefix_caching,
-                                          config.watermark, kv_group_windows)
+                                          config.watermark, kv_group_windows,
+                                          device_setting="EngineConfig.num_device_blocks",
+                                          host_setting="EngineConfig.num_host_blocks")
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.preemption_mode = config.preemption_mode

@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration (transformers 5.18 to 5.24: ``versions.py``).
+"""Hugging Face transformers integration (transformers 5.18 and later 5.x: ``versions.py``).
 
 Importing this module registers the attention implementation ``paged_attention_ext``
 (attention function and mask function) with transformers' registries. A model built with
@@ -11,11 +11,12 @@ to transformers 5.18, the same ``paged_attention_ext`` from 5.19.
 
 import transformers
 
-from ..versions import TRANSFORMERS_SUPPORTED, unsupported
+from ..versions import TRANSFORMERS_TESTED, refusal, warn_if_untested
 
-_problem = unsupported("transformers", transformers.__version__, TRANSFORMERS_SUPPORTED)
+_problem = refusal("transformers", transformers.__version__, TRANSFORMERS_TESTED)
 if _problem:
     raise ImportError(_problem)
+warn_if_untested("transformers", transformers.__version__, TRANSFORMERS_TESTED)
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402

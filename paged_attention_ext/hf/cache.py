@@ -305,6 +305,17 @@ class PagedCache(Cache):
         self._placement.remove_last(remove)
         self._length -= remove
 
+    # Assisted and multi-token-prediction decoding ask a cache to record past states so that
+    # crop() can restore them; paged K/V crops at any time, and there are no recurrent states.
+    def activate_past_recording(self, **kwargs) -> None:
+        """Nothing to record: :meth:`crop` frees or keeps blocks at any time."""
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: Optional[int] = None) -> int:
+        return 0
+
     def _between_forwards(self) -> None:
         """A change of the rows between forwards (the compile mode drops its prepared step)."""
 

@@ -49,6 +49,7 @@ import torch
 
 from .. import ops
 from ..attention_metadata import AttentionMetadata
+from .self_check import verify_architecture
 from .support import refuse_unapplied_kwargs, sink_logits_of
 from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
@@ -291,6 +292,8 @@ def continuous_batching_attention_forward(
             "(model.generate_batch, init_continuous_batching), which passes its paged cache's "
             "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
     _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
+    if getattr(module, "config", None) is not None:
+        verify_architecture(module.config)  # a no-op on tested transformers releases
     allocator = _layer_allocator(cache, module, sliding_window) if cache is not None else None
     _check_causal(module, is_causal)
     _, heads, tokens, head_dim = query.shape

@@ -92,6 +92,14 @@ def check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], s
         raise TypeError(f"{implementation}'s mask function needs the mask's sizes transformers "
                         f"passes (batch_size, q_length, kv_length, q_offset, kv_offset); "
                         f"{missing} is missing") from None
+    if int(grid["q_length"]) == 0:
+        # generate drops the input tokens its cache already holds: a cache left by an
+        # earlier generate, given a prompt no longer than what it holds, leaves none.
+        raise ValueError(
+            f"{implementation}: this forward has no new tokens: the cache passed to generate "
+            f"already holds {int(grid['kv_length'])} positions per row from an earlier call. "
+            "Call cache.reset() (or pass a new PagedCache) before generating from a new prompt; "
+            "to continue the earlier generation, pass its whole output as input_ids.")
     config = sizes.get("config")
     text_config = config.get_text_config(decoder=True) if config is not None else None
     windows = (None, getattr(text_config, "sliding_window", None))

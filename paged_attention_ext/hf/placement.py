@@ -67,7 +67,8 @@ class RowPlacement:
                  kv_groups: KVGroupLayout) -> None:
         self.manager = BlockSpaceManager(capacity, 0, block_size,
                                          enable_prefix_caching=enable_prefix_caching,
-                                         watermark=0.0, kv_group_windows=kv_groups.windows)
+                                         watermark=0.0, kv_group_windows=kv_groups.windows,
+                                         device_setting="PagedCache(num_blocks=...)")
         self.prefix_caching = enable_prefix_caching
         self.rows: List[Optional[int]] = [None] * num_rows  # sequence ids; None: no token yet
         self._next_seq_id = 0

@@ -17,6 +17,8 @@ from typing import AbstractSet, Any, Dict, List, Mapping, NamedTuple, Optional, 
 import torch
 import transformers
 
+from .self_check import verify_architecture
+
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # model_type -> why it cannot run with PagedCache / paged_attention_ext.
@@ -103,7 +105,10 @@ def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
 
 
 def check_config(config, text_config) -> List[str]:
-    """Each layer's attention type, or ``NotImplementedError`` (architecture and reason)."""
+    """Each layer's attention type, or ``NotImplementedError`` (architecture and reason).
+
+    On a transformers release newer than the tested ones, the architecture's first check
+    also runs its self-check (self_check.py)."""
     model_type = getattr(text_config, "model_type", "") or getattr(config, "model_type", "")
 
     def refuse(reason: str):
@@ -146,6 +151,7 @@ def check_config(config, text_config) -> List[str]:
         refuse(f"{model_class.__name__} does not route its attention through transformers' "
                "attention interface (it does not declare _supports_attention_backend), so the "
                "paged attention would never run")
+    verify_architecture(config)
     return list(layer_types)
 
 

@@ -6,21 +6,52 @@ loads as a flash-attention kernel), and transformers strips the ``paged|`` prefi
 other registered name, so no registered function can run continuous batching. The hook
 keeps a model whose implementation is ``paged_attention_ext`` as it is; every other
 implementation goes through transformers' own switch.
+
+A release that renames or removes that method loses only continuous batching with this
+implementation: the hook then installs nothing and warns once, naming the change, and
+transformers' own refusal of the name stays in place (no wrong answer, generate unaffected).
 """
 
 import functools
+import inspect
+import warnings
 
-from transformers.generation.continuous_batching import continuous_api
+import transformers
 
 HOOKED = "_paged_attention_ext_hook"
+# What the hook relies on: the manager class, its method and the method's leading parameters.
+_MODULE = "transformers.generation.continuous_batching.continuous_api"
+_METHOD = "ContinuousBatchingManager.switch_to_cb_friendly_attn"
+_PARAMETERS = ("self", "model")
 
 
-def install(implementation: str) -> None:
-    """Let continuous batching keep ``implementation`` (idempotent)."""
-    manager = continuous_api.ContinuousBatchingManager
-    switch = manager.switch_to_cb_friendly_attn
+def _switch():
+    """The method the hook wraps, or a sentence saying what changed."""
+    try:
+        from transformers.generation.continuous_batching import continuous_api
+        manager = continuous_api.ContinuousBatchingManager
+        switch = manager.switch_to_cb_friendly_attn
+    except (ImportError, AttributeError) as error:
+        return None, None, f"{_MODULE}.{_METHOD} is gone ({error})"
+    parameters = tuple(inspect.signature(switch).parameters)[:len(_PARAMETERS)]
+    if parameters != _PARAMETERS:
+        return None, None, f"{_METHOD} now takes {parameters}, not {_PARAMETERS}"
+    return manager, switch, ""
+
+
+def install(implementation: str) -> bool:
+    """Let continuous batching keep ``implementation`` (idempotent); False, with a warning,
+    when this transformers release no longer has what the hook relies on."""
+    manager, switch, changed = _switch()
+    if changed:
+        warnings.warn(
+            f"paged_attention_ext: transformers {transformers.__version__} changed continuous "
+            f"batching ({changed}); generate_batch with attn_implementation={implementation!r} "
+            "is unavailable on this release (generate and the engine are not affected).",
+            RuntimeWarning, stacklevel=2)
+        return False
     if getattr(switch, HOOKED, False):
-        return
+        return True
 
     @functools.wraps(switch)
     def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
@@ -30,3 +61,4 @@ def install(implementation: str) -> None:
 
     setattr(switch_to_cb_friendly_attn, HOOKED, True)
     manager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    return True
