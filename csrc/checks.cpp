@@ -45,6 +45,52 @@ void check_head_size(const char* op, const char* name, int64_t head_size) {
                     "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
 }
 
+// Python's name of a dtype (the mirror's dtype_name): the fix the messages suggest is Python.
+std::string dtype_name(ScalarType t) {
+  switch (t) {
+    case kFloat: return "float32";
+    case kHalf: return "float16";
+    case kBFloat16: return "bfloat16";
+    case ScalarType::Double: return "float64";
+    case kFloat8_e4m3fn: return "float8_e4m3fn";
+    case kFloat8_e5m2: return "float8_e5m2";
+    default: return detail::concat(t);
+  }
+}
+
+// An input (the query, or write_kv's key / value) of another dtype than its float cache:
+// the message names both sides and both fixes.
+void check_input_dtype(const char* op, const char* name, const Tensor& input,
+                       const char* cache_name, const Tensor& cache, const char* inputs) {
+  PAGED_CHECK_TYPE(input.scalar_type() == cache.scalar_type(), op, ": ", name, " is ",
+                   dtype_name(input.scalar_type()), " but ", cache_name, " is ",
+                   dtype_name(cache.scalar_type()), ": ", inputs, " and the caches must have the "
+                   "same dtype (or the caches are fp8, with k_scale and v_scale); cast with ",
+                   name, ".to(", cache_name, ".dtype) or allocate the caches in ",
+                   dtype_name(input.scalar_type()));
+}
+
+// Said when a cache's num_kv_heads does not fit but its dim 2 would: the cache is likely
+// NHD [num_blocks, block_size, num_kv_heads, head_size] (vLLM's, transformers').
+std::string nhd_hint(const char* name) {
+  return detail::concat("; ", name, " looks like NHD [blocks, block_size, kv_heads, head_size]: "
+                        "the ops take HND [blocks, kv_heads, block_size, head_size] or a strided "
+                        "view of it: pass paged_attention_ext.layouts.from_nhd(", name,
+                        ") (the view ", name, ".transpose(1, 2), no copy), and the same for "
+                        "value_cache");
+}
+
+// Said when two caches' block dims differ by a swap of dims 1 and 2.
+std::string swapped_layout_hint(const Tensor& a, const Tensor& b) {
+  if (a.dim() != 4 || b.dim() != 4 || a.size(0) != b.size(0) || a.size(1) != b.size(2) ||
+      a.size(2) != b.size(1))
+    return "";
+  return "; the two differ by a swap of dims 1 and 2, so one looks like NHD [blocks, "
+         "block_size, kv_heads, head_size]: pass both as HND [blocks, kv_heads, block_size, "
+         "head_size], an NHD one through paged_attention_ext.layouts.from_nhd(cache) (the view "
+         "cache.transpose(1, 2), no copy)";
+}
+
 int32_t read_i32(const Tensor& t, int64_t i) { return t.mutable_data_ptr<int32_t>()[i * t.stride(0)]; }
 
 }  // namespace
@@ -139,12 +185,13 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   check_cache_tensor(op, "value_cache", args.value_cache);
   // A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
   if (!is_fp8(args.key_cache.scalar_type()))
-    check_dtype(op, "key_cache", args.key_cache, args.query.scalar_type());
+    check_input_dtype(op, "query", args.query, "key_cache", args.key_cache, "the query");
   check_dtype(op, "value_cache", args.value_cache, args.key_cache.scalar_type());
   PAGED_CHECK_VALUE(same_block_layout(args.value_cache, args.key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
                     "block_size of 'key_cache' ", args.key_cache.sizes(), ", got ",
-                    args.value_cache.sizes());
+                    args.value_cache.sizes(),
+                    swapped_layout_hint(args.key_cache, args.value_cache));
   check_same_device(op, "key_cache", args.key_cache, args.query);
   check_same_device(op, "value_cache", args.value_cache, args.query);
   check_kv_scales(op, args.key_cache.scalar_type(), args.key_cache.size(1), args.k_scale,
@@ -167,7 +214,9 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
   PAGED_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
                     ": num_heads of 'query' (", s.num_heads,
-                    ") must be a multiple of num_kv_heads of 'key_cache' (", s.num_kv_heads, ")");
+                    ") must be a multiple of num_kv_heads of 'key_cache' (", s.num_kv_heads, ")",
+                    s.block_size > 0 && s.num_heads % s.block_size == 0 ? nhd_hint("key_cache")
+                                                                       : std::string());
   PAGED_CHECK_VALUE(args.query.stride(2) == 1 || s.head_size == 1, op,
                     ": argument 'query' must be contiguous in its last dimension, got strides ",
                     args.query.strides());
@@ -336,7 +385,8 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
   check_cache_tensor(op, "value_cache", value_cache);
   PAGED_CHECK_VALUE(same_block_layout(value_cache, key_cache), op,
                     ": argument 'value_cache' must have the num_blocks, num_kv_heads and "
-                    "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes());
+                    "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes(),
+                    swapped_layout_hint(key_cache, value_cache));
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
     PAGED_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
@@ -344,13 +394,15 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
                      key.scalar_type());
     check_dtype(op, "value", value, key.scalar_type());
   } else {
-    check_dtype(op, "key", key, key_cache.scalar_type());
-    check_dtype(op, "value", value, key_cache.scalar_type());
+    check_input_dtype(op, "key", key, "key_cache", key_cache, "key, value");
+    check_input_dtype(op, "value", value, "value_cache", value_cache, "key, value");
   }
   const auto want_k = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
   PAGED_CHECK_VALUE(key.sizes().equals(Sizes(want_k.data(), want_k.size())), op,
                     ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
-                    ", head_size=", key_cache.size(3), "], got ", key.sizes());
+                    ", head_size=", key_cache.size(3), "], got ", key.sizes(),
+                    key_cache.size(1) != key.size(1) && key_cache.size(2) == key.size(1)
+                        ? nhd_hint("key_cache") : std::string());
   const auto want_v = std::vector<int64_t>{key.size(0), value_cache.size(1), value_cache.size(3)};
   PAGED_CHECK_VALUE(value.sizes().equals(Sizes(want_v.data(), want_v.size())), op,
                     ": argument 'value' must be [num_tokens=", key.size(0), ", num_kv_heads=",

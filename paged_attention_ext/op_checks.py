@@ -8,9 +8,10 @@ fp8 scales and the cache layouts (strides). Each function names the C++ function
 mirrors; change both together (tests/test_op_checks.py runs every check through the
 kernel and the fake and compares the errors).
 
-Left to the kernels: checks that read tensor data (lengths, block ids, slots, mappings)
-and the shape checks that would relate symbolic sizes in a trace (a guard tying two
-dynamic dimensions together).
+The shape checks that name a cache layout (an NHD cache where HND is expected) are here
+too, but only where the sizes they compare are static: the kernels keep the checks that
+read tensor data (lengths, block ids, slots, mappings) and the shape checks that would
+relate symbolic sizes in a trace (a guard tying two dynamic dimensions together).
 """
 
 from typing import Optional, Sequence
@@ -24,6 +25,63 @@ def scalar_type_name(dtype: torch.dtype) -> str:
     """The name C++ prints for a dtype (``Float``, ``BFloat16``, ``Float8_e4m3fn``): the
     legacy tensor type's, ``torch.meta.FloatTensor`` without its prefix and suffix."""
     return torch.empty(0, dtype=dtype, device="meta").type().rsplit(".", 1)[1][:-len("Tensor")]
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn",
+                torch.float8_e5m2: "float8_e5m2"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``dtype_name``: Python's name of a dtype (``float16``), as the fixes the messages
+    suggest are Python; other dtypes by their C++ name."""
+    return _DTYPE_NAMES.get(dtype) or scalar_type_name(dtype)
+
+
+def static(*sizes) -> bool:
+    """Every size a plain int: a check on them adds no guard to a trace."""
+    return all(isinstance(size, int) for size in sizes)
+
+
+def check_input_dtype(op: str, name: str, tensor: torch.Tensor, cache_name: str,
+                      cache: torch.Tensor, inputs: str) -> None:
+    """``check_input_dtype``: the query (or write_kv's key / value) has its float cache's
+    dtype; the message names both sides and both fixes."""
+    if tensor.dtype != cache.dtype:
+        raise TypeError(f"{op}: {name} is {dtype_name(tensor.dtype)} but {cache_name} is "
+                        f"{dtype_name(cache.dtype)}: {inputs} and the caches must have the same "
+                        "dtype (or the caches are fp8, with k_scale and v_scale); cast with "
+                        f"{name}.to({cache_name}.dtype) or allocate the caches in "
+                        f"{dtype_name(tensor.dtype)}")
+
+
+def nhd_hint(name: str) -> str:
+    """``nhd_hint``: a cache whose num_kv_heads does not fit but whose dim 2 would is likely
+    NHD (vLLM's, transformers' layout)."""
+    return (f"; {name} looks like NHD [blocks, block_size, kv_heads, head_size]: the ops take "
+            "HND [blocks, kv_heads, block_size, head_size] or a strided view of it: pass "
+            f"paged_attention_ext.layouts.from_nhd({name}) (the view {name}.transpose(1, 2), no "
+            "copy), and the same for value_cache")
+
+
+def swapped_layout_hint(a: torch.Tensor, b: torch.Tensor) -> str:
+    """``swapped_layout_hint``: two caches whose block dims differ by a swap of dims 1 and 2."""
+    if a.dim() != 4 or b.dim() != 4 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2] \
+            or a.shape[2] != b.shape[1]:
+        return ""
+    return ("; the two differ by a swap of dims 1 and 2, so one looks like NHD [blocks, "
+            "block_size, kv_heads, head_size]: pass both as HND [blocks, kv_heads, block_size, "
+            "head_size], an NHD one through paged_attention_ext.layouts.from_nhd(cache) (the view "
+            "cache.transpose(1, 2), no copy)")
+
+
+def check_same_block_layout(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """``same_block_layout`` as the attention and write checks apply it (static sizes only)."""
+    sizes = (*key_cache.shape[:3], *value_cache.shape[:3])
+    if static(*sizes) and tuple(key_cache.shape[:3]) != tuple(value_cache.shape[:3]):
+        raise ValueError(f"{op}: argument 'value_cache' must have the num_blocks, num_kv_heads "
+                         f"and block_size of 'key_cache' {list(key_cache.shape)}, got "
+                         f"{list(value_cache.shape)}{swapped_layout_hint(key_cache, value_cache)}")
 
 
 def check_same_device(op: str, reference_name: str, reference: torch.Tensor, **tensors) -> None:
@@ -116,37 +174,59 @@ def check_attention_args(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                          k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                          out: Optional[torch.Tensor] = None,
                          lse: Optional[torch.Tensor] = None) -> None:
-    """``check_attention_args``: its device, dtype, cache and scale checks."""
+    """``check_attention_args``: its device, dtype, cache and scale checks, and (static sizes)
+    the caches' block dims and the query's heads against the caches'."""
     check_same_device(op, "query", query, key_cache=key_cache, value_cache=value_cache,
                       block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks,
                       out=out, lse=lse)
+    check_rank(op, "query", query, 3, "[num_tokens, num_heads, head_size]")
     check_float(op, "query", query)
     check_cache_tensor(op, "key_cache", key_cache)
     check_cache_tensor(op, "value_cache", value_cache)
     # A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
     if key_cache.dtype not in FP8_DTYPES:
-        check_dtype(op, "key_cache", key_cache, query.dtype)
+        check_input_dtype(op, "query", query, "key_cache", key_cache, "the query")
     check_dtype(op, "value_cache", value_cache, key_cache.dtype)
+    check_same_block_layout(op, key_cache, value_cache)
     check_kv_scales(op, key_cache.dtype, key_cache.shape[1], k_scale, v_scale, query, "query")
+    num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
+    if static(num_heads, num_kv_heads, block_size) and not (
+            num_kv_heads > 0 and num_heads % num_kv_heads == 0):
+        hint = nhd_hint("key_cache") if block_size > 0 and num_heads % block_size == 0 else ""
+        raise ValueError(f"{op}: num_heads of 'query' ({num_heads}) must be a multiple of "
+                         f"num_kv_heads of 'key_cache' ({num_kv_heads}){hint}")
 
 
 def check_write_kv_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
-    """``check_write_kv_args``: its device, dtype, cache and scale checks."""
+    """``check_write_kv_args``: its device, dtype, cache and scale checks, and (static sizes)
+    the caches' block dims and the key's shape."""
     op = "paged.write_kv"
     check_same_device(op, "key", key, value=value, key_cache=key_cache, value_cache=value_cache,
                       slot_mapping=slot_mapping)
+    check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    check_rank(op, "value", value, 3, "[num_tokens, num_kv_heads, head_size_v]")
     check_cache_tensor(op, "key_cache", key_cache)
     check_cache_tensor(op, "value_cache", value_cache)
+    check_same_block_layout(op, key_cache, value_cache)
     check_dtype(op, "value_cache", value_cache, key_cache.dtype)
     if key_cache.dtype in FP8_DTYPES:  # quantized on the way in: any float input
         check_float(op, "key", key)
         check_dtype(op, "value", value, key.dtype)
     else:
-        check_dtype(op, "key", key, key_cache.dtype)
-        check_dtype(op, "value", value, key_cache.dtype)
+        check_input_dtype(op, "key", key, "key_cache", key_cache, "key, value")
+        check_input_dtype(op, "value", value, "value_cache", value_cache, "key, value")
+    # num_tokens is the key's own (the kernel compares it with itself): left out, so a
+    # dynamic token count leaves the check in place.
+    want_k = (key_cache.shape[1], key_cache.shape[3])
+    if static(*key.shape[1:], *want_k) and tuple(key.shape[1:]) != want_k:
+        hint = (nhd_hint("key_cache") if key_cache.shape[1] != key.shape[1]
+                and key_cache.shape[2] == key.shape[1] else "")
+        raise ValueError(f"{op}: argument 'key' must be [num_tokens, num_kv_heads="
+                         f"{key_cache.shape[1]}, head_size={key_cache.shape[3]}], got "
+                         f"{list(key.shape)}{hint}")
     check_kv_scales(op, key_cache.dtype, key_cache.shape[1], k_scale, v_scale, key, "key")
 
 

@@ -47,11 +47,13 @@ a block of the cache (num_blocks = 8)``):
 * ``ValueError``: a wrong rank or shape, a cache whose head dimension is not contiguous or
   that overlaps itself, a missing scale with an fp8 cache or a scale with a float one, a
   scale of a wrong shape, head counts that do not
-  divide, an unsupported head size, lengths beyond the block table, inconsistent
+  divide (with a hint when the cache looks like NHD: ``layouts.from_nhd(cache)``), an
+  unsupported head size, lengths beyond the block table, inconsistent
   ``query_start_loc``, bad ``scale``/``soft_cap``/``sliding_window``, tensors on mixed
   devices (a meta tensor among CPU ones included), a mapping that writes a block twice or
   reads a block it writes.
-* ``TypeError``: a wrong dtype (query, float caches and ``out`` of different float types,
+* ``TypeError``: a wrong dtype (query, float caches and ``out`` of different float types:
+  ``query is float16 but key_cache is float32: ...`` names both sides and the fixes;
   key and value caches of different dtypes, metadata not int32/int64, ALiBi slopes, sinks
   or scales not fp32).
 * ``IndexError``: a used block id, a slot or a mapping pair outside its pool.

@@ -1,5 +1,7 @@
 """Bad input raises a Python exception that names the argument, and changes nothing."""
 
+import re
+
 import pytest
 import torch
 
@@ -27,7 +29,8 @@ def call(query, case, overrides):
 @pytest.mark.parametrize("name,make,error,match", [
     ("query rank", lambda q, c: dict(query=q[0]), ValueError, "'query' must be 3-D"),
     ("query dtype", lambda q, c: dict(query=q.double()), TypeError, "'query'"),
-    ("cache dtype", lambda q, c: dict(key_cache=c.key_cache.half()), TypeError, "'key_cache'"),
+    ("cache dtype", lambda q, c: dict(key_cache=c.key_cache.half()), TypeError,
+     "query is float32 but key_cache is float16"),
     ("cache rank", lambda q, c: dict(value_cache=c.value_cache[0]), ValueError, "'value_cache'"),
     ("cache shapes", lambda q, c: dict(value_cache=c.value_cache[:-1]), ValueError, "'value_cache'"),
     ("head dim not contiguous", lambda q, c: dict(
@@ -122,7 +125,7 @@ def caches():
      "'slot_mapping'"),
     (lambda k, v: dict(slot_mapping=torch.tensor([0])), ValueError, "'slot_mapping'"),
     (lambda k, v: dict(key=k[:, :1]), ValueError, "'key'"),
-    (lambda k, v: dict(value=v.half()), TypeError, "'value'"),
+    (lambda k, v: dict(value=v.half()), TypeError, "value is float16 but value_cache is float32"),
     (lambda k, v: dict(key=k.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "'key' and 'value'"),
     (lambda k, v: dict(value=torch.ones(2, 2, 32)), ValueError,
      r"'value' must be \[num_tokens=2, num_kv_heads=2, head_size_v=64\]"),
@@ -354,3 +357,156 @@ def test_cache_ops_refuse_arguments_that_require_grad():
         pa.copy_blocks([key_cache.clone().requires_grad_(True)], [value_cache], mapping)
     with pytest.raises(NotImplementedError, match="paged.swap_blocks: argument 'src'"):
         pa.swap_blocks(key_cache.clone().requires_grad_(True), value_cache, mapping)
+
+
+# ---- messages that say what to do: an input of another dtype than its cache, an NHD cache --
+# Each through the kernel and, on meta tensors, through the fake (paged_attention_ext/
+# op_checks.py): the same words either way.
+
+QUERY_OPS = [pa.attention, pa.attention_with_lse, pa.attention_out, pa.shared_prefix_attention]
+
+
+def on_meta(args: dict) -> dict:
+    return {k: v.to("meta") if torch.is_tensor(v) else v for k, v in args.items()}
+
+
+def call_query_op(op, args: dict):
+    if op is pa.attention_out:
+        return op(args["query"].new_empty(args["query"].shape[:2] + args["value_cache"].shape[-1:]),
+                  **args)
+    return op(**args)
+
+
+def query_op_args(query, key_cache, value_cache):
+    return dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                seq_lens=torch.tensor([5, 20], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), scale=0.125)
+
+
+def refusal(call, error) -> str:
+    with pytest.raises(error) as raised:
+        call()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("path", ["kernel", "fake"])
+@pytest.mark.parametrize("op", QUERY_OPS, ids=lambda op: op.__name__)
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float16, torch.float32),
+                                                     (torch.float32, torch.bfloat16)])
+def test_query_of_another_dtype_names_the_query_the_cache_and_the_fix(
+        op, path, query_dtype, cache_dtype):
+    args = query_op_args(torch.zeros(2, 4, 64, dtype=query_dtype),
+                         torch.zeros(4, 2, 16, 64, dtype=cache_dtype),
+                         torch.zeros(4, 2, 16, 64, dtype=cache_dtype))
+    if path == "fake":
+        args = on_meta(args)
+    q, c = str(query_dtype).split(".")[1], str(cache_dtype).split(".")[1]
+    message = refusal(lambda: call_query_op(op, args), TypeError)
+    assert message == (
+        f"paged.{op.__name__}: query is {q} but key_cache is {c}: the query and the caches must "
+        "have the same dtype (or the caches are fp8, with k_scale and v_scale); cast with "
+        f"query.to(key_cache.dtype) or allocate the caches in {q}")
+
+
+def test_query_of_another_dtype_is_refused_as_such_under_torch_compile():
+    args = query_op_args(torch.zeros(2, 4, 64, dtype=torch.float16), torch.zeros(4, 2, 16, 64),
+                         torch.zeros(4, 2, 16, 64))
+    compiled = torch.compile(lambda a: pa.attention(**a), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=re.escape("query is float16 but key_cache is float32: "
+                                                  "the query and the caches must have the same "
+                                                  "dtype")):
+        compiled(args)
+
+
+@pytest.mark.parametrize("path", ["kernel", "fake"])
+@pytest.mark.parametrize("name", ["key", "value"])
+def test_write_kv_input_of_another_dtype_names_both_sides(path, name):
+    key_cache, value_cache = caches()
+    args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64), key_cache=key_cache,
+                value_cache=value_cache, slot_mapping=torch.tensor([3, 9]))
+    args[name] = args[name].half()
+    if path == "fake":
+        args = on_meta(args)
+    message = refusal(lambda: pa.write_kv(**args), TypeError)
+    assert message == (
+        f"paged.write_kv: {name} is float16 but {name}_cache is float32: key, value and the "
+        "caches must have the same dtype (or the caches are fp8, with k_scale and v_scale); "
+        f"cast with {name}.to({name}_cache.dtype) or allocate the caches in float16")
+    assert (key_cache == 0).all() and (value_cache == 0).all()
+
+
+NHD_HINT = ("key_cache looks like NHD [blocks, block_size, kv_heads, head_size]: the ops take HND "
+            "[blocks, kv_heads, block_size, head_size] or a strided view of it: pass "
+            "paged_attention_ext.layouts.from_nhd(key_cache) (the view key_cache.transpose(1, 2), "
+            "no copy), and the same for value_cache")
+
+
+@pytest.mark.parametrize("path", ["kernel", "fake"])
+@pytest.mark.parametrize("op", QUERY_OPS, ids=lambda op: op.__name__)
+def test_nhd_cache_is_named_as_such(op, path):
+    # vLLM's layout [num_blocks, block_size, num_kv_heads, head_size]: 2 KV heads, blocks of 16.
+    nhd = torch.zeros(4, 16, 2, 64)
+    args = query_op_args(torch.zeros(2, 4, 64), nhd, nhd.clone())
+    if path == "fake":
+        args = on_meta(args)
+    message = refusal(lambda: call_query_op(op, args), ValueError)
+    assert message == (f"paged.{op.__name__}: num_heads of 'query' (4) must be a multiple of "
+                       f"num_kv_heads of 'key_cache' (16); {NHD_HINT}")
+
+
+def test_nhd_cache_works_through_the_helper_the_hint_names():
+    from paged_attention_ext.layouts import from_nhd
+
+    nhd_k, nhd_v = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+    args = query_op_args(torch.randn(2, 4, 64), from_nhd(nhd_k), from_nhd(nhd_v))
+    want = query_op_args(args["query"], nhd_k.transpose(1, 2).contiguous(),
+                         nhd_v.transpose(1, 2).contiguous())
+    torch.testing.assert_close(pa.attention(**args), pa.attention(**want))
+
+
+def test_heads_that_do_not_divide_get_no_layout_hint(query, case):
+    # 3 query heads over 2 KV heads: neither the cache's dim 1 (2) nor dim 2 (16) divides 3.
+    message = refusal(lambda: call(torch.randn(2, 3, 64), case, {}), ValueError)
+    assert message.endswith("num_kv_heads of 'key_cache' (2)") and "NHD" not in message
+
+
+@pytest.mark.parametrize("path", ["kernel", "fake"])
+def test_write_kv_into_an_nhd_cache_is_named_as_such(path):
+    nhd = torch.zeros(4, 8, 2, 64)  # [blocks, block_size 8, kv_heads 2, head_size]
+    args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64), key_cache=nhd,
+                value_cache=nhd.clone(), slot_mapping=torch.tensor([3, 9]))
+    if path == "fake":
+        args = on_meta(args)
+    message = refusal(lambda: pa.write_kv(**args), ValueError)
+    assert message == ("paged.write_kv: argument 'key' must be [num_tokens, num_kv_heads=8, "
+                       f"head_size=64], got [2, 2, 64]; {NHD_HINT}")
+    assert path == "fake" or (nhd == 0).all()
+
+
+@pytest.mark.parametrize("path", ["kernel", "fake"])
+@pytest.mark.parametrize("op", [pa.attention, pa.write_kv], ids=lambda op: op.__name__)
+def test_caches_of_two_layouts_are_named_as_such(op, path):
+    hnd, nhd = torch.zeros(4, 2, 16, 64), torch.zeros(4, 16, 2, 64)
+    if op is pa.write_kv:
+        args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64), key_cache=hnd,
+                    value_cache=nhd, slot_mapping=torch.tensor([3, 9]))
+    else:
+        args = query_op_args(torch.zeros(2, 4, 64), hnd, nhd)
+    if path == "fake":
+        args = on_meta(args)
+    message = refusal(lambda: op(**args), ValueError)
+    assert message == (
+        f"paged.{op.__name__}: argument 'value_cache' must have the num_blocks, num_kv_heads and "
+        "block_size of 'key_cache' [4, 2, 16, 64], got [4, 16, 2, 64]; the two differ by a swap "
+        "of dims 1 and 2, so one looks like NHD [blocks, block_size, kv_heads, head_size]: pass "
+        "both as HND [blocks, kv_heads, block_size, head_size], an NHD one through "
+        "paged_attention_ext.layouts.from_nhd(cache) (the view cache.transpose(1, 2), no copy)")
+
+
+def test_nhd_cache_is_named_as_such_under_torch_compile():
+    nhd = torch.zeros(4, 16, 2, 64)
+    args = query_op_args(torch.zeros(2, 4, 64), nhd, nhd.clone())
+    compiled = torch.compile(lambda a: pa.attention(**a), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=re.escape(NHD_HINT)):
+        compiled(args)

@@ -64,11 +64,25 @@ FP8_FAULTS = {
     "scale rank": dict(k_scale=torch.ones(2, 1)),
     "fp8 caches of two dtypes": dict(value_cache=cache(E5M2)),
 }
+def nhd_cache(dtype=torch.float32):
+    """vLLM's layout [num_blocks, block_size, num_kv_heads, head_size], passed as it is."""
+    return torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, dtype=dtype)
+
+
+# Faults of the caches' layouts, for attention and write_kv alike.
+LAYOUT_FAULTS = {
+    "NHD caches": dict(key_cache=nhd_cache(), value_cache=nhd_cache()),
+    "caches of two layouts": dict(value_cache=nhd_cache()),
+}
 QUERY_FAULTS = {
     "query dtype": dict(query=torch.zeros(2, HEADS, HEAD_SIZE, dtype=torch.float64)),
     "fp8 query": dict(query=torch.zeros(2, HEADS, HEAD_SIZE, dtype=FP8)),
+    "query rank": dict(query=torch.zeros(2, HEADS * HEAD_SIZE)),
     "float cache of another dtype": dict(key_cache=cache(torch.float16),
                                          value_cache=cache(torch.float16)),
+    "query of another dtype": dict(query=torch.zeros(2, HEADS, HEAD_SIZE, dtype=torch.bfloat16)),
+    "heads do not divide": dict(query=torch.zeros(2, 3, HEAD_SIZE)),
+    **LAYOUT_FAULTS,
 }
 
 
@@ -105,8 +119,12 @@ def test_attention_checks_match_the_kernel(op, name, fp8, change):
 
 WRITE_KV_FAULTS = {
     **CACHE_FAULTS,
+    **LAYOUT_FAULTS,
     "key of another dtype": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float16)),
     "value of another dtype": dict(value=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float16)),
+    "key of other heads": dict(key=torch.ones(2, 3, HEAD_SIZE)),
+    "key rank": dict(key=torch.ones(2, KV_HEADS * HEAD_SIZE)),
+    "value rank": dict(value=torch.ones(2, KV_HEADS * HEAD_SIZE)),
 }
 WRITE_KV_FP8_FAULTS = {
     **FP8_FAULTS,
