@@ -1,11 +1,15 @@
 """The command line: the demo serves a batch with the engine and matches transformers; the
-walkthrough runs every op and reports a match with the reference."""
+walkthrough runs every op and reports a match with the reference; every option has a plain-text
+help."""
 
+import argparse
 import json
 import subprocess
 import sys
 
-from paged_attention_ext.tools.cli import main
+import pytest
+
+from paged_attention_ext.tools.cli import build_parser, main
 
 
 def last_json(text: str) -> dict:
@@ -48,3 +52,36 @@ def test_module_entry_point(tmp_path):
     result = subprocess.run([sys.executable, "-m", "paged_attention_ext", "walkthrough", "--json"],
                             capture_output=True, text=True, check=True, cwd=tmp_path)
     assert last_json(result.stdout)["ok"] is True
+
+
+def parsers():
+    """The command and each subcommand, by name."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {"paged-attention": parser, **sub.choices}
+
+
+@pytest.mark.parametrize("name", list(parsers()))
+def test_every_option_has_a_plain_text_help(name):
+    parser = parsers()[name]
+    actions = list(parser._actions)
+    for action in parser._actions:  # the subcommands' one-line summaries
+        actions += getattr(action, "_choices_actions", [])
+    for action in actions:
+        label = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help != argparse.SUPPRESS and action.help.strip(), \
+            f"{name} {label} has no help"
+        assert "``" not in action.help, f"{name} {label}: reStructuredText in its help"
+    text = parser.format_help()
+    assert parser.description and "``" not in text and ":mod:" not in text and ":func:" not in text
+
+
+def test_help_prints_plain_text(capsys):
+    for argv in (["--help"], ["simulate", "--help"], ["memory", "--help"]):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        assert exit.value.code == 0
+        out = capsys.readouterr().out
+        assert "paged-attention" in out and "``" not in out
+    main_help = parsers()["paged-attention"].format_help()
+    assert all(command in main_help for command in ("demo", "walkthrough", "memory", "simulate"))

@@ -124,3 +124,26 @@ def test_bad_layer_patterns_are_refused(argv, message, capsys):
 def test_pattern_with_sliding_layers_needs_a_window():
     with pytest.raises(ValueError, match="give sliding_window"):
         resolve_shape(None, 2, 2, 8, layer_pattern=(1, 1))
+
+
+def test_a_short_kv_group_says_it_is_padded(capsys):
+    """Gemma-3-27B: groups of 10 layers (its full ones); the last of its 52 sliding layers' groups
+    has 2 and holds the bytes of 10, since every group's page has one size (one pool)."""
+    assert main(["memory", "--preset", "gemma-3-27b", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])["kv_groups"]
+    assert [g["layers"] for g in report["groups"]] == [10] * 6 + [2]
+    assert [g["padded_layers"] for g in report["groups"]] == [0] * 6 + [8]
+    assert report["padded_layers"] == 8 and report["layers_per_group"] == 10
+    assert report["groups"][6]["bytes_held"] == report["groups"][1]["bytes_held"]
+    rows = [line for line in lines if line.lstrip().startswith("KV group ")]
+    assert rows[6].lstrip().startswith("KV group 6 (2 layers, window 1024):")
+    assert rows[6].endswith("(padded to 10 layers: all KV groups share one pool, so every page "
+                            "holds 10 layers; 8 of them unused here)")
+    assert not any("padded" in row for row in rows[:6])
+
+
+def test_groups_of_equal_size_say_nothing_of_padding(capsys):
+    assert main(["memory", "--preset", "gpt-oss-120b"]) == 0  # 18 sliding + 18 full layers
+    out = capsys.readouterr().out
+    assert "KV group 1 (18 layers" in out and "padded" not in out

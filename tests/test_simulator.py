@@ -155,6 +155,22 @@ def test_cli_simulate_json_and_trace_file(tmp_path, capsys):
     assert replayed["strategies"] == report["strategies"]
 
 
+def test_cli_simulate_reports_progress_on_stderr(capsys):
+    assert main(["simulate", "--workload", "alpaca", "--num-requests", "60", "--pool-tokens",
+                 "8192", "--parallel-samples", "2", "--beam-width", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])  # stdout: the report, JSON last
+    assert set(report["strategies"]) == set(STRATEGIES)
+    lines = err.strip().splitlines()
+    # One line per phase as it starts (the trace, 4 strategies, 2 sharing modes), then the total.
+    assert [line.split("]")[0] for line in lines[:-1]] == [f"simulate: [{i}/7" for i in range(1, 8)]
+    for name in STRATEGIES:
+        assert any(f"through the {name} strategy" in line for line in lines)
+    assert "parallel sampling" in lines[5] and "beam search" in lines[6]
+    assert lines[-1].startswith("simulate: done in ")
+    assert "simulate: [" not in out
+
+
 # ---- KV groups ----------------------------------------------------------------------------
 
 def test_kv_groups_fit_more_long_requests_in_the_same_bytes():
@@ -184,3 +200,18 @@ def test_simulate_with_a_layer_pattern(tmp_path, capsys):
     groups = report["kv_groups"]
     assert [g["sliding_window"] for g in groups["groups"]][:2] == [None, 512]
     assert groups["peak_batch"] > 2 * groups["peak_batch_single_table"]
+
+
+def test_simulate_says_which_kv_group_is_padded(tmp_path, capsys):
+    trace = tmp_path / "short.jsonl"
+    trace.write_text("".join('{"prompt_len": 100, "output_len": 8}\n' for _ in range(10)))
+    assert main(["simulate", "--trace", str(trace), "--preset", "gemma-3-27b", "--json"]) == 0
+    out, err = capsys.readouterr()
+    groups = json.loads(out.strip().splitlines()[-1])["kv_groups"]["groups"]
+    # 10 full layers set the group size; the 52 sliding ones fill 5 groups and leave 2 layers.
+    assert [g["padded_layers"] for g in groups] == [0, 0, 0, 0, 0, 0, 8]
+    assert len({g["bytes_per_token"] for g in groups}) == 1  # one page size for every group
+    rows = [line for line in out.splitlines() if line.startswith("  group ")]
+    assert "padded to 10 layers" in rows[6] and "share one pool" in rows[6]
+    assert not any("padded" in row for row in rows[:6])
+    assert "through paged-groups" in err  # the KV groups' phase has its progress line

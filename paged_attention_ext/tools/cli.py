@@ -1,11 +1,13 @@
 """The ``paged-attention`` command line (also ``python -m paged_attention_ext``).
 
 Every subcommand accepts ``--json``: the last line printed is then one JSON object.
+The help texts are plain text (argparse prints them as written), not this reStructuredText.
 """
 
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 from statistics import mean
 from typing import Callable, Dict, List, NoReturn, Optional
@@ -16,21 +18,33 @@ from . import demo, memory, simulator, walkthrough, workloads
 Command = Callable[[argparse.Namespace], Dict]
 
 
+DESCRIPTION = ("The paged-attention command line (also python -m paged_attention_ext). Every "
+               "subcommand accepts --json: the last line printed is then one JSON object.")
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with its one-line summary."""
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-attention", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("demo", help="serve a mixed batch with the paged engine under a small "
-                                        "KV pool and check it against transformers generate")
+    parser = argparse.ArgumentParser(prog="paged-attention", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the commands below; COMMAND --help for its options")
+    serve = add_command(sub, "demo", "serve a mixed batch with the paged engine under a small KV "
+                                     "pool and check it against transformers generate")
     demo.add_arguments(serve)
     serve.set_defaults(run=demo.run)
-    walk = sub.add_parser("walkthrough", help="run every op on a small paged cache and check it "
-                                              "against the reference implementation")
-    walk.add_argument("--seed", type=int, default=0)
+    walk = add_command(sub, "walkthrough", "run every op on a small paged cache and check it "
+                                           "against the reference implementation")
+    walk.add_argument("--seed", type=int, default=0,
+                      help="seed of the random queries, keys and values (default %(default)s)")
     walk.set_defaults(run=walkthrough.run)
     add_memory_command(sub)
     add_simulate_command(sub)
     for child in sub.choices.values():
-        child.add_argument("--json", action="store_true", help="end with one JSON object")
+        child.add_argument("--json", action="store_true",
+                           help="end the output with one line holding the report as a JSON object")
     return parser
 
 
@@ -69,25 +83,34 @@ def fail(message: str) -> NoReturn:
 # ---- memory ----------------------------------------------------------------------------
 
 def add_memory_command(sub: argparse._SubParsersAction) -> None:
-    cmd = sub.add_parser("memory", help="KV-cache bytes per token, sequence and block for a model shape")
+    cmd = add_command(sub, "memory",
+                      "KV-cache bytes per token, sequence and block for a model shape")
     add_shape_arguments(cmd)
-    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16")
-    cmd.add_argument("--max-len", type=positive_int, default=2048, help="tokens per sequence")
-    cmd.add_argument("--block-size", type=positive_int, help="also report bytes per block")
-    cmd.add_argument("--memory-gib", type=positive_float,
+    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16",
+                     help="dtype of the cached keys and values (default %(default)s)")
+    cmd.add_argument("--max-len", type=positive_int, default=2048, metavar="TOKENS",
+                     help="tokens per sequence (default %(default)s)")
+    cmd.add_argument("--block-size", type=positive_int, metavar="TOKENS",
+                     help="also report bytes per block of this many tokens")
+    cmd.add_argument("--memory-gib", type=positive_float, metavar="GIB",
                      help="also report how many tokens, blocks and sequences fit")
     cmd.set_defaults(run=run_memory)
 
 
 def add_shape_arguments(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--preset", choices=sorted(memory.PRESETS),
-                     help="a known model shape; explicit flags override its fields")
-    cmd.add_argument("--layers", type=positive_int)
-    cmd.add_argument("--kv-heads", type=positive_int)
-    cmd.add_argument("--head-size", type=positive_int)
-    cmd.add_argument("--sliding-window", type=positive_int,
+    cmd.add_argument("--preset", choices=sorted(memory.PRESETS), metavar="NAME",
+                     help="a known model shape, one of %(choices)s; explicit flags override its "
+                          "fields")
+    cmd.add_argument("--layers", type=positive_int, metavar="N",
+                     help="attention layers of the model")
+    cmd.add_argument("--kv-heads", type=positive_int, metavar="N",
+                     help="key/value heads per layer (fewer than the query heads with "
+                          "grouped-query attention)")
+    cmd.add_argument("--head-size", type=positive_int, metavar="N",
+                     help="size of one head's key and value vectors")
+    cmd.add_argument("--sliding-window", type=positive_int, metavar="TOKENS",
                      help="window of the sliding-window layers, in tokens")
-    cmd.add_argument("--layer-pattern", type=layer_pattern,
+    cmd.add_argument("--layer-pattern", type=layer_pattern, metavar="SLIDING:FULL",
                      help="SLIDING:FULL layers repeating from the first (Gemma-3 5:1, GPT-OSS 1:1; "
                           "default with a window: every layer sliding)")
 
@@ -98,6 +121,14 @@ def shape_from(args: argparse.Namespace) -> "memory.ModelShape":
                                     args.sliding_window, args.layer_pattern)
     except ValueError as error:
         fail(str(error))
+
+
+def padding_note(padded_layers: int, layers_per_group: int) -> str:
+    """Why a KV group of fewer layers holds the bytes of a full one."""
+    if not padded_layers:
+        return ""
+    return (f" (padded to {layers_per_group} layers: all KV groups share one pool, so every "
+            f"page holds {layers_per_group} layers; {padded_layers} of them unused here)")
 
 
 def run_memory(args: argparse.Namespace) -> Dict:
@@ -120,7 +151,9 @@ def run_memory(args: argparse.Namespace) -> Dict:
         for g, group in enumerate(groups["groups"]):
             kind = (f"window {group['sliding_window']}" if group["sliding_window"] else "full attention")
             rows.append((f"KV group {g} ({group['layers']} layers, {kind})",
-                         f"{group['blocks_held']} blocks of {bs} tokens held, {size(group['bytes_held'])}"))
+                         f"{group['blocks_held']} blocks of {bs} tokens held, "
+                         f"{size(group['bytes_held'])}"
+                         + padding_note(group["padded_layers"], groups["layers_per_group"])))
         rows.append((f"per sequence of {args.max_len} tokens, KV groups",
                      f"{size(groups['bytes_per_sequence'])}: {groups['fraction_of_single_table']:.1%} "
                      f"of one table for all layers ({groups['saving']:.2f}x less)"))
@@ -143,32 +176,64 @@ def run_memory(args: argparse.Namespace) -> Dict:
 # ---- simulate --------------------------------------------------------------------------
 
 def add_simulate_command(sub: argparse._SubParsersAction) -> None:
-    cmd = sub.add_parser("simulate", help="replay a request trace through KV-cache allocation "
-                                          "strategies and report memory utilisation and sharing")
+    cmd = add_command(sub, "simulate", "replay a request trace through KV-cache allocation "
+                                       "strategies and report memory utilisation and sharing")
     cmd.add_argument("--workload", choices=sorted(workloads.WORKLOADS), default="sharegpt",
-                     help="synthetic length distribution (see docs/memory.md)")
-    cmd.add_argument("--trace", help="JSON lines of {\"prompt_len\": int, \"output_len\": int}; "
-                                     "replaces --workload")
-    cmd.add_argument("--save-trace", help="write the trace used as JSON lines")
-    cmd.add_argument("--num-requests", type=positive_int, default=1000)
-    cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--max-len", type=positive_int, default=2048)
-    cmd.add_argument("--block-size", type=positive_int, default=16)
-    cmd.add_argument("--pool-tokens", type=positive_int, default=32768,
-                     help="KV pool size in token slots")
-    cmd.add_argument("--parallel-samples", type=positive_int, default=1,
+                     help="synthetic length distribution (default %(default)s; see docs/memory.md)")
+    cmd.add_argument("--trace", metavar="FILE",
+                     help="JSON lines of {\"prompt_len\": int, \"output_len\": int}; replaces "
+                          "--workload")
+    cmd.add_argument("--save-trace", metavar="FILE", help="write the trace used as JSON lines")
+    cmd.add_argument("--num-requests", type=positive_int, default=1000, metavar="N",
+                     help="requests in the synthetic trace (default %(default)s)")
+    cmd.add_argument("--seed", type=int, default=0,
+                     help="seed of the synthetic trace and of beam search's switches (default "
+                          "%(default)s)")
+    cmd.add_argument("--max-len", type=positive_int, default=2048, metavar="TOKENS",
+                     help="longest request in tokens; the max_len strategy reserves this much per "
+                          "request (default %(default)s)")
+    cmd.add_argument("--block-size", type=positive_int, default=16, metavar="TOKENS",
+                     help="tokens per block of the paged strategies (default %(default)s)")
+    cmd.add_argument("--pool-tokens", type=positive_int, default=32768, metavar="SLOTS",
+                     help="KV pool size in token slots (default %(default)s)")
+    cmd.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
                      help="also measure sharing with N parallel samples per request")
-    cmd.add_argument("--beam-width", type=positive_int, default=1,
+    cmd.add_argument("--beam-width", type=positive_int, default=1, metavar="N",
                      help="also measure sharing in beam search of width N")
-    cmd.add_argument("--beam-switch-prob", type=probability, default=0.1,
-                     help="per step, chance that a beam is replaced by a child of the top beam")
+    cmd.add_argument("--beam-switch-prob", type=probability, default=0.1, metavar="P",
+                     help="per step, chance that a beam is replaced by a child of the top beam "
+                          "(default %(default)s)")
     add_shape_arguments(cmd)  # optional: a model whose sliding layers get KV groups
     cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16",
-                     help="with a model shape: bytes per token of each KV group")
+                     help="with a model shape: bytes per token of each KV group (default "
+                          "%(default)s)")
     cmd.set_defaults(run=run_simulate)
 
 
+class Progress:
+    """One stderr line as each phase of a run starts ("[2/5] ..."), the time so far on
+    the next: the report stays on stdout (and --json's last line)."""
+
+    def __init__(self, command: str, phases: int) -> None:
+        self.command, self.phases, self.done = command, phases, 0
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        self.done += 1
+        print(f"{self.command}: [{self.done}/{self.phases}] {message} "
+              f"({time.perf_counter() - self.start:.1f} s so far)", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        print(f"{self.command}: done in {time.perf_counter() - self.start:.1f} s", file=sys.stderr,
+              flush=True)
+
+
 def run_simulate(args: argparse.Namespace) -> Dict:
+    groups = bool(args.preset or args.layers or args.sliding_window or args.layer_pattern)
+    progress = Progress("simulate", 1 + len(simulator.STRATEGIES) + groups
+                        + (args.parallel_samples > 1) + (args.beam_width > 1))
+    progress(f"reading the trace {args.trace}" if args.trace else
+             f"drawing {args.num_requests} {args.workload} requests (seed {args.seed})")
     try:
         trace = (workloads.load_trace(args.trace) if args.trace else
                  workloads.synthetic_trace(args.workload, args.num_requests, args.seed, args.max_len))
@@ -194,6 +259,7 @@ def run_simulate(args: argparse.Namespace) -> Dict:
     print(f"{'strategy':<9} {'utilisation':>11} {'at peak':>8} {'requests fit':>12} "
           f"{'preemptions':>11} {'steps':>7} {'waste/request':>13}")
     for name in simulator.STRATEGIES:
+        progress(f"replaying {len(trace)} requests through the {name} strategy")
         stats = simulator.replay(trace, simulator.make_strategy(name, args.pool_tokens, args.max_len,
                                                                 args.block_size))
         report["strategies"][name] = asdict(stats)
@@ -203,19 +269,24 @@ def run_simulate(args: argparse.Namespace) -> Dict:
     print("utilisation: share of reserved slots holding tokens, time average and at the step storing "
           "the most tokens\nrequests fit: mean running requests while others wait; waste/request: "
           "empty reserved slots when a request finishes (docs/memory.md)")
-    if args.preset or args.layers or args.sliding_window or args.layer_pattern:
+    if groups:
+        progress(f"replaying {len(trace)} requests through paged-groups (KV groups) and paged "
+                 "in the same pool bytes")
         report["kv_groups"] = simulate_kv_groups(args, trace)
     if args.parallel_samples > 1:
+        progress(f"parallel sampling: {len(trace)} requests of {args.parallel_samples} samples")
         stats = simulator.parallel_sampling_savings(trace, args.parallel_samples, args.block_size)
         report["parallel_sampling"] = asdict(stats)
         print(f"parallel sampling, {stats.width} samples: sharing saves {stats.saved_fraction:.1%} "
               f"of KV blocks")
     if args.beam_width > 1:
+        progress(f"beam search: {len(trace)} requests of width {args.beam_width}")
         stats = simulator.beam_search_savings(trace, args.beam_width, args.block_size,
                                               args.beam_switch_prob, args.seed)
         report["beam_search"] = {**asdict(stats), "switch_prob": args.beam_switch_prob}
         print(f"beam search, width {stats.width} (switch prob {args.beam_switch_prob}): "
               f"sharing saves {stats.saved_fraction:.1%} of KV blocks")
+    progress.finish()
     return report
 
 
@@ -229,7 +300,8 @@ def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
                                                             args.block_size))
     layer_bytes = 2 * shape.kv_heads * shape.head_size * memory.DTYPE_BYTES[args.dtype]
     groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window,
-               "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u}
+               "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u,
+               "padded_layers": layout.layers_per_group - len(g.layers)}
               for g, u in zip(layout.groups, strategy.group_utilisation())]
     fit = f"{stats.mean_batch:.1f}" if stats.mean_batch is not None else "all"
     paged_fit = f"{paged.mean_batch:.1f}" if paged.mean_batch is not None else "all"
@@ -240,7 +312,8 @@ def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
     for g, group in enumerate(groups):
         kind = f"window {group['sliding_window']}" if group["sliding_window"] else "full attention"
         print(f"  group {g}: {group['layers']} layers, {kind}, "
-              f"{memory.format_bytes(group['bytes_per_token'])} per token, "
+              f"{memory.format_bytes(group['bytes_per_token'])} per token"
+              f"{padding_note(group['padded_layers'], layout.layers_per_group)}, "
               f"utilisation {group['utilisation']:.1%}")
     return {"layers": shape.layers, "sliding_window": shape.sliding_window,
             "layer_pattern": list(shape.layer_pattern), "groups": groups,

@@ -32,12 +32,17 @@ EOS = 2  # the built-in model's end-of-sequence token
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a local checkpoint to load instead of the built-in model")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the built-in model's weights and of the requests (default "
+                             "%(default)s)")
     parser.add_argument("--blocks", type=int, default=40,
-                        help="KV blocks of 16 tokens on the device (small on purpose)")
+                        help="KV blocks of 16 tokens on the device (small on purpose; default "
+                             "%(default)s)")
     parser.add_argument("--preemption-mode", choices=("swap", "recompute"),
                         help="default: the engine's (swap, see docs/engine.md)")
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off the engine's prefix caching (reuse of the shared system "
+                             "prompt's blocks)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default="auto",
                         help="auto: the model's dtype; fp8: 8-bit K/V in the same bytes as --blocks "
                              "model-dtype blocks, scales calibrated from the first step (docs/fp8.md)")

@@ -131,13 +131,21 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
                     memory_gib: Optional[float] = None) -> Dict:
     """Per KV group: layers, window, bytes per block, blocks held at ``max_len``; the
     sequence's total against one block table for all layers, and the ideal (each
-    group exactly its tokens: all of them, or its window)."""
+    group exactly its tokens: all of them, or its window).
+
+    Every group's page is ``layers_per_group`` layers (all groups draw pages of one size from
+    one pool), so a group of fewer layers (the last of a kind whose count is no multiple of
+    the group size) holds the bytes of a full one: its ``padded_layers`` unused layer slots
+    per page are counted in its ``bytes_held``."""
     layout = KVGroupLayout.from_windows(shape.windows())
     layer_block = 2 * shape.kv_heads * shape.head_size * DTYPE_BYTES[dtype] * block_size
     page = layout.layers_per_group * layer_block
     held = held_blocks(layout.windows, max_len, block_size)
+    # Every page holds layers_per_group layers (one page size, so all groups share one pool):
+    # a group of fewer layers leaves the rest of each of its pages unused, and its bytes count it.
     groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window, "blocks_held": n,
-               "bytes_held": n * page} for g, n in zip(layout.groups, held)]
+               "bytes_held": n * page, "padded_layers": layout.layers_per_group - len(g.layers)}
+              for g, n in zip(layout.groups, held)]
     grouped = sum(held) * page
     single = -(-max_len // block_size) * shape.layers * layer_block
     ideal = sum(len(g.layers) * min(max_len, g.sliding_window or max_len) for g in layout.groups) \
