@@ -21,6 +21,7 @@ from paged_attention_ext import attention_metadata, ops, reference
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.hf import continuous_batching as cb
 from paged_attention_ext.testing import TINY
+from paged_attention_ext.versions import release
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,6 +145,28 @@ def test_sliding_window_models_equal_generate(architecture, counted_ops):
                                   eos_token_id=None, pad_token_id=0)[0, len(row):].tolist()
         assert out.generated_tokens == want
     assert counted_ops["attention"] > 0
+
+
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+           num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+           num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=48,
+           n_group=1, topk_group=1)
+
+
+def test_latent_attention_model_equals_paged_sdpa_or_is_refused():
+    """A DeepSeek-V3-like model (MLA): from transformers 5.24 continuous batching hands the
+    attention the expanded K/V and the tokens equal paged|sdpa's; before, its pages cannot
+    hold them and every request fails with our refusal (never other tokens)."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**TINY, **MLA, "num_key_value_heads": 4})).eval()
+    rows = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    got = generate(model, CB_ATTN_IMPLEMENTATION, rows, max_new_tokens=4)
+    if release(transformers.__version__) >= (5, 24):
+        want = generate(model, "paged|sdpa", rows, max_new_tokens=4)
+        assert [o.error for o in got] == [None, None]
+        assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
+    else:
+        assert all("needs transformers 5.24 or later" in o.error for o in got), got
 
 
 def test_sliding_window_of_another_length_is_refused():

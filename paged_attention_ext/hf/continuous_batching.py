@@ -55,6 +55,11 @@ from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
 ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
 
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
 # Arguments continuous batching passes to every attention call that do not change the
 # result here (positions are already in the rotary embeddings and the indices).
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "max_seqlen_q", "max_seqlen_k",
@@ -208,6 +213,15 @@ def _attend_over_pages(module, query, key, value, scale, softcap, sinks, cache, 
     key_cache, value_cache = key_pages.transpose(1, 2), value_pages.transpose(1, 2)
     tokens, head_dim = query.shape[2], query.shape[3]
     if key.shape[1] != key_cache.shape[1] or head_dim != key_cache.shape[-1]:
+        if getattr(getattr(module, "config", None), "kv_lora_rank", None) is not None:
+            # Before 5.24 transformers' pages are sized for compressed heads, not the
+            # expanded K/V an MLA layer attends with: nothing here could address them.
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION}: continuous batching of a multi-head latent attention "
+                f"model (kv_lora_rank) needs transformers 5.24 or later (this is "
+                f"{_transformers_version()}, whose paged cache holds {tuple(key_pages.shape)} "
+                f"pages for keys of {tuple(key.shape)}); upgrade transformers, or use generate "
+                "with a PagedCache or the reference engine")
         raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} has keys "
                          f"{tuple(key.shape)}, its cache pages {tuple(key_pages.shape)}")
     # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim]
