@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from paged_attention_ext import quantization as q
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
-from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.reference import quantize
 from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
@@ -177,13 +177,14 @@ def test_paged_cache_calibrates_from_the_first_forward(pair, fmt, calibration):
     assert cache.kv.key_caches[0].float().abs().max() == fmax  # the largest key hits the format's top
 
 
-@pytest.mark.parametrize("mode", [{}, {"max_cache_len": 32}], ids=["eager", "fixed_pool"])
-def test_reset_calibrates_anew(pair, mode):
+@pytest.mark.parametrize("cache_class,mode", [(PagedCache, {}), (CompiledPagedCache, {"max_cache_len": 32})],
+                         ids=["eager", "fixed_pool"])
+def test_reset_calibrates_anew(pair, cache_class, mode):
     """A reused cache (also compile mode's fixed pool) takes the next requests' scales, so
     keys 50x larger are not clamped to the first requests' range."""
     paged, _ = pair
     ids = torch.randint(1, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(5))
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype="fp8_e4m3", **mode)
+    cache = cache_class(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype="fp8_e4m3", **mode)
     k_proj = paged.model.layers[0].self_attn.k_proj.weight
     with torch.no_grad():
         paged(ids, past_key_values=cache)

@@ -1,4 +1,4 @@
-"""Compiled decoding with a compile-mode PagedCache (``max_cache_len``): every step runs in
+"""Compiled decoding with a CompiledPagedCache (``max_cache_len``): every step runs in
 one graph (no graph breaks, no recompiles after warm-up) across steps, rows finishing, beam
 reorders and block-table growth, and generates what eager attention generates.
 
@@ -78,7 +78,7 @@ def test_generate_compile_config_one_graph_for_every_decode_step(models):
     eos = int(free_run[0, ids.shape[1] + 2])  # row 0 stops after 3 tokens
     want = generate(reference, ids, mask, max_new_tokens=16, do_sample=False, eos_token_id=eos)
     for attempt in range(2):  # a second generate with a new cache reuses the graph
-        cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+        cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
         got = generate(paged, ids, mask, cache, max_new_tokens=16, do_sample=False,
                        eos_token_id=eos, compile_config=compile_config())
         assert torch.equal(got, want)
@@ -102,7 +102,7 @@ def test_compiled_forward_fullgraph(models, mode):
     forward = paged.forward
     paged.forward = torch.compile(forward, fullgraph=True, backend=counting_backend)
     try:
-        cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+        cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
         got = generate(paged, ids, mask, cache, max_new_tokens=14, **kwargs)
     finally:
         paged.forward = forward
@@ -122,7 +122,7 @@ def test_eager_prefill_shares_prompt_blocks(models):
     ids, mask = left_padded([13], seed=2)
     want = generate(reference, ids, mask, seed=3, max_new_tokens=8, do_sample=True,
                     num_return_sequences=4)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     got = generate(paged, ids, mask, cache, seed=3, max_new_tokens=8, do_sample=True,
                    num_return_sequences=4, compile_config=compile_config())
     assert torch.equal(got, want)
@@ -136,7 +136,7 @@ def test_own_loop_with_prepare(models):
     reference, paged = models
     ids, mask = left_padded([9, 5], seed=4)
     want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     step = torch.compile(paged.forward, fullgraph=True, backend=counting_backend)
     tokens, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_inductor(models):
     reference, paged = models
     ids, mask = left_padded([8, 5], seed=6)
     want = generate(reference, ids, mask, max_new_tokens=8, do_sample=False)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     got = generate(paged, ids, mask, cache, max_new_tokens=8, do_sample=False,
                    compile_config=compile_config("inductor"))
     assert torch.equal(got, want)
@@ -175,7 +175,7 @@ def test_prompt_lookup_crops_in_compile_mode(models):
     ids = torch.cat([ids, ids[:, :5], ids], dim=1)  # repeated n-grams: candidates to propose
     with torch.no_grad():
         want = reference.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3)
-        cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+        cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
         got = paged.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3,
                              past_key_values=cache)
     assert torch.equal(got, want)
@@ -187,26 +187,28 @@ def test_prompt_lookup_crops_in_compile_mode(models):
 def test_compile_mode_limits_and_arguments(models):
     _, paged = models
     config = paged.config
-    with pytest.raises(ValueError, match="max_batch_size sizes the compile mode"):
-        PagedCache(config, max_batch_size=2)
-    with pytest.raises(ValueError, match="not both"):
-        PagedCache(config, max_cache_len=16, max_seq_len=16)
+    # The caller picks the class, as transformers' DynamicCache / StaticCache.
+    for compile_mode in (dict(max_cache_len=16), dict(max_batch_size=2)):
+        with pytest.raises(TypeError, match=r"use CompiledPagedCache\(config, max_cache_len=\.\.\.\)"):
+            PagedCache(config, **compile_mode)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_len'"):
+        PagedCache(config, max_len=16)
+    with pytest.raises(TypeError, match="max_seq_len"):
+        CompiledPagedCache(config, max_cache_len=16, max_seq_len=16)
     with pytest.raises(ValueError, match="max_cache_len"):
-        PagedCache(config, max_cache_len=0)
+        CompiledPagedCache(config, max_cache_len=0)
     assert not PagedCache(config).is_compileable
-    assert PagedCache(config, max_cache_len=16).is_compileable
-    # The compile mode is a class of its own, whichever way it is asked for.
+    assert CompiledPagedCache(config, max_cache_len=16).is_compileable
     assert type(PagedCache(config)) is PagedCache
-    assert type(PagedCache(config, 16, None, True, None, "auto", None, None, "per_layer", 16)) \
-        is CompiledPagedCache
     assert CompiledPagedCache(config, max_cache_len=16).get_max_length() == 16
+    assert CompiledPagedCache(config, 16, 2).get_max_length() == 16  # as StaticCache(config, max_cache_len)
     with pytest.raises(TypeError, match="pass max_cache_len"):
         CompiledPagedCache(config)
-    for cache in (PagedCache(config), PagedCache(config, max_cache_len=16)):
+    for cache in (PagedCache(config), CompiledPagedCache(config, max_cache_len=16)):
         for duplicate in (copy.copy(cache), copy.deepcopy(cache)):
             assert type(duplicate) is type(cache) and duplicate.is_compileable == cache.is_compileable
     with torch.no_grad():
-        cache = PagedCache(config, block_size=BLOCK_SIZE, max_cache_len=12, max_batch_size=2)
+        cache = CompiledPagedCache(config, block_size=BLOCK_SIZE, max_cache_len=12, max_batch_size=2)
         with pytest.raises(ValueError, match="more than max_batch_size=2"):
             paged(torch.ones(3, 4, dtype=torch.long), past_key_values=cache)
         paged(torch.ones(2, 10, dtype=torch.long), past_key_values=cache)
@@ -216,10 +218,9 @@ def test_compile_mode_limits_and_arguments(models):
         paged(torch.ones(2, 2, dtype=torch.long), past_key_values=cache)
         usage = cache.memory_usage()  # identical rows: 2 shared prompt blocks + 1 own each
         assert (usage["blocks_used"], usage["block_references"]) == (4, 6)
-    with pytest.raises(RuntimeError, match="compile mode"):
-        PagedCache(config).prepare(1, 1)
+    assert not hasattr(PagedCache(config), "prepare")  # an eager forward places its own tokens
     with pytest.raises(ValueError, match="pass the model's dtype and device"):
-        PagedCache(config, max_cache_len=16).prepare(1, 1)
+        CompiledPagedCache(config, max_cache_len=16).prepare(1, 1)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
@@ -231,7 +232,7 @@ def test_sliding_window_and_soft_cap_architectures(arch):
     reference, paged = build_pair(arch)
     ids, mask = padded_160([12, 7], seed=8)
     want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     got = generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False,
                    compile_config=compile_config())
     assert torch.equal(got, want)
@@ -252,7 +253,7 @@ def test_chunked_prefill_compiled(models):
     reference, paged = models
     ids, mask = left_padded([12, 3, 9], seed=5)
     want = generate(reference, ids, mask, max_new_tokens=6, do_sample=False)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     got = generate(paged, ids, mask, cache, max_new_tokens=6, do_sample=False,
                    prefill_chunk_size=4, compile_config=compile_config())
     assert torch.equal(got, want)
@@ -272,7 +273,8 @@ def test_fp8_cache_compiles(models, scales):
         options.update(k_scale=0.05, v_scale=0.05)
     outputs = []
     for config in (None, compile_config()):
-        cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN, **options)
+        cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN,
+                                   **options)
         extra = {} if config is None else {"compile_config": config}
         outputs.append(generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False, **extra))
     assert torch.equal(outputs[1], outputs[0])
@@ -286,7 +288,7 @@ def test_forward_stopped_between_layers_is_refused(models, monkeypatch):
     from paged_attention_ext import ops  # the module the attention function's metadata calls
     reference, paged = models
     ids, mask = left_padded([9, 6], seed=9)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     with torch.no_grad():
         paged(ids, attention_mask=mask, past_key_values=cache)
         calls = []
@@ -321,8 +323,8 @@ def test_cascade_decode_graph(models, search):
     kwargs = (dict(do_sample=True, num_return_sequences=3) if search == "samples"
               else dict(do_sample=False, num_beams=3, num_return_sequences=2))
     want = generate(reference, ids, mask, seed=6, max_new_tokens=12, **kwargs)
-    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN,
-                       cascade_min_saved_tokens=1)
+    cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN,
+                               cascade_min_saved_tokens=1)
     forward = paged.forward
     if search == "beams":
         paged.forward = torch.compile(forward, fullgraph=True, backend=counting_backend)

@@ -30,7 +30,7 @@ BLOCK_SIZE = 4
 # Two rows, the second left-padded: 9 and 6 tokens; a repeated prompt prefix for the cache.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 0, 5, 6, 7, 8, 20, 21]]
 MASK = [[1] * 9, [0, 0, 0] + [1] * 6]
-RUNS = {  # name: (PagedCache arguments, generate() arguments)
+RUNS = {  # name: (PagedCache arguments (max_cache_len: CompiledPagedCache), generate() arguments)
     "greedy": ({}, dict(max_new_tokens=8, do_sample=False)),
     "beam": ({}, dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)),
     # Compile mode's fixed pools are sized before the first forward: from the config's head
@@ -41,12 +41,13 @@ RUNS = {  # name: (PagedCache arguments, generate() arguments)
 
 def run_generations(model) -> dict:
     """Each run's tokens, the pool's KV heads and every row's block table afterwards."""
-    from paged_attention_ext.hf import PagedCache
+    from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 
     ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
     result = {}
     for name, (cache_kwargs, kwargs) in RUNS.items():
-        cache = PagedCache(model.config, block_size=BLOCK_SIZE, **cache_kwargs)
+        cache_class = CompiledPagedCache if "max_cache_len" in cache_kwargs else PagedCache
+        cache = cache_class(model.config, block_size=BLOCK_SIZE, **cache_kwargs)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, pad_token_id=0,
                                  **kwargs)

@@ -21,7 +21,6 @@ gets compressed latents and the attention function stores the keys and values tr
 expands from them (:class:`LayerStorage`).
 """
 
-import inspect
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -95,18 +94,13 @@ class PagedCache(Cache):
             value (``kv_scale_calibration="per_head"``: one per KV head). Later values beyond
             that range saturate; pass fixed scales for generations whose prompt is not
             representative.
-        max_cache_len: compile mode (``is_compileable``): the most tokens (prompt and
-            generated) a row may hold. The pool (``num_blocks``, default
-            ``max_batch_size * ceil(max_cache_len / block_size)`` per KV group) and fixed-size block tables
-            and metadata tensors are allocated once and rewritten in place before every
-            forward, so ``torch.compile(model.forward, fullgraph=True)`` and generate's
-            ``compile_config`` run the decode steps without graph breaks or recompiles
-            (docs/huggingface.md, "Compiled decoding"). Excludes ``max_seq_len``.
-        max_batch_size: compile mode: the most batch rows (default: the first forward's).
         cascade_min_saved_tokens: rows that share prompt blocks (``num_return_sequences``,
             beams, repeated prompts) read them once per decode step (cascade attention,
             :mod:`paged_attention_ext.cascade`) where that saves at least this many key
             reads per step; ``None``: plain attention only. The tokens are the same.
+
+    For ``torch.compile`` (fixed pools and metadata) use :class:`CompiledPagedCache`
+    instead (``CompiledPagedCache(config, max_cache_len=...)``).
 
     The pools take the dtype, device and head shapes (key and value head sizes may differ)
     of the first keys and values stored. One instance serves one ``generate`` call (or
@@ -121,35 +115,20 @@ class PagedCache(Cache):
     ``memory_usage()`` and ``get_seq_length()``.
     """
 
-    def __new__(cls, *args, **kwargs) -> "PagedCache":
-        # max_cache_len selects the compile mode, a class of its own. (copy and pickle call
-        # __new__ without arguments.)
-        if cls is PagedCache and (args or kwargs) and \
-                _bind(args, kwargs).get("max_cache_len") is not None:
-            from .compiled_cache import CompiledPagedCache
-            cls = CompiledPagedCache
-        return super().__new__(cls)
-
     def __init__(self, config: PretrainedConfig, block_size: int = 16, num_blocks: Optional[int] = None,
                  enable_prefix_caching: bool = True, max_seq_len: Optional[int] = None,
                  kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
                  v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
-                 max_cache_len: Optional[int] = None, max_batch_size: Optional[int] = None,
-                 cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS) -> None:
+                 *, cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS,
+                 **unknown) -> None:
+        _refuse_unknown(unknown)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
                             f"model's config), got {type(config).__name__}")
         check_int("PagedCache: block_size", block_size, 1)
         check_int("PagedCache: num_blocks", num_blocks, 1, optional=True)
         check_int("PagedCache: max_seq_len", max_seq_len, 1, optional=True)
-        check_int("PagedCache: max_cache_len", max_cache_len, 1, optional=True)
-        check_int("PagedCache: max_batch_size", max_batch_size, 1, optional=True)
         check_int("PagedCache: cascade_min_saved_tokens", cascade_min_saved_tokens, 1, optional=True)
-        if max_cache_len is None and max_batch_size is not None:
-            raise ValueError("PagedCache: max_batch_size sizes the compile mode, which max_cache_len "
-                             "turns on; pass max_cache_len too")
-        if max_cache_len is not None and max_seq_len is not None:
-            raise ValueError("PagedCache: pass max_cache_len (compile mode) or max_seq_len, not both")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"PagedCache: enable_prefix_caching must be a bool, got "
                             f"{type(enable_prefix_caching).__name__}")
@@ -165,8 +144,6 @@ class PagedCache(Cache):
         self.enable_prefix_caching = enable_prefix_caching
         self.max_positions: Optional[int] = getattr(text_config, "max_position_embeddings", None)
         self.max_seq_len = max_seq_len
-        self._max_cache_len = max_cache_len
-        self._max_batch_size = max_batch_size
         self._cascade_min_saved_tokens = cascade_min_saved_tokens
         self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                                 calibration=kv_scale_calibration)
@@ -291,6 +268,14 @@ class PagedCache(Cache):
         candidates the model rejected): blocks past the new end are freed, the partial one
         is kept. ``tokens_to_remove <= 0`` removes that many; a positive value is
         transformers' older form, the length to keep."""
+        remove = self._tokens_to_crop(tokens_to_remove)
+        if remove == 0:
+            return
+        self._placement.remove_last(remove)
+        self._length -= remove
+
+    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
+        """How many tokens :meth:`crop` removes from every row (checked; nothing changes)."""
         self._state.check_usable("crop")
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"PagedCache.crop: tokens_to_remove must be an int, got "
@@ -299,11 +284,7 @@ class PagedCache(Cache):
         if remove > self._length:
             raise ValueError(f"PagedCache.crop: cannot remove {remove} tokens, rows hold "
                              f"{self._length} columns")
-        if remove == 0:
-            return
-        self._between_forwards()
-        self._placement.remove_last(remove)
-        self._length -= remove
+        return remove
 
     # Assisted and multi-token-prediction decoding ask a cache to record past states so that
     # crop() can restore them; paged K/V crops at any time, and there are no recurrent states.
@@ -315,17 +296,6 @@ class PagedCache(Cache):
 
     def get_recurrent_states_to_keep(self, layer_idx: Optional[int] = None) -> int:
         return 0
-
-    def _between_forwards(self) -> None:
-        """A change of the rows between forwards (the compile mode drops its prepared step)."""
-
-    def prepare(self, batch_size: int, num_new_tokens: int,
-                attention_mask: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
-                device: Optional[torch.device] = None) -> None:
-        """Compile mode only (:meth:`CompiledPagedCache.prepare`); an eager forward places
-        its own tokens."""
-        raise RuntimeError("PagedCache.prepare is for the compile mode: "
-                           "PagedCache(config, max_cache_len=...)")
 
     def early_initialization(self, *args, **kwargs) -> None:
         raise NotImplementedError("PagedCache allocates its pools on the first forward")
@@ -538,7 +508,11 @@ class PagedCache(Cache):
         self._batch = self._batch if self._state.interrupted else None
 
 
-def _bind(args, kwargs) -> Dict:
-    """PagedCache's arguments by name, as its __init__ receives them."""
-    bound = inspect.signature(PagedCache.__init__).bind_partial(None, *args, **kwargs)
-    return bound.arguments
+def _refuse_unknown(unknown: Dict) -> None:
+    """Refuse unknown keyword arguments; the compile mode's are told which class takes them."""
+    if {"max_cache_len", "max_batch_size"} & unknown.keys():
+        raise TypeError("PagedCache: max_cache_len and max_batch_size are the compile mode's "
+                        "arguments: use CompiledPagedCache(config, max_cache_len=...)")
+    if unknown:
+        raise TypeError(f"PagedCache.__init__() got an unexpected keyword argument "
+                        f"{next(iter(unknown))!r}")

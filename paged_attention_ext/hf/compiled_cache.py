@@ -1,6 +1,6 @@
 """The compile mode of the paged cache: fixed pools and metadata for ``torch.compile``.
 
-``PagedCache(config, max_cache_len=...)`` (or ``CompiledPagedCache``) allocates a fixed pool
+``CompiledPagedCache(config, max_cache_len=...)`` allocates a fixed pool
 and fixed-size metadata tensors (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the
 bookkeeping of :class:`~paged_attention_ext.hf.PagedCache` runs eagerly *before* each
 forward (``prepare``, called by the mask function when generate builds the masks eagerly),
@@ -10,9 +10,11 @@ so a compiled forward only writes K/V at the prepared slots and attends.
 from typing import List, Optional, Tuple
 
 import torch
+from transformers import PretrainedConfig
 
 from ..block_table import blocks_needed
-from ..kv_cache import PagedKVCache, check_int
+from ..cascade import DEFAULT_MIN_SAVED_TOKENS
+from ..kv_cache import LayerScales, PagedKVCache, check_int
 from .batch import StepBuffers
 from .cache import PagedCache, PoolSpec
 from .handoff import (LayerCall, cancel_preparation, publish_layer_call, request_preparation,
@@ -21,13 +23,39 @@ from .placement import RowLimit, RowPlacement
 
 
 class CompiledPagedCache(PagedCache):
-    """:class:`PagedCache` in compile mode (``is_compileable``); ``PagedCache(config,
-    max_cache_len=...)`` returns one. Same arguments; ``max_cache_len`` is required."""
+    """:class:`PagedCache` in compile mode (``is_compileable``), the paged counterpart of
+    transformers' ``StaticCache(config, max_cache_len=...)``.
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self._max_cache_len is None:
+    The pool (``num_blocks``, default ``max_batch_size * ceil(max_cache_len / block_size)``
+    per KV group) and fixed-size block tables and metadata tensors are allocated once and
+    rewritten in place before every forward, so ``torch.compile(model.forward,
+    fullgraph=True)`` and generate's ``compile_config`` run the decode steps without graph
+    breaks or recompiles (docs/huggingface.md, "Compiled decoding").
+
+    Args:
+        config: the model's config.
+        max_cache_len: the most tokens (prompt and generated) a row may hold (required).
+        max_batch_size: the most batch rows (default: the first forward's).
+        block_size, num_blocks, enable_prefix_caching, kv_cache_dtype, k_scale, v_scale,
+            kv_scale_calibration, cascade_min_saved_tokens: as :class:`PagedCache`'s
+            (``max_seq_len`` has no place here: ``max_cache_len`` is the row limit).
+    """
+
+    def __init__(self, config: PretrainedConfig, max_cache_len: Optional[int] = None,
+                 max_batch_size: Optional[int] = None, block_size: int = 16,
+                 num_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
+                 v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
+                 cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS) -> None:
+        if max_cache_len is None:
             raise TypeError("CompiledPagedCache: pass max_cache_len (the most tokens a row may hold)")
+        check_int("CompiledPagedCache: max_cache_len", max_cache_len, 1)
+        check_int("CompiledPagedCache: max_batch_size", max_batch_size, 1, optional=True)
+        self._max_cache_len = max_cache_len
+        self._max_batch_size = max_batch_size
+        super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
+                         k_scale, v_scale, kv_scale_calibration,
+                         cascade_min_saved_tokens=cascade_min_saved_tokens)
         # (pool spec, pools, metadata buffers), kept across reset() so that a compiled
         # forward keeps reading the same tensors.
         self._static: Optional[Tuple[PoolSpec, PagedKVCache, StepBuffers]] = None
@@ -109,8 +137,10 @@ class CompiledPagedCache(PagedCache):
             self._static[1].recalibrate()
         super().reset()
 
-    def _between_forwards(self) -> None:
-        self._step_open = False
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._tokens_to_crop(tokens_to_remove):
+            self._step_open = False  # rows that change between forwards void a prepared step
+        super().crop(tokens_to_remove)
 
     # ---- preparation ----------------------------------------------------------------------
     def prepare(self, batch_size: int, num_new_tokens: int,
