@@ -26,8 +26,12 @@ class BlockAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self.name = name
         self.setting = setting
-        # Popped from the end: block 0 is handed out first (deterministic ids).
+        # Popped from the end: block 0 is handed out first (deterministic ids), and freed
+        # blocks (appended) are reused before an id never handed out.
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
+        # 1 + the highest id ever handed out (0: none): every block that holds content (used
+        # or cached) has a lower id, whatever order ids are handed out in.
+        self.high_water_mark = 0
         self._ref_counts: List[int] = [0] * num_blocks
         self._hash_of_block: Dict[int, bytes] = {}
         self._block_of_hash: Dict[bytes, int] = {}
@@ -78,6 +82,7 @@ class BlockAllocator:
         for _ in range(count):
             block = self._free.pop() if self._free else self._evict()
             self._ref_counts[block] = 1
+            self.high_water_mark = max(self.high_water_mark, block + 1)
             blocks.append(block)
         return blocks
 

@@ -143,6 +143,12 @@ class BlockSpaceManager:
         return self.device.num_blocks
 
     @property
+    def device_high_water_mark(self) -> int:
+        """1 + the highest device block id handed out so far: a K/V pool of this many blocks
+        holds every block with content (a pool that grows with use sizes itself from this)."""
+        return self.device.high_water_mark
+
+    @property
     def num_used_device_blocks(self) -> int:
         """Device blocks referenced by some sequence (a shared block counts once)."""
         return self.device.num_used_blocks

@@ -60,6 +60,22 @@ def test_failed_allocation_leaves_allocator_unchanged():
     assert snapshot(alloc) == before
 
 
+def test_high_water_mark_bounds_every_id_handed_out():
+    alloc = BlockAllocator(8, 16)
+    assert alloc.high_water_mark == 0
+    a, b, c = alloc.allocate(3)
+    alloc.free([a, b])
+    assert alloc.high_water_mark == 3
+    alloc.allocate(2)  # freed blocks come back before a new id
+    assert alloc.high_water_mark == 3
+    alloc.allocate(1)
+    assert alloc.high_water_mark == 4
+    twin = alloc.copy()
+    alloc._free.reverse()  # another order: the mark follows the ids handed out
+    assert alloc.allocate(1) == [7]
+    assert alloc.high_water_mark == 8 and twin.high_water_mark == 4
+
+
 # ---- block tables and copy-on-write --------------------------------------------------------
 
 def test_append_in_place_and_new_block_only_when_full():

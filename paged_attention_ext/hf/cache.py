@@ -433,7 +433,7 @@ class PagedCache(Cache):
         self._batch = None
         placed = self._placement.place(counts, q_len, keys, values)
         tables = self._placement.tables()
-        self._reserve(1 + max((b for group in tables for t in group for b in t), default=0))
+        self._reserve(max(1, self.manager.device_high_water_mark))
         self.kv.apply_copies(placed.copies)  # before any layer writes this step's tokens
         query_rows = None
         if sum(counts) != rows * q_len:
@@ -486,10 +486,9 @@ class PagedCache(Cache):
                             kv_groups=self.kv_groups, **options)
 
     def _reserve(self, num_blocks: int) -> None:
-        """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size).
-
-        The allocator reuses freed blocks before it hands out a new id (in ascending order
-        from 0), so the highest id in use tracks the peak number of blocks in use.
+        """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size):
+        the block manager's high-water mark, whatever order its allocator hands out ids in
+        (it reuses freed blocks first, so the mark is also the peak number held at once).
         """
         if self.kv is not None and num_blocks <= self.kv.num_blocks:
             return
