@@ -167,29 +167,12 @@ class BlockSpaceManager:
         keeps them; otherwise they are computed from the ids.
         """
         num_tokens, names = self._prompt(prompt, extra_key, names)
-        return self.can_admit([SeqSpec(-1, num_tokens, names)], num_tokens)
-
-    def can_admit(self, seqs: Sequence[SeqSpec], shared_len: int) -> bool:
-        """Whether :meth:`admit` of these sequences fits above the watermark."""
-        return self.device.num_free_blocks - self._admission(seqs, shared_len)[0] \
-            >= self._watermark_blocks
-
-    def can_append(self, group_id: int, tokens_per_seq: int = 1, reserved: int = 0) -> bool:
-        """Whether every sequence of the group can take `tokens_per_seq` more tokens,
-        leaving `reserved` blocks (promised to other groups' appends) untouched."""
-        return self.append_cost(group_id, tokens_per_seq) + reserved <= self.device.num_free_blocks
+        return self._above_watermark(self._admission([SeqSpec(-1, num_tokens, names)], num_tokens)[0])
 
     def append_cost(self, group_id: int, tokens_per_seq: int = 1) -> int:
         """Device blocks an append of `tokens_per_seq` to every sequence of the group takes."""
         return self._append_cost((t, tokens_per_seq) for s in self._groups[group_id]
                                  for t in self._tables[s])
-
-    def can_swap_in(self, group_id: int, tokens_per_seq: int = 1) -> bool:
-        """Whether the swapped-out group fits back above the watermark, together with the
-        next `tokens_per_seq` tokens of each of its sequences."""
-        needed = self._move_plan(group_id, self.device).needed
-        needed += self.append_cost(group_id, tokens_per_seq)
-        return self.device.num_free_blocks - needed >= self._watermark_blocks
 
     def can_swap_out(self, group_id: int) -> bool:
         return len(self._distinct_blocks(group_id)) <= self.host.num_free_blocks
@@ -231,11 +214,11 @@ class BlockSpaceManager:
 
     def try_admit(self, group_id: int, seqs: Sequence[SeqSpec],
                   shared_len: int) -> Optional[List[AppendResult]]:
-        """:meth:`admit` if the group fits above the watermark (:meth:`can_admit`); None,
-        with nothing changed, if it does not."""
+        """:meth:`admit` if the group fits above the watermark; None, with nothing changed,
+        if it does not."""
         self._check_new(group_id, [s.seq_id for s in seqs])
         needed, num_hits = self._admission(seqs, shared_len)
-        if self.device.num_free_blocks - needed < self._watermark_blocks:
+        if not self._above_watermark(needed):
             return None
         return self._place_group(group_id, seqs, shared_len, num_hits)
 
@@ -328,8 +311,7 @@ class BlockSpaceManager:
 
     def try_swap_in(self, group_id: int) -> Optional[List[BlockPair]]:
         """:meth:`swap_in` if the group fits back above the watermark together with the next
-        token of each of its sequences (:meth:`can_swap_in`); None, with nothing changed,
-        if it does not."""
+        token of each of its sequences; None, with nothing changed, if it does not."""
         return self._move_group(group_id, self.host, self.device,
                                 keep_free=self._watermark_blocks + self.append_cost(group_id),
                                 or_none=True)
@@ -466,6 +448,10 @@ class BlockSpaceManager:
         self._tables[seq_id] = tables
         self._groups.setdefault(group_id, []).append(seq_id)
         self._group_of[seq_id] = group_id
+
+    def _above_watermark(self, needed: int) -> bool:
+        """Whether taking ``needed`` device blocks leaves the watermark's blocks free."""
+        return self.device.num_free_blocks - needed >= self._watermark_blocks
 
     def _admission(self, seqs: Sequence[SeqSpec], shared_len: int,
                    first_query: Optional[int] = None) -> Tuple[int, int]:

@@ -70,13 +70,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         new = {s: [data.draw(st.integers(1, 3))] for s in seqs}
         counts = {s: 1 for s in seqs}
         names = {s: self.names(self.tokens[s] + new[s]) for s in seqs}
-        if not self.mgr.can_append(group):
-            try:
-                self.mgr.append_group(group, counts, names)
-            except NoFreeBlocksError:
-                return
-            raise AssertionError("can_append said no but the append succeeded")
-        step = self.mgr.append_group(group, counts, names)
+        fits = self.mgr.append_cost(group) <= self.mgr.num_free_device_blocks
+        try:
+            step = self.mgr.append_group(group, counts, names)
+        except NoFreeBlocksError:
+            assert not fits, "append_cost said it fits but the append failed"
+            return
+        assert fits, "append_cost said no but the append succeeded"
         self.cache.apply_copies([c for s in seqs for c in step[s].copies])
         self.write([slot for s in seqs for slot in step[s].slots], [new[s][0] for s in seqs])
         for s in seqs:
@@ -118,9 +118,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         group = data.draw(st.sampled_from(self.swapped_groups()))
-        if not self.mgr.can_swap_in(group):
+        mapping = self.mgr.try_swap_in(group)
+        if mapping is None:
             return
-        self.cache.swap_in(self.mgr.swap_in(group))
+        self.cache.swap_in(mapping)
 
     @precondition(lambda self: self.device_groups())
     @rule(data=st.data())
