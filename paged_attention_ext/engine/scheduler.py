@@ -25,8 +25,10 @@ one step (no chunked prefill).
 
 import bisect
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence as TypingSequence, Tuple
+from typing import (Deque, Dict, Iterator, List, MutableSequence, Optional, Sequence as TypingSequence,
+                    Tuple)
 
 from ..block_manager import BlockSpaceManager, SeqSpec
 from ..block_table import BlockPair
@@ -71,9 +73,11 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.preemption_mode = config.preemption_mode
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.waiting: List[SequenceGroup] = []
+        # Queues served from the front (deques); the running groups are a list, visited in
+        # order and rebuilt by each preemption.
+        self.waiting: Deque[SequenceGroup] = deque()
         self.running: List[SequenceGroup] = []
-        self.swapped: List[SequenceGroup] = []
+        self.swapped: Deque[SequenceGroup] = deque()
 
     @property
     def manager(self) -> BlockSpaceManager:
@@ -108,7 +112,7 @@ class Scheduler:
         """Undo every change to the blocks, the queues and the queued groups' statuses and
         computed tokens if the body of the ``with`` raises (see ``LLMEngine.step``)."""
         manager = self._manager.checkpoint()
-        queues = [list(q) for q in (self.waiting, self.running, self.swapped)]
+        queues = [q.copy() for q in (self.waiting, self.running, self.swapped)]
         groups = [(g, g.status, [(s, s.num_computed) for s in g.seqs]) for q in queues for g in q]
         try:
             yield
@@ -146,9 +150,9 @@ class Scheduler:
         Writes nothing: the blocks the running groups will take are only counted.
         """
         out = Preemption()
-        queue, self.running, reserved = list(self.running), [], 0
+        queue, self.running, reserved = deque(self.running), [], 0
         while queue:
-            group = queue.pop(0)
+            group = queue.popleft()
             while group.status is GroupStatus.RUNNING:
                 # Counted again after each preemption: freed shared blocks change the cost.
                 cost = self._manager.append_cost(group.group_id)
@@ -184,7 +188,7 @@ class Scheduler:
             mapping = self._manager.try_swap_in(self.swapped[0].group_id)
             if mapping is None:
                 return
-            group = self.swapped.pop(0)
+            group = self.swapped.popleft()
             out.swap_in += mapping
             self._append_pending(group, out)
             self._start(group)
@@ -196,7 +200,7 @@ class Scheduler:
             tokens = sum(len(s.token_ids) for s in group.live_seqs)
             if (out.groups and tokens > budget) or not self._admit(group, out):
                 return
-            self.waiting.pop(0)
+            self.waiting.popleft()
             self._start(group)
             budget -= tokens
             out.groups.append(group)
@@ -253,6 +257,6 @@ def _admission(group: SequenceGroup) -> Tuple[List[SeqSpec], int]:
     return seqs, (len(live[0].token_ids) if len(live) == 1 else live[0].prompt_len)
 
 
-def _insert(queue: List[SequenceGroup], group: SequenceGroup) -> None:
+def _insert(queue: MutableSequence[SequenceGroup], group: SequenceGroup) -> None:
     """Keep a queue in arrival order (earliest first)."""
     bisect.insort(queue, group, key=lambda g: g.arrival)
