@@ -33,14 +33,17 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_si
     return num_layers * num_kv_heads * block_size * (head_size + head_size_v) * element
 
 
-def check_int(name: str, value, minimum: int, optional: bool = False) -> None:
-    """A ValueError/TypeError naming the argument unless ``value`` is an int >= ``minimum``."""
+def check_int(name: str, value, minimum: Optional[int], optional: bool = False,
+              type_error: type = TypeError) -> None:
+    """A ValueError (or ``type_error`` for a value that is no int) naming the argument unless
+    ``value`` is an int >= ``minimum`` (None: any int). The one integer-argument check of
+    the package (the engine's ``SamplingParams`` raise ValueError for both)."""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         kind = "an int or None" if optional else "an int"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
-    if value < minimum:
+        raise type_error(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 

@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from ..kv_cache import check_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,13 +29,12 @@ class SamplingParams:
     eos_token_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("top_k", self.top_k, 0)
-        _check_int("seed", self.seed, None)
-        _check_int("n", self.n, 1)
-        _check_int("num_beams", self.num_beams, 1)
-        if self.num_return_sequences is not None:
-            _check_int("num_return_sequences", self.num_return_sequences, 1)
+        # Every bad setting raises ValueError, a value that is no int too.
+        for name, minimum in (("max_new_tokens", 1), ("top_k", 0), ("seed", None), ("n", 1),
+                              ("num_beams", 1)):
+            check_int(name, getattr(self, name), minimum, type_error=ValueError)
+        check_int("num_return_sequences", self.num_return_sequences, 1, optional=True,
+                  type_error=ValueError)
         if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -88,10 +89,3 @@ class Request:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: "int | None") -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -25,7 +25,7 @@ from .attention import paged_attention_forward  # noqa: E402
 from .batch import PagedBatch  # noqa: E402
 from .cache import PagedCache  # noqa: E402
 from .compiled_cache import CompiledPagedCache  # noqa: E402
-from .continuous_batching import ATTN_IMPLEMENTATION as CB_ATTN_IMPLEMENTATION  # noqa: E402
+from .continuous_batching import CB_ATTN_IMPLEMENTATION  # noqa: E402
 from .continuous_batching import continuous_batching_attention_forward  # noqa: E402
 from .handoff import ATTN_IMPLEMENTATION, publish_padding_mask  # noqa: E402
 from .support import check_config  # noqa: E402

@@ -2,7 +2,7 @@
 
 transformers' continuous batching (``model.generate_batch(...)``, the
 ``ContinuousBatchingManager``) keeps its own paged KV cache. Its name for this
-implementation is :data:`ATTN_IMPLEMENTATION`: ``paged|paged_attention_ext`` up to
+implementation is :data:`CB_ATTN_IMPLEMENTATION`: ``paged|paged_attention_ext`` up to
 transformers 5.18, ``paged_attention_ext`` from 5.19 (which strips the ``paged|`` prefix
 and runs one name for ``generate`` and continuous batching; its allowlist is extended in
 hooks/cb_attention_allowlist.py). transformers calls the attention in one of two ways:
@@ -53,7 +53,7 @@ from .self_check import verify_architecture
 from .support import refuse_unapplied_kwargs, sink_logits_of
 from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
-ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
+CB_ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
 
 
 def _transformers_version() -> str:
@@ -96,18 +96,18 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
     if read_index.numel() == 0:
         # No request has cached tokens (fresh prefills only): the writes are all the keys.
         if not torch.equal(cu_q, cu_k):
-            raise ValueError(f"{ATTN_IMPLEMENTATION}: an empty read index with cached keys "
+            raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: an empty read index with cached keys "
                              f"(cu_seq_lens_q {cu_q.tolist()} != cu_seq_lens_k {cu_k.tolist()})")
         read_index = write_index
     seq_lens = cu_k[1:] - cu_k[:-1]
     q_lens = cu_q[1:] - cu_q[:-1]
     if bool((q_lens > seq_lens).any()):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: a request has more query tokens than keys "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: a request has more query tokens than keys "
                          f"(cu_seq_lens_q {cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()})")
     num_keys = int(cu_k[-1])
     num_query_tokens = int(cu_q[-1])
     if read_index.numel() < num_keys or write_index.numel() < num_query_tokens:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: {read_index.numel()} read and "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: {read_index.numel()} read and "
                          f"{write_index.numel()} write indices for {num_keys} keys and "
                          f"{num_query_tokens} query tokens")
 
@@ -127,7 +127,7 @@ def derive_layout(read_index: torch.Tensor, write_index: torch.Tensor, cu_seq_le
         torch.arange(num_query_tokens, device=device) - cu_q[:-1][query_request])
     if not (torch.equal(expected, read_index[:num_keys])
             and torch.equal(expected[query_key], write_index[:num_query_tokens])):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: transformers' read/write indices are not "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: transformers' read/write indices are not "
                          "page-contiguous per request; block tables cannot address this cache")
     return BatchLayout(AttentionMetadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),
                                          cu_q.to(torch.int32)), num_query_tokens)
@@ -156,12 +156,12 @@ def _layer_allocator(cache, module: torch.nn.Module, sliding_window: Optional[in
     if getattr(allocator, "supports_block_table", False) and window is None:
         if sliding_window is not None:
             raise NotImplementedError(
-                f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} attends with sliding_window="
+                f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} attends with sliding_window="
                 f"{sliding_window} but is cached by the full-attention {type(allocator).__name__}")
         return allocator
     if window is None or window != sliding_window:
         raise NotImplementedError(
-            f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} (sliding_window={sliding_window}) is "
+            f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} (sliding_window={sliding_window}) is "
             f"cached by {type(allocator).__name__} (window {window}), which the paged ops cannot "
             "read; use sdpa for this model")
     return allocator
@@ -171,23 +171,23 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float,
                         kwargs: Dict) -> None:
     layer = f"layer {module.layer_idx} ({type(module).__name__})"
     if attention_mask is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: {layer} got an attention mask; "
+        raise NotImplementedError(f"{CB_ATTN_IMPLEMENTATION}: {layer} got an attention mask; "
                                   "attention follows the cache's indices (causal) and cannot apply it")
     if dropout:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: {layer} asked for attention "
+        raise NotImplementedError(f"{CB_ATTN_IMPLEMENTATION}: {layer} asked for attention "
                                   f"dropout {dropout} (training); the paged ops are for inference")
     if block_table is not None:
         raise NotImplementedError(
-            f"{ATTN_IMPLEMENTATION}: {layer} got a decode block_table (transformers' flash "
+            f"{CB_ATTN_IMPLEMENTATION}: {layer} got a decode block_table (transformers' flash "
             "decode fast path); set ContinuousBatchingConfig(max_blocks_per_request=0)")
     # None and False (output_attentions=False, ...) ask for nothing.
-    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"{ATTN_IMPLEMENTATION}: {layer}",
+    refuse_unapplied_kwargs(kwargs, IGNORED_KWARGS, f"{CB_ATTN_IMPLEMENTATION}: {layer}",
                             unset=(None, False))
 
 
 def _check_causal(module: torch.nn.Module, is_causal) -> None:
     if is_causal is False:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} asked for "
+        raise NotImplementedError(f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} asked for "
                                   "non-causal attention; the paged ops are causal")
 
 
@@ -197,7 +197,7 @@ def _keys_of_type(cu_seq_lens_k, module: torch.nn.Module, sliding_window: Option
         return cu_seq_lens_k
     kind = "sliding_attention" if sliding_window is not None else "full_attention"
     if kind not in cu_seq_lens_k:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} is {kind} but "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} is {kind} but "
                          f"cu_seq_lens_k has {sorted(cu_seq_lens_k)}")
     return cu_seq_lens_k[kind]
 
@@ -217,12 +217,12 @@ def _attend_over_pages(module, query, key, value, scale, softcap, sinks, cache, 
             # Before 5.24 transformers' pages are sized for compressed heads, not the
             # expanded K/V an MLA layer attends with: nothing here could address them.
             raise NotImplementedError(
-                f"{ATTN_IMPLEMENTATION}: continuous batching of a multi-head latent attention "
+                f"{CB_ATTN_IMPLEMENTATION}: continuous batching of a multi-head latent attention "
                 f"model (kv_lora_rank) needs transformers 5.24 or later (this is "
                 f"{_transformers_version()}, whose paged cache holds {tuple(key_pages.shape)} "
                 f"pages for keys of {tuple(key.shape)}); upgrade transformers, or use generate "
                 "with a PagedCache or the reference engine")
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} has keys "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} has keys "
                          f"{tuple(key.shape)}, its cache pages {tuple(key_pages.shape)}")
     # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim]
     new_keys = key[0].transpose(0, 1).to(key_cache.dtype)
@@ -243,7 +243,7 @@ def _attend_over_gathered(module, query, key, value, scale, softcap, sinks, slid
     seq_lens = cu_k[1:] - cu_k[:-1]
     num_keys, num_query_tokens = int(cu_k[-1]), int(cu_q[-1])
     if key.shape[2] < num_keys or bool(((cu_q[1:] - cu_q[:-1]) > seq_lens).any()):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: layer {module.layer_idx} got {key.shape[2]} keys "
+        raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} got {key.shape[2]} keys "
                          f"for cu_seq_lens_k {cu_k.tolist()} and cu_seq_lens_q {cu_q.tolist()}")
     # [1, kv_heads, keys, head_dim] -> [keys, kv_heads, 1, head_dim]: block b is key b.
     key_cache = key[0].transpose(0, 1).unsqueeze(2)
@@ -302,7 +302,7 @@ def continuous_batching_attention_forward(
     """
     if write_index is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
         raise ValueError(
-            f"{ATTN_IMPLEMENTATION} runs inside transformers' continuous batching "
+            f"{CB_ATTN_IMPLEMENTATION} runs inside transformers' continuous batching "
             "(model.generate_batch, init_continuous_batching), which passes its paged cache's "
             "indices; for generate() use attn_implementation='paged_attention_ext' with a PagedCache")
     _refuse_unsupported(module, attention_mask, dropout, block_table, kwargs)
