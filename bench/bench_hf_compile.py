@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.environment import machine_info  # noqa: E402
 from common.timing import time_interleaved_samples  # noqa: E402
 
-from paged_attention_ext.hf import PagedCache  # noqa: E402
+from paged_attention_ext.hf import CompiledPagedCache, PagedCache  # noqa: E402
 from paged_attention_ext.testing import random_pair, tiny_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,8 +98,8 @@ def run_shape(paged, static, batch: int, context: int, new: int, reps: int) -> D
             marks.append(time.perf_counter())
             return prepare(*args, **kwargs)
         if name.startswith("paged"):
-            cache = PagedCache(model.config, block_size=BLOCK_SIZE, max_cache_len=context + new,
-                               max_batch_size=batch)
+            cache = CompiledPagedCache(model.config, max_cache_len=context + new,
+                                       max_batch_size=batch, block_size=BLOCK_SIZE)
         else:
             cache = StaticCache(config=model.config, max_cache_len=context + new)
         extra = {"compile_config": compile_config()} if compiled else {"disable_compile": True}
