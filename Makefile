@@ -61,7 +61,7 @@ $(DEPS_STAMP): requirements-dev.txt
 # The compile takes minutes on a small machine: one line per compiled source (ninja's [n/N]),
 # the whole log in build/ (its end printed when the build fails).
 BUILD_LOG := build/build-extension.log
-SHOW_PROGRESS := sed -u -n -E 's/^(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]*\/)?(csrc\/[^ ]+) .*/  \1 compiling \3/p'
+SHOW_PROGRESS := sed -u -n -E 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]*\/)?(csrc\/[^ ]+) .*/  \1 compiling \3/p'
 define build_with_progress
 	@mkdir -p build
 	@echo "== compiling the C++ extension (several minutes on 2 cores; log: $(BUILD_LOG))"
