@@ -99,6 +99,27 @@ def test_each_architecture_passes_its_self_check(future_release, name):
     assert len(self_check._elapsed) == 1
 
 
+# Default (full-size) configs of the architectures the integration serves: on a newer release
+# none may be refused over its twin (a lockout); a twin eager cannot run only warns.
+DEFAULT_CONFIGS = ("LlamaConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "MixtralConfig",
+                   "MistralConfig", "Gemma2Config", "Gemma3TextConfig", "Cohere2Config",
+                   "Olmo2Config", "GraniteConfig", "StableLmConfig", "GPTNeoXConfig",
+                   "Starcoder2Config", "GPT2Config", "OPTConfig", "GptOssConfig", "DeepseekV2Config",
+                   "DeepseekV3Config", "Phi3Config", "GlmConfig", "Glm4MoeConfig", "Qwen2MoeConfig",
+                   "GemmaConfig", "PhiConfig")
+
+
+@pytest.mark.parametrize("name", DEFAULT_CONFIGS)
+def test_no_served_architecture_is_refused_over_its_twin(future_release, name):
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        PagedCache(config_class())
+    assert list(self_check._verdicts.values()) == [None]
+
+
 def test_skipping_the_self_check(future_release, monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_SKIP_SELF_CHECK", "1")
     PagedCache(ARCHS["llama"]())
@@ -149,6 +170,18 @@ def test_a_hook_that_raises_is_refused_with_its_error(future_release, monkeypatc
     with pytest.raises(NotImplementedError, match=r"failed its self-check .*: the check raised "
                        r"KeyError: 'cache_position'"):
         PagedCache(ARCHS["llama"]())
+
+
+def test_a_twin_that_eager_cannot_run_warns_and_does_not_refuse(future_release, monkeypatch):
+    """The check proves nothing then; refusing would lock the architecture out over the twin."""
+    def unbuildable(text_config):
+        raise TypeError("unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'")
+
+    monkeypatch.setattr(self_check, "twin_config", unbuildable)
+    with pytest.warns(versions.UntestedReleaseWarning, match=r"could not self-check the 'llama' "
+                      r"architecture .*running it without the check"):
+        PagedCache(ARCHS["llama"]())
+    assert self_check._verdicts == {transformers.LlamaConfig: None}
 
 
 def test_a_faked_newer_release_imports_warns_self_checks_and_generates():
