@@ -91,6 +91,31 @@ def test_sinks_and_latent_attention_equal_eager(special, decoding):
     assert cache.memory_usage()["blocks_used"] == 0
 
 
+def mistral4_pair():
+    """Mistral-4 (MLA with interleaved RoPE and Llama-4-style query scaling, which grows here
+    from position 4 on; real models: 8192). Its causal-LM class is not in
+    AutoModelForCausalLM on every release, so the pair is built from the class."""
+    config = transformers.Mistral4Config(**COMMON, **MLA, q_lora_rank=48, rope_parameters=dict(
+        type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
+        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.5))
+    models = []
+    for implementation in ("eager", "paged_attention_ext"):
+        torch.manual_seed(0)
+        models.append(transformers.Mistral4ForCausalLM._from_config(
+            copy.deepcopy(config), attn_implementation=implementation, dtype=torch.float32).eval())
+    models[1].load_state_dict(models[0].state_dict())
+    return tuple(models)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Mistral4ForCausalLM"), reason="no Mistral-4 here")
+@pytest.mark.parametrize("decoding", sorted(DECODING))
+def test_mistral4_equals_eager(decoding):
+    expected, got, cache = generate_both(mistral4_pair(), **DECODING[decoding])
+    assert torch.equal(got, expected), decoding
+    key_pool, value_pool = cache.kv.layer(0)
+    assert key_pool.shape[1:] == (4, BLOCK_SIZE, 24) and value_pool.shape[1:] == (4, BLOCK_SIZE, 16)
+
+
 def test_sinks_change_the_output():
     """The comparison above would catch sinks being dropped: eager with zeroed-out sink
     logits (a sink of -inf is no sink) generates differently."""

@@ -51,7 +51,7 @@ REFUSED: Dict[str, str] = {
 
 # Multi-head latent attention models whose attention runs (and was tested) with the K/V
 # expanded per head: key head qk_nope_head_dim + qk_rope_head_dim, value head v_head_dim.
-MLA_TESTED = ("deepseek_v2", "deepseek_v3")
+MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4")
 
 # Model types whose causal-LM class does not declare _supports_attention_backend but whose
 # attention does go through the interface (checked by the tests).
