@@ -53,6 +53,19 @@ def test_engine_equals_eager(name):
         assert key_pool.shape[-1] == 24 and value_pool.shape[-1] == 16
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Mistral4ForCausalLM"), reason="no Mistral-4 here")
+def test_engine_equals_eager_on_mistral4():
+    """MLA with interleaved RoPE and Llama-4-style query scaling (growing from position 4)."""
+    from test_hf_architectures import mistral4_pair
+    reference, paged = mistral4_pair()
+    engine = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=10, num_host_blocks=32,
+                                           record_block_contents=True))
+    got = engine.generate(copy.deepcopy(REQUESTS))
+    for request in REQUESTS:
+        assert got[request.request_id] == generate_reference(reference, request), request.request_id
+    engine.check_invariants(deep=True)
+
+
 def test_unsupported_architecture_refused_at_engine_creation():
     config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
     model = transformers.AutoModelForCausalLM.from_config(config,
