@@ -120,6 +120,21 @@ def test_no_served_architecture_is_refused_over_its_twin(future_release, name):
     assert list(self_check._verdicts.values()) == [None]
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Mistral4ForCausalLM"), reason="no Mistral-4 here")
+def test_a_causal_lm_outside_the_auto_mapping_is_checked_through_its_named_class(future_release):
+    """Mistral-4's causal-LM class is not in AutoModelForCausalLM on every release; its
+    checkpoints name it in ``architectures``."""
+    config = transformers.Mistral4Config(**{**TINY, "num_key_value_heads": 4}, kv_lora_rank=32, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=48,
+                                         n_routed_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         architectures=["Mistral4ForCausalLM"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", versions.UntestedReleaseWarning)  # not inconclusive
+        PagedCache(config)
+    assert self_check._verdicts == {transformers.Mistral4Config: None}
+
+
 def test_skipping_the_self_check(future_release, monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_SKIP_SELF_CHECK", "1")
     PagedCache(ARCHS["llama"]())

@@ -69,8 +69,10 @@ def twin_config(text_config) -> transformers.PretrainedConfig:
         values["num_key_value_heads"] = 4 if kv_heads >= heads else (1 if kv_heads == 1 else 2)
     if values.get("q_lora_rank") is not None:
         values["q_lora_rank"] = 48
-    if values.get("kv_lora_rank") is not None and values.get("head_dim") is not None:
-        values["head_dim"] = values["qk_rope_head_dim"]  # MLA: the rotary part's size
+    if values.get("kv_lora_rank") is not None:  # MLA: K/V expand to every query head
+        values["num_key_value_heads"] = values["num_attention_heads"]
+        if values.get("head_dim") is not None:
+            values["head_dim"] = values["qk_rope_head_dim"]  # the rotary part's size
     if values.get("first_k_dense_replace"):
         values["first_k_dense_replace"] = 1
     layer_types = values.get("layer_types")
@@ -97,6 +99,19 @@ def _generate(model, cache=None) -> torch.Tensor:
     return torch.stack(out.logits, dim=1)
 
 
+def _model_builder(text_config):
+    """How to build a model of ``text_config``'s class: AutoModelForCausalLM where it maps
+    the config, else the causal-LM class the config names (``architectures``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if text_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM.from_config
+    for name in getattr(text_config, "architectures", None) or ():
+        model_class = getattr(transformers, name, None)
+        if name.endswith("ForCausalLM") and model_class is not None:
+            return model_class._from_config
+    return transformers.AutoModelForCausalLM.from_config  # raises, naming the config
+
+
 class Inconclusive(Exception):
     """The twin could not be built or run with eager attention: nothing to compare against."""
 
@@ -108,7 +123,7 @@ def compare_on_twin(text_config) -> Optional[str]:
     from .cache import PagedCache
     from .handoff import ATTN_IMPLEMENTATION
 
-    build = transformers.AutoModelForCausalLM.from_config
+    build = _model_builder(text_config)
     try:
         config = twin_config(text_config)
         with torch.random.fork_rng(devices=[]):
