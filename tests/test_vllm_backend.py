@@ -52,6 +52,32 @@ def page_view(dtype: torch.dtype) -> torch.Tensor:
     return raw.permute(1, 0, 2, 3)
 
 
+class CacheWriter:
+    """Writes random K/V at given slots through the backend (into vLLM's page view) and
+    through the reference (into HND caches of the same dtype, unused slots NaN)."""
+
+    def __init__(self, impl, layer: Layer, dtype: torch.dtype, block_table: torch.Tensor,
+                 scales: dict) -> None:
+        self.impl, self.layer, self.block_table, self.scales = impl, layer, block_table, scales
+        self.kv = page_view(dtype)
+        self.want_k = torch.full((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE),
+                                 float("nan")).to(dtype)
+        self.want_v = self.want_k.clone()
+
+    def slots(self, seq: int, start: int, stop: int) -> list[int]:
+        """Slots of sequence ``seq``'s tokens ``[start, stop)``."""
+        return [int(self.block_table[seq, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
+                for t in range(start, stop)]
+
+    def write(self, slot_list: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
+        value = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
+        mapping = torch.tensor(slot_list, dtype=torch.int64)
+        self.impl.do_kv_cache_update(self.layer, key, value, self.kv, mapping)
+        reference.write_kv(key, value, self.want_k, self.want_v, mapping, **self.scales)
+        return key, value
+
+
 def test_split_kv_cache_gives_contiguous_hnd_views():
     kv = page_view(torch.float32)
     key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
@@ -74,31 +100,18 @@ def test_mixed_step_equals_reference(dtype, window):
                               None if window < 0 else window, "fp8" if fp8 else "auto")
     layer = Layer(0.25)
     scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if fp8 else {}
-    kv = page_view(dtype)
-    want_k = torch.full((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE), float("nan")).to(dtype)
-    want_v = want_k.clone()
-
     # Three sequences in random physical blocks: 20 cached + 5 new, 32 cached + 1 new, 17 new.
     cached, new = [20, 32, 0], [5, 1, 17]
     blocks = torch.randperm(NUM_BLOCKS).to(torch.int32)
     block_table = blocks[:9].view(3, 3)
+    cache = CacheWriter(impl, layer, dtype, block_table, scales)
+    kv, want_k, want_v = cache.kv, cache.want_k, cache.want_v
 
-    def slots(seq: int, start: int, stop: int) -> list[int]:
-        return [int(block_table[seq, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
-                for t in range(start, stop)]
-
-    def store(slot_list: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        key = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
-        value = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
-        mapping = torch.tensor(slot_list, dtype=torch.int64)
-        impl.do_kv_cache_update(layer, key, value, kv, mapping)
-        reference.write_kv(key, value, want_k, want_v, mapping, **scales)
-        return key, value
-
-    store([s for seq in range(3) for s in slots(seq, 0, cached[seq])])  # earlier steps
+    cache.write([s for seq in range(3) for s in cache.slots(seq, 0, cached[seq])])  # earlier
     # This step, plus one padding token (slot -1) at the end, as vLLM pads.
-    step = [s for seq in range(3) for s in slots(seq, cached[seq], cached[seq] + new[seq])] + [-1]
-    key, value = store(step)
+    step = [s for seq in range(3)
+            for s in cache.slots(seq, cached[seq], cached[seq] + new[seq])] + [-1]
+    key, value = cache.write(step)
     query = torch.randn(len(step), HEADS, HEAD_SIZE)
     query_start_loc = torch.tensor([0, 5, 6, 23], dtype=torch.int32)
     seq_lens = torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32)

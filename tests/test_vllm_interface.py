@@ -42,8 +42,8 @@ pytestmark = [
 ]
 
 if SUPPORTED:
-    from test_vllm_backend import (BLOCK_SIZE, HEAD_SIZE, HEADS, KV_HEADS, NUM_BLOCKS, Layer,
-                                   page_view)
+    from test_vllm_backend import (BLOCK_SIZE, HEAD_SIZE, HEADS, KV_HEADS, NUM_BLOCKS,
+                                   CacheWriter, Layer, page_view)
     from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
                                            AttentionMetadataBuilder, AttentionType,
                                            CommonAttentionMetadata)
@@ -294,28 +294,14 @@ def test_metadata_build_and_forward_equal_reference(kv_cache_dtype):
                                                 None)
     layer = Layer(0.25)
     scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if fp8 else {}
-    kv = page_view(dtype)
-    want_k = torch.full((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE), float("nan")).to(dtype)
-    want_v = want_k.clone()
-
-    cached, new = [33, 0], [1, 17]
+    cached = 33
     block_table = torch.randperm(NUM_BLOCKS).to(torch.int32)[:6].view(2, 3)
+    cache = CacheWriter(impl, layer, dtype, block_table, scales)
+    kv, want_k, want_v = cache.kv, cache.want_k, cache.want_v
 
-    def slots(seq: int, start: int, stop: int) -> list:
-        return [int(block_table[seq, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
-                for t in range(start, stop)]
-
-    def write(slot_list: list) -> tuple:
-        key = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
-        value = torch.randn(len(slot_list), KV_HEADS, HEAD_SIZE)
-        mapping = torch.tensor(slot_list, dtype=torch.int64)
-        impl.do_kv_cache_update(layer, key, value, kv, mapping)
-        reference.write_kv(key, value, want_k, want_v, mapping, **scales)
-        return key, value
-
-    write(slots(0, 0, cached[0]))  # the decode's earlier steps
-    step = slots(0, 33, 34) + slots(1, 0, 17) + [-1]  # vLLM pads with slot -1
-    key, value = write(step)
+    cache.write(cache.slots(0, 0, cached))  # the decode's earlier steps
+    step = cache.slots(0, cached, cached + 1) + cache.slots(1, 0, 17) + [-1]  # vLLM pads: -1
+    key, value = cache.write(step)
     query_start_loc = torch.tensor([0, 1, 18], dtype=torch.int32)
     seq_lens = torch.tensor([34, 17], dtype=torch.int32)
     common = CommonAttentionMetadata(
