@@ -24,7 +24,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from .block_allocator import BlockAllocator, NoFreeBlocksError
+from .block_allocator import BlockAllocator
 
 # (source, destination) block rows: a copy-on-write copy (paged.copy_blocks) or a swap
 # between the device and the host pool (paged.swap_blocks).

@@ -46,6 +46,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import weakref
 
 import torch
+import transformers
 
 from .. import ops
 from ..attention_metadata import AttentionMetadata
@@ -55,10 +56,6 @@ from .transformers_behaviour import STRIPS_PAGED_PREFIX, read_window
 
 CB_ATTN_IMPLEMENTATION = "paged_attention_ext" if STRIPS_PAGED_PREFIX else "paged|paged_attention_ext"
 
-
-def _transformers_version() -> str:
-    import transformers
-    return transformers.__version__
 
 # Arguments continuous batching passes to every attention call that do not change the
 # result here (positions are already in the rotary embeddings and the indices).
@@ -219,7 +216,7 @@ def _attend_over_pages(module, query, key, value, scale, softcap, sinks, cache, 
             raise NotImplementedError(
                 f"{CB_ATTN_IMPLEMENTATION}: continuous batching of a multi-head latent attention "
                 f"model (kv_lora_rank) needs transformers 5.24 or later (this is "
-                f"{_transformers_version()}, whose paged cache holds {tuple(key_pages.shape)} "
+                f"{transformers.__version__}, whose paged cache holds {tuple(key_pages.shape)} "
                 f"pages for keys of {tuple(key.shape)}); upgrade transformers, or use generate "
                 "with a PagedCache or the reference engine")
         raise ValueError(f"{CB_ATTN_IMPLEMENTATION}: layer {module.layer_idx} has keys "

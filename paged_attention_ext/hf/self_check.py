@@ -100,16 +100,18 @@ def _generate(model, cache=None) -> torch.Tensor:
 
 
 def _model_builder(text_config):
-    """How to build a model of ``text_config``'s class: AutoModelForCausalLM where it maps
-    the config, else the causal-LM class the config names (``architectures``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if text_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM.from_config
-    for name in getattr(text_config, "architectures", None) or ():
-        model_class = getattr(transformers, name, None)
-        if name.endswith("ForCausalLM") and model_class is not None:
-            return model_class._from_config
-    return transformers.AutoModelForCausalLM.from_config  # raises, naming the config
+    """How to build a model of ``text_config``'s class: its causal-LM class as transformers
+    maps it, else the one the config names (``architectures``)."""
+    from .support import causal_lm_class
+    model_class = causal_lm_class(text_config.model_type)
+    if model_class is None:
+        named = (getattr(transformers, name, None)
+                 for name in getattr(text_config, "architectures", None) or ()
+                 if name.endswith("ForCausalLM"))
+        model_class = next((found for found in named if found is not None), None)
+    if model_class is None:
+        return transformers.AutoModelForCausalLM.from_config  # raises, naming the config
+    return model_class._from_config
 
 
 class Inconclusive(Exception):

@@ -58,7 +58,9 @@ MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4")
 INTERFACE_VERIFIED = ("stablelm",)
 
 
-def _causal_lm_class(model_type: str):
+def causal_lm_class(model_type: str):
+    """transformers' causal-LM class for ``model_type`` (as AutoModelForCausalLM maps it),
+    or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     return getattr(transformers, name, None) if name else None
@@ -145,7 +147,7 @@ def check_config(config, text_config) -> List[str]:
     if mla_head_sizes(text_config) is not None and model_type not in MLA_TESTED:
         refuse("multi-head latent attention (kv_lora_rank) in a variant that has not been "
                f"checked against eager; checked: {', '.join(MLA_TESTED)}")
-    model_class = _causal_lm_class(model_type)
+    model_class = causal_lm_class(model_type)
     if (model_class is not None and not getattr(model_class, "_supports_attention_backend", False)
             and model_type not in INTERFACE_VERIFIED):
         refuse(f"{model_class.__name__} does not route its attention through transformers' "

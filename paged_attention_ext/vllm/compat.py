@@ -28,7 +28,7 @@ import importlib
 import warnings
 from typing import Any, Iterable, Tuple
 
-from paged_attention_ext.versions import UntestedReleaseWarning
+from paged_attention_ext.versions import UntestedReleaseWarning, release
 
 # (first, last) vLLM minor releases tested; the docstring says how.
 VLLM_TESTED: Tuple[Tuple[int, int], Tuple[int, int]] = ((0, 32), (0, 34))
@@ -92,10 +92,9 @@ def need_member(enum: type, name: str, used_for: str) -> Any:
 
 
 def _release(version: str):
-    """(major, minor) of ``version``, or None where it is not a release number ("dev")."""
+    """(major, minor) of ``version``, or None where it is not a release number ("unknown")."""
     try:
-        major, minor = version.split("+")[0].split(".")[:2]
-        return int(major), int(minor)
+        return release(version)
     except ValueError:
         return None
 
