@@ -73,6 +73,46 @@ def mla_head_sizes(text_config) -> Optional[tuple]:
     return (text_config.qk_nope_head_dim + text_config.qk_rope_head_dim, text_config.v_head_dim)
 
 
+def per_layer_values(text_config, name: str) -> Optional[List[Any]]:
+    """Each layer's ``name`` where the config declares it per layer (transformers'
+    heterogeneous configs list it in ``per_layer_attributes``: Gemma-4's ``head_dim``), read
+    through ``per_layer_config``, as transformers asks: reading the global attribute of such
+    a config raises its ``AmbiguousGlobalPerLayerAttributeError``. None for a global one."""
+    if name not in (getattr(text_config, "per_layer_attributes", None) or ()):
+        return None
+    layers = text_config.per_layer_config
+    return [getattr(layers[i], name, None) for i in range(text_config.num_hidden_layers)]
+
+
+def shape_attribute(text_config, name: str) -> Any:
+    """``name`` (a K/V shape attribute) of every layer: the global value, or the one value
+    every layer's per-layer config holds; ``NotImplementedError`` when layers differ."""
+    values = per_layer_values(text_config, name)
+    if values is None:
+        value = getattr(text_config, name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+    distinct = sorted(set(values), key=str)
+    if len(distinct) > 1:
+        layers = {value: [i for i, v in enumerate(values) if v == value] for value in distinct}
+        summary = "; ".join(f"{value} on layer{'s' if len(layers[value]) > 1 else ''} "
+                            f"{_layer_ranges(layers[value])}" for value in distinct)
+        raise NotImplementedError(
+            f"{type(text_config).__name__} has a different {name} per layer ({summary}), and one "
+            "pool shape serves every layer of a PagedCache")
+    return distinct[0]
+
+
+def _layer_ranges(layers: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: List[List[int]] = []
+    for layer in layers:
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 class KVHeadShape(NamedTuple):
     """What one layer stores per token, on one tensor-parallel rank: ``num_kv_heads`` keys
     of ``head_size`` and as many values of ``head_size_v``."""
@@ -92,13 +132,13 @@ def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    heads = text_config.num_attention_heads
+    heads = shape_attribute(text_config, "num_attention_heads")
     mla = mla_head_sizes(text_config)
     if mla is not None:
         kv_heads, (head_size, head_size_v) = heads, mla
     else:
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-        head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        kv_heads = shape_attribute(text_config, "num_key_value_heads") or heads
+        head_size = shape_attribute(text_config, "head_dim") or text_config.hidden_size // heads
         head_size_v = head_size
     if kv_heads % tp_size:
         raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of "
@@ -142,8 +182,10 @@ def check_config(config, text_config) -> List[str]:
     if getattr(text_config, "alibi", False) is True:
         refuse("ALiBi position biases (alibi=True) inside its own attention code")
     for name in ("num_key_value_heads", "num_attention_heads", "head_dim"):
-        if isinstance(getattr(text_config, name, None), (list, tuple)):
-            refuse(f"a different {name} per layer (one pool shape serves all layers)")
+        try:
+            shape_attribute(text_config, name)
+        except NotImplementedError as error:
+            refuse(str(error))
     if mla_head_sizes(text_config) is not None and model_type not in MLA_TESTED:
         refuse("multi-head latent attention (kv_lora_rank) in a variant that has not been "
                f"checked against eager; checked: {', '.join(MLA_TESTED)}")
