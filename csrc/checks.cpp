@@ -39,10 +39,10 @@ void check_same_device(const char* op, const char* name, const Tensor& t,
                     reference.device(), "), got ", t.device());
 }
 
-void check_head_size(const char* op, const char* name, int64_t head_size) {
-  PAGED_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxSupportedHeadSize, op,
+void check_head_size(const char* op, const char* name, int64_t head_size, int64_t most) {
+  PAGED_CHECK_VALUE(head_size > 0 && head_size % 8 == 0 && head_size <= most, op,
                     ": argument '", name, "' has head_size ", head_size,
-                    "; supported head sizes are multiples of 8 up to ", kMaxSupportedHeadSize);
+                    "; supported head sizes are multiples of 8 up to ", most);
 }
 
 // Python's name of a dtype (the mirror's dtype_name): the fix the messages suggest is Python.
@@ -209,8 +209,8 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   PAGED_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
                     ": argument 'key_cache' has head_size ", args.key_cache.size(3),
                     " but 'query' has head_size ", s.head_size);
-  check_head_size(op, "query", s.head_size);
-  check_head_size(op, "value_cache", s.head_size_v);
+  check_head_size(op, "query", s.head_size, kMaxKeyHeadSize);
+  check_head_size(op, "value_cache", s.head_size_v, kMaxValueHeadSize);
   PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
   PAGED_CHECK_VALUE(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
                     ": num_heads of 'query' (", s.num_heads,

@@ -10,7 +10,10 @@
 
 namespace paged {
 
-constexpr int64_t kMaxSupportedHeadSize = 256;
+// Head sizes: up to 512 (Gemma-4's global layers); keys up to 576 (MLA's latent rows,
+// whose values are their leading 512 columns).
+constexpr int64_t kMaxValueHeadSize = 512;
+constexpr int64_t kMaxKeyHeadSize = 576;
 
 // Shapes, dtypes, devices and layouts of paged.attention's arguments (and of
 // the caller's `out` / `lse` buffers when given). Reads no tensor data.

@@ -13,7 +13,10 @@ Layouts
   ``head_size_v`` is usually ``head_size``; MLA models as transformers runs them
   (DeepSeek-V2/V3) use key 192 and value 128. Otherwise the two caches match:
   ``num_blocks``, ``num_kv_heads``, ``block_size``, dtype and device. Head sizes are
-  multiples of 8 up to 256; any ``block_size >= 1``.
+  multiples of 8 up to 512 (Gemma-4's global layers), keys up to 576: an MLA latent
+  cache ``[num_blocks, 1, block_size, 576]`` is passed as the key cache and its view
+  ``[..., :512]`` as the value cache (one row per token, read once, never copied); any
+  ``block_size >= 1``.
 * Strides: a cache may be any view of that logical shape whose head dimension is
   contiguous (``stride(3) == 1``) and which does not overlap itself, so an NHD cache
   ``[num_blocks, block_size, num_kv_heads, head_size]`` is passed as ``c.transpose(1, 2)``

@@ -243,7 +243,7 @@ def decode_block_sizes_and_edge_lengths(device, dtype, block_size):
     assert (out[-1] == 0).all(), "a padded row must yield zeros"
 
 
-@scenario(dtype=DTYPES, head_size=[8, 32, 40, 64, 80, 96, 112, 120, 128, 136, 192, 256])
+@scenario(dtype=DTYPES, head_size=[8, 32, 40, 64, 80, 96, 112, 120, 128, 136, 192, 256, 264, 512])
 def decode_head_sizes(device, dtype, head_size):
     lens = [1, 15, 16, 17, 70]
     case = make_case(lens, num_kv_heads=2, head_size=head_size, block_size=16, dtype=dtype)
@@ -472,7 +472,7 @@ def sinks_split_kv_long_context(device, dtype):
 # ---- value head size != key head size (MLA as transformers runs it) -----------------------
 
 @scenario(dtype=DTYPES, head_sizes=[(192, 128), (96, 64), (64, 128), (128, 64), (80, 64),
-                                    (64, 80), (40, 128), (256, 8)])
+                                    (64, 80), (40, 128), (256, 8), (576, 512), (512, 64)])
 def value_head_size_differs(device, dtype, head_sizes):
     # Whole-vector, ragged and mixed rows (80 is not a whole number of AVX-512 vectors,
     # nor 40 of any), with every feature.
@@ -487,6 +487,34 @@ def value_head_size_differs(device, dtype, head_sizes):
     assert_matches_reference(device, query, case, scale, query_start_loc=query_start_loc(q_lens),
                              alibi_slopes=alibi(8), sliding_window=20, soft_cap=30.0,
                              sinks=random_sinks(8))
+
+
+def latent_case(lens: Sequence[int], block_size: int, cache_dtype: torch.dtype,
+                fp8: Optional[torch.dtype] = None, seed: int = 0) -> Tuple[PagedCase, Dict[str, torch.Tensor]]:
+    """An MLA latent cache: one 576-wide row per token on one KV head, the keys the whole
+    row and the values its leading 512 columns, a view of the same memory (never a copy);
+    with ``fp8``, quantized with one scale (the op's k_scale and v_scale)."""
+    case = make_case(lens, 1, 576, block_size, torch.float32, head_size_v=8, seed=seed)
+    key, extra = case.key_cache.to(cache_dtype), {}
+    if fp8 is not None:
+        scale = fp8_scales(case.key_cache, case.used_slots, fp8, per_head=False)
+        key = ref.quantize(case.key_cache.transpose(1, 2), scale, fp8).transpose(1, 2).contiguous()
+        extra = {"k_scale": scale, "v_scale": scale}
+    case.key_cache, case.value_cache = key, key[..., :512]
+    return case, extra
+
+
+@scenario(dtype=DTYPES, multi_token=[False, True], block_size=[16, 64])
+def mla_latent_rows(device, dtype, multi_token, block_size):
+    # DeepSeek-V3's absorbed attention over its latent cache: 16 query heads (a tensor-parallel
+    # rank's share of 128) on the one latent head, scaled by 192 ** -0.5; long rows split.
+    lens = [1, block_size - 1, block_size + 1, 700, 0]
+    q_lens = [1, 3, block_size + 1, 20, 0] if multi_token else None
+    case, _ = latent_case(lens, block_size, dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 16, 576, dtype)
+    assert_matches_reference(device, query, case, 192 ** -0.5, query_start_loc=qsl,
+                             sinks=random_sinks(16))
 
 
 @scenario(dtype=DTYPES, multi_token=[False, True], block_size=[16, 64])

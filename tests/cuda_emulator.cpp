@@ -221,6 +221,7 @@ extern "C" int emu_attention(EmuArgs* a) {
   in.block_size = a->block_size;
   in.max_blocks_per_seq = a->max_blocks_per_seq;
   in.sliding_window = a->sliding_window;
+  in.head_size_v = a->head_size_v;
   in.multi_token = a->query_start_loc != nullptr;
   in.multiprocessors = int(a->multiprocessors);
   for (int& c : in.ctas_per_sm) c = int(a->ctas_per_sm);

@@ -55,6 +55,31 @@ def test_every_instruction_set(isa, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["float", "e4m3"])
+def test_head_sizes_past_256(isa, fp8, monkeypatch):
+    """Gemma-4's global layers (head 512, GQA 4:1) and MLA's latent rows (keys 576 wide,
+    values their leading 512 columns, 16 query heads on the one latent head), decode and
+    multi-token, with sinks and soft cap, on each ISA and query dtype."""
+    select_isa(isa, monkeypatch)
+    lens = [1, 15, 16, 17, 100, 0]
+    for i, dtype in enumerate(DTYPES):
+        cache_dtype = dtype if fp8 is None else torch.float32
+        gemma, gemma_extra = scenarios.with_format(
+            make_case(lens, 2, 512, 16, cache_dtype),
+            scenarios.KVFormat(fp8, layout=["HND", "NHD"][i % 2]))
+        latent, latent_extra = scenarios.latent_case(lens, 16, cache_dtype, fp8)
+        for case, extra, heads, head_size in ((gemma, gemma_extra, 8, 512),
+                                              (latent, latent_extra, 16, 576)):
+            for q_lens in (None, [1, 3, 16, 17, 40, 0]):
+                qsl = None if q_lens is None else query_start_loc(q_lens)
+                query = random_query(len(lens) if q_lens is None else sum(q_lens), heads,
+                                     head_size, dtype)
+                assert_matches_reference(query, case, 192 ** -0.5, query_start_loc=qsl,
+                                         soft_cap=0.0 if qsl is None else 30.0,
+                                         sinks=scenarios.random_sinks(heads), **extra)
+
+
+@pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_output_rows_at_their_strides(isa, dtype, monkeypatch):
     """Kernels write (one partition) fp32, bf16 and fp16 outputs straight into the caller's rows:

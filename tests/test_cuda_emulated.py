@@ -628,3 +628,29 @@ def test_merge_attention_states(dtype, parts):
     torch.testing.assert_close(got.float(), want.float(), equal_nan=True, **TOLERANCES[dtype])
     torch.testing.assert_close(got_lse, want_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
     assert got[4, 2].isnan().all(), "a NaN lse makes its row NaN"
+
+
+# ---- head sizes past 256 -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, multi_token", [(torch.float32, False), (torch.bfloat16, True),
+                                               (torch.float16, False), (torch.float8_e4m3fn, True)],
+                         ids=str)
+def test_head_sizes_past_256(dtype, multi_token):
+    """The (512, 512) and (576, 512) instances (4 query vectors per CTA at most): Gemma-4's
+    global layers with GQA 4:1 and an MLA latent cache read as keys and, through a view of
+    its leading columns, values; 16 query heads cut into CTAs of 4."""
+    fp8 = dtype if dtype in FP8 else None
+    query_dtype = torch.bfloat16 if fp8 else dtype
+    lens, q_lens = [1, 17, 200, 0], [1, 5, 3, 0]
+    gemma = make_case(lens, 2, 512, 16, torch.float32 if fp8 else dtype)
+    k_scale = v_scale = None
+    if fp8:
+        gemma, k_scale, v_scale = fp8_case(gemma, fp8)
+    latent, latent_scales = scenarios.latent_case(lens, 16, torch.float32 if fp8 else dtype, fp8)
+    for case, heads, head_size, ks, vs in ((gemma, 8, 512, k_scale, v_scale),
+                                           (latent, 16, 576, latent_scales.get("k_scale"),
+                                            latent_scales.get("v_scale"))):
+        query = random_query(sum(q_lens) if multi_token else len(lens), heads, head_size, query_dtype)
+        qsl = query_start_loc(q_lens) if multi_token else None
+        check(case, query, 192 ** -0.5, query_start_loc=qsl, sinks=scenarios.random_sinks(heads),
+              k_scale=ks, v_scale=vs)

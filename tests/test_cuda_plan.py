@@ -27,7 +27,7 @@ DRIVER = r"""
 #include "attention_plan.h"
 using namespace paged::cuda;
 
-// Lines: "plan T S H KVH BS W WINDOW MULTI SMS C1 C2 C4 C8" -> one JSON plan;
+// Lines: "plan T S H KVH BS W WINDOW MULTI SMS C1 C2 C4 C8 HSV" -> one JSON plan;
 // "schedule BEGIN END SPLITS" -> the keys every split and warp visits, as JSON.
 int main() {
   char kind[16];
@@ -35,12 +35,12 @@ int main() {
     if (std::strcmp(kind, "plan") == 0) {
       AttentionPlanInput in{};
       int multi = 0;
-      std::scanf("%lld %lld %lld %lld %lld %lld %lld %d %d %d %d %d %d",
+      std::scanf("%lld %lld %lld %lld %lld %lld %lld %d %d %d %d %d %d %lld",
                  (long long*)&in.num_tokens, (long long*)&in.num_seqs, (long long*)&in.num_heads,
                  (long long*)&in.num_kv_heads, (long long*)&in.block_size,
                  (long long*)&in.max_blocks_per_seq, (long long*)&in.sliding_window, &multi,
                  &in.multiprocessors, &in.ctas_per_sm[0], &in.ctas_per_sm[1], &in.ctas_per_sm[2],
-                 &in.ctas_per_sm[3]);
+                 &in.ctas_per_sm[3], (long long*)&in.head_size_v);
       in.multi_token = multi != 0;
       const AttentionPlan p = plan_attention(in);
       std::printf("{\"rows_per_tile\": %d, \"heads_per_cta\": %d, \"head_chunks\": %d, "
@@ -100,10 +100,10 @@ def run(lines):
 
 
 def plan(num_seqs, heads, kv_heads, width, *, block_size=16, num_tokens=None, window=-1, multi=False,
-         sms=132, ctas_per_sm=(3, 3, 3, 3)):
+         sms=132, ctas_per_sm=(3, 3, 3, 3), head_size_v=128):
     num_tokens = num_seqs if num_tokens is None else num_tokens
     line = (f"plan {num_tokens} {num_seqs} {heads} {kv_heads} {block_size} {width} {window} {int(multi)} {sms} "
-            + " ".join(map(str, ctas_per_sm)))
+            + " ".join(map(str, ctas_per_sm)) + f" {head_size_v}")
     return run([line])[0]
 
 
@@ -228,3 +228,16 @@ def test_tiles_and_head_chunks():
     assert p["num_tiles"] == 10 + 3
     p = plan(3, 16, 4, 64, multi=True, num_tokens=10)
     assert (p["heads_per_cta"], p["rows_per_tile"], p["num_tiles"]) == (4, 2, 5 + 3)
+
+
+@pytest.mark.parametrize("head_size_v, most", [(256, 8), (264, 4), (512, 4)])
+def test_value_rows_past_256_take_at_most_four_queries_per_cta(head_size_v, most):
+    """The instances of value heads past 256 hold 4 queries (their merge buffer would pass
+    48 KB of shared memory at 8): GQA groups, MLA's 16 heads on one latent head and
+    multi-token tiles are cut to fit."""
+    for heads, kv_heads, multi in ((8, 1, False), (16, 1, False), (4, 2, True), (2, 2, True)):
+        p = plan(4, heads, kv_heads, 64, num_tokens=40 if multi else None, multi=multi,
+                 head_size_v=head_size_v)
+        assert p["queries"] <= most
+        assert p["rows_per_tile"] * p["heads_per_cta"] <= most
+        assert p["heads_per_cta"] * p["head_chunks"] >= heads // kv_heads

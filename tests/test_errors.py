@@ -86,9 +86,12 @@ def call(query, case, overrides):
     ("value cache kv heads", lambda q, c: dict(value_cache=c.value_cache[:, :1].contiguous()),
      ValueError, "'value_cache' must have the num_blocks"),
     ("value head size unsupported", lambda q, c: dict(value_cache=c.value_cache[..., :12].contiguous()),
-     ValueError, "'value_cache' has head_size 12; supported head sizes are multiples of 8 up to 256"),
-    ("value head size too large", lambda q, c: dict(value_cache=torch.zeros(c.value_cache.shape[:3] + (264,))),
-     ValueError, "'value_cache' has head_size 264"),
+     ValueError, "'value_cache' has head_size 12; supported head sizes are multiples of 8 up to 512"),
+    ("value head size too large", lambda q, c: dict(value_cache=torch.zeros(c.value_cache.shape[:3] + (520,))),
+     ValueError, "'value_cache' has head_size 520; supported head sizes are multiples of 8 up to 512"),
+    ("key head size too large", lambda q, c: dict(
+        query=torch.randn(2, 4, 584), key_cache=torch.randn(c.key_cache.shape[:3] + (584,))),
+     ValueError, "'query' has head_size 584; supported head sizes are multiples of 8 up to 576"),
     ("value cache dtype", lambda q, c: dict(value_cache=c.value_cache.bfloat16()), TypeError,
      "'value_cache'"),
 ])

@@ -53,10 +53,12 @@ constexpr int kAmxMinQueries = 2;
 
 // Whether the tiles take a call's items (each item also needs kAmxMinQueries queries per
 // KV head and a workspace it fits): bf16 and fp8 caches with a bf16 query (exact in
-// bf16), head sizes of whole conversion steps, blocks of whole key groups.
+// bf16), head sizes of whole conversion steps up to 256 (the sizes it was measured and
+// tested at on AMX hardware; larger heads take the vector kernels), blocks of whole key groups.
 static inline bool amx_takes(const AttentionParams& P) {
   const bool fp8 = P.kind == ScalarKind::kFloat8E4M3 || P.kind == ScalarKind::kFloat8E5M2;
   if (!fp8 && P.kind != ScalarKind::kBFloat16) return false;
+  if (P.head_size > 256 || P.head_size_v > 256) return false;
   const int step = fp8 ? 64 : kAmxStep;
   return P.query_kind == ScalarKind::kBFloat16 && P.head_size % step == 0 && P.head_size_v % step == 0 &&
          P.head_size_v * (fp8 ? 1 : 2) <= kAmxMaxValueBytes && P.block_size % kAmxKeyGroup == 0;

@@ -169,7 +169,7 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
   return plan;
 }
 
-static_assert(kMaxSupportedHeadSize <= kMaxOutputRow, "a direct 16-bit output row must fit the kernels' stack row");
+static_assert(kMaxValueHeadSize <= kMaxOutputRow, "a direct 16-bit output row must fit the kernels' stack row");
 
 void run_items(const AttentionParams& params, const Plan& plan) {
   const AttentionKernelFn kernel = attention_kernel_for(params.kind);

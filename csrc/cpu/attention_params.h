@@ -76,9 +76,9 @@ struct WorkItem {
   int32_t partition;
 };
 
-// Longest output row (head_size_v; checks.h's kMaxSupportedHeadSize): a kernel writing a
+// Longest output row (head_size_v; checks.h's kMaxValueHeadSize): a kernel writing a
 // 16-bit output rounds each row from a stack row this long.
-constexpr int kMaxOutputRow = 256;
+constexpr int kMaxOutputRow = 512;
 
 // Most keys per online-softmax step: the decode kernel's chunk capacity (it takes 64 for
 // fp8 rows of up to 128 bytes, 32 or 16 for others: attention_kernel.h); the lane and AMX

@@ -39,9 +39,12 @@ AttentionPlanInput plan_input(const AttentionShape& s, const AttentionArgs& args
   in.block_size = s.block_size;
   in.max_blocks_per_seq = s.max_blocks_per_seq;
   in.sliding_window = args.sliding_window;
+  in.head_size_v = s.head_size_v;
   in.multi_token = args.query_start_loc.has_value();
   in.multiprocessors = multiprocessor_count(args.query.get_device_index());
   for (int b = 0; b < 4; ++b) {
+    // A bucket past the head size's most queries has no instance (the planner skips it).
+    if (kQueryBuckets[b] > max_queries_per_cta(s.head_size_v)) continue;
     PAGED_CUDA_CHECK(attention_ctas_per_sm(cache_kind, int(s.head_size), int(s.head_size_v), b,
                                            &in.ctas_per_sm[b]));
   }
@@ -119,7 +122,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   const AttentionPlan plan = plan_attention(plan_input(s, args, p.cache_kind));
   PAGED_CHECK_VALUE(s.num_kv_heads * plan.head_chunks <= kMaxGridY, op,
                     ": too many heads for one CUDA launch (num_kv_heads * ceil(num_heads / num_kv_heads / ",
-                    kMaxQueriesPerCta, ") must be <= ", kMaxGridY, ")");
+                    max_queries_per_cta(s.head_size_v), ") must be <= ", kMaxGridY, ")");
   PAGED_CHECK_VALUE(plan.num_tiles <= INT32_MAX, op, ": too many query tiles for one CUDA launch");
   set_plan(p, plan);
 

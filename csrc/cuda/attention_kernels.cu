@@ -10,13 +10,16 @@
 namespace paged::cuda {
 namespace {
 
-int bucket_index(int head_size) { return head_size <= 64 ? 0 : head_size <= 128 ? 1 : 2; }
+// attention_kernels.cuh's head-size buckets (64, 128, 256, 512, 576) as indices.
+int bucket_index(int head_size) {
+  return head_size <= 64 ? 0 : head_size <= 128 ? 1 : head_size <= 256 ? 2 : head_size <= 512 ? 3 : 4;
+}
 
 constexpr int kCachedDevices = 64;
 // Resident CTAs per multiprocessor by device, cache kind (the instance family: a float
 // cache's query has its dtype, an fp8 cache's any), key and value head-size bucket and
 // query bucket; 0 until first asked.
-std::atomic<int> occupancy_cache[kCachedDevices][5][3][3][4];
+std::atomic<int> occupancy_cache[kCachedDevices][5][5][5][4];
 
 }  // namespace
 

@@ -62,10 +62,11 @@ static_assert(kWarps * kStep == kCtaStepKeys, "the key schedule's step is the CT
 constexpr int kKeyBytesInFlight = 32;
 
 // Registers are capped so that this many CTAs fit on a multiprocessor: 168
-// registers for 8 queries per CTA, 128 for fewer (their accumulators are smaller).
-template <int kQ>
+// registers for 8 queries per CTA, 128 for fewer (their accumulators are smaller);
+// value rows past 256 (4 queries at most) hold twice the accumulators: 256.
+template <int kQ, int kVCap>
 constexpr int min_ctas_per_sm() {
-  return kQ >= 8 ? 3 : 4;
+  return kVCap > 256 ? 2 : kQ >= 8 ? 3 : 4;
 }
 
 template <int N>
@@ -152,7 +153,7 @@ __device__ __forceinline__ void load_probs(const float* src, float* prob) {
 // the key and value head-size buckets the shared memory and the accumulators are
 // sized for; kQ: query vectors per CTA (1, 2, 4 or 8).
 template <typename Q, typename C, int kKCap, int kVCap, int kQ>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ>()) attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attention_kernel(const AttentionParams p) {
   using E = Elem<C>;
   using Vec = typename E::Vec;
   constexpr int kPerVec = E::kPerVec;
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
   if (top != -INFINITY) total += __expf(sink - top);
 
   const int vecs = p.head_size_v / 4;  // head_size_v is a multiple of 8
-  const int groups = kThreads / vecs;  // >= 2: head_size_v <= 256
+  const int groups = kThreads / vecs;  // >= 1: head_size_v <= kMaxValueHeadSize (512)
   const int g = threadIdx.x / vecs, v = threadIdx.x - g * vecs;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (parts_max != -INFINITY && g < groups) {
@@ -562,22 +563,30 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
 }
 
 // Head-size buckets: (key cap, value cap) instances. Equal buckets cover every
-// model with equal key and value head sizes; (128, 64) and (256, 128) cover
-// 96/64 and 192/128 (MLA models as transformers runs them). Any other pair runs
-// in the equal-bucket instance of the larger cap.
-__host__ __device__ inline int head_bucket(int h) { return h <= 64 ? 64 : h <= 128 ? 128 : 256; }
+// model with equal key and value head sizes (up to 512: Gemma-4's global layers);
+// (128, 64) and (256, 128) cover 96/64 and 192/128 (MLA models as transformers runs
+// them), (576, 512) MLA's latent rows (keys the whole row, values its leading 512
+// columns). Any other pair runs in the equal-bucket instance of the larger cap.
+__host__ __device__ inline int head_bucket(int h) {
+  return h <= 64 ? 64 : h <= 128 ? 128 : h <= 256 ? 256 : h <= 512 ? 512 : 576;
+}
 
 template <typename F>
 cudaError_t with_head_caps(int head_size, int head_size_v, F&& f) {
   const int k = head_bucket(head_size), v = head_bucket(head_size_v);
   if (k == 128 && v == 64) return f(Int<128>{}, Int<64>{});
   if (k == 256 && v == 128) return f(Int<256>{}, Int<128>{});
+  if (k == 576) return f(Int<576>{}, Int<512>{});  // the value head is <= 512 (checked)
   const int cap = k > v ? k : v;
   if (cap == 64) return f(Int<64>{}, Int<64>{});
   if (cap == 128) return f(Int<128>{}, Int<128>{});
-  return f(Int<256>{}, Int<256>{});
+  if (cap == 256) return f(Int<256>{}, Int<256>{});
+  return f(Int<512>{}, Int<512>{});
 }
 
+// Query vectors per CTA the instances of a value cap hold: past 256, the warps' merge
+// buffer (kWarps x kQ x kVCap floats) of 8 queries would pass the 48 KB of static shared
+// memory, so those instances stop at 4 (attention_plan.h: max_queries_per_cta).
 template <typename F>
 cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& f) {
   return with_head_caps(head_size, head_size_v, [&](auto k, auto v) {
@@ -585,7 +594,12 @@ cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& 
       case 0: return f(k, v, Int<1>{});
       case 1: return f(k, v, Int<2>{});
       case 2: return f(k, v, Int<4>{});
-      default: return f(k, v, Int<8>{});
+      default:
+        if constexpr (decltype(v)::value <= 256) {
+          return f(k, v, Int<8>{});
+        } else {
+          return cudaErrorInvalidConfiguration;  // the planner never picks it
+        }
     }
   });
 }

@@ -36,15 +36,16 @@ int64_t choose_splits(int64_t ctas, int64_t slots, int64_t max_splits) {
 AttentionPlan plan_attention(const AttentionPlanInput& in) {
   AttentionPlan plan{};
   const int64_t group = std::max<int64_t>(1, in.num_heads / std::max<int64_t>(1, in.num_kv_heads));
+  const int max_queries = max_queries_per_cta(in.head_size_v);
   int64_t rows_per_tile = 1;
-  if (group <= kMaxQueriesPerCta) {
+  if (group <= max_queries) {
     plan.heads_per_cta = int(group);
     plan.head_chunks = 1;
     // Several query rows of a sequence share a CTA, and so its K/V reads.
-    if (in.multi_token) rows_per_tile = kMaxQueriesPerCta / group;
+    if (in.multi_token) rows_per_tile = max_queries / group;
   } else {
-    plan.heads_per_cta = kMaxQueriesPerCta;
-    plan.head_chunks = int(ceil_div(group, kMaxQueriesPerCta));
+    plan.heads_per_cta = max_queries;
+    plan.head_chunks = int(ceil_div(group, max_queries));
   }
   plan.rows_per_tile = int(rows_per_tile);
   const int64_t queries = rows_per_tile * plan.heads_per_cta;

@@ -17,8 +17,13 @@
 
 namespace paged::cuda {
 
-// Query vectors (query rows x query heads of one GQA group) one CTA holds at most.
+// Query vectors (query rows x query heads of one GQA group) one CTA holds at most;
+// with value rows past 256, at most 4 (max_queries_per_cta).
 constexpr int kMaxQueriesPerCta = 8;
+constexpr int kMaxQueriesPerCtaLargeHeads = 4;
+PAGED_HOST_DEVICE int max_queries_per_cta(int64_t head_size_v) {
+  return head_size_v > 256 ? kMaxQueriesPerCtaLargeHeads : kMaxQueriesPerCta;
+}
 // Upper bound on split-KV partitions (splits) of one query tile.
 constexpr int kMaxPartitions = 512;
 // Keys a CTA covers per loop step (4 warps of 32 keys).
@@ -40,6 +45,7 @@ struct AttentionPlanInput {
   int64_t block_size;
   int64_t max_blocks_per_seq;  // width of block_tables
   int64_t sliding_window;      // <= 0: disabled
+  int64_t head_size_v;         // bounds the queries per CTA (max_queries_per_cta)
   bool multi_token;            // query_start_loc given
   int multiprocessors;
   // Resident CTAs per multiprocessor of the kernel instance for each entry of
