@@ -58,3 +58,12 @@ def test_op_reference_examples_run():
         assert ">>> " in getattr(ops, name).__doc__, f"ops.{name} has no example"
     result = doctest.testmod(ops, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 2 * len(ops.__all__) and result.failed == 0, result
+
+
+def test_chunked_example_runs():
+    import doctest
+
+    from paged_attention_ext import chunked
+
+    result = doctest.testmod(chunked, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 2 and result.failed == 0, result

@@ -30,9 +30,10 @@ REFUSED: Dict[str, str] = {
     "falcon": "its attention classes (selected from FALCON_ATTENTION_CLASSES, optionally with "
               "ALiBi) do not go through transformers' attention interface",
     "llama4": "chunked local attention (attention_chunk_size: a query sees only keys of its own "
-              "chunk), which the paged ops do not implement",
+              "chunk), which the ops serve (paged_attention_ext.chunked) but PagedCache does not",
     "llama4_text": "chunked local attention (attention_chunk_size: a query sees only keys of its "
-                   "own chunk), which the paged ops do not implement",
+                   "own chunk), which the ops serve (paged_attention_ext.chunked) but PagedCache "
+                   "does not",
     "deepseek_v32": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "glm_moe_dsa": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "gemma3n": "layers that reuse another layer's K/V (num_kv_shared_layers)",
@@ -167,8 +168,8 @@ def check_config(config, text_config) -> List[str]:
     if getattr(text_config, "num_kv_shared_layers", None):
         refuse("layers that reuse another layer's K/V (num_kv_shared_layers)")
     if getattr(text_config, "attention_chunk_size", None):
-        refuse("chunked local attention (attention_chunk_size), which the paged ops do not "
-               "implement")
+        refuse("chunked local attention (attention_chunk_size), which the ops serve "
+               "(paged_attention_ext.chunked) but PagedCache does not")
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is None:
         # As transformers' DynamicCache infers them.
