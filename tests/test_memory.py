@@ -27,6 +27,21 @@ def test_bytes_per_token_of_presets(preset, dtype, expected):
     assert bytes_per_token(PRESETS[preset], dtype) == expected
 
 
+@pytest.mark.parametrize("preset, latent, expanded", [
+    # latent: layers * (kv_lora_rank 512 + qk_rope_head_dim 64); expanded: layers * heads * (192 + 128)
+    ("deepseek-v3", 61 * 576 * 2, 61 * 128 * 320 * 2),
+    ("deepseek-v2-lite", 27 * 576 * 2, 27 * 16 * 320 * 2),
+    ("kimi-k2", 61 * 576 * 2, 61 * 64 * 320 * 2),
+])
+def test_mla_presets_give_latent_and_expanded_bytes(preset, latent, expanded):
+    report = kv_report(PRESETS[preset], "bfloat16", max_len=8192, block_size=16, memory_gib=80)
+    assert report["bytes_per_token"] == latent
+    assert report["bytes_per_token_expanded"] == expanded
+    assert report["latent_saving"] == pytest.approx(expanded / latent)
+    assert report["tokens_fit"] == 80 * GIB // latent
+    assert report["bytes_per_block"] == 16 * latent
+
+
 def test_explicit_fields_override_the_preset():
     assert resolve_shape("llama-2-7b", kv_heads=8) == ModelShape(layers=32, kv_heads=8, head_size=128)
     assert resolve_shape(None, 2, 4, 64) == ModelShape(2, 4, 64)

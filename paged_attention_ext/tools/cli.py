@@ -136,9 +136,15 @@ def run_memory(args: argparse.Namespace) -> Dict:
     report = {"preset": args.preset, **memory.kv_report(shape, args.dtype, args.max_len,
                                                          args.block_size, args.memory_gib)}
     size = memory.format_bytes
-    rows = [("KV cache per token", f"{size(report['bytes_per_token'])} ({report['bytes_per_token']} bytes)"),
+    latent = shape.latent_size is not None
+    rows = [("KV cache per token" + (" (latent rows)" if latent else ""),
+             f"{size(report['bytes_per_token'])} ({report['bytes_per_token']} bytes)"),
             (f"per sequence of {args.max_len} tokens",
              f"{size(report['bytes_per_sequence'])} ({report['bytes_per_sequence']} bytes)")]
+    if latent:
+        rows.insert(1, ("KV cache per token, K/V per head",
+                        f"{size(report['bytes_per_token_expanded'])}: the latent rows are "
+                        f"{report['latent_saving']:.1f}x less"))
     if args.block_size is not None:
         rows.append((f"per block of {args.block_size} tokens", size(report["bytes_per_block"])))
     if args.memory_gib is not None:
@@ -164,8 +170,10 @@ def run_memory(args: argparse.Namespace) -> Dict:
     name = f"{args.preset} (overridden)" if overridden else args.preset or "model"
     pattern = (f", layers {shape.layer_pattern[0]} sliding (window {shape.sliding_window}) : "
                f"{shape.layer_pattern[1]} full" if groups is not None else "")
-    print(f"{name}: {shape.layers} layers, {shape.kv_heads} KV heads, "
-          f"head size {shape.head_size}, {args.dtype} ({report['dtype_bytes']} "
+    heads = (f"latent rows of {shape.latent_size} (expanded: {shape.kv_heads} heads, key head "
+             f"{shape.head_size}, value head {shape.head_size_v})" if latent else
+             f"{shape.kv_heads} KV heads, head size {shape.head_size}")
+    print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({report['dtype_bytes']} "
           f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value){pattern}")
     width = max(len(label) for label, _ in rows) + 1
     for label, value in rows:
@@ -298,7 +306,7 @@ def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
     stats = simulator.replay(trace, strategy)
     paged = simulator.replay(trace, simulator.make_strategy("paged", args.pool_tokens, args.max_len,
                                                             args.block_size))
-    layer_bytes = 2 * shape.kv_heads * shape.head_size * memory.DTYPE_BYTES[args.dtype]
+    layer_bytes = shape.expanded_layer_values() * memory.DTYPE_BYTES[args.dtype]
     groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window,
                "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u,
                "padded_layers": layout.layers_per_group - len(g.layers)}

@@ -1,7 +1,11 @@
 """KV-cache size calculator: bytes per token, sequence and block for a model shape.
 
 Every layer stores one key and one value vector per KV head per token, so
-``bytes_per_token = 2 * layers * kv_heads * head_size * dtype_bytes``.
+``bytes_per_token = layers * kv_heads * (head_size + head_size_v) * dtype_bytes`` (the value
+head size is the key's but for MLA models run expanded). A multi-head latent attention
+model's latent cache stores one row of ``latent_size`` values per token and layer instead
+(``layers * latent_size * dtype_bytes``: the ops read it as keys and its leading columns as
+values); the report gives the expanded size beside it.
 
 A model with sliding-window layers (a ``layer_pattern`` of sliding : full layers) keeps
 them in KV groups of their own (:mod:`paged_attention_ext.kv_groups`) that hold only
@@ -27,6 +31,14 @@ class ModelShape:
     sliding_window: Optional[int] = None
     # (sliding, full) layers, repeating from layer 0; (1, 0): every layer sliding.
     layer_pattern: Tuple[int, int] = (0, 1)
+    # MLA: the expanded value head size (None: head_size) and the latent row
+    # (kv_lora_rank + qk_rope_head_dim) that replaces a layer's K/V in a latent cache.
+    head_size_v: Optional[int] = None
+    latent_size: Optional[int] = None
+
+    def expanded_layer_values(self) -> int:
+        """Values one layer stores per token as K/V per head."""
+        return self.kv_heads * (self.head_size + (self.head_size_v or self.head_size))
 
     def windows(self) -> List[Optional[int]]:
         """Each layer's window (None: full attention)."""
@@ -53,6 +65,11 @@ PRESETS: Dict[str, ModelShape] = {
     "gemma-2-9b": ModelShape(42, 8, 256, sliding_window=4096, layer_pattern=(1, 1)),
     "cohere-2-7b": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(3, 1)),
     "mistral-7b-v0.1": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(1, 0)),
+    # Multi-head latent attention: expanded per query head (keys 128 + 64 RoPE, values 128)
+    # or latent rows of 512 + 64.
+    "deepseek-v3": ModelShape(61, 128, 192, head_size_v=128, latent_size=576),
+    "deepseek-v2-lite": ModelShape(27, 16, 192, head_size_v=128, latent_size=576),
+    "kimi-k2": ModelShape(61, 64, 192, head_size_v=128, latent_size=576),
 }
 
 # fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
@@ -91,10 +108,23 @@ def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,
     return ModelShape(**{**fields, "layer_pattern": tuple(fields.get("layer_pattern", (0, 1)))})
 
 
-def bytes_per_token(shape: ModelShape, dtype: str) -> int:
+def _dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
-    return 2 * shape.layers * shape.kv_heads * shape.head_size * DTYPE_BYTES[dtype]
+    return DTYPE_BYTES[dtype]
+
+
+def bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """The cache's bytes per token: latent rows for an MLA shape, else K/V per head."""
+    if shape.latent_size is not None:
+        return shape.layers * shape.latent_size * _dtype_bytes(dtype)
+    return expanded_bytes_per_token(shape, dtype)
+
+
+def expanded_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """Bytes per token with every layer's K/V stored per head (MLA models as transformers
+    runs them)."""
+    return shape.layers * shape.expanded_layer_values() * _dtype_bytes(dtype)
 
 
 def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[int] = None,
@@ -104,6 +134,9 @@ def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[
     report = {**asdict(shape), "dtype": dtype, "dtype_bytes": DTYPE_BYTES[dtype],
               "bytes_per_token": per_token, "max_len": max_len,
               "bytes_per_sequence": per_token * max_len}
+    if shape.latent_size is not None:
+        expanded = expanded_bytes_per_token(shape, dtype)
+        report.update(bytes_per_token_expanded=expanded, latent_saving=expanded / per_token)
     if block_size is not None:
         report.update(block_size=block_size, bytes_per_block=per_token * block_size)
     if memory_gib is not None:
@@ -138,7 +171,7 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
     the group size) holds the bytes of a full one: its ``padded_layers`` unused layer slots
     per page are counted in its ``bytes_held``."""
     layout = KVGroupLayout.from_windows(shape.windows())
-    layer_block = 2 * shape.kv_heads * shape.head_size * DTYPE_BYTES[dtype] * block_size
+    layer_block = shape.expanded_layer_values() * DTYPE_BYTES[dtype] * block_size
     page = layout.layers_per_group * layer_block
     held = held_blocks(layout.windows, max_len, block_size)
     # Every page holds layers_per_group layers (one page size, so all groups share one pool):
