@@ -189,11 +189,14 @@ VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
 .PHONY: vllm-interface-check vllm-next-deps
 vllm-next-deps: $(VLLM_NEXT_DEPS_STAMP)
 
-# transformers within vLLM 0.34's own bounds (its Requires-Dist).
+# transformers within vLLM 0.34's own bounds (its Requires-Dist); the rest is what importing
+# its CPU MLA backend (beside the attention interface) pulls in, at vLLM's pins.
 $(VLLM_NEXT_DEPS_STAMP):
 	test -x $(VLLM_NEXT_PY) || $(PYTHON) -m venv $(VLLM_NEXT_VENV)
 	$(VLLM_NEXT_PIP) install --quiet torch==$(VLLM_NEXT_TORCH) 'transformers>=5.16.1,<5.23' \
-		numpy regex psutil pyzmq requests aiohttp pytest
+		numpy regex psutil pyzmq requests aiohttp pytest 'pillow>=13.0.0' pybase64 cachetools \
+		cbor2 msgspec cloudpickle uvloop py-cpuinfo 'prometheus_client>=0.18.0' \
+		'llguidance>=1.7.0,<1.8.0' xgrammar==0.2.8 einops
 	$(VLLM_NEXT_PIP) install --quiet --no-deps vllm==$(VLLM_NEXT)
 	touch $@
 

@@ -85,11 +85,11 @@ def _kv_cache_groups(worker) -> int:
 
 
 def _attention_classes(worker) -> list[str]:
-    """Names of the attention impl classes of the worker's model (runs in the worker)."""
-    from vllm.model_executor.layers.attention import Attention
-
+    """Names of the attention impl classes of the worker's model, MLA layers' included (runs
+    in the worker)."""
     model = worker.model_runner.model
-    return sorted({type(m.impl).__name__ for m in model.modules() if isinstance(m, Attention)})
+    return sorted({type(m.impl).__name__ for m in model.modules()
+                   if type(m).__name__ in ("Attention", "MLAAttention")})
 
 
 def _cascade_steps(worker) -> int:
@@ -253,6 +253,42 @@ def test_fp8_cache_runs(model_dirs):
                          kv_cache_dtype="fp8"), plugin=True)
     assert ours["attention"] == [["PagedAttentionImpl"]]
     assert [len(t) for t in ours["tokens"][0]] == [12] * len(batch)
+
+
+# DeepSeek-V2-shaped, dense MLPs: vLLM's own CPU MLA decode kernel (the baseline) takes only
+# latent rows of 512 + 64 and blocks of 16 (its platform sets the block size).
+MLA_MODEL = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                 hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                 kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                 first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, vocab_size=512, max_position_embeddings=512,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                 initializer_range=0.2, torch_dtype="float32")
+
+
+def test_mla_greedy_equals_vllm_cpu_mla_backend(tmp_path):
+    """vLLM's CPU_MLA with the plugin (latents written and decoded by the ops) against vLLM's
+    own CPU MLA backend: same greedy tokens over prefill and decode of mixed lengths."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**MLA_MODEL)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
+    case = dict(model=str(tmp_path), batches=[prompts(seed=5, count=5, shared_prefix=0)],
+                max_tokens=16)
+    runs = [start_vllm(case, plugin) for plugin in (True, False)]
+    try:
+        ours, theirs = [finish_vllm(run) for run in runs]
+    finally:
+        for proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert ours["attention"] == [["PagedMLAImpl"]], ours["attention"]
+    assert theirs["attention"] == [["CPUMLAImpl"]], theirs["attention"]
+    assert ours["tokens"] == theirs["tokens"]
 
 
 def test_docs_example_runs(tmp_path):

@@ -55,6 +55,7 @@ if SUPPORTED:
     from paged_attention_ext.vllm.backend import (PagedAttentionBackend, PagedAttentionImpl,
                                                   PagedAttentionMetadata,
                                                   PagedAttentionMetadataBuilder)
+    from paged_attention_ext.vllm.mla import CPUMLABackend, CPUMLAImpl, PagedMLABackend, PagedMLAImpl
 
     CLASSES = [(PagedAttentionBackend, AttentionBackend),
                (PagedAttentionMetadataBuilder, AttentionMetadataBuilder),
@@ -79,6 +80,8 @@ def test_plugin_registers_the_backend_without_warnings():
     assert PagedAttentionBackend.get_name() == "CUSTOM"
     assert PagedAttentionBackend.get_impl_cls() is PagedAttentionImpl
     assert PagedAttentionBackend.get_builder_cls() is PagedAttentionMetadataBuilder
+    assert AttentionBackendEnum.CPU_MLA.get_class() is PagedMLABackend
+    assert PagedMLABackend.get_impl_cls() is PagedMLAImpl
 
 
 # ---------------------------------------------------------------- (b) vLLM's interface
@@ -120,7 +123,12 @@ def test_every_abstract_method_is_implemented(ours, base):
         assert inspect.getattr_static(ours, name) is not inspect.getattr_static(base, name), name
 
 
-@pytest.mark.parametrize("ours,base", CLASSES, ids=lambda c: c.__name__)
+# The MLA backend extends vLLM's concrete CPU MLA classes (no abstract methods to check).
+OVERRIDING = CLASSES + ([(PagedMLABackend, CPUMLABackend), (PagedMLAImpl, CPUMLAImpl)]
+                        if SUPPORTED else [])
+
+
+@pytest.mark.parametrize("ours,base", OVERRIDING, ids=lambda c: c.__name__)
 def test_overrides_keep_vllms_signatures_and_types(ours, base):
     """Every method and attribute ours overrides: vLLM's kind (static, class, instance
     method) and a signature that takes every call vLLM's does; attributes keep the type."""
