@@ -4,13 +4,13 @@ Usage: ``.venv/bin/python bench/bench_mla_latent.py [--quick] [--out PATH] [--th
 
 Method
 ------
-DeepSeek-V3's attention on one rank of eight (16 of its 128 query heads), decode, B=8
-sequences, block size 16, contexts 2048 and 8192, fp32 and bf16 caches; the blocks of each
-sequence are a random permutation of the pool. Two ways to store the same tokens:
+DeepSeek-V3's attention, decode, block size 16, contexts 2048 and 8192, fp32 and bf16
+caches, on one rank of eight (16 of its 128 query heads, B=8) and with all 128 heads on one
+rank (B=1); the blocks of each sequence are a random permutation of the pool. Two ways to store the same tokens:
 
 * ``expanded``: K/V as transformers runs the model (and ``PagedCache`` stores it today):
   per query head, keys of 192 (128 without RoPE + 64 with it) and values of 128, two
-  caches of 16 KV heads; one ``paged.attention`` call.
+  caches of as many KV heads as query heads; one ``paged.attention`` call.
 * ``latent``: one 576-wide row per token (``kv_lora_rank`` 512 + 64 RoPE), the key cache,
   and its view ``[..., :512]`` the value cache. The query is absorbed first
   (``q_nope · W_UK`` per head, a batched matmul, beside ``q_rope``), then one
@@ -25,6 +25,7 @@ relative to ``expanded``: the median of the per-round ratios of one interleaved 
 """
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -35,31 +36,31 @@ import paged_attention_ext as pa
 from common.environment import machine_info
 from common.timing import summarize, time_interleaved_samples
 
-HEADS = 16
 NOPE, ROPE, LORA, V_HEAD = 128, 64, 512, 128
-BATCH = 8
+# (query heads, batch): one rank of eight (16 of 128 heads), B=8; all 128 heads on one rank, B=1.
+SHAPES = ((16, 8), (128, 1))
 BLOCK_SIZE = 16
 CONTEXTS = (2048, 8192)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCALE = (NOPE + ROPE) ** -0.5
 
 
-def build(context: int, dtype: torch.dtype, seed: int = 0):
+def build(heads: int, batch: int, context: int, dtype: torch.dtype, seed: int = 0):
     """Latent rows, the up-projections, and the expanded caches they imply (same tokens)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = context // BLOCK_SIZE
-    num_blocks = BATCH * blocks_per_seq
+    num_blocks = batch * blocks_per_seq
     latent = torch.randn(num_blocks, 1, BLOCK_SIZE, LORA + ROPE, generator=gen) * 0.5
-    w_uk = torch.randn(HEADS, NOPE, LORA, generator=gen) * LORA ** -0.5
-    w_uv = torch.randn(HEADS, V_HEAD, LORA, generator=gen) * LORA ** -0.5
+    w_uk = torch.randn(heads, NOPE, LORA, generator=gen) * LORA ** -0.5
+    w_uv = torch.randn(heads, V_HEAD, LORA, generator=gen) * LORA ** -0.5
     # Expanded: k = [W_UK c, k_rope] per head, v = W_UV c.
     c, k_rope = latent[:, 0, :, :LORA], latent[:, 0, :, LORA:]
     k_nope = torch.einsum("hdl,btl->bhtd", w_uk, c)
-    key = torch.cat([k_nope, k_rope[:, None].expand(-1, HEADS, -1, -1)], dim=-1)
+    key = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1, -1)], dim=-1)
     value = torch.einsum("hdl,btl->bhtd", w_uv, c)
-    tables = torch.randperm(num_blocks, generator=gen).int().view(BATCH, blocks_per_seq)
-    lens = torch.full((BATCH,), context, dtype=torch.int32)
-    query = torch.randn(BATCH, HEADS, NOPE + ROPE, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).int().view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, heads, NOPE + ROPE, generator=gen)
     return dict(latent=latent.to(dtype), w_uk=w_uk.to(dtype), w_uv=w_uv.to(dtype),
                 key=key.to(dtype).contiguous(), value=value.to(dtype).contiguous(),
                 tables=tables, lens=lens, query=query.to(dtype))
@@ -88,28 +89,29 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     reps = 15 if args.quick else 40
     rows = []
-    for context in CONTEXTS[:1] if args.quick else CONTEXTS:
+    shapes, contexts = (SHAPES[:1], CONTEXTS[:1]) if args.quick else (SHAPES, CONTEXTS)
+    for (heads, batch), context in itertools.product(shapes, contexts):
         for name, dtype in DTYPES.items():
-            t = build(context, dtype)
+            t = build(heads, batch, context, dtype)
             got, want = latent_call(t).double(), expanded_call(t).double()
             tolerance = 2e-3 if dtype == torch.float32 else 5e-2
             torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
             samples = time_interleaved_samples({"expanded": lambda: expanded_call(t),
                                                 "latent": lambda: latent_call(t)}, warmup=3, reps=reps)
-            timing = {name: summarize(times) for name, times in samples.items()}
+            timing = {candidate: summarize(times) for candidate, times in samples.items()}
             # Paired rounds: each round's ratio, so load that comes and goes hits both alike.
             ratios = sorted(e / l for e, l in zip(samples["expanded"], samples["latent"]))
             size = torch.finfo(dtype).bits // 8
             row = {
-                "context": context, "dtype": name, "batch": BATCH, "heads": HEADS,
-                "bytes_per_token": {"expanded": HEADS * (NOPE + ROPE + V_HEAD) * size,
+                "context": context, "dtype": name, "batch": batch, "heads": heads,
+                "bytes_per_token": {"expanded": heads * (NOPE + ROPE + V_HEAD) * size,
                                     "latent": (LORA + ROPE) * size},
                 "median_ms": {k: v.median_s * 1e3 for k, v in timing.items()},
                 "latent_speedup": statistics.median(ratios),
                 "latent_speedup_quartiles": [ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]],
             }
             rows.append(row)
-            print(f"ctx {context:5d} {name}: expanded {row['median_ms']['expanded']:.2f} ms, "
+            print(f"heads {heads:3d} B={batch:2d} ctx {context:5d} {name}: expanded {row['median_ms']['expanded']:.2f} ms, "
                   f"latent {row['median_ms']['latent']:.2f} ms ({row['latent_speedup']:.2f}x), "
                   f"bytes/token {row['bytes_per_token']['expanded']} vs {row['bytes_per_token']['latent']}")
     out = args.out or Path(__file__).parent / "results" / "mla_latent.json"
