@@ -654,3 +654,26 @@ def test_head_sizes_past_256(dtype, multi_token):
         qsl = query_start_loc(q_lens) if multi_token else None
         check(case, query, 192 ** -0.5, query_start_loc=qsl, sinks=scenarios.random_sinks(heads),
               k_scale=ks, v_scale=vs)
+
+
+# ---- chunked local attention ---------------------------------------------------------------
+
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_chunked_local_attention_metadata(multi_token):
+    """The CUDA kernels over chunked.chunk_local's metadata see only each query's chunk (the
+    float64 brute force of test_chunked.py), decode and rows that cross chunk boundaries."""
+    from test_chunked import brute_force
+
+    from paged_attention_ext.chunked import chunk_local
+
+    chunk, block_size = 32, 16
+    lens, q_lens = [1, 31, 33, 100, 0], [1, 20, 33, 70, 0]
+    case = make_case(lens, 2, 64, block_size, torch.float32)
+    q_lens = q_lens if multi_token else None
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 4, 64, torch.float32)
+    local = chunk_local(case.block_tables, case.seq_lens, chunk, block_size, qsl)
+    out, _, _ = emulated_attention(query, case.key_cache, case.value_cache, local.block_tables,
+                                   local.seq_lens, 0.125, query_start_loc=local.query_start_loc)
+    want = brute_force(query, case, 0.125, chunk, q_lens=q_lens)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
