@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from paged_attention_ext import ops
-from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.hf import PagedCache, self_check, support
 from paged_attention_ext.testing import random_pair
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -116,6 +116,49 @@ def test_mistral4_equals_eager(decoding):
     assert key_pool.shape[1:] == (4, BLOCK_SIZE, 24) and value_pool.shape[1:] == (4, BLOCK_SIZE, 16)
 
 
+# MLA families beyond the checked ones, which run because their tiny twins equal eager
+# (support.check_config -> self_check.verify_variant); each is checked here at test sizes too.
+MLA_VARIANTS = {
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(**COMMON, **MLA, q_lora_rank=48, n_group=1,
+                                                            topk_group=1),
+    "minicpm3": lambda: transformers.MiniCPM3Config(**COMMON, num_key_value_heads=4, head_dim=8,
+                                                    kv_lora_rank=32, qk_rope_head_dim=8,
+                                                    qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=48),
+    "youtu": lambda: transformers.YoutuConfig(**COMMON, **MLA, q_lora_rank=48),
+    "axk1": lambda: transformers.AXK1Config(**COMMON, **MLA, q_lora_rank=48, n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_VARIANTS))
+def test_mla_variant_runs_once_its_twin_equals_eager(name):
+    make_config = MLA_VARIANTS[name]
+    if make_config().model_type in support.MLA_TESTED:
+        pytest.skip("on the checked list")
+    expected, got, cache = generate_both(build_pair(make_config()), **DECODING["greedy"])
+    assert torch.equal(got, expected), name
+    cache.manager.check_invariants()
+
+
+def test_mla_variant_whose_twin_differs_is_refused(monkeypatch):
+    self_check.forget_verdicts()
+    monkeypatch.setattr(self_check, "compare_on_twin", lambda text_config: "logits differ by 0.5")
+    with pytest.raises(NotImplementedError, match=r"'minicpm3' architecture: multi-head latent "
+                       r"attention .* not cover .* does not reproduce eager attention: logits differ"):
+        PagedCache(MLA_VARIANTS["minicpm3"]())
+    self_check.forget_verdicts()
+
+
+def test_mla_variant_whose_twin_cannot_run_is_refused(monkeypatch):
+    def inconclusive(text_config):
+        raise self_check.Inconclusive("RuntimeError: sizes")
+    self_check.forget_verdicts()
+    monkeypatch.setattr(self_check, "compare_on_twin", inconclusive)
+    with pytest.raises(NotImplementedError, match=r"'minicpm3' architecture: .* could not be run "
+                       r"with eager attention to check it \(RuntimeError: sizes\)"):
+        PagedCache(MLA_VARIANTS["minicpm3"]())
+    self_check.forget_verdicts()
+
+
 def test_sinks_change_the_output():
     """The comparison above would catch sinks being dropped: eager with zeroed-out sink
     logits (a sink of -inf is no sink) generates differently."""
@@ -178,7 +221,6 @@ REFUSED = {
     "falcon_h1": (lambda: transformers.FalconH1Config(**COMMON), r"'hybrid'"),
     "recurrent_gemma": (lambda: transformers.RecurrentGemmaConfig(**COMMON), "recurrent"),
     "deepseek_v32": (lambda: transformers.DeepseekV32Config(**COMMON), "sparse attention"),
-    "minicpm3": (lambda: transformers.MiniCPM3Config(**COMMON), "latent attention"),
     "gemma3n_text": (lambda: transformers.Gemma3nTextConfig(**COMMON), "num_kv_shared_layers"),
     "t5": (lambda: transformers.T5Config(vocab_size=128, d_model=64, num_layers=2, num_heads=4),
            "encoder-decoder"),

@@ -20,7 +20,7 @@ import copy
 import os
 import time
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 import transformers
@@ -41,10 +41,12 @@ _PROMPT_LENGTH, _PADDING, _NEW_TOKENS = 9, 3, 4
 # them by far more.
 _TOLERANCE = 1e-3
 
-# config class -> None (verified) or the refusal's message; seconds each check took.
-_verdicts: Dict[type, Optional[str]] = {}
+# config class -> None (verified), what differs, or Inconclusive; seconds each check took;
+# classes warned about (an inconclusive check on a new release).
+_verdicts: Dict[type, Union[None, str, "Inconclusive"]] = {}
 _elapsed: Dict[type, float] = {}
 _running = set()
+_warned = set()
 
 
 def _release() -> str:
@@ -155,45 +157,72 @@ def verify_architecture(config) -> None:
     if not needed():
         return
     text_config = config.get_text_config(decoder=True)
+    outcome = _outcome(text_config)
+    if isinstance(outcome, Inconclusive):
+        # Refusing here would lock users out over the twin, not over a change: the other
+        # safety nets (mask check, argument check, unread batches) still run.
+        if type(text_config) not in _warned:
+            _warned.add(type(text_config))
+            warnings.warn(
+                f"paged_attention_ext: could not self-check the {text_config.model_type!r} "
+                f"architecture on transformers {_release()} (its tiny twin does not run with "
+                f"eager attention: {outcome}); running it without the check.",
+                UntestedReleaseWarning, stacklevel=2)
+        return
+    if outcome is not None:
+        raise NotImplementedError(
+            f"paged_attention_ext: on transformers {_release()} (newer than the "
+            f"tested {TRANSFORMERS_TESTED[1][0]}.{TRANSFORMERS_TESTED[1][1]}) the "
+            f"{text_config.model_type!r} architecture failed its self-check against eager "
+            f"attention on a tiny random twin: {outcome}. transformers changed something this "
+            "integration relies on: use a tested transformers release (pip install "
+            f"'transformers<={TRANSFORMERS_TESTED[1][0]}.{TRANSFORMERS_TESTED[1][1]}.*') and report "
+            "it; PAGED_ATTENTION_SKIP_SELF_CHECK=1 skips the check at your own risk.")
+
+
+def verify_variant(config, variant: str) -> None:
+    """Run an architecture whose ``variant`` (say, multi-head latent attention in a model
+    family not checked by the tests) the integration should handle only if paged attention
+    reproduces eager attention on its tiny twin, on any transformers release;
+    ``NotImplementedError`` naming the variant and the difference, or why the twin could not
+    decide, otherwise."""
+    text_config = config.get_text_config(decoder=True)
+    outcome = _outcome(text_config)
+    if outcome is None:
+        return
+    why = (f"its tiny random twin could not be run with eager attention to check it ({outcome})"
+           if isinstance(outcome, Inconclusive) else
+           f"on its tiny random twin paged attention does not reproduce eager attention: {outcome}")
+    raise NotImplementedError(f"paged_attention_ext does not support the "
+                              f"{text_config.model_type!r} architecture: {variant}, and {why}")
+
+
+def _outcome(text_config):
+    """The twin's verdict for ``text_config``'s class, computed once per process: None
+    (paged equals eager), what differs, or :class:`Inconclusive`."""
     kind = type(text_config)
     if kind in _running:  # the twin's own PagedCache
-        return
+        return None
     if kind not in _verdicts:
         _running.add(kind)
         start = time.perf_counter()
         try:
             # A fresh context: the twin's forwards must not see or disturb the hand-offs
             # (context variables) of a forward that may be under way.
-            problem = contextvars.Context().run(_checked, text_config)
+            outcome = contextvars.Context().run(_checked, text_config)
         finally:
             _running.discard(kind)
-        _verdicts[kind] = problem
-        if problem is None:
+        _verdicts[kind] = outcome
+        if outcome is None:
             _elapsed[kind] = time.perf_counter() - start
-    problem = _verdicts[kind]
-    if problem is not None:
-        raise NotImplementedError(
-            f"paged_attention_ext: on transformers {_release()} (newer than the "
-            f"tested {TRANSFORMERS_TESTED[1][0]}.{TRANSFORMERS_TESTED[1][1]}) the "
-            f"{text_config.model_type!r} architecture failed its self-check against eager "
-            f"attention on a tiny random twin: {problem}. transformers changed something this "
-            "integration relies on: use a tested transformers release (pip install "
-            f"'transformers<={TRANSFORMERS_TESTED[1][0]}.{TRANSFORMERS_TESTED[1][1]}.*') and report "
-            "it; PAGED_ATTENTION_SKIP_SELF_CHECK=1 skips the check at your own risk.")
+    return _verdicts[kind]
 
 
-def _checked(text_config) -> Optional[str]:
+def _checked(text_config):
     try:
         return compare_on_twin(text_config)
     except Inconclusive as why:
-        # Refusing here would lock users out over the twin, not over a change: the other
-        # safety nets (mask check, argument check, unread batches) still run.
-        warnings.warn(
-            f"paged_attention_ext: could not self-check the {text_config.model_type!r} "
-            f"architecture on transformers {_release()} (its tiny twin does not run with eager "
-            f"attention: {why}); running it without the check.", UntestedReleaseWarning,
-            stacklevel=2)
-        return None
+        return why
     except NotImplementedError:
         raise  # the integration refuses this architecture anyway: its own message says why
     except Exception as error:  # a hook that broke: report it as the difference
@@ -204,3 +233,4 @@ def forget_verdicts() -> None:
     """Check every architecture again (tests; a process that switches releases)."""
     _verdicts.clear()
     _elapsed.clear()
+    _warned.clear()
