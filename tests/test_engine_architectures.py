@@ -25,6 +25,11 @@ CONFIGS = {
         **COMMON, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=48, n_group=1, topk_group=1),
+    # An MLA family off the checked list, admitted by its tiny twin (hf/self_check.py).
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **COMMON, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=48, n_group=1, topk_group=1),
 }
 REQUESTS = [
     Request("greedy", [5, 17, 99, 3, 41, 8, 60], SamplingParams(max_new_tokens=10)),
