@@ -38,7 +38,7 @@ def engine(request):
 
 def packed_forward(paged, kv, manager, seqs, tokens, starts, slots):
     """One packed step: ``tokens[i]`` of sequence ``seqs[i]`` begin at position ``starts[i]``."""
-    tables = [manager.tables[s] for s in seqs]
+    tables = [manager.tables[s][0] for s in seqs]
     batch = PagedBatch.build(kv, [[t.blocks for t in tables]], [t.num_tokens for t in tables],
                              [len(t) for t in tokens], [slots])
     ids = torch.tensor([sum(tokens, [])])
@@ -59,14 +59,14 @@ def test_prefill_decode_and_prefix_hit(engine):
     slots = []
     for seq, prompt in enumerate(prompts):
         placed, _ = manager.allocate(seq, seq, prompt)
-        slots += placed.slots
+        slots += placed.slots[0]
     prefill = packed_forward(paged, kv, manager, [0, 1], prompts, [0, 0], slots)
     for prompt, got in zip(prompts, prefill):
         torch.testing.assert_close(got, reference_logits(reference, prompt), atol=1e-5, rtol=1e-5)
 
     # Decode: one new token per sequence, written at its next slot.
     new = [[40], [41]]
-    slots = manager.append(0, new[0]).slots + manager.append(1, new[1]).slots
+    slots = manager.append(0, new[0]).slots[0] + manager.append(1, new[1]).slots[0]
     decode = packed_forward(paged, kv, manager, [0, 1], new, [7, 3], slots)
     for prompt, token, got in zip(prompts, new, decode):
         expected = reference_logits(reference, prompt + token)[-1:]
@@ -76,7 +76,7 @@ def test_prefill_decode_and_prefix_hit(engine):
     prompt = prompts[0][:BLOCK_SIZE] + [30, 31]
     placed, num_cached = manager.allocate(2, 2, prompt)
     assert num_cached == BLOCK_SIZE
-    [got] = packed_forward(paged, kv, manager, [2], [prompt[num_cached:]], [num_cached], placed.slots)
+    [got] = packed_forward(paged, kv, manager, [2], [prompt[num_cached:]], [num_cached], placed.slots[0])
     torch.testing.assert_close(got, reference_logits(reference, prompt)[num_cached:], atol=1e-5, rtol=1e-5)
     manager.check_invariants()
     for group in list(manager.groups):
