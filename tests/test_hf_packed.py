@@ -14,6 +14,7 @@ import transformers
 from paged_attention_ext.block_manager import BlockSpaceManager
 from paged_attention_ext.hf import PagedBatch
 from paged_attention_ext.kv_cache import PagedKVCache
+from paged_attention_ext.step_inputs import StepInputs, StepPlan
 from paged_attention_ext.testing import random_pair
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -39,8 +40,9 @@ def engine(request):
 def packed_forward(paged, kv, manager, seqs, tokens, starts, slots):
     """One packed step: ``tokens[i]`` of sequence ``seqs[i]`` begin at position ``starts[i]``."""
     tables = [manager.tables[s][0] for s in seqs]
-    batch = PagedBatch.build(kv, [[t.blocks for t in tables]], [t.num_tokens for t in tables],
-                             [len(t) for t in tokens], [slots])
+    plan = StepPlan([[t.blocks for t in tables]], [slots], [t.num_tokens for t in tables],
+                    [len(t) for t in tokens])
+    batch = PagedBatch(kv, StepInputs.from_plan(plan, kv))
     ids = torch.tensor([sum(tokens, [])])
     positions = torch.tensor([[start + i for start, t in zip(starts, tokens) for i in range(len(t))]])
     with torch.no_grad():
