@@ -139,14 +139,16 @@ class StepBuffers:
         return True
 
     def _fill_tables(self, group: int, tables: Sequence[Sequence[int]]) -> None:
+        """Rewrite the rows whose table changed, as wide as the old or the new table (each
+        row stays its table followed by ``pad_block``)."""
         held = self._held[group]
         changed = [seq for seq, table in enumerate(tables) if held[seq] != table]
         if not changed:
             return
-        width = self.width
+        width = max(max(len(held[s]), len(tables[s])) for s in changed)
         for seq in changed:
             held[seq] = list(tables[seq])
         padded = [held[s] + [self.pad_block] * (width - len(held[s])) for s in changed]
         buffer = self.block_tables[group]
         index = torch.tensor(changed).to(buffer.device)
-        buffer.index_copy_(0, index, torch.tensor(padded, dtype=torch.int32).to(buffer.device))
+        buffer[:, :width].index_copy_(0, index, torch.tensor(padded, dtype=torch.int32).to(buffer.device))
