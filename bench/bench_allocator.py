@@ -75,10 +75,10 @@ def admission_us(rng: random.Random, rounds: int) -> float:
 
 
 def attention_inputs(mgr: BlockSpaceManager, cache_k: torch.Tensor):
-    tables = [t.blocks for t in mgr.tables.values()]
+    tables = [t.blocks for t, in mgr.tables.values()]  # one KV group
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    seq_lens = torch.tensor([t.num_tokens for t in mgr.tables.values()], dtype=torch.int32)
+    seq_lens = torch.tensor([t.num_tokens for t, in mgr.tables.values()], dtype=torch.int32)
     query = torch.randn(len(tables), NUM_HEADS, HEAD_SIZE).bfloat16()
     return query, block_tables, seq_lens
 

@@ -47,6 +47,7 @@ from common.environment import machine_info  # the CPU model and the ops' ISA
 from paged_attention_ext.engine import EngineConfig
 from paged_attention_ext.engine.hf_compiled_decode import CompiledDecode
 from paged_attention_ext.engine.hf_runner import HFModelRunner
+from paged_attention_ext.step_inputs import StepPlan
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION
 from paged_attention_ext.kv_cache import PagedKVCache
 
@@ -122,11 +123,10 @@ def run_model(name: str, dtype_name: str, args) -> Dict:
     for context in args.contexts:
         for batch in args.batches:
             meta = decode_batch(batch, context, num_blocks, text.vocab_size, seed=context + batch)
-            runs = {"eager": lambda: eager._packed(meta["ids"], meta["positions"], meta["slots"],
-                                                   meta["tables"], meta["seq_lens"], [1] * batch)}
+            plan = StepPlan(meta["tables"], meta["slots"], meta["seq_lens"], [1] * batch)
+            runs = {"eager": lambda: eager._packed(meta["ids"], meta["positions"], plan)}
             for label, compiled in paths.items():
-                runs[label] = (lambda c: lambda: c.run(meta["ids"], meta["positions"], meta["slots"],
-                                                       meta["tables"], meta["seq_lens"]))(compiled)
+                runs[label] = (lambda c: lambda: c.run(meta["ids"], meta["positions"], plan))(compiled)
             if batch == 1 and device == "cpu":
                 # The floor of a batch-1 step: reading the weights' bytes once (a sum over a
                 # buffer of that size), timed in the same rotation.

@@ -6,7 +6,7 @@ manager, the step's checkpoints, metadata, sampling, metrics) shows. Time per de
 is split by the function each cumulative share is charged to:
 
   forward     the model call (attention ops, matmuls) without the metadata building
-  metadata    lists -> tensors for the PagedBatch (runner, hf/batch.py)
+  metadata    lists -> tensors: the step's inputs (step_inputs.py, step_buffers.py)
   sampling    sampler and beam search
   checkpoint  the step's transactions (BlockSpaceManager.checkpoint)
   scheduler   preempt + schedule (block manager placement included)
@@ -37,8 +37,7 @@ from paged_attention_ext.testing import random_pair, tiny_config
 CATEGORIES = {
     "checkpoint": [("block_manager.py", "checkpoint")],
     "scheduler": [("scheduler.py", "preempt"), ("scheduler.py", "schedule")],
-    "metadata": [("batch.py", "build"), ("hf_runner.py", "_packed_batch"),
-                 ("hf_compiled_decode.py", "_stage")],
+    "metadata": [("step_inputs.py", "from_plan"), ("hf_compiled_decode.py", "_stage")],
     "forward": [("module.py", "_call_impl"), ("hf_compiled_decode.py", "_call")],
     "sampling": [("engine.py", "_choose_all"), ("engine.py", "_choose")],
     "metrics": [("metrics.py", "on_step"), ("metrics.py", "on_tokens")],

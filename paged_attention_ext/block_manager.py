@@ -19,7 +19,7 @@ A hybrid model's sequences hold one block table per KV group (``kv_group_windows
 counts the blocks of every group, a sliding-window group frees the blocks its window
 has left, and a prefix-cache hit is as long as every group can serve (full groups: the
 whole prefix; sliding groups: the window before the first recomputed token). Slots
-then come per group (``AppendResult.group_slots``).
+then come per group, every group alike (:class:`SeqSlots`).
 """
 
 from collections import Counter
@@ -30,7 +30,16 @@ from .block_allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes, blocks_needed
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
-           "SeqSpec"]
+           "SeqSlots", "SeqSpec"]
+
+
+class SeqSlots(NamedTuple):
+    """One sequence's new tokens placed in every KV group: per group, one slot per token
+    (``slots[g]``, the same tokens in each group); the copy-on-write copies of all groups,
+    to apply before any slot is written."""
+
+    slots: List[List[int]]
+    copies: List[BlockPair]
 
 
 class SeqSpec(NamedTuple):
@@ -84,13 +93,9 @@ class BlockSpaceManager:
 
     # ---- read-only views, for tests and inspection (library code asks the questions below)
     @property
-    def tables(self) -> Mapping[int, BlockTable]:
-        """Each sequence's table of KV group 0 (:meth:`group_tables`: all of them)."""
-        return MappingProxyType({s: t[0] for s, t in self._tables.items()})
-
-    def group_tables(self, seq_id: int) -> List[BlockTable]:
-        """The sequence's tables, one per KV group (a list copy; the tables themselves)."""
-        return list(self._tables[seq_id])
+    def tables(self) -> Mapping[int, Sequence[BlockTable]]:
+        """Each sequence's tables, one per KV group (``tables[seq][g]``)."""
+        return MappingProxyType(self._tables)
 
     @property
     def num_kv_groups(self) -> int:
@@ -108,7 +113,7 @@ class BlockSpaceManager:
         """Whether the group has blocks here (on the device or swapped out)."""
         return group_id in self._groups
 
-    def block_ids(self, seq_id: int, kv_group: int = 0) -> List[int]:
+    def block_ids(self, seq_id: int, kv_group: int) -> List[int]:
         """The sequence's physical blocks in one KV group, in order (a copy; a sliding
         group's freed entries are ``NULL_BLOCK``)."""
         return list(self._tables[seq_id][kv_group].blocks)
@@ -118,8 +123,8 @@ class BlockSpaceManager:
         return seq_id in self._tables
 
     def num_tokens(self, seq_id: int) -> int:
-        """Tokens the sequence's blocks hold."""
-        return self._tables[seq_id][0].num_tokens
+        """Tokens the sequence's blocks hold (the same in every KV group's table)."""
+        return self._tables[seq_id][0].num_tokens  # any table: check() asserts they agree
 
     def group_of_seq(self, seq_id: int) -> int:
         return self._group_of[seq_id]
@@ -180,7 +185,7 @@ class BlockSpaceManager:
     # ---- lifecycle ----------------------------------------------------------------
     def allocate(self, group_id: int, seq_id: int, prompt: "int | Sequence[int]",
                  extra_key: str = "", names: Optional[Sequence[bytes]] = None,
-                 queries_from_start: bool = False) -> Tuple[AppendResult, int]:
+                 queries_from_start: bool = False) -> Tuple[SeqSlots, int]:
         """Start a group with one sequence holding the prompt (ids, or a length).
 
         Returns the slots of the prompt tokens to prefill and how many leading tokens
@@ -192,17 +197,16 @@ class BlockSpaceManager:
         num_tokens, names = self._prompt(prompt, extra_key, names)
         [placed] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens,
                               queries_from_start)
-        return placed, num_tokens - len(placed.slots)
+        return placed, num_tokens - len(placed.slots[0])
 
     def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int,
-              queries_from_start: bool = False) -> List[AppendResult]:
+              queries_from_start: bool = False) -> List[SeqSlots]:
         """Start a group whose sequences share their first ``shared_len`` tokens.
 
         One sequence: a new prompt (or a recomputation). Several: a group preempted by
         recomputation, whose samples or beams share the prompt's full blocks and each
         recompute the prompt's partial last block into their own block. Returns, per
-        sequence, the slots of the tokens that must be computed (per KV group in
-        ``group_slots`` too): the leading tokens not listed are in the prefix cache or
+        sequence, the slots (per KV group) of the tokens that must be computed: the leading tokens not listed are in the prefix cache or
         computed by the first sequence.
         """
         self._check_new(group_id, [s.seq_id for s in seqs])
@@ -213,7 +217,7 @@ class BlockSpaceManager:
         return self._place_group(group_id, seqs, shared_len, num_hits, first_query)
 
     def try_admit(self, group_id: int, seqs: Sequence[SeqSpec],
-                  shared_len: int) -> Optional[List[AppendResult]]:
+                  shared_len: int) -> Optional[List[SeqSlots]]:
         """:meth:`admit` if the group fits above the watermark; None, with nothing changed,
         if it does not."""
         self._check_new(group_id, [s.seq_id for s in seqs])
@@ -228,7 +232,7 @@ class BlockSpaceManager:
         self._add(self._group_of[parent_seq], child_seq, [t.fork() for t in self._tables[parent_seq]])
 
     def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1,
-               names: Sequence[bytes] = (), computed: bool = True) -> AppendResult:
+               names: Sequence[bytes] = (), computed: bool = True) -> SeqSlots:
         """Room for new tokens of one sequence: slots, plus copy-on-write copies to apply first.
 
         ``tokens``: how many (or the new ids, which are only counted). ``names``: the
@@ -249,7 +253,7 @@ class BlockSpaceManager:
 
     def append_group(self, group_id: int, num_tokens: Mapping[int, int],
                      names: Optional[Mapping[int, Sequence[bytes]]] = None,
-                     computed: bool = True) -> Dict[int, AppendResult]:
+                     computed: bool = True) -> Dict[int, SeqSlots]:
         """Append to several sequences of a group at once, all-or-nothing.
 
         ``names``: per sequence, as in :meth:`append`. Returns each sequence's slots and
@@ -433,16 +437,14 @@ class BlockSpaceManager:
         return max(h for h in range(min(map(len, possible))) if all(p[h] for p in possible))
 
     @staticmethod
-    def _placed(tables: Sequence[BlockTable], start: int, end: int) -> AppendResult:
+    def _placed(tables: Sequence[BlockTable], start: int, end: int) -> SeqSlots:
         """Slots of positions start .. end-1 in every group (no copies)."""
-        group_slots = [t.slots(start, end) for t in tables]
-        return AppendResult(slots=group_slots[0], group_slots=group_slots)
+        return SeqSlots([t.slots(start, end) for t in tables], [])
 
     @staticmethod
-    def _merged(parts: Sequence[AppendResult]) -> AppendResult:
+    def _merged(parts: Sequence[AppendResult]) -> SeqSlots:
         """One sequence's appends in every group as one result."""
-        return AppendResult(slots=parts[0].slots, copies=[c for p in parts for c in p.copies],
-                            group_slots=[p.slots for p in parts])
+        return SeqSlots([p.slots for p in parts], [c for p in parts for c in p.copies])
 
     def _add(self, group_id: int, seq_id: int, tables: List[BlockTable]) -> None:
         self._tables[seq_id] = tables
@@ -480,7 +482,7 @@ class BlockSpaceManager:
         return cost, num_hits
 
     def _place_group(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int,
-                     num_hits: int, first_query: Optional[int] = None) -> List[AppendResult]:
+                     num_hits: int, first_query: Optional[int] = None) -> List[SeqSlots]:
         """Place an admission whose blocks were counted (:meth:`_admission`) and fit."""
         first, bs = seqs[0], self.block_size
         names = first.names[:shared_len // bs]

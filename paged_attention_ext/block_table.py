@@ -65,11 +65,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: str = "",
 
 @dataclass
 class AppendResult:
+    """One table's append: where its new tokens go, and the copies to make first."""
+
     slots: List[int] = field(default_factory=list)  # for paged.write_kv, one per new token
     copies: List[BlockPair] = field(default_factory=list)  # apply with copy_blocks first
-    # With several KV groups: each group's slots for the same tokens (group_slots[0] is
-    # ``slots``); a layer writes to its group's. Empty for a single table.
-    group_slots: List[List[int]] = field(default_factory=list)
 
 
 class BlockTable:

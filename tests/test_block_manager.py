@@ -200,11 +200,11 @@ def test_prefix_hit_reuses_full_blocks_and_prefills_the_rest():
     mgr = BlockSpaceManager(32, 0, 4, enable_prefix_caching=True)
     prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
     first, cached = mgr.allocate(0, 0, prompt)
-    assert cached == 0 and len(first.slots) == 11
+    assert cached == 0 and len(first.slots[0]) == 11
     second, cached = mgr.allocate(1, 1, prompt[:9] + [7, 7])
-    assert cached == 8 and len(second.slots) == 3
-    assert mgr.tables[1].blocks[:2] == mgr.tables[0].blocks[:2]
-    assert mgr.device.ref_count(mgr.tables[0].blocks[0]) == 2
+    assert cached == 8 and len(second.slots[0]) == 3
+    assert mgr.tables[1][0].blocks[:2] == mgr.tables[0][0].blocks[:2]
+    assert mgr.device.ref_count(mgr.tables[0][0].blocks[0]) == 2
     # A different first block shares nothing (the hash chains over the whole prefix).
     _, cached = mgr.allocate(2, 2, [0] + prompt[1:])
     assert cached == 0
@@ -220,7 +220,7 @@ def test_last_prompt_token_is_always_recomputed():
     prompt = list(range(8))  # exactly two full blocks
     mgr.allocate(0, 0, prompt)
     result, cached = mgr.allocate(1, 1, prompt)
-    assert cached == 4 and len(result.slots) == 4
+    assert cached == 4 and len(result.slots[0]) == 4
     mgr.check_invariants()
 
 
@@ -300,9 +300,9 @@ def test_prefix_hit_does_not_change_attention_output():
 
     def run(mgr: BlockSpaceManager, cache: PagedKVCache, group: int) -> torch.Tensor:
         result, cached = mgr.allocate(group, group, prompt)
-        slots = torch.tensor(result.slots)
+        slots = torch.tensor(result.slots[0])
         pa.write_kv(keys[cached:], values[cached:], *cache.layer(0), slots)
-        table = torch.tensor([mgr.tables[group].blocks], dtype=torch.int32)
+        table = torch.tensor([mgr.tables[group][0].blocks], dtype=torch.int32)
         return pa.attention(query, *cache.layer(0), table, torch.tensor([11], dtype=torch.int32),
                             head ** -0.5)
 
@@ -310,7 +310,7 @@ def test_prefix_hit_does_not_change_attention_output():
     cache = PagedKVCache(1, kv_heads, head, bs, torch.float32, num_blocks=16)
     cold = run(mgr, cache, 0)
     warm = run(mgr, cache, 1)
-    assert mgr.tables[1].blocks[:2] == mgr.tables[0].blocks[:2]
+    assert mgr.tables[1][0].blocks[:2] == mgr.tables[0][0].blocks[:2]
     assert torch.equal(cold, warm)
 
 
@@ -323,11 +323,11 @@ def test_swap_round_trip_preserves_sharing_and_contents():
     result, _ = mgr.allocate(0, 0, 10)
     for layer in range(2):
         k = torch.randn(10, 2, 32).bfloat16()
-        pa.write_kv(k, -k, *cache.layer(layer), torch.tensor(result.slots))
+        pa.write_kv(k, -k, *cache.layer(layer), torch.tensor(result.slots[0]))
     mgr.fork(0, 1)
     step = mgr.append(1, 1)
     cache.apply_copies(step.copies)
-    tables_before = {s: list(mgr.tables[s].blocks) for s in (0, 1)}
+    tables_before = {s: list(mgr.tables[s][0].blocks) for s in (0, 1)}
     content = {s: [torch.stack([cache.key_caches[l][b] for b in tables_before[s]]) for l in range(2)]
                for s in (0, 1)}
     distinct = len(set(tables_before[0]) | set(tables_before[1]))
@@ -338,7 +338,7 @@ def test_swap_round_trip_preserves_sharing_and_contents():
     mgr.check_invariants()
     assert len(out_map) == distinct and mgr.host.num_used_blocks == distinct
     assert mgr.device.num_used_blocks == 0
-    assert mgr.tables[0].blocks[:2] == mgr.tables[1].blocks[:2]  # still shared on the host
+    assert mgr.tables[0][0].blocks[:2] == mgr.tables[1][0].blocks[:2]  # still shared on the host
     for layer in range(2):  # the device pool is reused meanwhile
         cache.key_caches[layer].fill_(float("nan"))
 
@@ -350,7 +350,7 @@ def test_swap_round_trip_preserves_sharing_and_contents():
     assert mgr.host.num_used_blocks == 0
     for s in (0, 1):
         for layer in range(2):
-            got = torch.stack([cache.key_caches[layer][b] for b in mgr.tables[s].blocks])
+            got = torch.stack([cache.key_caches[layer][b] for b in mgr.tables[s][0].blocks])
             assert torch.equal(got.view(torch.int16), content[s][layer].view(torch.int16))
 
 
@@ -405,14 +405,14 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
     system = list(range(100, 108))  # two full blocks shared by both requests
     mgr.allocate(0, 0, system + [1, 2, 3])
     mgr.allocate(1, 1, system + [4, 5])
-    shared = mgr.tables[0].blocks[:2]
-    assert mgr.tables[1].blocks[:2] == shared
+    shared = mgr.tables[0][0].blocks[:2]
+    assert mgr.tables[1][0].blocks[:2] == shared
     out_map = mgr.swap_out(1)
     assert len(out_map) == 3  # every block of the group is saved to the host
     mgr.check_invariants()
     in_map = mgr.swap_in(1)
     mgr.check_invariants()
-    assert mgr.tables[1].blocks[:2] == shared  # re-used where group 0 still holds them
+    assert mgr.tables[1][0].blocks[:2] == shared  # re-used where group 0 still holds them
     assert len(in_map) == 1  # only the private partial block is copied back
     assert mgr.device.ref_count(shared[0]) == 2 and mgr.host.num_used_blocks == 0
 
@@ -429,7 +429,7 @@ def test_admission_of_a_recomputed_group_is_counted_exactly(free):
             mgr.admit(0, seqs, 6)
         assert mgr.device.num_free_blocks == free and not mgr.tables
         return
-    slots = [placed.slots for placed in mgr.admit(0, seqs, 6)]
+    slots = [placed.slots[0] for placed in mgr.admit(0, seqs, 6)]
     assert mgr.device.num_free_blocks == 0
     assert len(slots[0]) == 9  # the first sample computes the prompt
     assert [len(s) for s in slots[1:]] == [5, 5]  # the others from the prompt's partial block
@@ -466,7 +466,7 @@ def test_try_admit_places_the_group_or_changes_nothing(free):
     before = snapshot(mgr.device)
     placed = mgr.try_admit(0, seqs, 6)
     if free == 8:
-        assert [len(p.slots) for p in placed] == [9, 5, 5] and mgr.num_free_device_blocks == 1
+        assert [len(p.slots[0]) for p in placed] == [9, 5, 5] and mgr.num_free_device_blocks == 1
     else:
         assert placed is None and snapshot(mgr.device) == before and not mgr.holds(0)
     mgr.check_invariants()
@@ -491,7 +491,7 @@ def test_try_swap_in_counts_the_next_token_and_changes_nothing_when_full(free):
 def test_bad_counts_and_ids_raise_value_error_without_change():
     mgr = BlockSpaceManager(8, 0, 4)
     mgr.allocate(0, 0, 5)
-    before = snapshot(mgr.device), dict(mgr.tables[0].__dict__)
+    before = snapshot(mgr.device), dict(mgr.tables[0][0].__dict__)
     with pytest.raises(ValueError, match="new tokens must be >= 0"):
         mgr.append(0, -5)
     with pytest.raises(ValueError, match="new tokens must be >= 0"):
@@ -506,7 +506,7 @@ def test_bad_counts_and_ids_raise_value_error_without_change():
         mgr.append_group(5, {0: 1})
     with pytest.raises(ValueError, match="fewer than"):
         mgr.admit(1, [SeqSpec(1, 6), SeqSpec(2, 3)], 4)
-    assert (snapshot(mgr.device), dict(mgr.tables[0].__dict__)) == before
+    assert (snapshot(mgr.device), dict(mgr.tables[0][0].__dict__)) == before
     mgr.check_invariants()
 
 
@@ -514,11 +514,11 @@ def test_rollback_restores_the_checkpoint_but_forgets_evicted_cached_blocks():
     mgr = BlockSpaceManager(6, 4, 4, enable_prefix_caching=True, watermark=0.0)
     mgr.allocate(0, 0, list(range(9)))       # two named blocks and a partial one
     mgr.allocate(1, 1, list(range(50, 59)))
-    head = mgr.tables[1].blocks[0]
+    head = mgr.tables[1][0].blocks[0]
     mgr.free_group(1)                        # its two named blocks stay cached
     cached_before = list(mgr.device._evictable)
     refs_before = [mgr.device.ref_count(b) for b in range(6)]
-    table_before = (list(mgr.tables[0].blocks), mgr.tables[0].num_tokens)
+    table_before = (list(mgr.tables[0][0].blocks), mgr.tables[0][0].num_tokens)
     checkpoint = mgr.checkpoint()
 
     mgr.append(0, 1)
@@ -529,7 +529,7 @@ def test_rollback_restores_the_checkpoint_but_forgets_evicted_cached_blocks():
 
     assert len(tail) == 1 and head not in tail
     assert [mgr.device.ref_count(b) for b in range(6)] == refs_before
-    assert (mgr.tables[0].blocks, mgr.tables[0].num_tokens) == table_before
+    assert (mgr.tables[0][0].blocks, mgr.tables[0][0].num_tokens) == table_before
     assert not mgr.holds(2) and mgr.host.num_used_blocks == 0
     assert list(mgr.device._evictable) == [b for b in cached_before if b not in tail]
     assert tail[0] in mgr.device.free_block_ids()  # its memory may have been overwritten

@@ -59,7 +59,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.mgr.can_allocate(prompt):
             return
         result, cached = self.mgr.allocate(group, seq, prompt)
-        self.write(result.slots, prompt[cached:])
+        self.write(result.slots[0], prompt[cached:])
         self.tokens[seq] = list(prompt)
 
     @precondition(lambda self: self.device_groups())
@@ -78,7 +78,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert fits, "append_cost said no but the append succeeded"
         self.cache.apply_copies([c for s in seqs for c in step[s].copies])
-        self.write([slot for s in seqs for slot in step[s].slots], [new[s][0] for s in seqs])
+        self.write([slot for s in seqs for slot in step[s].slots[0]], [new[s][0] for s in seqs])
         for s in seqs:
             self.tokens[s] += new[s]
 
@@ -91,12 +91,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.mgr.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
-        if diverge and self.mgr.tables[child].blocks_needed(1) <= self.mgr.device.num_free_blocks:
+        if diverge and self.mgr.tables[child][0].blocks_needed(1) <= self.mgr.device.num_free_blocks:
             # A beam that takes a different token at once: copy-on-write of a partial block.
             token = data.draw(st.integers(1, 3))
             step = self.mgr.append(child, 1, self.names(self.tokens[child] + [token]))
             self.cache.apply_copies(step.copies)
-            self.write(step.slots, [token])
+            self.write(step.slots[0], [token])
             self.tokens[child].append(token)
 
     @precondition(lambda self: self.tokens)
@@ -145,7 +145,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_back_its_tokens(self):
         for seq, tokens in self.tokens.items():
-            table = self.mgr.tables[seq]
+            table = self.mgr.tables[seq][0]
             pool = (self.cache.host_key_caches if table.allocator is self.mgr.host
                     else self.cache.key_caches)[0]
             read = [float(pool[table.blocks[p // BLOCK_SIZE], 0, p % BLOCK_SIZE, 0])

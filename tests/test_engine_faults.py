@@ -106,8 +106,8 @@ def state(engine: LLMEngine):
                g.generator.get_state().tolist() if g.generator is not None else None,
                g.beam.running_scores.tolist() if g.beam is not None else None)
          for rid, g in engine._groups.items()},
-        {s: (list(t.blocks), t.num_tokens, t.allocator.name, list(t.block_hashes))
-         for s, t in m.tables.items()},
+        {s: [(list(t.blocks), t.num_tokens, t.allocator.name, list(t.block_hashes)) for t in tables]
+         for s, tables in m.tables.items()},
         [m.device.ref_count(b) for b in range(m.device.num_blocks)],
         [m.host.ref_count(b) for b in range(m.host.num_blocks)],
         {b: h for b, h in m.device.named_blocks().items() if m.device.ref_count(b)},

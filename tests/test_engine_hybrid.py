@@ -61,7 +61,7 @@ def serve(paged, **overrides):
         engine.check_invariants()
         manager = engine.scheduler.manager
         for seq_id in list(manager.tables):
-            for table in manager.group_tables(seq_id):
+            for table in manager.tables[seq_id]:
                 if table.sliding_window is not None and table.allocator is manager.device:
                     most_held.append(len(table.live_blocks))
     got = engine.generate(copy.deepcopy(REQUESTS), on_output=check)
@@ -111,7 +111,7 @@ def test_sliding_groups_free_their_blocks(shape):
         engine.step()
         if engine.has_unfinished():
             [seq_id] = list(engine.scheduler.manager.tables)
-            snapshot = [list(t.blocks) for t in engine.scheduler.manager.group_tables(seq_id)]
+            snapshot = [list(t.blocks) for t in engine.scheduler.manager.tables[seq_id]]
     layout = engine.kv_cache.kv_groups
     full_blocks = len(snapshot[0])
     for blocks, window in zip(snapshot, layout.windows):

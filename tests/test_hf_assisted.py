@@ -47,7 +47,7 @@ def test_candidate_decoding_equals_the_default_cache(models, mode, monkeypatch):
     cache.manager.check_invariants()
     # Every block holds tokens; the last one may be partial (waste under one block).
     held = cache.manager.num_tokens(cache.rows[0])
-    assert len(cache.manager.block_ids(cache.rows[0])) == -(-held // BLOCK_SIZE)
+    assert len(cache.manager.block_ids(cache.rows[0], 0)) == -(-held // BLOCK_SIZE)
 
 
 def test_crop_frees_whole_blocks_and_keeps_the_partial_one(models):
@@ -56,12 +56,12 @@ def test_crop_frees_whole_blocks_and_keeps_the_partial_one(models):
     with torch.no_grad():
         paged(prompt(length=8), past_key_values=cache)  # 22 tokens: 6 blocks
     seq = cache.rows[0]
-    assert cache.manager.num_tokens(seq) == 22 and len(cache.manager.block_ids(seq)) == 6
+    assert cache.manager.num_tokens(seq) == 22 and len(cache.manager.block_ids(seq, 0)) == 6
     cache.crop(-6)
     assert cache.get_seq_length() == 16 and cache.manager.num_tokens(seq) == 16
-    assert len(cache.manager.block_ids(seq)) == 4
+    assert len(cache.manager.block_ids(seq, 0)) == 4
     cache.crop(12)  # the older form: the length to keep
-    assert cache.get_seq_length() == 12 and len(cache.manager.block_ids(seq)) == 3
+    assert cache.get_seq_length() == 12 and len(cache.manager.block_ids(seq, 0)) == 3
     cache.crop(0)
     assert cache.get_seq_length() == 12
     with pytest.raises(ValueError, match="cannot remove 13"):
@@ -80,9 +80,9 @@ def test_a_cropped_prompt_block_leaves_the_prefix_cache(models):
     manager = cache.manager
     seq = cache.rows[0]
     named = manager.named_blocks()
-    partial = manager.block_ids(seq)[2]
+    partial = manager.block_ids(seq, 0)[2]
     assert partial in named
     cache.crop(-12)  # 10 tokens: block 2 becomes partial
     assert partial not in manager.named_blocks()
-    assert all(b in manager.named_blocks() for b in manager.block_ids(seq)[:2])
+    assert all(b in manager.named_blocks() for b in manager.block_ids(seq, 0)[:2])
     manager.check_invariants()

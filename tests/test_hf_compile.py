@@ -126,7 +126,7 @@ def test_eager_prefill_shares_prompt_blocks(models):
     got = generate(paged, ids, mask, cache, seed=3, max_new_tokens=8, do_sample=True,
                    num_return_sequences=4, compile_config=compile_config())
     assert torch.equal(got, want)
-    tables = [cache.manager.block_ids(s) for s in cache.rows]
+    tables = [cache.manager.block_ids(s, 0) for s in cache.rows]
     assert all(t[:3] == tables[0][:3] for t in tables)  # 12 of 13 prompt tokens shared
     assert_no_graph_breaks()
 
@@ -180,7 +180,7 @@ def test_prompt_lookup_crops_in_compile_mode(models):
                              past_key_values=cache)
     assert torch.equal(got, want)
     held = cache.manager.num_tokens(cache.rows[0])
-    assert len(cache.manager.block_ids(cache.rows[0])) == -(-held // BLOCK_SIZE)
+    assert len(cache.manager.block_ids(cache.rows[0], 0)) == -(-held // BLOCK_SIZE)
     cache.manager.check_invariants()
 
 
@@ -242,7 +242,7 @@ def test_sliding_window_and_soft_cap_architectures(arch):
     windows = cache.kv_groups.windows
     assert windows == (None, 6)
     for seq_id in cache.rows:
-        full, sliding = cache.manager.group_tables(seq_id)
+        full, sliding = cache.manager.tables[seq_id]
         assert NULL_BLOCK not in full.blocks and NULL_BLOCK in sliding.blocks
     cache.manager.check_invariants()
 

@@ -93,7 +93,7 @@ def check_no_leaks(cache: PagedCache, rows: int):
 
 def shared_prefix_blocks(cache: PagedCache, rows):
     """How many leading blocks these rows' tables have in common."""
-    tables = [cache.manager.tables[cache.rows[r]].blocks for r in rows]
+    tables = [cache.manager.tables[cache.rows[r]][0].blocks for r in rows]
     common = 0
     while all(len(t) > common and t[common] == tables[0][common] for t in tables):
         common += 1
@@ -116,7 +116,7 @@ def test_sampling_rows_share_prompt_blocks(models):
     # block holding the last prompt token are stored once per prompt.
     # Every row after a prompt's first took those blocks from the prefix cache.
     assert cache.manager.device.cache_hits == sum(3 * ((length - 1) // BLOCK_SIZE) for length in (11, 9))
-    if cache.manager.tables[cache.rows[0]].sliding_window is None:
+    if cache.manager.tables[cache.rows[0]][0].sliding_window is None:
         # Still shared at the end (Mistral's only KV group slides: it has freed them by now).
         for prompt, length in enumerate((11, 9)):
             rows = range(prompt * 4, prompt * 4 + 4)
@@ -186,14 +186,14 @@ def test_reorder_forks_then_copies_on_write(llama):
         beam_idx = torch.tensor([2, 0, 2])
         cache.reorder_cache(beam_idx)
         dynamic.reorder_cache(beam_idx)
-        tables = [list(cache.manager.tables[s].blocks) for s in cache.rows]
+        tables = [list(cache.manager.tables[s][0].blocks) for s in cache.rows]
         assert tables[0] == tables[2]  # forked, nothing copied
         assert cache.memory_usage()["blocks_used"] == used - 3  # old row 1 freed
         step = torch.tensor([[5], [6], [7]])
         got = paged(step, past_key_values=cache).logits
         expected = reference(step, past_key_values=dynamic).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    after = [cache.manager.tables[s].blocks for s in cache.rows]
+    after = [cache.manager.tables[s][0].blocks for s in cache.rows]
     assert after[0][:2] == after[2][:2] == tables[0][:2]  # full blocks still shared
     assert after[0][2] != after[2][2]  # the shared partial block was copied on write
     assert cache.memory_usage()["blocks_used"] == used - 3 + 1

@@ -14,6 +14,7 @@ import transformers
 from paged_attention_ext.block_manager import BlockSpaceManager
 from paged_attention_ext.hf import PagedBatch
 from paged_attention_ext.kv_cache import PagedKVCache
+from paged_attention_ext.step_inputs import StepInputs, StepPlan
 from paged_attention_ext.testing import random_pair
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,9 +39,10 @@ def engine(request):
 
 def packed_forward(paged, kv, manager, seqs, tokens, starts, slots):
     """One packed step: ``tokens[i]`` of sequence ``seqs[i]`` begin at position ``starts[i]``."""
-    tables = [manager.tables[s] for s in seqs]
-    batch = PagedBatch.build(kv, [[t.blocks for t in tables]], [t.num_tokens for t in tables],
-                             [len(t) for t in tokens], [slots])
+    tables = [manager.tables[s][0] for s in seqs]
+    plan = StepPlan([[t.blocks for t in tables]], [slots], [t.num_tokens for t in tables],
+                    [len(t) for t in tokens])
+    batch = PagedBatch(kv, StepInputs.from_plan(plan, kv))
     ids = torch.tensor([sum(tokens, [])])
     positions = torch.tensor([[start + i for start, t in zip(starts, tokens) for i in range(len(t))]])
     with torch.no_grad():
@@ -59,14 +61,14 @@ def test_prefill_decode_and_prefix_hit(engine):
     slots = []
     for seq, prompt in enumerate(prompts):
         placed, _ = manager.allocate(seq, seq, prompt)
-        slots += placed.slots
+        slots += placed.slots[0]
     prefill = packed_forward(paged, kv, manager, [0, 1], prompts, [0, 0], slots)
     for prompt, got in zip(prompts, prefill):
         torch.testing.assert_close(got, reference_logits(reference, prompt), atol=1e-5, rtol=1e-5)
 
     # Decode: one new token per sequence, written at its next slot.
     new = [[40], [41]]
-    slots = manager.append(0, new[0]).slots + manager.append(1, new[1]).slots
+    slots = manager.append(0, new[0]).slots[0] + manager.append(1, new[1]).slots[0]
     decode = packed_forward(paged, kv, manager, [0, 1], new, [7, 3], slots)
     for prompt, token, got in zip(prompts, new, decode):
         expected = reference_logits(reference, prompt + token)[-1:]
@@ -76,7 +78,7 @@ def test_prefill_decode_and_prefix_hit(engine):
     prompt = prompts[0][:BLOCK_SIZE] + [30, 31]
     placed, num_cached = manager.allocate(2, 2, prompt)
     assert num_cached == BLOCK_SIZE
-    [got] = packed_forward(paged, kv, manager, [2], [prompt[num_cached:]], [num_cached], placed.slots)
+    [got] = packed_forward(paged, kv, manager, [2], [prompt[num_cached:]], [num_cached], placed.slots[0])
     torch.testing.assert_close(got, reference_logits(reference, prompt)[num_cached:], atol=1e-5, rtol=1e-5)
     manager.check_invariants()
     for group in list(manager.groups):

@@ -65,7 +65,7 @@ def test_sliding_groups_hold_only_their_window(models):
     manager = cache.manager
     windows = cache.kv_groups.windows
     for seq_id in cache.rows:
-        tables = manager.group_tables(seq_id)
+        tables = manager.tables[seq_id]
         length = tables[0].num_tokens
         for table, window in zip(tables, windows):
             if window is None:

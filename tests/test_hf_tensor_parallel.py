@@ -54,7 +54,7 @@ def run_generations(model) -> dict:
         result[name] = {
             "tokens": out.tolist(),
             "kv_heads": cache.kv.num_kv_heads,
-            "block_tables": [cache.manager.block_ids(seq) for seq in cache.rows if seq is not None],
+            "block_tables": [cache.manager.block_ids(seq, 0) for seq in cache.rows if seq is not None],
         }
     return result
 

@@ -46,13 +46,13 @@ def hybrid(num_blocks=64, host=64, bs=4, windows=(None, 6), caching=False):
 def test_hybrid_groups_get_their_own_blocks_and_slots():
     mgr = hybrid()
     placed, cached = mgr.allocate(0, 0, 10)
-    assert cached == 0 and len(placed.group_slots) == 2 and placed.slots == placed.group_slots[0]
+    assert cached == 0 and len(placed.slots) == 2
     full, sliding = mgr.block_ids(0, 0), mgr.block_ids(0, 1)
     assert not set(full) & set(sliding)  # one pool, distinct blocks
     assert mgr.num_used_device_blocks == 6
     for _ in range(30):
         result = mgr.append(0, 1)
-        assert [len(s) for s in result.group_slots] == [1, 1]
+        assert [len(s) for s in result.slots] == [1, 1]
         mgr.check_invariants()
     # 40 tokens: the full group holds 10 blocks, the sliding one its window's (6 - 1 keys back).
     assert len(mgr.block_ids(0, 0)) == 10 and NULL_BLOCK not in mgr.block_ids(0, 0)

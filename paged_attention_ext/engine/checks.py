@@ -44,7 +44,7 @@ def check_engine(scheduler: Scheduler, groups: Mapping[str, SequenceGroup],
             continue
         pool = contents.host if group.status is GroupStatus.SWAPPED else contents.device
         for seq in group.live_seqs:
-            held = contents.tokens(pool, manager.block_ids(seq.seq_id), seq.num_computed)
+            held = contents.tokens(pool, manager.block_ids(seq.seq_id, 0), seq.num_computed)
             assert held == seq.token_ids[:seq.num_computed], (
                 f"request {group.request.request_id}, sequence {seq.seq_id}: the cache holds "
                 f"{held} for tokens {seq.token_ids[:seq.num_computed]}")

@@ -2,11 +2,12 @@
 metadata buffers.
 
 A decode step runs one token per sequence, so its shapes depend only on the batch size:
-``input_ids``/``position_ids`` ``[1, rows]``, ``slot_mapping``/``seq_lens`` ``[rows]`` and a
-block table of fixed width (the longest sequence the pool can hold), so tables growing
-never change a shape. The metadata is copied into preallocated buffers and the forward
-runs on their first ``rows`` rows; rows past the batch are padding: slot -1 (nothing
-written) and seq_len 0 (nothing read, output zero), so their logits are ignored.
+``input_ids``/``position_ids`` ``[1, rows]`` and the step's inputs
+(:class:`~paged_attention_ext.step_buffers.StepBuffers`: per KV group a slot mapping
+``[rows]`` and block tables of fixed width, the longest sequence the pool can hold, so
+tables growing never change a shape). The step is copied into preallocated buffers and
+the forward runs on their first ``rows`` rows; rows past the batch are padding: slot -1
+(nothing written) and seq_len 0 (nothing read, output zero), so their logits are ignored.
 
 * CPU: ``torch.compile`` (inductor by default) with the batch dimension dynamic, so one
   graph serves every batch size >= 2 and one batch size 1 (torch specializes sizes 0 and
@@ -33,9 +34,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..cascade import CascadeBuffers, stage_split, unsplit_layout
 from ..hf import PagedBatch
 from ..kv_cache import PagedKVCache
+from ..step_buffers import StepBuffers
+from ..step_inputs import StepInputs, StepPlan
 
 
 # torch keeps at most `recompile_limit` (8) graphs per code object, and each engine adds two
@@ -100,17 +102,8 @@ class CompiledDecode:
         n, longs = self.max_batch, dict(dtype=torch.int64, device=device)
         self.ids = torch.zeros(n, **longs)
         self.positions = torch.zeros(n, **longs)
-        groups = range(len(kv_cache.kv_groups.groups))  # a slot mapping and tables per KV group
-        self.slots = [torch.full((n,), -1, **longs) for _ in groups]
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.tables = [torch.zeros(n, table_width, dtype=torch.int32, device=device) for _ in groups]
-        # Cascade buffers for the KV groups without a window (the others attend plainly).
-        self.cascade_min_saved_tokens = cascade_min_saved_tokens
-        self._cascade = ([None if group.sliding_window is not None else
-                          CascadeBuffers(n, n, table_width, device) for group in kv_cache.kv_groups.groups]
-                         if cascade_min_saved_tokens is not None else [])
-        self.cascade_calls = 0  # decode steps run with the cascade split
-        self.cascade_saved_tokens = 0
+        self.buffers = StepBuffers(kv_cache, n, n, table_width, decode=True,
+                                   cascade_min_saved_tokens=cascade_min_saved_tokens)
         # A ready mask per layer type (none: attention follows the block tables), so the
         # compiled region skips transformers' mask construction; the eager steps of the same
         # model run it (and its checks).
@@ -142,20 +135,26 @@ class CompiledDecode:
             if not self.kv_cache.calibrated:
                 return False
             self._warm_up()
-        return 1 <= rows <= self.max_batch and width <= self.tables[0].shape[1]
+        return 1 <= rows <= self.max_batch and width <= self.buffers.width
+
+    @property
+    def cascade_calls(self) -> int:
+        """Decode steps run with the cascade split."""
+        return self.buffers.cascade_steps
+
+    @property
+    def cascade_saved_tokens(self) -> int:
+        return self.buffers.cascade_saved_tokens
 
     @torch.no_grad()
-    def run(self, ids: List[int], positions: List[int], slots: List[List[int]],
-            tables: List[List[List[int]]], seq_lens: List[int]) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence;
-        ``slots`` and ``tables`` per KV group."""
+    def run(self, ids: List[int], positions: List[int], plan: StepPlan) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (model dtype) of one decode token per sequence of ``plan``."""
         rows = len(ids)
         if any(_identity(tensor) != identity for tensor, identity in self._frozen):
             raise RuntimeError("compile_options freezing: the model's weights changed after the "
                                "compiled decode froze them; build a new engine")
         self.calls += 1
-        size = self._stage(ids, positions, slots, tables, seq_lens)
-        cascade = self._stage_cascade(tables, seq_lens, size)
+        size, cascade = self._stage(ids, positions, plan)
         if self.cuda_graphs:
             graph, logits = self._graphs[(size, cascade)]
             graph.replay()
@@ -163,49 +162,20 @@ class CompiledDecode:
         return self._call(size, cascade)[:rows]
 
     # ---- internals -------------------------------------------------------------------
-    def _stage(self, ids: List[int], positions: List[int], slots: List[List[int]],
-               tables: List[List[List[int]]], seq_lens: List[int]) -> int:
-        """Copy the metadata into the buffers' first rows, padding to the next size (returned)."""
+    def _stage(self, ids: List[int], positions: List[int], plan: StepPlan) -> Tuple[int, bool]:
+        """Copy the step into the buffers' first rows, padded to the next size; returns the
+        size and whether the step takes the cascade split."""
         rows = len(ids)
         size = self._padded(rows)
         pad = size - rows
-        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, seq_lens + [0] * pad]
-                            + [group_slots + [-1] * pad for group_slots in slots])
-        width = max(len(t) for t in tables[0])
-        flat: List[int] = []
-        for group_tables in tables:
-            for table in group_tables:
-                flat += table
-                flat += [0] * (width - len(table))
-        staged = torch.tensor(flat, dtype=torch.int32).view(len(tables), rows, width)
+        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad])
         self.ids[:size].copy_(meta[0], non_blocking=True)
         self.positions[:size].copy_(meta[1], non_blocking=True)
-        self.seq_lens[:size].copy_(meta[2], non_blocking=True)
-        for g, (slot_buffer, table_buffer) in enumerate(zip(self.slots, self.tables)):
-            slot_buffer[:size].copy_(meta[3 + g], non_blocking=True)
-            table_buffer[:rows, :width].copy_(staged[g], non_blocking=True)
-        return size
-
-    def _stage_cascade(self, tables: List[List[List[int]]], seq_lens: List[int], size: int) -> bool:
-        """Plan the step's split per KV group into the buffers; whether the cascade graph
-        runs (padding rows, seq_len 0, form empty groups)."""
-        if size < 2 or not self._cascade:
-            return False
-        pad = size - len(seq_lens)
-        saved = stage_split(self._cascade, [list(t) + [[]] * pad for t in tables],
-                            seq_lens + [0] * pad, [1] * size, self.kv_cache.block_size,
-                            self.cascade_min_saved_tokens)
-        if saved is None:
-            return False
-        self.cascade_calls += 1
-        self.cascade_saved_tokens += saved
-        return True
-
-    def _stage_unsplit(self, size: int) -> None:
-        """A valid split of an all-padding batch (warm-up): one empty group."""
-        for buffers in self._cascade:
-            if buffers is not None:
-                buffers.stage(unsplit_layout([[]] * size, [0] * size, [1] * size), size, size)
+        if pad:  # padding rows: no blocks, no length, no slot
+            plan = StepPlan([list(tables) + [[]] * pad for tables in plan.tables],
+                            [list(slots) + [-1] * pad for slots in plan.slots],
+                            list(plan.seq_lens) + [0] * pad, [1] * size)
+        return size, bool(self.buffers.fill(plan).cascades)
 
     def _padded(self, rows: int) -> int:
         if not self.sizes:
@@ -214,23 +184,20 @@ class CompiledDecode:
 
     def _forward(self, ids, positions, slots, tables, seq_lens, cascade=()) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
-        batch = PagedBatch(self.kv_cache, slot_mapping=slots[0], block_tables=tables[0],
-                           seq_lens=seq_lens, query_start_loc=None,
-                           other_groups=tuple(zip(slots[1:], tables[1:])), cascades=tuple(cascade))
+        inputs = StepInputs(tuple(slots), tuple(tables), seq_lens, None, tuple(cascade))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
-        return self.model(input_ids=ids, position_ids=positions, paged_batch=batch,
-                          use_cache=False, **masks).logits[0]
+        return self.model(input_ids=ids, position_ids=positions,
+                          paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
+                          **masks).logits[0]
 
     def _call(self, size: int, cascade: bool = False) -> torch.Tensor:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
-        slots = tuple(buffer[:size] for buffer in self.slots)
-        tables = tuple(buffer[:size] for buffer in self.tables)
-        splits = tuple(None if buffers is None else buffers.plan(size, size)
-                       for buffers in self._cascade) if cascade else ()
+        inputs = self.buffers.inputs(size, size, cascade)
+        slots, tables = inputs.slot_mappings, inputs.block_tables
         args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size), slots, tables,
-                self.seq_lens[:size], splits)
+                inputs.seq_lens, inputs.cascades)
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
-            split_tensors = [t for plan in splits if plan is not None for t in plan.tensors()]
+            split_tensors = [t for plan in inputs.cascades if plan is not None for t in plan.tensors()]
             for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *split_tensors),
                                    (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(split_tensors))):
                 torch._dynamo.mark_dynamic(tensor, dim)
@@ -275,18 +242,18 @@ class CompiledDecode:
             smallest = self.sizes[0] if self.sizes else 1
             for size in sorted({smallest, self.max_batch}):
                 self._call(size)
-            if self._cascade and self.max_batch >= 2:
+            if self.buffers.plans_cascade and self.max_batch >= 2:
                 size = max(2, smallest)
-                self._stage_unsplit(size)
+                self.buffers.stage_unsplit(size)
                 self._call(size, cascade=True)
             return
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            for cascade in ((False, True) if self._cascade and size >= 2 else (False,)):
+            for cascade in ((False, True) if self.buffers.plans_cascade and size >= 2 else (False,)):
                 if cascade:
-                    self._stage_unsplit(size)
+                    self.buffers.stage_unsplit(size)
                 with torch.cuda.stream(stream):
                     for _ in range(2):
                         self._call(size, cascade)

@@ -24,6 +24,7 @@ from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION, PagedBatch
 from ..hf.support import check_config, kv_head_shape, layer_windows
 from ..kv_cache import PagedKVCache
+from ..step_inputs import StepInputs, StepPlan
 from .config import EngineConfig
 from .hf_compiled_decode import CompiledDecode
 from .model_runner import ModelRunner, ModelSpec, RunnerStats
@@ -81,6 +82,17 @@ class HFModelRunner(ModelRunner):
 
     @torch.no_grad()
     def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
+        ids, positions, plan = self._plan(step)
+        if (self.decode is not None and len(ids) == len(plan.seq_lens)
+                and self.decode.fits(len(ids), plan.width())):
+            logits = self.decode.run(ids, positions, plan)
+        else:
+            logits = self._packed(ids, positions, plan)
+        return list(logits.float().split([len(g.live_seqs) for g in step.groups]))
+
+    def _plan(self, step: SchedulerOutput) -> Tuple[List[int], List[int], StepPlan]:
+        """The step's token ids and positions, and its plan: every live sequence's
+        uncomputed tokens packed in the scheduled order."""
         num_kv_groups = len(self.kv_cache.kv_groups.groups)
         ids: List[int] = []
         positions: List[int] = []
@@ -98,37 +110,22 @@ class HFModelRunner(ModelRunner):
                                        f"{[len(p) for p in placed]}")
                 ids += seq.token_ids[start:end]
                 positions += range(start, end)
-                for g in range(num_kv_groups):
+                for g, seq_table in enumerate(step.tables[seq.seq_id]):
                     slots[g] += placed[g]
-                    tables[g].append(step.tables[seq.seq_id][g])
+                    tables[g].append(seq_table)
                 seq_lens.append(end)
                 query_lens.append(end - start)
-        width = max(len(t) for t in tables[0])
-        if self.decode is not None and len(ids) == len(seq_lens) and self.decode.fits(len(ids), width):
-            logits = self.decode.run(ids, positions, slots, tables, seq_lens)
-        else:
-            logits = self._packed(ids, positions, slots, tables, seq_lens, query_lens)
-        return list(logits.float().split([len(g.live_seqs) for g in step.groups]))
+        return ids, positions, StepPlan(tables, slots, seq_lens, query_lens)
 
-    def _packed(self, ids: List[int], positions: List[int], slots: List[List[int]],
-                tables: List[List[List[int]]], seq_lens: List[int],
-                query_lens: List[int]) -> torch.Tensor:
+    def _packed(self, ids: List[int], positions: List[int], plan: StepPlan) -> torch.Tensor:
         """The eager packed forward: logits of each sequence's last token."""
-        batch, last_rows = self._packed_batch(slots, tables, seq_lens, query_lens)
+        inputs = StepInputs.from_plan(plan, self.kv_cache, self.cascade_min_saved_tokens)
+        if inputs.cascades:
+            self.cascade_steps += 1
+            self.cascade_saved_tokens += inputs.cascade_saved_tokens
         device = self.kv_cache.device
+        last_rows = (inputs.query_start_loc[1:] - 1).long()
         return self.model(input_ids=torch.tensor([ids]).to(device),
                           position_ids=torch.tensor([positions]).to(device),
-                          paged_batch=batch, use_cache=False, logits_to_keep=last_rows).logits[0]
-
-    def _packed_batch(self, slots: List[List[int]], tables: List[List[List[int]]],
-                      seq_lens: List[int], query_lens: List[int]) -> Tuple[PagedBatch, torch.Tensor]:
-        """The batch's tensors from the lists, and the rows of each sequence's last token."""
-        batch = PagedBatch.build(self.kv_cache, tables, seq_lens, query_lens, slots,
-                                 cascade_min_saved_tokens=self.cascade_min_saved_tokens)
-        self._count_cascade([plan.saved_tokens for plan in batch.cascades if plan is not None])
-        return batch, (batch.query_start_loc[1:] - 1).long()
-
-    def _count_cascade(self, saved: List[int]) -> None:
-        if saved:
-            self.cascade_steps += 1
-            self.cascade_saved_tokens += sum(saved)
+                          paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
+                          logits_to_keep=last_rows).logits[0]

@@ -217,7 +217,7 @@ class Scheduler:
                                             {s.seq_id: s.block_hashes for s in live})
         for seq in live:
             out.copies += placed[seq.seq_id].copies
-            out.slots[seq.seq_id] = placed[seq.seq_id].group_slots
+            out.slots[seq.seq_id] = placed[seq.seq_id].slots
         out.groups.append(group)
 
     def _preempt(self, group: SequenceGroup, out: Preemption) -> None:
@@ -241,8 +241,8 @@ class Scheduler:
         if placements is None:
             return False
         for seq, placed in zip(group.live_seqs, placements):
-            seq.num_computed = len(seq.token_ids) - len(placed.slots)
-            out.slots[seq.seq_id] = placed.group_slots
+            seq.num_computed = len(seq.token_ids) - len(placed.slots[0])
+            out.slots[seq.seq_id] = placed.slots
         return True
 
 

@@ -112,14 +112,15 @@ def paged_attention_forward(
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
     q = batch.kv_cache.as_query(flat_tokens(query))
-    if batch.query_rows is not None:
-        q = q.index_select(0, batch.query_rows)
+    query_rows = batch.inputs.query_rows
+    if query_rows is not None:
+        q = q.index_select(0, query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
     out = batch.attention_of(module.layer_idx).run(
         q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
         soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
-    if batch.query_rows is not None:
+    if query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
-        out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, batch.query_rows, out)
+        out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, query_rows, out)
     # transformers expects [batch, tokens, heads, head_size_v].
     return out.view(rows, q_len, heads, head_size_v).to(query.dtype), None

@@ -8,7 +8,8 @@ shared parts, each in its own module:
   hits by K/V fingerprints, beam forks, the room checks);
 * :mod:`.forward_state`: whether the stored history is whole (the layers of each forward);
 * :mod:`.handoff`: the mask function's and ``update``'s hand-offs to the next hook;
-* :class:`.batch.PagedBatch`: what the attention function reads for one forward.
+* :class:`.batch.PagedBatch`: what the attention function reads for one forward (its
+  :class:`~paged_attention_ext.step_inputs.StepInputs`, built once per forward).
 
 ``update`` (called by every attention layer with the new tokens' K/V) stores them with
 ``paged.write_kv``; layer 0's call also places the forward's new tokens. Left padding:
@@ -32,6 +33,7 @@ from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
+from ..step_inputs import StepInputs, StepPlan
 from .batch import PagedBatch, flat_tokens
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
@@ -224,14 +226,6 @@ class PagedCache(Cache):
         if not self._storage.in_attention:
             self._state.layer_stored()
         publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), self._batch))
-
-    def _new_batch(self, tables: List[List[List[int]]], counts: Sequence[int],
-                   slots: List[List[int]], query_rows: Optional[Sequence[int]]) -> PagedBatch:
-        in_attention = self._storage.in_attention
-        return PagedBatch.build(
-            self.kv, tables, self._placement.seq_lens(), counts, slots, write_kv=in_attention,
-            query_rows=query_rows, on_stored=self._count_stored if in_attention else None,
-            cascade_min_saved_tokens=self._cascade_min_saved_tokens)
 
     def _count_stored(self, layer_idx: int) -> None:
         """MLA: the attention function stored layer ``layer_idx``'s expanded K/V (so a
@@ -439,8 +433,12 @@ class PagedCache(Cache):
         if sum(counts) != rows * q_len:
             query_rows = [row * q_len + i for row, count in enumerate(counts)
                           for i in range(q_len - count, q_len)]
-        self._batch = self._new_batch(tables, counts, placed.slots, query_rows)
-        self.cascade_forwards += bool(self._batch.cascades)
+        step = StepPlan(tables, placed.slots, self._placement.seq_lens(), counts, query_rows)
+        inputs = StepInputs.from_plan(step, self.kv, self._cascade_min_saved_tokens)
+        in_attention = self._storage.in_attention
+        self._batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
+                                 on_stored=self._count_stored if in_attention else None)
+        self.cascade_forwards += bool(self._batch.inputs.cascades)
 
     def _check_room(self, counts: Sequence[int]) -> None:
         """Refuse a forward the pool cannot take, before any state changes."""

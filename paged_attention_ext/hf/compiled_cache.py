@@ -1,13 +1,13 @@
 """The compile mode of the paged cache: fixed pools and metadata for ``torch.compile``.
 
 ``CompiledPagedCache(config, max_cache_len=...)`` allocates a fixed pool
-and fixed-size metadata tensors (:class:`~paged_attention_ext.hf.batch.StepBuffers`); the
+and fixed-size metadata tensors (:class:`~paged_attention_ext.step_buffers.StepBuffers`); the
 bookkeeping of :class:`~paged_attention_ext.hf.PagedCache` runs eagerly *before* each
 forward (``prepare``, called by the mask function when generate builds the masks eagerly),
 so a compiled forward only writes K/V at the prepared slots and attends.
 """
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from transformers import PretrainedConfig
@@ -15,11 +15,24 @@ from transformers import PretrainedConfig
 from ..block_table import blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
-from .batch import StepBuffers
+from ..step_buffers import StepBuffers
+from ..step_inputs import StepInputs
+from .batch import PagedBatch, rows_as_sequences
 from .cache import PagedCache, PoolSpec
 from .handoff import (LayerCall, cancel_preparation, publish_layer_call, request_preparation,
                       take_padding_mask)
 from .placement import RowLimit, RowPlacement
+
+
+class _Static(NamedTuple):
+    """What a compiled forward reads, kept across ``reset()`` so that it keeps reading the
+    same tensors: the pools, the step buffers (two sequences per batch row:
+    :func:`~.batch.rows_as_sequences`; tables padded with the scratch block) and one batch
+    per shape of the buffers' inputs."""
+    spec: PoolSpec
+    pool: PagedKVCache
+    buffers: StepBuffers
+    batches: Dict[int, PagedBatch]  # by id() of the buffers' StepInputs, which live as long
 
 
 class CompiledPagedCache(PagedCache):
@@ -56,9 +69,7 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens)
-        # (pool spec, pools, metadata buffers), kept across reset() so that a compiled
-        # forward keeps reading the same tensors.
-        self._static: Optional[Tuple[PoolSpec, PagedKVCache, StepBuffers]] = None
+        self._static: Optional[_Static] = None
 
     def _clear(self) -> None:
         super()._clear()
@@ -88,7 +99,7 @@ class CompiledPagedCache(PagedCache):
         """Traced once per shape: only tensor work on the prepared buffers (Python state
         changes here would happen at trace time only)."""
         batch = self._batch
-        if batch is None or batch.slot_mapping.shape[0] != keys.shape[0] * keys.shape[2]:
+        if batch is None or batch.inputs.num_tokens != keys.shape[0] * keys.shape[2]:
             raise RuntimeError("PagedCache: this compiled forward was not prepared; call "
                                "cache.prepare(batch_size, num_new_tokens, attention_mask, dtype, "
                                "device) before each compiled forward of your own loop")
@@ -134,7 +145,7 @@ class CompiledPagedCache(PagedCache):
 
     def reset(self) -> None:
         if self._static is not None:  # the fixed pool is kept: its calibrated scales are not
-            self._static[1].recalibrate()
+            self._static.pool.recalibrate()
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -212,35 +223,44 @@ class CompiledPagedCache(PagedCache):
         capacity = (self.num_blocks if self.num_blocks is not None
                     else max_rows * width * len(self.kv_groups.groups))
         spec = self._storage.config_shape + (dtype, torch.device(device))
-        if self._static is None or self._static[0] != spec or self._static[2].max_rows < max_rows \
-                or self._static[1].num_blocks != capacity + 1:
+        static = self._static
+        if static is None or static.spec != spec or static.buffers.max_seqs < 2 * max_rows \
+                or static.pool.num_blocks != capacity + 1:
             pool = self._new_pool(capacity + 1, spec)  # the last block: the scratch block
-            in_attention = self._storage.in_attention
-            buffers = StepBuffers(pool, max_rows, width, max_rows * self._max_cache_len,
-                                  scratch_block=capacity, write_kv=in_attention,
-                                  on_stored=self._count_stored if in_attention else None,
+            buffers = StepBuffers(pool, 2 * max_rows, max_rows * self._max_cache_len, width,
+                                  pad_block=capacity,
                                   cascade_min_saved_tokens=self._cascade_min_saved_tokens)
-            self._static = (spec, pool, buffers)
+            self._static = _Static(spec, pool, buffers, {})
         self._placement = RowPlacement(rows, capacity, self.block_size, self.enable_prefix_caching,
                                        self.kv_groups)
         self._pool_spec = spec
-        self.kv = self._static[1]
+        self.kv = self._static.pool
         # On the pools' device, so the compiled graph touches no host tensor.
         self._length_tensor = self._length_tensor.to(spec[4])
         self._consumed = self._consumed.to(spec[4])
         # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
         # "reduce-overhead") may then read and write them in place instead of copying them.
-        buffers = self._static[2]
-        for tensor in (*self.kv.key_caches, *self.kv.value_caches, *buffers.group_block_tables,
-                       buffers.seq_lens, buffers.query_start_loc, *buffers.group_slot_mappings,
-                       *buffers.cascade_tensors(), self._length_tensor, self._consumed):
+        for tensor in (*self.kv.key_caches, *self.kv.value_caches, *self._static.buffers.tensors(),
+                       self._length_tensor, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
     def _fill_buffers(self) -> None:
         counts, q_len, slots = self._step
-        self._batch = self._static[2].fill(self._placement.tables(), self._placement.seq_lens(),
-                                           counts, q_len, slots)
-        self.cascade_forwards += bool(self._batch.cascades)
+        static = self._static
+        plan = rows_as_sequences(self._placement.tables(), self._placement.seq_lens(), counts,
+                                 q_len, slots, static.buffers.pad_block)
+        inputs = static.buffers.fill(plan)
+        self._batch = static.batches.get(id(inputs)) or self._new_batch(inputs)
+        self.cascade_forwards += bool(inputs.cascades)
+
+    def _new_batch(self, inputs: StepInputs) -> PagedBatch:
+        """The batch over one shape's inputs, made once: a compiled forward reads the same
+        object every step."""
+        in_attention = self._storage.in_attention
+        batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
+                           on_stored=self._count_stored if in_attention else None)
+        self._static.batches[id(inputs)] = batch
+        return batch
 
     def _fingerprint_started_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """An eager first forward: place the rows the step started again, now with prefix

@@ -123,7 +123,7 @@ class RowPlacement:
         """Every row's blocks, shared ones once per row."""
         return sum(len(t.live_blocks) for s in self.rows
                    if s is not None and self.manager.has_seq(s)
-                   for t in self.manager.group_tables(s))
+                   for t in self.manager.tables[s])
 
     # ---- actions ----------------------------------------------------------------------------
     def place(self, counts: Sequence[int], q_len: int, keys: Optional[torch.Tensor] = None,
@@ -151,7 +151,7 @@ class RowPlacement:
             else:
                 placed = self.manager.append(seq_id, count)
                 copies.extend(placed.copies)
-            for group_slots, placed_slots in zip(slots, placed.group_slots):
+            for group_slots, placed_slots in zip(slots, placed.slots):
                 group_slots[row * q_len + pad:(row + 1) * q_len] = placed_slots
         return Placed(slots, copies, started)
 
@@ -193,7 +193,7 @@ class RowPlacement:
         keep = {seq_id: max(0, self.manager.num_tokens(seq_id) - num_tokens)
                 for seq_id in self.rows if seq_id is not None}
         for seq_id, kept in keep.items():
-            for table in self.manager.group_tables(seq_id):
+            for table in self.manager.tables[seq_id]:
                 table.check_truncate(kept)
         for seq_id, kept in keep.items():
             self.manager.truncate(seq_id, kept)

@@ -157,7 +157,7 @@ def held_blocks(windows: Tuple[Optional[int], ...], length: int, block_size: int
     manager = BlockSpaceManager(blocks, 0, block_size, watermark=0.0, kv_group_windows=windows)
     manager.allocate(0, 0, length - 1)
     manager.append(0, 1)  # a decode step: the sliding groups free what it cannot see
-    return [len(t.live_blocks) for t in manager.group_tables(0)]
+    return [len(t.live_blocks) for t in manager.tables[0]]
 
 
 def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int,

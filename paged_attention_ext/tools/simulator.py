@@ -201,7 +201,7 @@ class PagedGroups:
         return True
 
     def held(self, rid: int) -> int:
-        pages = sum(len(t.live_blocks) for t in self.manager.group_tables(rid))
+        pages = sum(len(t.live_blocks) for t in self.manager.tables[rid])
         return self._all_layer_slots(pages)
 
     def release(self, rid: int) -> None:
@@ -209,7 +209,7 @@ class PagedGroups:
 
     def on_step(self) -> None:
         for rid in self.manager.groups:
-            for g, table in enumerate(self.manager.group_tables(rid)):
+            for g, table in enumerate(self.manager.tables[rid]):
                 live = [b for b, block in enumerate(table.blocks) if block != NULL_BLOCK]
                 if live:
                     self._filled[g] += table.num_tokens - live[0] * self.block_size

@@ -39,7 +39,7 @@ class Walkthrough:
                      *self.cache.layer(0), torch.tensor(slots, dtype=torch.int64))
 
     def metadata(self):
-        tables = [self.manager.block_ids(s) for s in self.seqs]
+        tables = [self.manager.block_ids(s, 0) for s in self.seqs]
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         lens = [self.manager.num_tokens(s) for s in self.seqs]
@@ -54,7 +54,7 @@ class Walkthrough:
         for n in prompt_lens:
             seq = len(self.seqs)
             placed, _ = self.manager.allocate(seq, seq, n)
-            slots += placed.slots
+            slots += placed.slots[0]
             self.seqs.append(seq)
         self.write(slots)
         starts = torch.tensor([0] + prompt_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -65,7 +65,7 @@ class Walkthrough:
         slots, copies = [], []
         for seq in self.seqs:
             placed = self.manager.append(seq, 1)
-            slots += placed.slots
+            slots += placed.slots[0]
             copies += placed.copies
         self.cache.apply_copies(copies)  # before this step's tokens are written
         if copies:
@@ -83,12 +83,12 @@ class Walkthrough:
 
     def swap_round_trip(self, seq: int) -> None:
         key_cache = self.cache.key_caches[0]
-        before = key_cache[self.manager.block_ids(seq)]
+        before = key_cache[self.manager.block_ids(seq, 0)]
         out_map = self.manager.swap_out(self.manager.group_of_seq(seq))
         self.cache.swap_out(out_map)
         key_cache[[device for device, _ in out_map]] = float("nan")  # reused meanwhile
         self.cache.swap_in(self.manager.swap_in(self.manager.group_of_seq(seq)))
-        after = key_cache[self.manager.block_ids(seq)]
+        after = key_cache[self.manager.block_ids(seq, 0)]
         self.checks["swap_blocks (out and back)"] = float((after - before).abs().max())
 
 

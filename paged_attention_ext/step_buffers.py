@@ -1,0 +1,154 @@
+"""A step's inputs in persistent buffers, for forwards that are compiled or graph-captured.
+
+A compiled forward (``torch.compile``) recompiles when its inputs' shapes change, and a CUDA
+graph replays fixed addresses. :class:`StepBuffers` allocates every tensor of a
+:class:`~paged_attention_ext.step_inputs.StepInputs` once, at the most sequences and tokens
+a step may have and a fixed table width, and :meth:`StepBuffers.fill` writes each step's
+:class:`~paged_attention_ext.step_inputs.StepPlan` into it in place, as vLLM's input batch
+does. The inputs a step reads are views of the buffers' leading rows, one object per shape,
+so the forward sees the same tensors every step. Table entries past a sequence's blocks
+are never read (its length bounds them).
+
+With ``cascade_min_saved_tokens`` a step whose sequences share leading blocks also gets the
+cascade split (:mod:`paged_attention_ext.cascade`) in fixed buffers, one group per
+sequence at most: its inputs are a second object per shape, so a compiled forward has a
+graph for each.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .cascade import CascadeBuffers, stage_split, unsplit_layout
+from .kv_cache import PagedKVCache
+from .step_inputs import StepInputs, StepPlan
+
+
+class StepBuffers:
+    """Persistent :class:`StepInputs` of up to ``max_seqs`` sequences and ``max_tokens``
+    tokens, tables ``width`` blocks wide (unused entries hold ``pad_block``).
+
+    ``decode``: every sequence has one query row (the decode form of the op: no
+    ``query_start_loc``)."""
+
+    def __init__(self, kv_cache: PagedKVCache, max_seqs: int, max_tokens: int, width: int, *,
+                 pad_block: int = 0, decode: bool = False,
+                 cascade_min_saved_tokens: Optional[int] = None) -> None:
+        device = kv_cache.device
+        groups = kv_cache.kv_groups.groups
+        self.block_size = kv_cache.block_size
+        self.pad_block = pad_block
+        self.block_tables = [torch.full((max_seqs, width), pad_block, dtype=torch.int32, device=device)
+                             for _ in groups]
+        self.slot_mappings = [torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+                              for _ in groups]
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = (None if decode else
+                                torch.zeros(max_seqs + 1, dtype=torch.int32, device=device))
+        # What each table row holds now, per group: a row is written only when it changes
+        # (most decode steps change none). [] is a row of pad_block only.
+        self._held: List[List[List[int]]] = [[[] for _ in range(max_seqs)] for _ in groups]
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        # Groups with a sliding window attend plainly (the split ignores windows).
+        self._cascade = ([None if group.sliding_window is not None else
+                          CascadeBuffers(max_seqs, max_seqs, width, device) for group in groups]
+                         if cascade_min_saved_tokens is not None else [])
+        self._inputs: Dict[Tuple[int, int, bool], StepInputs] = {}
+        self.cascade_steps = 0         # steps that took the split
+        self.cascade_saved_tokens = 0  # key reads (per layer and KV head) it saved
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.slot_mappings[0].shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.block_tables[0].shape[1]
+
+    @property
+    def plans_cascade(self) -> bool:
+        """Whether steps may take the cascade split (``cascade_min_saved_tokens`` given)."""
+        return bool(self._cascade)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """Every buffer (fixed addresses: a compiled forward may mark them static)."""
+        cascade = [t for b in self._cascade if b is not None for t in b.tensors()]
+        starts = [] if self.query_start_loc is None else [self.query_start_loc]
+        return [*self.block_tables, *self.slot_mappings, self.seq_lens, *starts, *cascade]
+
+    def fill(self, plan: StepPlan) -> StepInputs:
+        """Write the step into the buffers and return the inputs it reads."""
+        num_seqs, num_tokens = len(plan.seq_lens), len(plan.slots[0])
+        if num_seqs > self.max_seqs or num_tokens > self.max_tokens or plan.width() > self.width:
+            raise ValueError(f"StepBuffers: a step of {num_seqs} sequences, {num_tokens} tokens "
+                             f"and tables of {plan.width()} blocks exceeds the buffers "
+                             f"({self.max_seqs} sequences, {self.max_tokens} tokens, "
+                             f"{self.width} blocks)")
+        if plan.query_rows is not None:
+            raise ValueError("StepBuffers: fixed buffers have no query_rows; give padding "
+                             "queries sequences of their own")
+        for group, tables in enumerate(plan.tables):
+            self._fill_tables(group, tables)
+        # One host tensor per buffer, copied into the fixed storage.
+        self.seq_lens[:num_seqs].copy_(torch.tensor(list(plan.seq_lens), dtype=torch.int32),
+                                       non_blocking=True)
+        if self.query_start_loc is not None:
+            self.query_start_loc[:num_seqs + 1].copy_(
+                torch.tensor(plan.query_start_loc(), dtype=torch.int32), non_blocking=True)
+        for buffer, slots in zip(self.slot_mappings, plan.slots):
+            buffer[:num_tokens].copy_(torch.tensor(list(slots), dtype=torch.int64),
+                                      non_blocking=True)
+        return self.inputs(num_seqs, num_tokens, self._stage_cascade(plan))
+
+    def inputs(self, num_seqs: int, num_tokens: int, cascade: bool = False) -> StepInputs:
+        """Views of the buffers for a step of this shape (the same object every time), with
+        the staged cascade split or without."""
+        key = (num_seqs, num_tokens, cascade)
+        if key not in self._inputs:
+            starts = None if self.query_start_loc is None else self.query_start_loc[:num_seqs + 1]
+            plans = tuple(None if b is None else b.plan(num_seqs, num_seqs, starts)
+                          for b in self._cascade) if cascade else ()
+            self._inputs[key] = StepInputs(
+                slot_mappings=tuple(b[:num_tokens] for b in self.slot_mappings),
+                block_tables=tuple(b[:num_seqs] for b in self.block_tables),
+                seq_lens=self.seq_lens[:num_seqs], query_start_loc=starts, cascades=plans)
+        return self._inputs[key]
+
+    def stage_unsplit(self, num_seqs: int) -> None:
+        """A valid split of a step of empty sequences (a warm-up's): one empty group."""
+        for buffers in self._cascade:
+            if buffers is not None:
+                buffers.stage(unsplit_layout([[]] * num_seqs, [0] * num_seqs, [1] * num_seqs),
+                              num_seqs, num_seqs)
+
+    def _stage_cascade(self, plan: StepPlan) -> bool:
+        """Plan and stage the step's split per group; whether it runs. One sequence has
+        nothing to share (and a compiled step of one has a graph of its own)."""
+        if not self._cascade or len(plan.seq_lens) < 2:
+            return False
+        saved = stage_split(self._cascade, plan.tables, plan.seq_lens, plan.query_lens,
+                            self.block_size, self.cascade_min_saved_tokens)
+        if saved is None:
+            return False
+        self.cascade_steps += 1
+        self.cascade_saved_tokens += saved
+        return True
+
+    def _fill_tables(self, group: int, tables: Sequence[Sequence[int]]) -> None:
+        """Rewrite the rows whose table changed, as wide as the old or the new table (each
+        row stays its table followed by ``pad_block``)."""
+        held = self._held[group]
+        changed = [seq for seq, table in enumerate(tables) if held[seq] != table]
+        if not changed:
+            return
+        width = max(max(len(held[s]), len(tables[s])) for s in changed)
+        for seq in changed:
+            held[seq] = list(tables[seq])
+        padded = [held[s] + [self.pad_block] * (width - len(held[s])) for s in changed]
+        buffer = self.block_tables[group]
+        index = torch.tensor(changed).to(buffer.device)
+        buffer[:, :width].index_copy_(0, index, torch.tensor(padded, dtype=torch.int32).to(buffer.device))

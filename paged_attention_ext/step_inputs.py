@@ -1,0 +1,114 @@
+"""One step's inputs: where each new token's K/V goes and what each sequence attends over.
+
+A step (an engine step, a ``generate`` forward) runs sequences whose query rows are packed
+one after another. Every KV group (:mod:`paged_attention_ext.kv_groups`: full attention,
+each sliding window) has its own slots and block tables over the same sequences, lengths
+and query rows, and every group appears here alike.
+
+The producer (the engine's runner, a ``PagedCache``) builds the step once as host lists,
+a :class:`StepPlan`, and converts it to tensors once, into a :class:`StepInputs`:
+
+* :meth:`StepInputs.from_plan`: fresh tensors of the step's own shapes (eager forwards);
+* :meth:`paged_attention_ext.step_buffers.StepBuffers.fill`: the same written in place into
+  persistent buffers (compiled and graph-captured forwards, which read fixed addresses).
+
+Each group's :class:`~paged_attention_ext.attention_metadata.AttentionMetadata` is derived
+from the inputs once, when they are built, and read by every layer of the group.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .cascade import CascadePlan, padded_rows, plan_cascade
+from .kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step as host lists, its sequences in packed order."""
+
+    tables: Sequence[Sequence[Sequence[int]]]  # per KV group, per sequence: its block ids
+    slots: Sequence[Sequence[int]]  # per KV group, per query token: its slot (-1: not written)
+    seq_lens: Sequence[int]          # per sequence: KV tokens, this step's included
+    query_lens: Sequence[int]        # per sequence: its query rows this step
+    # The rows of a flattened [rows, q_len] query that are real tokens, in packed order
+    # (left padding leaves the others out); None: every row.
+    query_rows: Optional[Sequence[int]] = None
+
+    def query_start_loc(self) -> List[int]:
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        return starts
+
+    def width(self) -> int:
+        """The longest table of any group (at least 1)."""
+        return max([1] + [len(t) for group in self.tables for t in group])
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs as tensors; the tuples have one entry per KV group."""
+
+    slot_mappings: Tuple[torch.Tensor, ...]  # int64 [num_tokens]: each token's slot; -1: skip
+    block_tables: Tuple[torch.Tensor, ...]   # int32 [num_seqs, width]
+    seq_lens: torch.Tensor                   # int32 [num_seqs]
+    query_start_loc: Optional[torch.Tensor]  # int32 [num_seqs + 1]; None: one row per sequence
+    # Per group, its cascade split (shared prefixes read once) or None; empty: none at all.
+    cascades: Tuple[Optional[CascadePlan], ...] = ()
+    query_rows: Optional[torch.Tensor] = None  # int64, as StepPlan's
+    # Per group, its attention metadata: derived and checked once, read by its layers.
+    attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.attention = tuple(
+            AttentionMetadata(tables, self.seq_lens, self.query_start_loc,
+                              self.cascades[group] if self.cascades else None)
+            for group, tables in enumerate(self.block_tables))
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.block_tables)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V this step writes (every group's slot mapping has one per token)."""
+        return self.slot_mappings[0].shape[0]
+
+    @property
+    def cascade_saved_tokens(self) -> int:
+        """Key reads (per layer and KV head) the step's cascade split saves."""
+        return sum(plan.saved_tokens for plan in self.cascades if plan is not None)
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, kv_cache: PagedKVCache,
+                  cascade_min_saved_tokens: Optional[int] = None) -> "StepInputs":
+        """The plan as fresh tensors on the cache's device. ``cascade_min_saved_tokens``:
+        plan cascade attention for the groups without a sliding window, where it saves at
+        least that many key reads (:func:`~paged_attention_ext.cascade.plan_cascade`);
+        None: the plain op only."""
+        device, width = kv_cache.device, plan.width()
+        return cls(
+            slot_mappings=tuple(torch.tensor(list(slots), dtype=torch.int64, device=device)
+                                for slots in plan.slots),
+            block_tables=tuple(padded_rows(tables, width).to(device) for tables in plan.tables),
+            seq_lens=torch.tensor(list(plan.seq_lens), dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(plan.query_start_loc(), dtype=torch.int32, device=device),
+            cascades=_plan_cascades(plan, kv_cache, cascade_min_saved_tokens),
+            query_rows=(None if plan.query_rows is None else
+                        torch.tensor(list(plan.query_rows), dtype=torch.int64, device=device)))
+
+
+def _plan_cascades(plan: StepPlan, kv_cache: PagedKVCache,
+                   min_saved_tokens: Optional[int]) -> Tuple[Optional[CascadePlan], ...]:
+    if min_saved_tokens is None:
+        return ()
+    plans = tuple(
+        None if group.sliding_window is not None else
+        plan_cascade(tables, plan.seq_lens, plan.query_lens, kv_cache.block_size,
+                     kv_cache.device, min_saved_tokens)
+        for group, tables in zip(kv_cache.kv_groups.groups, plan.tables))
+    return plans if any(p is not None for p in plans) else ()
