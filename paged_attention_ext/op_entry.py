@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-# Every op of the library (cpu_isa too: it raises a ValueError for a bad
+# Every op of the library (cpu_isa and select_cpu_isa too: they raise a ValueError for a bad
 # PAGED_ATTENTION_CPU_ISA).
 OPS = ("attention", "attention_with_lse", "attention_out", "shared_prefix_attention",
-       "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks", "cpu_isa")
+       "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks", "cpu_isa",
+       "select_cpu_isa")
 
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
 _TAG = re.compile(r"\[paged:(\w+)\] ")

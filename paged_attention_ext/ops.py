@@ -76,6 +76,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "cpu_isa",
+    "select_cpu_isa",
 ]
 
 
@@ -491,8 +492,11 @@ def cpu_isa() -> str:
     far), ``avx512_vbmi`` runs instead of ``avx512_bf16``, and the ``amx`` kernel hands the
     items its tiles do not take to ``avx512_vbmi`` too.
 
-    The environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the
-    CPU runs (for testing every path); one it lacks raises a ``ValueError``.
+    The choice is made once per process, when the library first runs a kernel: the
+    environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the CPU
+    runs (for testing every path); one it lacks, or an unknown name, makes every call raise
+    its ``ValueError``. Changing the variable later changes nothing until
+    :func:`select_cpu_isa`.
 
     Example::
 
@@ -501,3 +505,23 @@ def cpu_isa() -> str:
         True
     """
     return torch.ops.paged.cpu_isa()
+
+
+def select_cpu_isa(isa: Optional[str] = None) -> str:
+    """Chooses the CPU attention kernel of every later call in this process (for tests and
+    benchmarks that compare kernels): ``isa``, one of :data:`CPU_ISAS` that the CPU runs, or
+    with None the one ``PAGED_ATTENTION_CPU_ISA`` names now (unset: the default of
+    :func:`cpu_isa`). Returns the chosen name. A name that is unknown or beyond this CPU
+    raises a ``ValueError`` and keeps the current choice.
+
+    Example::
+
+        >>> import paged_attention_ext as pa
+        >>> pa.select_cpu_isa("generic")
+        'generic'
+        >>> pa.cpu_isa()
+        'generic'
+        >>> pa.select_cpu_isa() in pa.CPU_ISAS  # back to what the environment asks for
+        True
+    """
+    return torch.ops.paged.select_cpu_isa(isa)

@@ -99,7 +99,7 @@ def test_grad_is_refused_before_any_work_and_not_under_no_grad(case):
 def test_a_bad_isa_request_is_a_value_error(monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "avx1024")
     with pytest.raises(ValueError, match="^PAGED_ATTENTION_CPU_ISA must be one of generic, avx2"):
-        pa.cpu_isa()
+        pa.select_cpu_isa()
 
 
 def test_meta_tensors_pass_the_entry_to_the_fake(case):
