@@ -4,7 +4,7 @@ Usage: ``.venv/bin/python bench/bench_amx.py [--rounds N] [--out PATH]`` on a CP
 
 Method: for bf16 and e4m3 caches (bf16 queries, scales 1) and each shape below, one cache
 in a random physical block order, checked against the reference once, then the call with
-``PAGED_ATTENTION_CPU_ISA=avx512_bf16`` and with ``amx`` alternating, ``--rounds`` rounds of
+the kernel selected as ``avx512_bf16`` and as ``amx`` (``pa.select_cpu_isa``) alternating, ``--rounds`` rounds of
 one call each after a warm-up; the speedup is the median over rounds of the paired time
 ratio (avx512_bf16 / amx in the same round). Shapes (head size 128, block 16):
 
@@ -63,7 +63,7 @@ def case(cache: str, heads: int, kv_heads: int, lens: List[int], q_lens: List[in
     want = reference.attention(query.double() if dtype != torch.bfloat16 else query,
                                key_cache, value_cache, tables, seq_lens, HEAD ** -0.5, **kwargs)
     for isa in ISAS:
-        os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+        pa.select_cpu_isa(isa)
         torch.testing.assert_close(run().float(), want.float(), atol=3e-2, rtol=3e-2)
     kv_bytes = key_cache.numel() * key_cache.element_size() * 2
     flops = 4 * heads * HEAD * sum(sum(n - q + i + 1 for i in range(q)) for n, q in zip(lens, q_lens))
@@ -73,11 +73,11 @@ def case(cache: str, heads: int, kv_heads: int, lens: List[int], q_lens: List[in
 def time_isas(run: Callable[[], torch.Tensor], rounds: int) -> Dict[str, List[float]]:
     seconds: Dict[str, List[float]] = {isa: [] for isa in ISAS}
     for isa in ISAS:
-        os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+        pa.select_cpu_isa(isa)
         run()
     for _ in range(rounds):
         for isa in ISAS:
-            os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+            pa.select_cpu_isa(isa)
             t0 = time.perf_counter()
             run()
             seconds[isa].append(time.perf_counter() - t0)
@@ -112,7 +112,7 @@ def main() -> None:
                   f"{row['amx_speedup']:.2f}x ({row['amx_speedup_range'][0]:.2f}-"
                   f"{row['amx_speedup_range'][1]:.2f})", flush=True)
             del run
-    os.environ.pop("PAGED_ATTENTION_CPU_ISA", None)
+    pa.select_cpu_isa()
     report = {"what": __doc__.splitlines()[0], "machine": machine_info(), "cpu": cpu_details(),
               "threads": torch.get_num_threads(), "loadavg": [round(x, 2) for x in os.getloadavg()],
               "rows": rows}

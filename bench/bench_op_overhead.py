@@ -9,7 +9,7 @@ this checkout. One process cannot load two builds (both register the ``paged`` o
 namespace), so each round runs one worker process per variant, back to back, the order
 cycling through all permutations (as ``ab.py`` alternates its two builds). The variants:
 ``baseline``, ``current``, and ``current_no_entry``: the current build with its Python entry
-(``op_entry.py``'s BackendSelect kernel) removed after import, which splits current -
+(``op_entry.py``'s kernel) removed after import, which splits current -
 baseline into the entry's share and the compiled library's (stable ABI: boxed kernels,
 shim calls). Each worker runs in ``/`` with ``PYTHONPATH=<its checkout>`` and records the
 ``paged_attention_ext`` it loaded; the run stops if that is not its checkout's.
@@ -130,7 +130,7 @@ def worker(args: argparse.Namespace) -> Dict[str, object]:
         remove_entry()
     result: Dict[str, object] = {
         "library": pa.__file__, "loadavg_start": os.getloadavg(), **machine_info(),
-        "backend_select_kernel": "BackendSelect:" in torch._C._dispatch_dump("paged::attention")}
+        "entry_kernel": "op_entry.py" in torch._C._dispatch_dump("paged::attention")}
     # Tiny calls: every op x mode round-robin, the reference once (grad mode).
     fns = tiny_calls()
     candidates = {f"{op} | {mode}": chunked(fn, mode, args.chunk)
@@ -239,8 +239,8 @@ def main() -> None:
     for field in ("tiny_attention_checksum", "decode_checksums"):
         if len({json.dumps(r[v][field]) for r in rounds for v in VARIANTS}) != 1:
             print(f"warning: {field} differs between builds or rounds", flush=True)
-    if [rounds[0][v]["backend_select_kernel"] for v in VARIANTS] != [False, True, False]:
-        print("warning: BackendSelect kernels not as expected (baseline none, current one, "
+    if [rounds[0][v]["entry_kernel"] for v in VARIANTS] != [False, True, False]:
+        print("warning: entry kernels not as expected (baseline none, current one, "
               "current_no_entry none)", flush=True)
     tiny = summarize(rounds, "tiny_us", "us", reference=f"{REFERENCE} | grad")
     decode = summarize(rounds, "decode_ms", "ms")
@@ -265,7 +265,7 @@ def main() -> None:
                         "torch_threads": first["torch_threads"], "nproc": first["nproc"]},
         "builds": {v: {"tree": str(trees[v]), "source": rounds[0][v]["source"],
                        "library": rounds[0][v]["library"], "cpu_isa": rounds[0][v]["paged_cpu_isa"],
-                       "backend_select_kernel": rounds[0][v]["backend_select_kernel"]}
+                       "entry_kernel": rounds[0][v]["entry_kernel"]}
                    for v in VARIANTS},
         "settings": {"threads_argument": args.threads, "rounds": args.rounds, "calls": args.calls,
                      "warmup": args.warmup, "chunk": args.chunk, "decode_reps": args.decode_reps},

@@ -47,8 +47,11 @@ STABLE_TORCH_LIBRARY(paged, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // The CPU kernel's instruction set (one of ops.CPU_ISAS).
   m.def("cpu_isa() -> str");
+  // Chooses the CPU kernel of every later call (tests); None: as PAGED_ATTENTION_CPU_ISA says now.
+  m.def("select_cpu_isa(str? isa=None) -> str");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(paged, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa", TORCH_BOX(&paged::cpu::selected_isa));
+  m.impl("select_cpu_isa", TORCH_BOX(&paged::cpu::select_isa));
 }

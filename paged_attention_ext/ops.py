@@ -63,11 +63,18 @@ a block of the cache (num_blocks = 8)``):
 * ``NotImplementedError``: an argument that requires grad while grad mode is on. The ops
   are for inference and have no backward; call them under ``torch.no_grad()`` or
   ``torch.inference_mode()``, or pass detached tensors.
+
+These wrappers raise these types in every mode. A direct ``torch.ops.paged.*`` call raises
+them too, except under ``torch.inference_mode()``, which skips the ops' Python entry
+(op_entry.py): there it raises ``RuntimeError`` with the type as a tag in front of the same
+message (``[paged:ValueError] paged.attention: ...``).
 """
 
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from .op_entry import raise_typed
 
 __all__ = [
     "attention",
@@ -79,6 +86,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "cpu_isa",
+    "select_cpu_isa",
 ]
 
 
@@ -172,9 +180,13 @@ def attention(
         >>> (out8 - out).abs().max().item() < 0.1  # 3 mantissa bits: close to the float cache
         True
     """
-    return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                     query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
-                                     k_scale, v_scale)
+    try:
+        return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                         query_start_loc, alibi_slopes, sliding_window, soft_cap, sinks,
+                                         k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def attention_with_lse(
@@ -220,9 +232,13 @@ def attention_with_lse(
         >>> w1, w2 = lse1.exp()[..., None], lse2.exp()[..., None]
         >>> torch.testing.assert_close((o1 * w1 + o2 * w2) / (w1 + w2), whole)
     """
-    return torch.ops.paged.attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
-                                              scale, query_start_loc, alibi_slopes, sliding_window,
-                                              soft_cap, sinks, k_scale, v_scale)
+    try:
+        return torch.ops.paged.attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
+                                                  scale, query_start_loc, alibi_slopes, sliding_window,
+                                                  soft_cap, sinks, k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def attention_out(
@@ -269,9 +285,13 @@ def attention_out(
         >>> want = pa.attention(query, key_cache, value_cache, tables, lens, 0.25)
         >>> torch.testing.assert_close(out, want)
     """
-    torch.ops.paged.attention_out(out, lse, query, key_cache, value_cache, block_tables, seq_lens,
-                                  scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
-                                  sinks, k_scale, v_scale)
+    try:
+        torch.ops.paged.attention_out(out, lse, query, key_cache, value_cache, block_tables, seq_lens,
+                                      scale, query_start_loc, alibi_slopes, sliding_window, soft_cap,
+                                      sinks, k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
     return out
 
 
@@ -337,9 +357,13 @@ def shared_prefix_attention(
         >>> out, lse = pa.merge_attention_states([prefix[0], suffix[0]], [prefix[1], suffix[1]])
         >>> torch.testing.assert_close(out, whole)
     """
-    return torch.ops.paged.shared_prefix_attention(query, key_cache, value_cache, block_tables,
-                                                   seq_lens, query_start_loc, scale, soft_cap,
-                                                   sinks, k_scale, v_scale)
+    try:
+        return torch.ops.paged.shared_prefix_attention(query, key_cache, value_cache, block_tables,
+                                                       seq_lens, query_start_loc, scale, soft_cap,
+                                                       sinks, k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def merge_attention_states(outputs: Sequence[torch.Tensor],
@@ -374,7 +398,11 @@ def merge_attention_states(outputs: Sequence[torch.Tensor],
     if not outputs:  # the dispatcher needs a tensor to pick a backend
         raise ValueError("paged.merge_attention_states: arguments 'outputs' and 'lses' must list "
                          "the same number (>= 1) of partial results, got none")
-    return torch.ops.paged.merge_attention_states(list(outputs), list(lses))
+    try:
+        return torch.ops.paged.merge_attention_states(list(outputs), list(lses))
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def write_kv(
@@ -428,7 +456,11 @@ def write_kv(
         >>> k8[1, 2, 1, :4].float().tolist()   # head 1: x / 2.0
         [0.5, 1.5, 448.0, nan]
     """
-    torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    try:
+        torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def copy_blocks(
@@ -454,7 +486,11 @@ def copy_blocks(
         >>> all(torch.equal(c[3], c[0]) and torch.equal(c[2], c[1]) for c in keys + values)
         True
     """
-    torch.ops.paged.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+    try:
+        torch.ops.paged.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -477,7 +513,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         >>> torch.equal(host_pool[0], device_pool[5]) and torch.equal(host_pool[1], device_pool[2])
         True
     """
-    torch.ops.paged.swap_blocks(src, dst, block_mapping)
+    try:
+        torch.ops.paged.swap_blocks(src, dst, block_mapping)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
 
 
 # The CPU kernels' instruction sets, each a superset of the ones before it.
@@ -494,8 +534,11 @@ def cpu_isa() -> str:
     far), ``avx512_vbmi`` runs instead of ``avx512_bf16``, and the ``amx`` kernel hands the
     items its tiles do not take to ``avx512_vbmi`` too.
 
-    The environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the
-    CPU runs (for testing every path); one it lacks raises a ``ValueError``.
+    The choice is made once per process, when the library first runs a kernel: the
+    environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the CPU
+    runs (for testing every path); one it lacks, or an unknown name, makes every call raise
+    its ``ValueError``. Changing the variable later changes nothing until
+    :func:`select_cpu_isa`.
 
     Example::
 
@@ -504,3 +547,23 @@ def cpu_isa() -> str:
         True
     """
     return torch.ops.paged.cpu_isa()
+
+
+def select_cpu_isa(isa: Optional[str] = None) -> str:
+    """Chooses the CPU attention kernel of every later call in this process (for tests and
+    benchmarks that compare kernels): ``isa``, one of :data:`CPU_ISAS` that the CPU runs, or
+    with None the one ``PAGED_ATTENTION_CPU_ISA`` names now (unset: the default of
+    :func:`cpu_isa`). Returns the chosen name. A name that is unknown or beyond this CPU
+    raises a ``ValueError`` and keeps the current choice.
+
+    Example::
+
+        >>> import paged_attention_ext as pa
+        >>> pa.select_cpu_isa("generic")
+        'generic'
+        >>> pa.cpu_isa()
+        'generic'
+        >>> pa.select_cpu_isa() in pa.CPU_ISAS  # back to what the environment asks for
+        True
+    """
+    return torch.ops.paged.select_cpu_isa(isa)

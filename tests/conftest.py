@@ -31,6 +31,15 @@ def pytest_configure(config):
                                 f"imported from the source tree ({paged_attention_ext.__file__})")
 
 
+@pytest.fixture(autouse=True)
+def default_cpu_kernel():
+    """Tests that select a CPU kernel (cpu_isas.select_isa) leave the default to the next."""
+    default = paged_attention_ext.cpu_isa()
+    yield
+    if paged_attention_ext.cpu_isa() != default:
+        paged_attention_ext.select_cpu_isa(default)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and on a shared machine OpenMP workers that

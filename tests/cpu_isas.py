@@ -1,11 +1,10 @@
-"""The CPU kernels' instruction sets a test may select with PAGED_ATTENTION_CPU_ISA.
+"""The CPU kernels' instruction sets a test may select (``pa.select_cpu_isa``).
 
 The kernel chosen by default can be below the best one the CPU runs (avx512_vbmi's where
 bf16 dot products are slower than fp32 multiply-adds), so what a CPU supports is asked by
-requesting each instruction set, not read from the default.
+requesting each instruction set, not read from the default. conftest.py puts the default
+back after each test.
 """
-
-import os
 
 import pytest
 
@@ -16,27 +15,23 @@ ISAS = list(pa.CPU_ISAS)
 
 def isa_supported(isa: str) -> bool:
     """Whether this CPU runs the kernel for ``isa`` (requesting it does not raise)."""
-    saved = os.environ.get("PAGED_ATTENTION_CPU_ISA")
-    os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+    current = pa.cpu_isa()
     try:
-        pa.cpu_isa()
+        pa.select_cpu_isa(isa)
         return True
     except ValueError:
         return False
     finally:
-        if saved is None:
-            del os.environ["PAGED_ATTENTION_CPU_ISA"]
-        else:
-            os.environ["PAGED_ATTENTION_CPU_ISA"] = saved
+        pa.select_cpu_isa(current)
 
 
 def supported_isas() -> list:
     return [isa for isa in ISAS if isa_supported(isa)]
 
 
-def select_isa(isa: str, monkeypatch) -> None:
+def select_isa(isa: str) -> None:
     """Run the rest of the test on ``isa``'s kernel, or skip where the CPU lacks it."""
     if not isa_supported(isa):
         pytest.skip(f"this CPU supports up to {supported_isas()[-1]}")
-    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
+    assert pa.select_cpu_isa(isa) == isa
     assert pa.cpu_isa() == isa

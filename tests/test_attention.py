@@ -5,6 +5,10 @@ them on the CPU and adds the CPU kernel's own cases (instruction sets, thread co
 work splits).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -26,8 +30,8 @@ def test_attention_scenario(case):
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_instruction_set(isa, dtype, monkeypatch):
-    select_isa(isa, monkeypatch)
+def test_every_instruction_set(isa, dtype):
+    select_isa(isa)
     lens = [1, 15, 16, 17, 100, 0]
     sinks = scenarios.random_sinks(8)
     # (key, value) head sizes: 128 has its own compile of the kernel; 64 and 192/128 take
@@ -81,12 +85,12 @@ def test_head_sizes_past_256(isa, fp8, monkeypatch):
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_output_rows_at_their_strides(isa, dtype, monkeypatch):
+def test_output_rows_at_their_strides(isa, dtype):
     """Kernels write (one partition) fp32, bf16 and fp16 outputs straight into the caller's rows:
     each row at out's strides, nothing past head_size_v (padded head sizes included), the
     same values as a fresh output, and lse alike; a long sequence's partitions take the
     merge instead, into the same strided rows."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     for head_size, lens in ((128, [1, 17, 300, 0]), (72, [5, 33]), (128, [2000])):
         case = make_case(lens, 2, head_size, 16, dtype)
         for q_lens in (None, [1, 3, 40, 0][:len(lens)]):
@@ -107,13 +111,13 @@ def test_output_rows_at_their_strides(isa, dtype, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
-def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
+def test_every_instruction_set_fp8(isa, fp8):
     """fp8 caches on each ISA's conversion (F16C / AVX-512 / scalar), with each query dtype,
     per-layer and per-head scales, whole-vector, ragged and mixed head sizes, and
     special stored values (NaN in a visible row must reach the output, as in the
     reference; subnormals and the largest values convert exactly). Lengths around the
     block (16) and around the fp8 decode chunk (64 keys at head sizes up to 128)."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     lens = [1, 15, 16, 17, 63, 64, 65, 100, 129, 0]
     for i, (head_size, head_size_v) in enumerate(((64, 64), (72, 72), (128, 128), (192, 128),
                                                   (40, 128), (80, 64))):
@@ -139,11 +143,11 @@ def test_every_instruction_set_fp8(isa, fp8, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
-def test_fp8_conversion_of_every_byte(isa, fp8, monkeypatch):
+def test_fp8_conversion_of_every_byte(isa, fp8):
     """Each of the 256 bytes dequantizes as torch converts it, times the scale: as a key
     (finite bytes; the lse of one visible key is its score) and as a value (every byte,
     infinities and NaN included; the output of one visible key is its value)."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     every = torch.arange(256, dtype=torch.uint8)
     want = every.view(fp8).float() * 0.75
     head_size = 64
@@ -176,8 +180,8 @@ TILE_HEADS = [(3, 3), (6, 3), (6, 2), (8, 2), (12, 2), (8, 1)]
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES + list(scenarios.FP8_DTYPES), ids=str)
-def test_register_tiles_on_every_instruction_set(isa, dtype, monkeypatch):
-    select_isa(isa, monkeypatch)
+def test_register_tiles_on_every_instruction_set(isa, dtype):
+    select_isa(isa)
     lens = [1, 31, 32, 33, 70]
     for num_heads, num_kv_heads in TILE_HEADS:
         for head_size in (64, 128):
@@ -193,10 +197,10 @@ def test_register_tiles_on_every_instruction_set(isa, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_fp16_conversion_of_every_bit_pattern(isa, monkeypatch):
+def test_fp16_conversion_of_every_bit_pattern(isa):
     """Each of the 65536 fp16 bit patterns (subnormals, infinities, NaN included) comes out
     of the value path exactly: row j's query sees value row j alone, which holds 64 patterns."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     head_size, rows = 64, 1024
     patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
     value_cache = patterns.view(rows // 16, 1, 16, head_size).clone()
@@ -212,12 +216,12 @@ def test_fp16_conversion_of_every_bit_pattern(isa, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["NHD", "joint", "padded", "odd"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_layouts_on_every_instruction_set(layout, dtype, monkeypatch):
+def test_strided_layouts_on_every_instruction_set(layout, dtype):
     """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
     each ISA: float caches of each dtype and an fp8 cache per layout."""
     lens = [1, 15, 16, 17, 100, 0]
     for isa in supported_isas():
-        monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", isa)
+        select_isa(isa)
         for head_size, head_size_v in ((128, 128), (72, 40)):
             case, extra = scenarios.with_format(
                 make_case(lens, 2, head_size, 16, dtype, head_size_v=head_size_v),
@@ -234,15 +238,68 @@ def test_default_instruction_set(monkeypatch):
     """The default kernel is one the CPU runs; it is the best one, except avx512_vbmi's in
     place of avx512_bf16's where bf16 dot products do not pay (either stays requestable)."""
     monkeypatch.delenv("PAGED_ATTENTION_CPU_ISA", raising=False)
-    default, supported = pa.cpu_isa(), supported_isas()
+    default, supported = pa.select_cpu_isa(), supported_isas()
     assert default in supported
     assert default == supported[-1] or (default, supported[-1]) == ("avx512_vbmi", "avx512_bf16")
 
 
-def test_unknown_instruction_set_is_rejected(monkeypatch):
-    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "sse9")
+def test_the_kernel_changes_only_through_select_cpu_isa(monkeypatch):
+    """The variable is read when the kernel is chosen, not on each call."""
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "generic")
+    chosen = pa.cpu_isa()
+    assert chosen != "generic" or supported_isas() == ["generic"]
+    assert pa.select_cpu_isa() == "generic" and pa.cpu_isa() == "generic"
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", chosen)
+    assert pa.cpu_isa() == "generic"
+    assert pa.select_cpu_isa(supported_isas()[-1]) == supported_isas()[-1]
+
+
+@pytest.mark.parametrize("request_", ["sse9", "AVX2"])
+def test_unknown_instruction_set_is_rejected_and_the_choice_kept(request_, monkeypatch):
+    before = pa.cpu_isa()
+    with pytest.raises(ValueError, match="^PAGED_ATTENTION_CPU_ISA must be one of generic, "):
+        pa.select_cpu_isa(request_)
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", request_)
     with pytest.raises(ValueError, match="PAGED_ATTENTION_CPU_ISA"):
-        pa.cpu_isa()
+        pa.select_cpu_isa()
+    assert pa.cpu_isa() == before
+
+
+def test_an_instruction_set_beyond_the_cpu_is_rejected():
+    beyond = ISAS[len(supported_isas()):]
+    if not beyond:
+        pytest.skip("this CPU runs every kernel")
+    with pytest.raises(ValueError, match=f"^PAGED_ATTENTION_CPU_ISA={beyond[0]} but this CPU supports at most "):
+        pa.select_cpu_isa(beyond[0])
+
+
+@pytest.mark.parametrize("request_, error", [("sse9", "must be one of"), ("amx", "but this CPU supports")])
+def test_a_refused_variable_at_startup_fails_every_call(request_, error):
+    """As when the variable was read per call: a process started with a bad request raises
+    on every call until a kernel is selected."""
+    if request_ == "amx" and "amx" in supported_isas():
+        pytest.skip("this CPU runs amx")
+    script = (
+        "import torch, paged_attention_ext as pa\n"
+        "from paged_case import make_case, random_query\n"
+        "case = make_case([5], 2, 64, 16, torch.float32)\n"
+        "args = (random_query(1, 4, 64, torch.float32), case.key_cache, case.value_cache,\n"
+        "        case.block_tables, case.seq_lens, 0.125)\n"
+        "for call in (pa.cpu_isa, lambda: pa.attention(*args), lambda: pa.attention(*args)):\n"
+        "    try:\n"
+        "        call()\n"
+        "        print('ran')\n"
+        "    except ValueError as e:\n"
+        "        print('ValueError', e)\n"
+        "pa.select_cpu_isa('generic')\n"
+        "pa.attention(*args)\n"
+        "print('ran', pa.cpu_isa())\n")
+    env = dict(os.environ, PAGED_ATTENTION_CPU_ISA=request_,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    lines = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert len(lines) == 4 and lines[-1] == "ran generic", lines
+    assert all(line.startswith("ValueError PAGED_ATTENTION_CPU_ISA") and error in line for line in lines[:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -294,14 +351,14 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16] + list(scenarios.FP8_DTYPES), ids=str)
 @pytest.mark.parametrize("block_size", [16, 32, 64, 8])
-def test_amx_tiles(cache_dtype, block_size, monkeypatch):
+def test_amx_tiles(cache_dtype, block_size):
     """The amx kernel's own edges: query tiles of 2 to 16 queries and KV heads of more
     (balanced tiles with padding; one query per KV head, MHA decode, is the vector kernel's
     fallback, its multi-token rows take the tiles), decode tiles of 2, 4 and 8 queries with
     compact score rows, key groups of 16 inside blocks of 16-64 (8: the fallback), chunks
     that start mid-group (windows, causal partitions), NaN in every unused slot, and the
     softmax features it shares with the general kernel."""
-    select_isa("amx", monkeypatch)
+    select_isa("amx")
     lens = scenarios.edge_lengths(block_size) + [100, 700]
     for num_heads, num_kv_heads in ((4, 4), (4, 2), (8, 2), (16, 2), (20, 1), (48, 3)):
         kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype,
@@ -326,11 +383,11 @@ def test_amx_tiles(cache_dtype, block_size, monkeypatch):
     (torch.bfloat16, 32, 32), (torch.bfloat16, 32, 64), (torch.bfloat16, 96, 160),
     (torch.bfloat16, 256, 256), (torch.float8_e4m3fn, 64, 192), (torch.float8_e4m3fn, 256, 256)],
     ids=str)
-def test_amx_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
+def test_amx_head_sizes(cache_dtype, head_size, head_size_v):
     """The amx kernel spreads a tile's score products (one per 32 key elements) and value
     products (one per 16 output columns) over the 16 row pairs of another tile's softmax:
     1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart."""
-    select_isa("amx", monkeypatch)
+    select_isa("amx")
     kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
     case, extra = scenarios.with_format(
         make_case([1, 15, 16, 17, 100, 333], 2, head_size, 16,
@@ -348,12 +405,12 @@ def test_amx_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
     (torch.bfloat16, 64, 64), (torch.bfloat16, 128, 256), (torch.bfloat16, 256, 128),
     (torch.float8_e4m3fn, 64, 128), (torch.float8_e4m3fn, 256, 256), (torch.float8_e5m2, 128, 64)],
     ids=str)
-def test_lane_pairs_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch):
+def test_lane_pairs_head_sizes(cache_dtype, head_size, head_size_v):
     """On avx512_bf16 the keys every row of a causal tile sees (queries in lanes) take
     vdpbf16ps for bf16 and fp8 caches under a bf16 query: 32 to 128 key pairs, value rows
     interleaved in key pairs (odd chunk lengths pair the last key with zeros), soft cap and
     sinks; fp8 with per-head scales."""
-    select_isa("avx512_bf16", monkeypatch)
+    select_isa("avx512_bf16")
     kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
     lens = [97, 160, 333, 511]
     case, extra = scenarios.with_format(
@@ -368,13 +425,13 @@ def test_lane_pairs_head_sizes(cache_dtype, head_size, head_size_v, monkeypatch)
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("trend", ["rising", "falling", "spikes"])
-def test_running_max(isa, trend, monkeypatch):
+def test_running_max(isa, trend):
     """Every kernel's softmax moves a query's running max only when a score passes it by a
     margin (lazy rescale; amx: 2^8, the others e^8): scores that rise along the sequence
     move it step after step (the accumulators rescaled), falling ones never, and rare spikes
     far above the rest move it once in a while. Wide scores (std ~20) so every branch is
     taken; output and lse both checked, for decode (GQA and MHA) and multi-token rows."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     lens, block_size = [900, 257, 40], 16
     case = make_case(lens, 2, 128, block_size, torch.bfloat16)
     gen = torch.Generator().manual_seed(3)

@@ -16,6 +16,9 @@ def test_the_private_torch_hooks_exist():
     assert isinstance(torch._C.DispatchKey.BackendSelect, torch._C.DispatchKey)
     below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
     assert below.has(torch._C.DispatchKey.CPU) and not below.has(torch._C.DispatchKey.BackendSelect)
+    after_autograd = torch._C._after_autograd_keyset
+    assert after_autograd.has(torch._C.DispatchKey.CPU) and after_autograd.has(torch._C.DispatchKey.Functionalize)
+    assert not after_autograd.has(torch._C.DispatchKey.AutogradCPU)
     assert callable(torch.ops.paged.attention.default._handle.redispatch_boxed)
     tensor, needs_grad = torch.zeros(1), torch.zeros(1, requires_grad=True)
     assert torch._C._any_requires_grad(tensor, [tensor, needs_grad], x=1)
@@ -26,8 +29,23 @@ def test_every_op_enters_through_it():
     defined = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
                if name.startswith("paged::")}
     assert set(op_entry.OPS) == defined
-    for name in op_entry.OPS:
+    for name in op_entry.TENSOR_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"paged::{name}", "Autograd"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"paged::{name}", "BackendSelect"), name
+    for name in op_entry.TENSORLESS_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"paged::{name}", "BackendSelect"), name
+
+
+def test_inference_mode_skips_it(case, monkeypatch):
+    calls = []
+    monkeypatch.setattr(op_entry, "raise_typed", lambda error: calls.append(error))
+    args = attention_args(case, block_tables=case.block_tables.long())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^\[paged:TypeError\]"):
+        torch.ops.paged.attention(**args)
+    assert calls == []
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"^\[paged:TypeError\]"):
+        torch.ops.paged.attention(**args)
+    assert len(calls) == 1
 
 
 @pytest.fixture
@@ -57,7 +75,18 @@ def test_errors_have_their_python_type_in_every_mode(case, mode):
         with pytest.raises(IndexError, match=r"^paged.attention: block_tables\[0, 0\] = 1000000"):
             pa.attention(**bad_block)
         with pytest.raises(ValueError, match=r"^paged.attention: argument 'block_tables' has 2 rows"):
-            torch.ops.paged.attention(**bad_shape)
+            pa.attention(**bad_shape)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_direct_op_calls_raise_python_types_outside_inference_mode(case, mode):
+    # Inference mode skips the entry: a direct call there raises the library's tagged
+    # RuntimeError, whose message names the argument all the same.
+    bad_shape = attention_args(case, seq_lens=case.seq_lens[:1])
+    message = r"paged.attention: argument 'block_tables' has 2 rows"
+    expected, prefix = (RuntimeError, r"^\[paged:ValueError\] ") if mode == "inference_mode" else (ValueError, "^")
+    with MODES[mode](), pytest.raises(expected, match=prefix + message):
+        torch.ops.paged.attention(**bad_shape)
 
 
 def test_below_the_entry_the_library_raises_tagged_runtime_errors(case):
@@ -99,7 +128,7 @@ def test_grad_is_refused_before_any_work_and_not_under_no_grad(case):
 def test_a_bad_isa_request_is_a_value_error(monkeypatch):
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "avx1024")
     with pytest.raises(ValueError, match="^PAGED_ATTENTION_CPU_ISA must be one of generic, avx2"):
-        pa.cpu_isa()
+        pa.select_cpu_isa()
 
 
 def test_meta_tensors_pass_the_entry_to_the_fake(case):

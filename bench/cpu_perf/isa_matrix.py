@@ -2,7 +2,7 @@
 
 For each head layout (32/32 and 32/8 heads; B=16, context 2048, block 16, head size 128)
 one round-robin loop (``common/timing.py``) times, for each instruction set the CPU supports
-(``PAGED_ATTENTION_CPU_ISA`` lowers the kernel per call) and each cache dtype (fp32, bf16,
+(``pa.select_cpu_isa`` lowers the kernel per call) and each cache dtype (fp32, bf16,
 fp16, e4m3, e5m2; fp8 with a bf16 query and scales of 1), the decode call from DRAM, and
 the 1 GiB read. Each cache has its own huge-page pools, blocks in a random physical order,
 checked against the reference first. Per row:

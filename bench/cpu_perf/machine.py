@@ -177,13 +177,13 @@ def lower_isa() -> Optional[str]:
 
 
 def with_isa(isa: str, fn: Candidate) -> Candidate:
-    """``fn`` with the kernel forced to ``isa`` (the library reads the variable per call)."""
+    """``fn`` with the kernel switched to ``isa`` for the call, then back to the default."""
     def call():
-        os.environ["PAGED_ATTENTION_CPU_ISA"] = isa
+        pa.select_cpu_isa(isa)
         try:
             return fn()
         finally:
-            del os.environ["PAGED_ATTENTION_CPU_ISA"]
+            pa.select_cpu_isa()
     return call
 
 

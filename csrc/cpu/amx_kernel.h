@@ -1,7 +1,7 @@
 // The AMX kernel for bf16 and fp8 caches (bf16 queries): scores and weighted values as
 // tile products (tdpbf16ps), an online softmax with the queries in vector lanes between
-// them. Included by attention_kernel.h inside the amx ISA namespace; items it does not
-// take run a vector kernel (vector_kernel_beside_amx).
+// them. Compiled in the amx ISA namespace (isa_kernel.h); items it does not take run a
+// vector kernel (vector_kernel_beside_amx).
 //
 // Per step (32 keys at 32-aligned positions, masked to the item's range, of one KV head):
 //   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read
@@ -11,7 +11,7 @@
 //           per tile: a KV head's queries (rows x GQA group) in balanced tiles.
 //   softmax on the score tile as stored (keys in rows, 16 query lanes): masks, ALiBi, soft
 //           cap and window per lane, each lane's running max (moved lazily) and sum, the
-//           rescale of its accumulator row where the max moved (lane_softmax; a decode tile
+//           rescale of its accumulator row where the max moved (score_tile_softmax; a decode tile
 //           of 2-8 queries stores its rows compactly, compact_softmax).
 //   values  O[query][dv] += P . V: the probabilities, rounded to bf16 and transposed in
 //           registers, are the A tile; the step's value rows in the item's range paired into
@@ -22,7 +22,14 @@
 // products are issued between the rows of a softmax. The rows of the step two ahead are
 // prefetched into L2 in row order, a few with each tile operation.
 
+#pragma once
+
 #include "amx_tiles.h"
+#include "bf16_tiles.h"
+#include "fp8_bf16_tables.h"
+#include "query_rows.h"
+#include "vec.h"
+#include "vec_exp.h"
 
 // Tiles for M queries a tile: 0, 1 scores of keys 0-15 / 16-31 (16 x M fp32); 2 keys
 // (16 x 32 bf16); 3 queries (16 dword rows x M); 4 probabilities (M x 32 bf16); 5 values
@@ -252,7 +259,7 @@ struct TileLanes {
 // max and sum are updated and the accumulator rows of the tile's real queries rescaled
 // where the max moved. between(r) runs after each pair of probability rows r (16 in all).
 template <typename Between>
-static inline void lane_softmax(const AttentionParams& P, const TileLanes& lanes, float scale, int a, int lo,
+static inline void score_tile_softmax(const AttentionParams& P, const TileLanes& lanes, float scale, int a, int lo,
                                 int hi, float* s, float* run_max, float* run_sum,
                                 float* acc, int hsv, uint16_t* tile, Between between) {
   const bool soft_cap = P.soft_cap > 0.0f;
@@ -316,7 +323,7 @@ static inline void lane_softmax(const AttentionParams& P, const TileLanes& lanes
 
 // Compact score rows (GQA decode): a query tile of m = 2, 4 or 8 queries stores its scores
 // with m lanes per key (ScoreTileOps::row_floats), so the 32 keys of a step fill 2m vectors
-// (key 16 v / m + l / m, query l % m in lane l of vector v) where lane_softmax's rows of 16
+// (key 16 v / m + l / m, query l % m in lane l of vector v) where score_tile_softmax's rows of 16
 // lanes take 32 with 16 - m of them idle.
 constexpr bool compact_rows(int m) { return m == 2 || m == 4 || m == 8; }
 
@@ -356,7 +363,7 @@ static inline __m512 fold_lanes_mod(__m512 v, int m) {
   return v;
 }
 
-// lane_softmax's all-visible case on compact rows: the step's 32 keys all in range and
+// score_tile_softmax's all-visible case on compact rows: the step's 32 keys all in range and
 // visible to every query, no ALiBi, soft cap or window, scale > 0. The same probabilities,
 // A tile and lane updates; the lanes past m hold copies of real lanes (unused).
 static inline void compact_softmax(const CompactLanes& c, float scale, const float* s, float* run_max,
@@ -698,7 +705,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
         compact_softmax(item_lanes, score_scale, scores_of(qt), run_max + lane0, run_sum + lane0,
                         head_acc + int64_t(qt) * M * hsv, hsv, lanes.real, probs_of(qt));
       else
-        lane_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
+        score_tile_softmax(P, lanes, score_scale, cur.a, off, off + n, scores_of(qt), run_max + lane0, run_sum + lane0,
                    head_acc + int64_t(qt) * M * hsv, hsv, probs_of(qt), [&](int r) {
                      if (next)
                        for (int c = first.score[r]; c < first.score[r + 1]; ++c) issue(next_scores, c);

@@ -11,33 +11,29 @@
 //   V byte is read exactly once. Software prefetches run one phase ahead into L1 and two
 //   phases ahead into L2 (prefetch.h).
 
-// Its layers, each over the ones before: vector primitives, element conversions, exp,
-// prefetches, one-query products, register tiles, the AVX512_VBMI fp8 tiles and the
-// AVX512_BF16 tiles (empty elsewhere). In the order of the one header they were split
-// from: GCC's register allocation of the generic compile depends on it.
-#include "vec.h"
-#include "convert.h"
-#include "vec_exp.h"
-#include "prefetch.h"
-#include "single_query.h"
-#include "register_tiles.h"
-#include "fp8_tiles.h"
+// Its layers: vector primitives, element conversions, exp, prefetches, one-query products,
+// register tiles, the AVX512_VBMI fp8 tiles and the AVX512_BF16 tiles (empty elsewhere),
+// the query rows in and out that every kernel shares, and the queries-in-lanes kernels that
+// take some of its items. Each header includes the ones it uses.
+#pragma once
+
 #include "bf16_tiles.h"
+#include "convert.h"
+#include "fp8_tiles.h"
+#include "lane_kernel.h"
+#include "lane_pairs.h"
+#include "prefetch.h"
+#include "query_rows.h"
+#include "register_tiles.h"
+#include "single_query.h"
+#include "vec.h"
+#include "vec_exp.h"
 
 // The most keys a chunk of rows R takes (CH in attention_work_item_for): loops over a
 // chunk's keys that run to this constant rather than to the chunk's n are unrolled.
 template <typename R>
 constexpr int kMaxChunk = sizeof(R) == 1 ? 64 : 32;
 static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
-
-// One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
-static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {
-  switch (kind) {
-    case ScalarKind::kFloat16: row_to_float(reinterpret_cast<const Fp16*>(row), dst, n); break;
-    case ScalarKind::kBFloat16: row_to_float(reinterpret_cast<const Bf16*>(row), dst, n); break;
-    default: row_to_float(reinterpret_cast<const float*>(row), dst, n); break;
-  }
-}
 
 // One KV head's queries and online-softmax state within a work item.
 struct ItemState {
@@ -352,64 +348,6 @@ static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows,
                       v_rows, n, m == 0 ? ahead : nullptr);
 }
 #endif  // PAGED_ISA_AVX512_VBMI
-
-// One query's epilogue, shared by every kernel: its head's sink (one more logit without a
-// value; partition 0 takes it, and the merge of partitions by their lse counts it once),
-// its lse, and the factor its unnormalised accumulator row is multiplied by (1 / sum times
-// the value scale; 0 when it sees nothing).
-static inline float finish_query(const AttentionParams& P, const WorkItem& w, int token, int head,
-                                 float top, float sum, float v_factor) {
-  float keep = 1.0f;
-  if (P.sinks && w.partition == 0) {
-    const float sink = P.sinks[head];
-    if (sink > top) {
-      keep = std::exp(top - sink);  // 0 when no key is visible (top = -inf)
-      sum = sum * keep + 1.0f;
-      top = sink;
-    } else if (top != -__builtin_inff()) {
-      sum += std::exp(sink - top);
-    }
-  }
-  const bool any = sum > 0.0f;
-  if (P.lse) {
-    P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
-        any ? top + std::log(sum) : -__builtin_inff();
-  }
-  return any ? keep / sum * v_factor : 0.0f;
-}
-
-// Online-softmax rescale of `count` consecutive accumulator rows (hspv floats apart) by
-// their factors alpha[l]; rows whose factor is 1 are left alone.
-static inline void rescale_rows(float* acc, int hspv, const float* alpha, int count) {
-  for (int l = 0; l < count; ++l) {
-    if (alpha[l] == 1.0f) continue;
-    float* am = acc + int64_t(l) * hspv;
-    const vfloat a = splat(alpha[l]);
-    for (int d = 0; d < hspv; d += VW) store(am + d, load(am + d) * a);
-  }
-}
-
-// A query's finished output row: `fill(o)` writes its fp32 values into o, which is the
-// output's own row when that is fp32, else a row on the stack then rounded into the 16-bit
-// output (output_rounding.h).
-template <typename Fill>
-static inline void write_output(const AttentionParams& P, const WorkItem& w, int token, int head, Fill fill) {
-  const int64_t slot = w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
-  if (P.out_kind == ScalarKind::kFloat32) {
-    fill(static_cast<float*>(P.out) + slot);
-    return;
-  }
-  alignas(64) float row[kMaxOutputRow];
-  fill(row);
-  uint16_t* dst = static_cast<uint16_t*>(P.out) + slot;
-  if (P.out_kind == ScalarKind::kBFloat16)
-    store_bf16_row(row, 1.0f, dst, P.head_size_v);
-  else
-    store_fp16_row(row, 1.0f, dst, P.head_size_v);
-}
-
-#include "lane_kernel.h"
-#include "lane_pairs.h"
 
 // Each STEP-element step of row x (n elements, whole steps) in a reader's order: element i
 // of a step to slot slot(i) (split rows, fp8 lookups).
@@ -809,12 +747,8 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
   else attention_work_item_for<T, 0>(P, w, ws);
 }
 
-#if PAGED_ISA_AMX
-#include "amx_kernel.h"
-
-inline AttentionKernelFn kernel_for(ScalarKind kind) { return amx_kernel_for(kind); }
-#else
-inline AttentionKernelFn kernel_for(ScalarKind kind) {
+// The vector compile's entry: the work-item function for a cache dtype.
+inline AttentionKernelFn vector_kernel_for(ScalarKind kind) {
   switch (kind) {
     case ScalarKind::kFloat32: return &attention_work_item<float>;
     case ScalarKind::kFloat16: return &attention_work_item<Fp16>;
@@ -824,4 +758,3 @@ inline AttentionKernelFn kernel_for(ScalarKind kind) {
   }
   return nullptr;
 }
-#endif  // PAGED_ISA_AMX

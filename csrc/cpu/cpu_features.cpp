@@ -1,8 +1,11 @@
 #include "cpu_features.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <iterator>
+#include <mutex>
+#include <stdexcept>
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
 #endif
@@ -17,6 +20,7 @@ namespace {
 
 // The kernels' instruction sets, each a superset of the ones before it (ops.CPU_ISAS).
 constexpr const char* kIsas[] = {"generic", "avx2", "avx512", "avx512_vbmi", "avx512_bf16", "amx"};
+enum IsaRank { kGeneric, kAvx2, kAvx512, kAvx512Vbmi, kAvx512Bf16, kAmx };
 
 int isa_rank(const std::string& isa) {
   for (int i = 0; i < int(std::size(kIsas)); ++i)
@@ -78,19 +82,70 @@ std::string preferred_isa(const std::string& best) {
   return best == "avx512_bf16" && !bf16_dots_pay() ? "avx512_vbmi" : best;
 }
 
-}  // namespace
-
-std::string selected_isa() {
+// The rank of the kernel `requested` names (nullptr or empty: the default), or the
+// ValueError of a name that is unknown or beyond this CPU.
+int requested_rank(const char* requested) {
   static const std::string best = best_supported_isa();
   static const std::string preferred = preferred_isa(best);
-  const char* requested = std::getenv("PAGED_ATTENTION_CPU_ISA");
-  if (requested == nullptr || *requested == '\0') return preferred;
+  if (requested == nullptr || *requested == '\0') return isa_rank(preferred);
   const std::string want(requested);
   PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of ", isa_names(), "; got '",
                     want, "'");
   PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
                     " but this CPU supports at most ", best);
-  return want;
+  return isa_rank(want);
+}
+
+// The kernel every call runs: chosen from PAGED_ATTENTION_CPU_ISA at first use, changed only
+// by select_isa. A variable refused at first use leaves no kernel, and every call raises
+// its error until select_isa chooses one.
+class Selection {
+ public:
+  Selection() {
+    try {
+      rank_ = requested_rank(std::getenv("PAGED_ATTENTION_CPU_ISA"));
+    } catch (const std::runtime_error& error) {
+      refusal_ = error.what();
+    }
+  }
+
+  int rank() const {
+    const int rank = rank_.load(std::memory_order_acquire);
+    if (rank < 0) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      throw std::runtime_error(refusal_);
+    }
+    return rank;
+  }
+
+  void set(int rank) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    refusal_.clear();
+    rank_.store(rank, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<int> rank_{-1};
+  mutable std::mutex mutex_;
+  std::string refusal_;  // the tagged error of the refused first request
+};
+
+Selection& selection() {
+  static Selection chosen;
+  return chosen;
+}
+
+int selected_rank() { return selection().rank(); }
+
+}  // namespace
+
+std::string selected_isa() { return kIsas[selected_rank()]; }
+
+std::string select_isa(std::optional<std::string> isa) {
+  const char* requested = isa ? isa->c_str() : std::getenv("PAGED_ATTENTION_CPU_ISA");
+  const int rank = requested_rank(requested);
+  selection().set(rank);
+  return kIsas[rank];
 }
 
 AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) {
@@ -98,17 +153,18 @@ AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) {
 }
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind) {
-  const std::string isa = selected_isa();
-  if (isa == "amx") return amx_attention_kernel(kind);
-  if (isa == "avx512_bf16") return avx512_bf16_attention_kernel(kind);
-  if (isa == "avx512_vbmi") return avx512_vbmi_attention_kernel(kind);
-  if (isa == "avx512") return avx512_attention_kernel(kind);
-  if (isa == "avx2") return avx2_attention_kernel(kind);
-  return generic_attention_kernel(kind);
+  switch (selected_rank()) {
+    case kAmx: return amx_attention_kernel(kind);
+    case kAvx512Bf16: return avx512_bf16_attention_kernel(kind);
+    case kAvx512Vbmi: return avx512_vbmi_attention_kernel(kind);
+    case kAvx512: return avx512_attention_kernel(kind);
+    case kAvx2: return avx2_attention_kernel(kind);
+    default: return generic_attention_kernel(kind);
+  }
 }
 
 PlanHints plan_hints(const AttentionParams& params) {
-  const int tiles = selected_isa() == "amx" ? amx_queries_per_item(params) : 0;
+  const int tiles = selected_rank() == kAmx ? amx_queries_per_item(params) : 0;
   // The vector kernels run a split-off visible range with queries in lanes and no masks;
   // the tile kernel checks masks per step and tile, so a split only adds items and a merge
   // (causal multi-token on amx measured faster without it).

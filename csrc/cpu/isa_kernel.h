@@ -40,9 +40,15 @@
 PAGED_TARGET_PRAGMA(PAGED_ISA_TARGET)
 #endif
 
-// The kernel headers are included inside the namespace, after every system header they use.
+// The kernel headers are included inside the namespace, after every system header they use:
+// the amx compile's tile kernel (which hands other items to a vector compile), or the
+// vector kernel.
 namespace paged::cpu::PAGED_ISA {
+#if PAGED_ISA_AMX
+#include "amx_kernel.h"
+#else
 #include "attention_kernel.h"
+#endif
 #if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
 #include "bf16_dot_probe.h"
 #endif
@@ -52,7 +58,11 @@ namespace paged::cpu::PAGED_ISA {
 
 namespace paged::cpu {
 AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind kind) {
-  return PAGED_ISA::kernel_for(kind);
+#if PAGED_ISA_AMX
+  return PAGED_ISA::amx_kernel_for(kind);
+#else
+  return PAGED_ISA::vector_kernel_for(kind);
+#endif
 }
 #if PAGED_ISA_AMX
 int amx_queries_per_item(const AttentionParams& params) { return amx::queries_per_item(params); }

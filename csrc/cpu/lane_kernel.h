@@ -1,6 +1,6 @@
 // The CPU kernel for work items whose queries all see every key of the item and are many
 // per KV head (shared_prefix_attention: the queries of a group over its shared prefix).
-// Included by attention_kernel.h, inside the ISA namespace.
+// Part of the CPU kernel, inside its ISA namespace (see vec.h).
 //
 // Queries sit in vector lanes. The item transposes its scaled queries once, qt[d][m], and
 // for each chunk of keys computes the scores s[t][m] as register tiles of KT keys by MT
@@ -9,6 +9,14 @@
 // exp and sum per query vector); the weighted values acc[m][d] accumulate in tiles of MR
 // queries by DV value vectors. Every K and V row is read once per item, as in the general
 // kernel, but each serves all the item's queries from registers.
+
+#pragma once
+
+#include "convert.h"
+#include "prefetch.h"
+#include "query_rows.h"
+#include "vec.h"
+#include "vec_exp.h"
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
 // (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 or SSE ones; at least
@@ -213,7 +221,7 @@ static inline void lane_locate(const AttentionParams& P, const int32_t* table, i
 // Out of line: inlined into lane_pairs_work_item, GCC kept the running total on the stack
 // (a store and a reload per key; multi-token bf16 and fp8 measured faster out of line).
 template <bool kShortExp>
-__attribute__((noinline)) static void lane_softmax(float* s, int n, int mp, int v0, int m,
+__attribute__((noinline)) static void query_vector_softmax(float* s, int n, int mp, int v0, int m,
                                                    float* run_max, float* run_sum,
                                                    float* acc, int hspv) {
   vfloat top = load(s + v0);
@@ -270,8 +278,8 @@ void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   const bool short_exp = short_exp_output<T>(P.query_kind);  // the shorter exp (exp_minus)
   auto softmax = [&](int v0, int n) {
     if constexpr (sizeof(T) < sizeof(float))
-      if (short_exp) return lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
-    lane_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+      if (short_exp) return query_vector_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
+    query_vector_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
   };
 
   for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {

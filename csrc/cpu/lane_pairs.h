@@ -1,7 +1,7 @@
 // lane_work_item (lane_kernel.h) on AVX512_BF16 for bf16 and fp8 caches under a bf16
 // query: the same queries-in-lanes tiles, with vdpbf16ps (two products per lane, twice
-// the fp32 FMA's) instead of fp32 FMAs. Included by attention_kernel.h, inside the ISA
-// namespace.
+// the fp32 FMA's) instead of fp32 FMAs. Part of the CPU kernel, inside its ISA namespace
+// (see vec.h).
 //
 // Scores: the queries are transposed once into dim pairs, qp[i][m] = (q[m][2i], q[m][2i+1])
 // as two bf16 (exact: the query is bf16), and each key's pair (k[2i], k[2i+1]) is
@@ -11,6 +11,11 @@
 // accumulators stay in the pair order (unpermute_pairs) until the epilogue) and each query's probabilities
 // of the pair are broadcast as two bf16, rounded as the bf16 cache's general kernel does.
 #pragma once
+
+#include "bf16_tiles.h"
+#include "fp8_bf16_tables.h"
+#include "lane_kernel.h"
+#include "query_rows.h"
 
 #if PAGED_ISA_AVX512_BF16
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors of 16
@@ -214,7 +219,7 @@ void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws
       if (soft_cap)
         for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
       for (int v0 = 0; v0 < mp; v0 += 16) {
-        lane_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hsv);  // bf16 query: 16-bit output
+        query_vector_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hsv);  // bf16 query: 16-bit output
         // The probabilities as bf16 pairs of keys (2u, 2u + 1) into row kLaneChunk / 2 + u
         // of the scores, last pair first, so no pair reads a row an earlier one overwrote
         // (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).

@@ -1,0 +1,72 @@
+// A work item's query rows in and out, shared by every CPU kernel (attention_kernel.h,
+// lane_kernel.h, lane_pairs.h, amx_kernel.h): a query row to fp32, the online-softmax
+// rescale of accumulator rows, a query's epilogue (sink, lse, normalisation) and its output
+// row. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+#pragma once
+
+#include "convert.h"
+#include "vec.h"
+
+// One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
+static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {
+  switch (kind) {
+    case ScalarKind::kFloat16: row_to_float(reinterpret_cast<const Fp16*>(row), dst, n); break;
+    case ScalarKind::kBFloat16: row_to_float(reinterpret_cast<const Bf16*>(row), dst, n); break;
+    default: row_to_float(reinterpret_cast<const float*>(row), dst, n); break;
+  }
+}
+
+// One query's epilogue, shared by every kernel: its head's sink (one more logit without a
+// value; partition 0 takes it, and the merge of partitions by their lse counts it once),
+// its lse, and the factor its unnormalised accumulator row is multiplied by (1 / sum times
+// the value scale; 0 when it sees nothing).
+static inline float finish_query(const AttentionParams& P, const WorkItem& w, int token, int head,
+                                 float top, float sum, float v_factor) {
+  float keep = 1.0f;
+  if (P.sinks && w.partition == 0) {
+    const float sink = P.sinks[head];
+    if (sink > top) {
+      keep = std::exp(top - sink);  // 0 when no key is visible (top = -inf)
+      sum = sum * keep + 1.0f;
+      top = sink;
+    } else if (top != -__builtin_inff()) {
+      sum += std::exp(sink - top);
+    }
+  }
+  const bool any = sum > 0.0f;
+  if (P.lse) {
+    P.lse[w.partition * P.lse_part_stride + token * P.lse_token_stride + head] =
+        any ? top + std::log(sum) : -__builtin_inff();
+  }
+  return any ? keep / sum * v_factor : 0.0f;
+}
+
+// Online-softmax rescale of `count` consecutive accumulator rows (hspv floats apart) by
+// their factors alpha[l]; rows whose factor is 1 are left alone.
+static inline void rescale_rows(float* acc, int hspv, const float* alpha, int count) {
+  for (int l = 0; l < count; ++l) {
+    if (alpha[l] == 1.0f) continue;
+    float* am = acc + int64_t(l) * hspv;
+    const vfloat a = splat(alpha[l]);
+    for (int d = 0; d < hspv; d += VW) store(am + d, load(am + d) * a);
+  }
+}
+
+// A query's finished output row: `fill(o)` writes its fp32 values into o, which is the
+// output's own row when that is fp32, else a row on the stack then rounded into the 16-bit
+// output (output_rounding.h).
+template <typename Fill>
+static inline void write_output(const AttentionParams& P, const WorkItem& w, int token, int head, Fill fill) {
+  const int64_t slot = w.partition * P.out_part_stride + token * P.out_token_stride + head * P.out_head_stride;
+  if (P.out_kind == ScalarKind::kFloat32) {
+    fill(static_cast<float*>(P.out) + slot);
+    return;
+  }
+  alignas(64) float row[kMaxOutputRow];
+  fill(row);
+  uint16_t* dst = static_cast<uint16_t*>(P.out) + slot;
+  if (P.out_kind == ScalarKind::kBFloat16)
+    store_bf16_row(row, 1.0f, dst, P.head_size_v);
+  else
+    store_fp16_row(row, 1.0f, dst, P.head_size_v);
+}
