@@ -60,11 +60,11 @@ def test_every_instruction_set(isa, dtype):
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["float", "e4m3"])
-def test_head_sizes_past_256(isa, fp8, monkeypatch):
+def test_head_sizes_past_256(isa, fp8):
     """Gemma-4's global layers (head 512, GQA 4:1) and MLA's latent rows (keys 576 wide,
     values their leading 512 columns, 16 query heads on the one latent head), decode and
     multi-token, with sinks and soft cap, on each ISA and query dtype."""
-    select_isa(isa, monkeypatch)
+    select_isa(isa)
     lens = [1, 15, 16, 17, 100, 0]
     for i, dtype in enumerate(DTYPES):
         cache_dtype = dtype if fp8 is None else torch.float32
