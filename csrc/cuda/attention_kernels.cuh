@@ -63,10 +63,10 @@ constexpr int kKeyBytesInFlight = 32;
 
 // Registers are capped so that this many CTAs fit on a multiprocessor: 168
 // registers for 8 queries per CTA, 128 for fewer (their accumulators are smaller);
-// value rows past 256 (4 queries at most) hold twice the accumulators: 256.
+// value rows past kLargeValueHead (4 queries at most) hold twice the accumulators: 256.
 template <int kQ, int kVCap>
 constexpr int min_ctas_per_sm() {
-  return kVCap > 256 ? 2 : kQ >= 8 ? 3 : 4;
+  return kVCap > kLargeValueHead ? 2 : kQ >= 8 ? 3 : 4;
 }
 
 template <int N>
@@ -584,9 +584,9 @@ cudaError_t with_head_caps(int head_size, int head_size_v, F&& f) {
   return f(Int<512>{}, Int<512>{});
 }
 
-// Query vectors per CTA the instances of a value cap hold: past 256, the warps' merge
-// buffer (kWarps x kQ x kVCap floats) of 8 queries would pass the 48 KB of static shared
-// memory, so those instances stop at 4 (attention_plan.h: max_queries_per_cta).
+// Query vectors per CTA the instances of a value cap hold (attention_plan.h:
+// max_queries_per_cta): past kLargeValueHead, the warps' merge buffer (kWarps x kQ x kVCap
+// floats) of 8 queries would pass the 48 KB of static shared memory, so those stop at 4.
 template <typename F>
 cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& f) {
   return with_head_caps(head_size, head_size_v, [&](auto k, auto v) {
@@ -595,8 +595,8 @@ cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& 
       case 1: return f(k, v, Int<2>{});
       case 2: return f(k, v, Int<4>{});
       default:
-        if constexpr (decltype(v)::value <= 256) {
-          return f(k, v, Int<8>{});
+        if constexpr (max_queries_per_cta(decltype(v)::value) == kMaxQueriesPerCta) {
+          return f(k, v, Int<kMaxQueriesPerCta>{});
         } else {
           return cudaErrorInvalidConfiguration;  // the planner never picks it
         }

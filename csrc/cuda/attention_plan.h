@@ -18,11 +18,13 @@
 namespace paged::cuda {
 
 // Query vectors (query rows x query heads of one GQA group) one CTA holds at most;
-// with value rows past 256, at most 4 (max_queries_per_cta).
+// with value rows longer than kLargeValueHead, at most 4 (max_queries_per_cta): the kernel
+// instances of those value heads hold no more (attention_kernels.cuh).
 constexpr int kMaxQueriesPerCta = 8;
 constexpr int kMaxQueriesPerCtaLargeHeads = 4;
-PAGED_HOST_DEVICE int max_queries_per_cta(int64_t head_size_v) {
-  return head_size_v > 256 ? kMaxQueriesPerCtaLargeHeads : kMaxQueriesPerCta;
+constexpr int kLargeValueHead = 256;
+constexpr PAGED_HOST_DEVICE int max_queries_per_cta(int64_t head_size_v) {
+  return head_size_v > kLargeValueHead ? kMaxQueriesPerCtaLargeHeads : kMaxQueriesPerCta;
 }
 // Upper bound on split-KV partitions (splits) of one query tile.
 constexpr int kMaxPartitions = 512;
