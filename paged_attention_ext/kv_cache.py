@@ -68,6 +68,11 @@ class PagedKVCache:
     Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
     one byte per value; the scales' few bytes per layer are not counted).
 
+    ``values_in_keys``: one tensor per pool holds both (MLA latent rows, vLLM's layout): a
+    token's row is its key (``head_size`` columns) and its value is the row's first
+    ``head_size_v`` columns, a view of the same memory, never a copy. Such a cache is written
+    with :meth:`write_columns` and its fp8 scale is one for both views.
+
     ``kv_groups``: a hybrid model's KV groups (:mod:`paged_attention_ext.kv_groups`). A
     block then holds one group's layers, so the pools are ``layers_per_group`` tensors
     (not one per layer), :meth:`layer` finds a layer's, and the block manager gives each
@@ -80,7 +85,7 @@ class PagedKVCache:
                  num_host_blocks: int = 0, head_size_v: Optional[int] = None,
                  k_scale: Optional[LayerScales] = None, v_scale: Optional[LayerScales] = None,
                  calibration: Optional[str] = "per_layer",
-                 kv_groups: Optional[KVGroupLayout] = None) -> None:
+                 kv_groups: Optional[KVGroupLayout] = None, values_in_keys: bool = False) -> None:
         check_int("num_layers", num_layers, 1)
         check_int("num_kv_heads", num_kv_heads, 1)
         check_int("head_size", head_size, 1)
@@ -97,6 +102,12 @@ class PagedKVCache:
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if not isinstance(values_in_keys, bool):
+            raise TypeError(f"values_in_keys must be a bool, got {type(values_in_keys).__name__}")
+        if values_in_keys and not (head_size_v is not None and head_size_v < head_size):
+            raise ValueError(f"values_in_keys needs head_size_v < head_size (the values are the "
+                             f"rows' first head_size_v columns), got head_size={head_size}, "
+                             f"head_size_v={head_size_v}")
         if kv_groups is None:
             kv_groups = KVGroupLayout.uniform(num_layers)
         if kv_groups.num_layers != num_layers:
@@ -105,9 +116,10 @@ class PagedKVCache:
         self._place = [kv_groups.place(layer) for layer in range(num_layers)]
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.head_size_v = head_size if head_size_v is None else head_size_v
+        self.values_in_keys = values_in_keys
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.block_bytes = bytes_per_block(kv_groups.layers_per_group, num_kv_heads, head_size,
-                                           block_size, dtype, self.head_size_v)
+                                           block_size, dtype, 0 if values_in_keys else self.head_size_v)
         if num_blocks is None:
             num_blocks = memory_bytes // self.block_bytes
         if num_blocks < 1:
@@ -129,9 +141,13 @@ class PagedKVCache:
         self.host_value_caches: List[torch.Tensor] = []
         for _ in range(kv_groups.layers_per_group):
             self.key_caches.append(self._device_pool(shape))
-            self.value_caches.append(self._device_pool(shape_v))
             self.host_key_caches.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
-            self.host_value_caches.append(torch.zeros(host_shape_v, dtype=dtype, pin_memory=pin))
+            if values_in_keys:
+                self.value_caches.append(self.key_caches[-1][..., :self.head_size_v])
+                self.host_value_caches.append(self.host_key_caches[-1][..., :self.head_size_v])
+            else:
+                self.value_caches.append(self._device_pool(shape_v))
+                self.host_value_caches.append(torch.zeros(host_shape_v, dtype=dtype, pin_memory=pin))
 
     def _device_pool(self, shape: Tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -157,7 +173,11 @@ class PagedKVCache:
                 raise ValueError(f"an {self.dtype} cache needs k_scale and v_scale (or a "
                                  f"calibration: {CALIBRATIONS})")
             return [None] * self.num_layers, [None] * self.num_layers, calibration
-        return (self._per_layer("k_scale", k_scale), self._per_layer("v_scale", v_scale), None)
+        k_scales, v_scales = self._per_layer("k_scale", k_scale), self._per_layer("v_scale", v_scale)
+        if self.values_in_keys and not all(torch.equal(k, v) for k, v in zip(k_scales, v_scales)):
+            raise ValueError("a cache with values_in_keys stores each row once, under one scale: "
+                             "give equal k_scale and v_scale")
+        return k_scales, v_scales, None
 
     def _per_layer(self, name: str, scales: LayerScales) -> List[torch.Tensor]:
         if isinstance(scales, torch.Tensor) and scales.dim() == 2:
@@ -209,6 +229,9 @@ class PagedKVCache:
         (``slot_mapping >= 0``); keys and values go to the op in the model dtype, which
         quantizes. Float caches get them converted to the cache dtype.
         """
+        if self.values_in_keys:
+            raise ValueError("this cache keeps the values in the keys' rows: store them with "
+                             "write_columns(index, values, rest_of_key, slot_mapping)")
         key_cache, value_cache = self.layer(index)
         if not self.is_quantized:
             key, value = key.to(self.dtype), value.to(self.dtype)
@@ -227,6 +250,37 @@ class PagedKVCache:
                 self.k_scales[index], self.v_scales[index] = k_scale, v_scale
             self._recalibrate[index] = False
         ops.write_kv(key, value, key_cache, value_cache, slot_mapping, **self.scales(index))
+
+    def write_columns(self, index: int, head: torch.Tensor, tail: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """Store tokens' rows of a ``values_in_keys`` layer given as two column ranges:
+        ``head`` (``[tokens, kv_heads, head_size_v]``: the values, an MLA model's latent) in
+        the first columns, ``tail`` (the rest of the key: the rotary part) after them.
+
+        An fp8 layer without scales first calibrates one scale for the whole row (the larger
+        of both ranges'), which both views then use.
+        """
+        if not self.values_in_keys:
+            raise ValueError("write_columns stores rows of a values_in_keys cache; this cache "
+                             "keeps keys and values apart: use write()")
+        rows = self.layer(index)[0]
+        if not self.is_quantized:
+            head, tail = head.to(self.dtype), tail.to(self.dtype)
+        elif self.k_scales[index] is None or self._recalibrate[index]:
+            stored = slot_mapping >= 0
+            if not bool(stored.any()):  # nothing to store or to calibrate from: wait
+                return
+            per_head = self.calibration == "per_head"
+            scale = torch.maximum(calibrate(head[stored], self.dtype, per_head),
+                                  calibrate(tail[stored], self.dtype, per_head)).to(self.device)
+            if self._recalibrate[index] and self.k_scales[index].shape == scale.shape:
+                self.k_scales[index].copy_(scale)  # in place, as in write()
+            else:
+                self.k_scales[index] = self.v_scales[index] = scale
+            self._recalibrate[index] = False
+        # The op writes its "keys" and "values" into two column views of the same rows.
+        ops.write_kv(head, tail, rows[..., :self.head_size_v], rows[..., self.head_size_v:],
+                     slot_mapping, **self.scales(index))
 
     def recalibrate(self) -> None:
         """Calibrate every layer anew on its next write (a cache reused for new requests);
@@ -247,31 +301,42 @@ class PagedKVCache:
         bigger = PagedKVCache(self.num_layers, self.num_kv_heads, self.head_size, self.block_size,
                               self.dtype, self.device, num_blocks=num_blocks,
                               num_host_blocks=self.num_host_blocks, head_size_v=self.head_size_v,
-                              kv_groups=self.kv_groups)
+                              kv_groups=self.kv_groups, values_in_keys=self.values_in_keys)
         bigger.k_scales, bigger.v_scales = list(self.k_scales), list(self.v_scales)
         bigger.calibration, bigger._recalibrate = self.calibration, list(self._recalibrate)
-        for old, new in zip(self.key_caches + self.value_caches, bigger.key_caches + bigger.value_caches):
+        for old, new in zip(self._pools(), bigger._pools()):
             new[:self.num_blocks].copy_(old)
-        for old, new in zip(self.host_key_caches + self.host_value_caches,
-                            bigger.host_key_caches + bigger.host_value_caches):
+        for old, new in zip(self._host_pools(), bigger._host_pools()):
             new.copy_(old)
         return bigger
 
     def apply_copies(self, copies: Sequence[BlockPair]) -> None:
         """Copy-on-write / fork copies for every layer in one op call."""
-        if copies:
-            # The CUDA kernel reads the mapping on the device, the CPU one on the host.
-            ops.copy_blocks(self.key_caches, self.value_caches, self._mapping(copies, self.device))
+        if not copies:
+            return
+        # The CUDA kernel reads the mapping on the device, the CPU one on the host.
+        mapping = self._mapping(copies, self.device)
+        if self.values_in_keys:  # each column once: the values' columns, then the rest
+            ops.copy_blocks(self.value_caches, [rows[..., self.head_size_v:] for rows in self.key_caches],
+                            mapping)
+        else:
+            ops.copy_blocks(self.key_caches, self.value_caches, mapping)
+
+    def _pools(self) -> List[torch.Tensor]:
+        """The device tensors that hold the contents (a values_in_keys cache: the rows)."""
+        return self.key_caches if self.values_in_keys else self.key_caches + self.value_caches
+
+    def _host_pools(self) -> List[torch.Tensor]:
+        return (self.host_key_caches if self.values_in_keys
+                else self.host_key_caches + self.host_value_caches)
 
     def swap_out(self, mapping: Sequence[BlockPair]) -> None:
         """Copy (device block, host block) rows from the device pools to the host pools."""
-        self._swap(mapping, self.key_caches + self.value_caches,
-                   self.host_key_caches + self.host_value_caches)
+        self._swap(mapping, self._pools(), self._host_pools())
 
     def swap_in(self, mapping: Sequence[BlockPair]) -> None:
         """Copy (host block, device block) rows from the host pools to the device pools."""
-        self._swap(mapping, self.host_key_caches + self.host_value_caches,
-                   self.key_caches + self.value_caches)
+        self._swap(mapping, self._host_pools(), self._pools())
 
     def usage(self, used_blocks: int, used_host_blocks: int = 0) -> Dict[str, float]:
         """Bytes reserved and in use, given the block manager's counts."""

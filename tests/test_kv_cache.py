@@ -184,3 +184,62 @@ def test_recalibrate_sets_new_scales_in_place_on_the_next_write():
     given.recalibrate()  # given scales stay
     given.write(0, key, key, torch.tensor([0, 1]))
     assert given.k_scales[0].tolist() == [0.5]
+
+
+# ---- values in the keys' rows (MLA latent rows) ----------------------------------------------
+
+def latent_cache(**kwargs):
+    options = dict(num_blocks=6, num_host_blocks=3, head_size_v=32, values_in_keys=True)
+    return PagedKVCache(2, 1, 40, 4, **{"dtype": torch.float32, **options, **kwargs})
+
+
+def test_values_in_keys_rows_are_written_once_and_moved_whole():
+    cache = latent_cache()
+    rows, values = cache.layer(1)
+    assert values.data_ptr() == rows.data_ptr() and values.shape[-1] == 32
+    assert cache.block_bytes == bytes_per_block(2, 1, 40, 4, torch.float32, 0)
+    latent, rotary = torch.randn(5, 1, 32), torch.randn(5, 1, 8)
+    slots = torch.tensor([0, 5, 6, 9, 15])
+    cache.write_columns(1, latent, rotary, slots)
+    flat = rows.view(-1, 1, 40)
+    assert torch.equal(flat[slots], torch.cat((latent, rotary), -1))
+    assert not cache.layer(0)[0].any()  # the other layer untouched
+    # Copy-on-write copies, swaps and growth move whole rows.
+    cache.apply_copies([(1, 4)])
+    assert torch.equal(rows[4], rows[1])
+    cache.swap_out([(2, 0)])
+    cache.swap_in([(0, 5)])
+    assert torch.equal(rows[5], rows[2])
+    bigger = cache.with_blocks(8)
+    assert bigger.values_in_keys and torch.equal(bigger.layer(1)[0][:6], rows)
+    assert bigger.layer(1)[1].data_ptr() == bigger.layer(1)[0].data_ptr()
+
+
+def test_values_in_keys_fp8_rows_share_one_calibrated_scale():
+    cache = latent_cache(dtype=torch.float8_e4m3fn)
+    latent, rotary = torch.randn(5, 1, 32), 10 * torch.randn(5, 1, 8)
+    cache.write_columns(0, latent, rotary, torch.arange(5))
+    scales = cache.scales(0)
+    assert torch.equal(scales["k_scale"], scales["v_scale"])
+    assert torch.allclose(scales["k_scale"], q.calibrate(rotary, torch.float8_e4m3fn))  # the larger range
+    stored = dequantize(cache.layer(0)[0], scales["k_scale"], torch.float32).view(-1, 1, 40)[:5]
+    torch.testing.assert_close(stored, torch.cat((latent, rotary), -1), rtol=2 ** -3, atol=1e-2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(head_size_v=40), ValueError, "values_in_keys needs head_size_v < head_size"),
+    (dict(head_size_v=None), ValueError, "values_in_keys needs head_size_v < head_size"),
+    (dict(values_in_keys=1), TypeError, "values_in_keys must be a bool"),
+    (dict(dtype=torch.float8_e4m3fn, k_scale=1.0, v_scale=2.0), ValueError, "equal k_scale and v_scale"),
+])
+def test_values_in_keys_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        latent_cache(**kwargs)
+
+
+def test_values_in_keys_and_separate_pools_refuse_each_others_writes():
+    with pytest.raises(ValueError, match="write_columns"):
+        latent_cache().write(0, torch.randn(1, 1, 40), torch.randn(1, 1, 32), torch.tensor([0]))
+    separate = PagedKVCache(1, 1, 8, 4, torch.float32, num_blocks=2)
+    with pytest.raises(ValueError, match="use write"):
+        separate.write_columns(0, torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.tensor([0]))

@@ -9,8 +9,9 @@ comes from one of two places:
   also stores the keys and values with ``paged.write_kv``;
 * the :class:`~paged_attention_ext.hf.PagedCache` passed as ``past_key_values``: its
   ``update`` has already stored them and published the batch for this layer call
-  (for MLA models, whose ``update`` gets compressed latents, this function stores the
-  keys and values transformers expanded from them).
+  (for MLA models, whose ``update`` gets compressed latents, this function reads the
+  latent rows with ``kv_b_proj`` absorbed, :mod:`.latent_attention`, or, with
+  ``mla_storage="expanded"``, stores the keys and values transformers expanded from them).
 
 Every keyword argument transformers passes either is applied (``scaling``,
 ``sliding_window``, ``softcap``, attention sinks as ``s_aux``/``sinks``) or known not to
@@ -25,6 +26,7 @@ import torch
 from .batch import PagedBatch, flat_tokens
 from .continuous_batching import continuous_batching_attention_forward
 from .handoff import take_batch
+from .latent_attention import absorb_query, latent_weights, project_output
 from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.
@@ -97,6 +99,9 @@ def paged_attention_forward(
     _check_window(module, sliding_window, batch)
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
+    latent = batch.kv_cache.values_in_keys
+    if latent:
+        key_weight, value_weight = latent_weights(module, heads, value_cache.shape[-1])
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
     if batch.write_kv:
         if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
@@ -108,10 +113,13 @@ def paged_attention_forward(
         batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value), slot_mapping)
         if batch.on_stored is not None and not torch.compiler.is_compiling():
             batch.on_stored(module.layer_idx)  # eager bookkeeping; a compiled step has none
-    elif head_size_v != value_cache.shape[-1]:
+    elif head_size_v != value_cache.shape[-1] and not latent:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
-    q = batch.kv_cache.as_query(flat_tokens(query))
+    q = flat_tokens(query)
+    if latent:
+        q = absorb_query(q, key_weight)
+    q = batch.kv_cache.as_query(q)
     query_rows = batch.inputs.query_rows
     if query_rows is not None:
         q = q.index_select(0, query_rows)
@@ -119,6 +127,8 @@ def paged_attention_forward(
     out = batch.attention_of(module.layer_idx).run(
         q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
         soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
+    if latent:
+        out = project_output(out, value_weight)
     if query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, query_rows, out)

@@ -18,8 +18,8 @@ forks the chosen rows' block tables and frees the old ones; a shared partial blo
 copied on the next append (copy-on-write). Sliding-window layers sit in KV groups of their
 own (:mod:`paged_attention_ext.kv_groups`): a row has one block table per group, and a
 sliding group frees the blocks its window has left. MLA models (DeepSeek-V2/V3): ``update``
-gets compressed latents and the attention function stores the keys and values transformers
-expands from them (:class:`LayerStorage`).
+gets compressed latents and stores them as they are, one row per token; the attention
+function absorbs ``kv_b_proj`` (:class:`LayerStorage`, :mod:`.latent_attention`).
 """
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -47,25 +47,43 @@ _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a 
 PoolSpec = Tuple[int, int, int, torch.dtype, torch.device]
 
 
+MLA_STORAGES = ("latent", "expanded")
+
+
 class LayerStorage(NamedTuple):
-    """Who stores a layer's K/V, and the pools' head shape the config gives."""
-    # MLA: update() sees latents; the attention function stores the expanded K/V.
-    in_attention: bool
+    """Who stores a layer's K/V, in what form, and the pools' head shape the config gives.
+
+    MLA models hand ``update`` their compressed latents (the normalised ``kv_lora_rank``
+    latent and the rotated key part). ``"latent"`` stores those: one row per token, the
+    latent then the rotary key, read by the attention function with ``kv_b_proj``
+    absorbed (:mod:`.latent_attention`). ``"expanded"`` lets the attention function store
+    the per-head keys and values transformers expands from them.
+    """
+    in_attention: bool  # the attention function stores the expanded K/V
+    latent: bool  # the pools hold latent rows (values in the keys' rows)
     config_shape: Tuple[int, int, int]  # kv heads (this rank's share), key size, value size
 
     @classmethod
-    def of(cls, text_config, tp_size: int) -> "LayerStorage":
-        return cls(mla_head_sizes(text_config) is not None, tuple(kv_head_shape(text_config, tp_size)))
+    def of(cls, text_config, tp_size: int, mla_storage: str) -> "LayerStorage":
+        if mla_storage not in MLA_STORAGES:
+            raise ValueError(f"PagedCache: mla_storage must be one of {MLA_STORAGES}, got "
+                             f"{mla_storage!r}")
+        mla = mla_head_sizes(text_config) is not None
+        if mla and mla_storage == "latent":
+            # Every rank holds the whole latent: it is one head shared by all query heads.
+            lora, rope = text_config.kv_lora_rank, text_config.qk_rope_head_dim
+            return cls(False, True, (1, lora + rope, lora))
+        return cls(mla, False, tuple(kv_head_shape(text_config, tp_size)))
 
     def pool_shape(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[int, int, int]:
-        """The pools' head shape for what update() got (MLA: the expanded heads)."""
-        if self.in_attention:
+        """The pools' head shape for what update() got (MLA: the config's)."""
+        if self.in_attention or self.latent:
             return self.config_shape
         return (keys.shape[1], keys.shape[3], values.shape[3])
 
     def handoff_key(self, keys: torch.Tensor) -> Optional[torch.Tensor]:
         """What identifies the attention call (MLA: the layer alone; its keys are new)."""
-        return None if self.in_attention else keys
+        return None if self.in_attention or self.latent else keys
 
 
 class PagedCache(Cache):
@@ -96,6 +114,13 @@ class PagedCache(Cache):
             value (``kv_scale_calibration="per_head"``: one per KV head). Later values beyond
             that range saturate; pass fixed scales for generations whose prompt is not
             representative.
+        mla_storage: for multi-head latent attention models (DeepSeek-V2/V3, Kimi, ...):
+            ``"latent"`` stores each token's compressed latent once (``kv_lora_rank +
+            qk_rope_head_dim`` values, shared by every head: DeepSeek-V3 keeps 71x fewer
+            bytes than its expanded K/V) and attends with ``kv_b_proj`` absorbed into the
+            query and the output; ``"expanded"`` stores the per-head K/V transformers
+            expands (for a ``kv_b_proj`` that is not a plain ``nn.Linear``, such as a
+            quantized one). Other models ignore it.
         cascade_min_saved_tokens: rows that share prompt blocks (``num_return_sequences``,
             beams, repeated prompts) read them once per decode step (cascade attention,
             :mod:`paged_attention_ext.cascade`) where that saves at least this many key
@@ -122,7 +147,7 @@ class PagedCache(Cache):
                  kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
                  v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
                  *, cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS,
-                 **unknown) -> None:
+                 mla_storage: str = "latent", **unknown) -> None:
         _refuse_unknown(unknown)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagedCache: config must be a transformers PretrainedConfig (the "
@@ -152,9 +177,9 @@ class PagedCache(Cache):
         # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
         # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
         tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
-        self._storage = LayerStorage.of(text_config, tp_size)
+        self._storage = LayerStorage.of(text_config, tp_size, mla_storage)
         # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
-        self._new_pool(1, (self._storage.config_shape[0], 1, 1, torch.float32, torch.device("cpu")))
+        self._new_pool(1, (self._storage.config_shape[0], 2, 1, torch.float32, torch.device("cpu")))
         self._clear()
 
     def _clear(self) -> None:
@@ -215,8 +240,13 @@ class PagedCache(Cache):
         return keys, values
 
     def _write_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store one layer's new K/V at the prepared slots (MLA: the attention function does)."""
-        if not self._storage.in_attention:
+        """Store one layer's new K/V at the prepared slots (MLA latent rows: the latent and
+        the rotary key; MLA expanded: the attention function does)."""
+        if self._storage.latent:
+            self._check_layer_shapes(layer_idx, keys, values)
+            self.kv.write_columns(layer_idx, flat_tokens(keys), flat_tokens(values),
+                                  self._batch.slots_of(layer_idx))
+        elif not self._storage.in_attention:
             self._check_layer_shapes(layer_idx, keys, values)
             self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
                           self._batch.slots_of(layer_idx))
@@ -378,6 +408,8 @@ class PagedCache(Cache):
 
     def _check_layer_shapes(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         kv_heads, head_size, head_size_v = self._pool_spec[:3]
+        if self._storage.latent:  # update() got the latent and the rotary key part
+            head_size, head_size_v = head_size_v, head_size - head_size_v
         if (keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != kv_heads
                 or values.shape[1] != kv_heads or keys.shape[3] != head_size
                 or values.shape[3] != head_size_v or keys.shape[:3] != values.shape[:3]):
@@ -481,7 +513,7 @@ class PagedCache(Cache):
         dtype = resolve_kv_cache_dtype(options.pop("kv_cache_dtype"), dtype)
         return PagedKVCache(len(self.layer_types), kv_heads, head_size, self.block_size, dtype,
                             device, num_blocks=num_blocks, head_size_v=head_size_v,
-                            kv_groups=self.kv_groups, **options)
+                            kv_groups=self.kv_groups, values_in_keys=self._storage.latent, **options)
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow the pools to hold block ids below ``num_blocks`` (only without a fixed size):

@@ -59,7 +59,8 @@ class CompiledPagedCache(PagedCache):
                  num_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
                  kv_cache_dtype: Optional[str] = "auto", k_scale: Optional[LayerScales] = None,
                  v_scale: Optional[LayerScales] = None, kv_scale_calibration: str = "per_layer",
-                 cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS) -> None:
+                 cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS,
+                 mla_storage: str = "latent") -> None:
         if max_cache_len is None:
             raise TypeError("CompiledPagedCache: pass max_cache_len (the most tokens a row may hold)")
         check_int("CompiledPagedCache: max_cache_len", max_cache_len, 1)
@@ -68,7 +69,7 @@ class CompiledPagedCache(PagedCache):
         self._max_batch_size = max_batch_size
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
-                         cascade_min_saved_tokens=cascade_min_saved_tokens)
+                         cascade_min_saved_tokens=cascade_min_saved_tokens, mla_storage=mla_storage)
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:

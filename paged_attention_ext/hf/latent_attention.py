@@ -1,0 +1,56 @@
+"""Attention over MLA latent rows, with ``kv_b_proj`` absorbed (DeepSeek's inference form).
+
+A multi-head latent attention layer (DeepSeek-V2/V3, Kimi, Mistral-4, ...) expands each
+token's latent ``c`` (``kv_lora_rank`` values) into per-head keys ``k_nope[h] = W_UK[h] c``
+and values ``v[h] = W_UV[h] c`` (``kv_b_proj``'s rows, head by head) and appends the rotary
+key ``k_rot`` that all heads share. Since
+
+    q[h] . k[h] = (W_UK[h]^T q_nope[h]) . c + q_rot[h] . k_rot   and   sum_j p_j v_j[h] = W_UV[h] sum_j p_j c_j,
+
+attention can read the stored rows ``(c, k_rot)`` directly: every query head attends over
+one shared KV head with its query absorbed into the latent space, and its latent output is
+projected by ``W_UV[h]``. The scores, and so the softmax, are the expanded attention's.
+"""
+
+from typing import Tuple
+
+import torch
+
+
+def _refuse(module: torch.nn.Module, reason: str) -> None:
+    raise NotImplementedError(
+        f"paged_attention_ext: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) "
+        f"{reason}, so its latent rows cannot be read with kv_b_proj absorbed; pass "
+        "PagedCache(config, mla_storage='expanded') to store the expanded keys and values instead")
+
+
+def latent_weights(module: torch.nn.Module, heads: int, latent_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``W_UK`` ``[heads, qk_nope_head_dim, latent]`` and ``W_UV`` ``[heads, v_head_dim,
+    latent]``: views of the layer's ``kv_b_proj`` weight (this rank's heads)."""
+    projection = getattr(module, "kv_b_proj", None)
+    if not isinstance(projection, torch.nn.Linear):
+        _refuse(module, f"has a kv_b_proj of type {type(projection).__name__}, not a torch.nn.Linear")
+    if projection.bias is not None:
+        _refuse(module, "has a kv_b_proj with a bias")
+    weight = projection.weight
+    if not weight.dtype.is_floating_point or weight.element_size() < 2:
+        _refuse(module, f"has a kv_b_proj weight of dtype {weight.dtype}")
+    nope, value = module.config.qk_nope_head_dim, module.config.v_head_dim
+    if tuple(weight.shape) != (heads * (nope + value), latent_size):
+        _refuse(module, f"has a kv_b_proj weight of shape {tuple(weight.shape)}, not [{heads} heads "
+                        f"x ({nope} + {value}), {latent_size}]")
+    per_head = weight.view(heads, nope + value, latent_size)
+    return per_head[:, :nope], per_head[:, nope:]
+
+
+def absorb_query(query: torch.Tensor, key_weight: torch.Tensor) -> torch.Tensor:
+    """``[tokens, heads, nope + rope]`` queries as latent-row queries ``[tokens, heads,
+    latent + rope]``: the non-rotary part mapped through ``W_UK[h]^T``, the rotary part kept."""
+    nope = key_weight.shape[1]
+    absorbed = torch.einsum("thn,hnl->thl", query[..., :nope], key_weight.to(query.dtype))
+    return torch.cat((absorbed, query[..., nope:]), dim=-1)
+
+
+def project_output(latent_out: torch.Tensor, value_weight: torch.Tensor) -> torch.Tensor:
+    """``[tokens, heads, latent]`` attention outputs as ``[tokens, heads, v_head_dim]``."""
+    return torch.einsum("thl,hvl->thv", latent_out, value_weight.to(latent_out.dtype))
