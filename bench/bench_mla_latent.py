@@ -8,7 +8,7 @@ DeepSeek-V3's attention, decode, block size 16, contexts 2048 and 8192, fp32 and
 caches, on one rank of eight (16 of its 128 query heads, B=8) and with all 128 heads on one
 rank (B=1); the blocks of each sequence are a random permutation of the pool. Two ways to store the same tokens:
 
-* ``expanded``: K/V as transformers runs the model (and ``PagedCache`` stores it today):
+* ``expanded``: K/V as transformers runs the model (and the engine stores it):
   per query head, keys of 192 (128 without RoPE + 64 with it) and values of 128, two
   caches of as many KV heads as query heads; one ``paged.attention`` call.
 * ``latent``: one 576-wide row per token (``kv_lora_rank`` 512 + 64 RoPE), the key cache,
