@@ -115,21 +115,28 @@ class BlockTable:
         """The first logical block a query at ``position`` reads (0 without a window)."""
         return first_visible_position(self.sliding_window, position) // self.block_size
 
+    def _first_kept(self) -> int:
+        """The first block :meth:`release_unreachable` keeps.
+
+        A sliding table keeps the last token's window (not only the next one's): that costs at
+        most one block and lets a caller drop the tokens it appends next again (rejected
+        speculative tokens, :meth:`truncate`). A chunked table keeps only the next token's
+        chunk: the last token's would be a whole chunk more for a step, so going back into a
+        freed chunk raises instead."""
+        position = self.num_tokens if isinstance(self.sliding_window, Chunked) else self.num_tokens - 1
+        return min(self.first_visible_block(max(0, position)), len(self.blocks))
+
     def releasable(self) -> int:
         """Blocks :meth:`release_unreachable` would return to the pool now (those no other
         table shares)."""
-        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        first = self._first_kept()
         return sum(1 for b in range(self.num_freed, first)
                    if self.allocator.ref_count(self.blocks[b]) == 1)
 
     def release_unreachable(self) -> int:
-        """Free the blocks no query from position ``num_tokens - 1`` on can see (sliding
-        window); call it once every held token has been computed. Returns how many.
-
-        Keeping the last token's window (not only the next one's) costs at most one block
-        and lets a caller drop the tokens it appends next again (rejected speculative
-        tokens, :meth:`truncate`)."""
-        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        """Free the blocks no later query can see (sliding window, finished chunks); call it
+        once every held token has been computed, before appending. Returns how many."""
+        first = self._first_kept()
         dead = range(self.num_freed, first)
         if dead:
             # Tail first, as free(): of a chain, the head is the last evicted.

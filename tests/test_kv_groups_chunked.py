@@ -58,9 +58,9 @@ def test_decode_frees_finished_chunks_and_keeps_what_chunk_local_reads():
         mgr.check_invariants()
         table = mgr.block_ids(0, 1)
         live = [b for b in table if b != NULL_BLOCK]
-        # The current chunk's blocks, and the last one's until the next append.
-        assert len(live) <= C // BS + 1
-        start = (n - 2) // C * C // BS  # the previous token's chunk is kept for a truncate
+        # The current chunk's blocks only: the chunk before is freed as the next one starts.
+        assert len(live) == -(-(n - (n - 1) // C * C) // BS) <= C // BS
+        start = (n - 1) // C * C // BS
         assert table[:start] == [NULL_BLOCK] * start
         assert read_blocks(mgr, 0) == table[(n - 1) // C * C // BS:]
         assert NULL_BLOCK not in read_blocks(mgr, 0)
