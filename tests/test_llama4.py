@@ -9,11 +9,13 @@ import pytest
 import torch
 import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.masking_utils import chunked_causal_mask_function
 
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache
+from paged_attention_ext.hf.masks import is_paged_mask
 from paged_attention_ext.hf.support import check_config
 from paged_attention_ext.kv_groups import Chunked
 from paged_attention_ext.testing import random_pair
@@ -112,6 +114,20 @@ def test_beam_search(models):
     assert torch.equal(got.sequences, expected.sequences)
     usage = cache.memory_usage()
     assert usage["blocks_used"] < usage["block_references"]  # beams share forked blocks
+
+
+@pytest.mark.parametrize("q_offset,q_length", [(29, 1), (0, 30), (20, 10)])
+def test_the_chunked_mask_is_recognised_with_left_padding(q_offset, q_length):
+    """transformers counts chunks from each row's first real token; so do the ops (padding
+    is never stored). Another chunk size or padding, or a model without chunks, is refused."""
+    pad = torch.tensor([0, 3])
+    mask_function = chunked_causal_mask_function(CHUNK, pad)
+    grid = dict(batch_size=2, q_length=q_length, kv_length=30, q_offset=q_offset, kv_offset=0,
+                packed=False, sliding_windows=(None,))
+    assert is_paged_mask(mask_function, **grid, chunk_size=CHUNK, left_padding=pad)
+    assert not is_paged_mask(mask_function, **grid, chunk_size=CHUNK, left_padding=torch.tensor([0, 2]))
+    assert not is_paged_mask(mask_function, **grid, chunk_size=CHUNK // 2, left_padding=pad)
+    assert not is_paged_mask(mask_function, **grid)
 
 
 def test_a_chunk_must_be_whole_blocks(models):
