@@ -130,6 +130,24 @@ def test_the_chunked_mask_is_recognised_with_left_padding(q_offset, q_length):
     assert not is_paged_mask(mask_function, **grid)
 
 
+def test_prompt_lookup_decoding_crops_within_the_kept_chunks(models, monkeypatch):
+    """Verification forwards append the last accepted token and the candidates; rejected
+    candidates are cropped, never back before that token, so the chunk a chunked table keeps
+    (the first appended token's) is always enough."""
+    reference, paged = models
+    crops = []
+    monkeypatch.setattr(PagedCache, "crop", lambda self, n, _crop=PagedCache.crop: (
+        crops.append(self._tokens_to_crop(n)), _crop(self, n))[1])
+    ids = torch.tensor([[5, 6, 7, 8] * 3 + [5, 6]])
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=3)
+        got = paged.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=3,
+                             past_key_values=cache)
+    assert torch.equal(got, want) and max(crops) > 0  # candidates were rejected
+    cache.manager.check_invariants()
+
+
 def test_a_chunk_must_be_whole_blocks(models):
     _, paged = models
     with pytest.raises(ValueError, match="attention_chunk_size=8 is not a multiple of block_size=3"):
