@@ -206,3 +206,50 @@ def test_random_operations_keep_invariants():
     for group in list(live):
         mgr.free_group(group)
     assert mgr.num_free_device_blocks == 48 and mgr.host.num_free_blocks == 48
+
+
+def test_a_steps_chunked_metadata_attends_within_chunks():
+    """StepInputs gives a chunked group chunk_local's metadata: one step mixing a prefill
+    across three chunks, a decode past several freed chunks and a continuation that crosses
+    a chunk, against a float64 brute force over each sequence's keys; unwritten (and freed)
+    blocks are NaN, so a read outside the chunk shows."""
+    from paged_attention_ext.kv_cache import PagedKVCache
+    from paged_attention_ext.step_inputs import StepInputs, StepPlan
+
+    heads, kv_heads, size = 4, 2, 16
+    layout = KVGroupLayout.from_windows([None, Chunked(C)])
+    kv = PagedKVCache(2, kv_heads, size, BS, dtype=torch.float32, num_blocks=64, kv_groups=layout)
+    for pool in (*kv.key_caches, *kv.value_caches):
+        pool.fill_(float("nan"))
+    mgr = manager()
+    mgr.allocate(0, 1, 29)
+    mgr.append(1, 1)      # decode at position 29: chunks 0-2 freed
+    mgr.allocate(1, 2, 14)
+    mgr.append(2, 5)      # positions 14-18: chunk 0 freed, the rows cross into chunk 2
+    mgr.allocate(2, 0, 21)  # a prompt over three chunks
+    seqs, lens, q_lens = [0, 1, 2], [21, 30, 19], [21, 1, 5]
+    g = torch.Generator().manual_seed(0)
+    keys = {s: torch.randn(n, kv_heads, size, generator=g) for s, n in zip(seqs, lens)}
+    values = {s: torch.randn(n, kv_heads, size, generator=g) for s, n in zip(seqs, lens)}
+    for layer, group in ((0, 0), (1, 1)):
+        for s, n in zip(seqs, lens):
+            table = mgr.tables[s][group]
+            live = [p for p in range(n) if table.blocks[p // BS] != NULL_BLOCK]
+            kv.write(layer, keys[s][live], values[s][live],
+                     torch.tensor(table.slots(live[0], n), dtype=torch.int64))
+    tables = [[mgr.block_ids(s, group) for s in seqs] for group in (0, 1)]
+    plan = StepPlan(tables, [[-1] * sum(q_lens)] * 2, lens, q_lens)
+    inputs = StepInputs.from_plan(plan, kv)
+    query = torch.randn(sum(q_lens), heads, size, generator=g)
+    for layer, chunk in ((0, None), (1, C)):
+        got = inputs.attention[layer].run(query, *kv.layer(layer), size ** -0.5)
+        row = 0
+        for s, n, q_len in zip(seqs, lens, q_lens):
+            for p in range(n - q_len, n):
+                first = 0 if chunk is None else p // chunk * chunk
+                k = keys[s][first:p + 1].double().repeat_interleave(heads // kv_heads, 1)
+                v = values[s][first:p + 1].double().repeat_interleave(heads // kv_heads, 1)
+                scores = torch.einsum("hd,khd->hk", query[row].double(), k) * size ** -0.5
+                want = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+                torch.testing.assert_close(got[row].double(), want, atol=1e-5, rtol=1e-5)
+                row += 1
