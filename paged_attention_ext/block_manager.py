@@ -17,8 +17,9 @@ arithmetic, here only summed over tables and KV groups.
 A hybrid model's sequences hold one block table per KV group (``kv_group_windows``,
 :mod:`paged_attention_ext.kv_groups`), all over the one device pool: every question
 counts the blocks of every group, a sliding-window group frees the blocks its window
-has left, and a prefix-cache hit is as long as every group can serve (full groups: the
-whole prefix; sliding groups: the window before the first recomputed token). Slots
+has left (a chunked group those of its finished chunks), and a prefix-cache hit is as long
+as every group can serve (full groups: the whole prefix; sliding groups: the window before
+the first recomputed token; chunked groups: that token's chunk). Slots
 then come per group, every group alike (:class:`SeqSlots`).
 """
 
@@ -27,7 +28,9 @@ from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes, blocks_needed
+from .block_table import (NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes,
+                          blocks_needed, check_window)
+from .kv_groups import Window
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSlots", "SeqSpec"]
@@ -71,7 +74,7 @@ class Checkpoint(NamedTuple):
 class BlockSpaceManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  enable_prefix_caching: bool = False, watermark: float = 0.01,
-                 kv_group_windows: Sequence[Optional[int]] = (None,),
+                 kv_group_windows: Sequence[Window] = (None,),
                  device_setting: str = "num_device_blocks",
                  host_setting: str = "num_host_blocks") -> None:
         """``device_setting`` / ``host_setting``: what the caller's user sets to size each
@@ -80,6 +83,8 @@ class BlockSpaceManager:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if not kv_group_windows:
             raise ValueError("kv_group_windows needs one entry per KV group (None: full attention)")
+        for window in kv_group_windows:
+            check_window(window, block_size)
         self.kv_group_windows = tuple(kv_group_windows)
         self.device = BlockAllocator(num_device_blocks, block_size, enable_prefix_caching, "device",
                                      device_setting)

@@ -15,7 +15,11 @@ the names in.
 A table of a sliding-window KV group (:mod:`paged_attention_ext.kv_groups`) frees each
 block once no later query can see it: the entry becomes :data:`NULL_BLOCK` (logical
 positions are kept; the attention op never reads entries wholly before the window) and
-a named block goes back to the prefix cache. Tables of several groups share one pool,
+a named block goes back to the prefix cache. A chunked group's table (:class:`~paged_attention_ext.
+kv_groups.Chunked`) frees a chunk's blocks the same way once the sequence has moved past
+it: a query's chunk starts at a block boundary (the chunk size is a multiple of the block
+size), and :func:`paged_attention_ext.chunked.chunk_local` starts each table at its chunk.
+Tables of several groups share one pool,
 so a group's names carry its ``group_key``: equal tokens in two groups are two blocks.
 """
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from .block_allocator import BlockAllocator
+from .kv_groups import Chunked, Window, first_visible_position
 
 # (source, destination) block rows: a copy-on-write copy (paged.copy_blocks) or a swap
 # between the device and the host pool (paged.swap_blocks).
@@ -63,6 +68,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: str = "",
     return names
 
 
+def check_window(window: Window, block_size: int) -> None:
+    """Raise ``ValueError`` unless a table of blocks of ``block_size`` tokens can keep ``window``:
+    a chunk must be a whole number of blocks, so that each chunk starts a block."""
+    if isinstance(window, Chunked):
+        if window.size % block_size:
+            raise ValueError(f"attention_chunk_size={window.size} is not a multiple of "
+                             f"block_size={block_size}, so a chunk would start inside a block; "
+                             f"use a block size that divides the chunk size")
+    elif window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                 or window < 1):
+        raise ValueError(f"sliding_window must be >= 1, a Chunked span or None, got {window!r}")
+
+
 @dataclass
 class AppendResult:
     """One table's append: where its new tokens go, and the copies to make first."""
@@ -72,10 +90,9 @@ class AppendResult:
 
 
 class BlockTable:
-    def __init__(self, allocator: BlockAllocator, sliding_window: Optional[int] = None,
+    def __init__(self, allocator: BlockAllocator, sliding_window: Window = None,
                  group_key: bytes = b"") -> None:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        check_window(sliding_window, allocator.block_size)
         self.allocator = allocator
         self.sliding_window = sliding_window
         self.group_key = group_key
@@ -96,25 +113,30 @@ class BlockTable:
 
     def first_visible_block(self, position: int) -> int:
         """The first logical block a query at ``position`` reads (0 without a window)."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
+        return first_visible_position(self.sliding_window, position) // self.block_size
+
+    def _first_kept(self) -> int:
+        """The first block :meth:`release_unreachable` keeps.
+
+        A sliding table keeps the last token's window (not only the next one's): that costs at
+        most one block and lets a caller drop the tokens it appends next again (rejected
+        speculative tokens, :meth:`truncate`). A chunked table keeps only the next token's
+        chunk: the last token's would be a whole chunk more for a step, so going back into a
+        freed chunk raises instead."""
+        position = self.num_tokens if isinstance(self.sliding_window, Chunked) else self.num_tokens - 1
+        return min(self.first_visible_block(max(0, position)), len(self.blocks))
 
     def releasable(self) -> int:
         """Blocks :meth:`release_unreachable` would return to the pool now (those no other
         table shares)."""
-        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        first = self._first_kept()
         return sum(1 for b in range(self.num_freed, first)
                    if self.allocator.ref_count(self.blocks[b]) == 1)
 
     def release_unreachable(self) -> int:
-        """Free the blocks no query from position ``num_tokens - 1`` on can see (sliding
-        window); call it once every held token has been computed. Returns how many.
-
-        Keeping the last token's window (not only the next one's) costs at most one block
-        and lets a caller drop the tokens it appends next again (rejected speculative
-        tokens, :meth:`truncate`)."""
-        first = min(self.first_visible_block(max(0, self.num_tokens - 1)), len(self.blocks))
+        """Free the blocks no later query can see (sliding window, finished chunks); call it
+        once every held token has been computed, before appending. Returns how many."""
+        first = self._first_kept()
         dead = range(self.num_freed, first)
         if dead:
             # Tail first, as free(): of a chain, the head is the last evicted.
@@ -272,8 +294,13 @@ class BlockTable:
         keep = blocks_needed(num_tokens, self.block_size)
         if NULL_BLOCK in self.blocks[self.first_visible_block(max(0, num_tokens - 1)):keep]:
             raise NotImplementedError(
-                f"cannot go back to {num_tokens} tokens: this sliding-window table "
-                f"(window {self.sliding_window}) has freed blocks the kept tokens' windows read")
+                f"cannot go back to {num_tokens} tokens: this {self._kind()} has freed blocks the "
+                "kept tokens' queries read")
+
+    def _kind(self) -> str:
+        if isinstance(self.sliding_window, Chunked):
+            return f"chunked table (chunks of {self.sliding_window.size} tokens)"
+        return f"sliding-window table (window {self.sliding_window})"
 
     def free(self) -> None:
         # Tail first: the pool evicts the least recently freed block first, and names

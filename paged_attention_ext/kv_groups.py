@@ -5,7 +5,8 @@ hybrid model (full-attention layers beside sliding-window ones: Gemma-2/3, GPT-O
 Cohere-2) would then keep every block of its sliding layers although no query can see
 most of them again. So layers are split into *KV groups* of one attention kind and
 window, each with its own block table; a sliding group frees the blocks that fall out
-of its window (:class:`~paged_attention_ext.block_table.BlockTable`).
+of its window, and a chunked group (Llama-4's chunked local attention, :class:`Chunked`) the
+blocks of its finished chunks (:class:`~paged_attention_ext.block_table.BlockTable`).
 
 As in vLLM's hybrid KV-cache manager, every group has the same number of layers, so a
 block (one page) is the same size in every group and all groups draw from one pool:
@@ -16,15 +17,45 @@ layout costs (:attr:`KVGroupLayout.padded_layers`).
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-Window = Optional[int]  # a sliding window in tokens; None: full attention
+
+@dataclass(frozen=True)
+class Chunked:
+    """Chunked local attention's span: the query at position ``p`` sees only the keys of its
+    own chunk, positions ``[p // size * size, p]`` (Llama-4's ``attention_chunk_size``)."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Chunked: 'size' must be a positive int (tokens per chunk), "
+                             f"got {self.size!r}")
+
+
+# What a layer attends over: None, every earlier key (full attention); an int, its last that
+# many positions (a sliding window); Chunked, the keys of its own chunk.
+Window = Union[None, int, Chunked]
+
+
+def first_visible_position(window: Window, position: int) -> int:
+    """The first key position the query at ``position`` sees."""
+    if window is None:
+        return 0
+    if isinstance(window, Chunked):
+        return position // window.size * window.size
+    return max(0, position - window + 1)
 
 
 @dataclass(frozen=True)
 class KVGroup:
     sliding_window: Window
     layers: Tuple[int, ...]
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        """Tokens per chunk of a chunked group, else None."""
+        return self.sliding_window.size if isinstance(self.sliding_window, Chunked) else None
 
 
 @dataclass(frozen=True)
@@ -38,7 +69,8 @@ class KVGroupLayout:
 
     @classmethod
     def from_windows(cls, windows: Sequence[Window]) -> "KVGroupLayout":
-        """Groups for layers with these windows (one entry per layer, None: full).
+        """Groups for layers with these windows (one entry per layer, None: full; an int: a
+        sliding window; :class:`Chunked`: chunked local attention).
 
         One kind: one group. Several: groups of as many layers as the rarest kind has,
         full attention first, then each window in order of first appearance.
@@ -46,10 +78,10 @@ class KVGroupLayout:
         if not windows:
             raise ValueError("a model needs at least one layer")
         for layer, window in enumerate(windows):
-            if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                       or window < 1):
-                raise ValueError(f"layer {layer}: sliding window must be a positive int or None "
-                                 f"(full attention), got {window!r}")
+            if window is not None and not isinstance(window, Chunked) and (
+                    isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise ValueError(f"layer {layer}: sliding window must be a positive int, a "
+                                 f"Chunked span or None (full attention), got {window!r}")
         kinds: Dict[Window, List[int]] = {}
         for layer, window in sorted(enumerate(windows), key=lambda lw: lw[1] is not None):
             kinds.setdefault(window, []).append(layer)
@@ -77,7 +109,7 @@ class KVGroupLayout:
 
     @property
     def windows(self) -> Tuple[Window, ...]:
-        """Each group's sliding window (None: full attention)."""
+        """Each group's sliding window (None: full attention; :class:`Chunked`: chunked)."""
         return tuple(g.sliding_window for g in self.groups)
 
     @property

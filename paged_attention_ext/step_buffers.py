@@ -36,6 +36,14 @@ class StepBuffers:
                  cascade_min_saved_tokens: Optional[int] = None) -> None:
         device = kv_cache.device
         groups = kv_cache.kv_groups.groups
+        chunked = [g.layers for g in groups if g.chunk_size is not None]
+        if chunked:
+            # chunk_local rewrites the tables into new tensors each step, which a compiled or
+            # captured step, reading fixed addresses, would not see.
+            raise NotImplementedError(
+                f"compiled and graph-captured steps do not serve chunked local attention "
+                f"(layers {sorted(l for ls in chunked for l in ls)}); run this model eagerly "
+                "(PagedCache, or the engine without compile_decode)")
         self.block_size = kv_cache.block_size
         self.pad_block = pad_block
         self.block_tables = [torch.full((max_seqs, width), pad_block, dtype=torch.int32, device=device)

@@ -2,8 +2,8 @@
 
 A step (an engine step, a ``generate`` forward) runs sequences whose query rows are packed
 one after another. Every KV group (:mod:`paged_attention_ext.kv_groups`: full attention,
-each sliding window) has its own slots and block tables over the same sequences, lengths
-and query rows, and every group appears here alike.
+each sliding window, each chunk size) has its own slots and block tables over the same
+sequences, lengths and query rows, and every group appears here alike.
 
 The producer (the engine's runner, a ``PagedCache``) builds the step once as host lists,
 a :class:`StepPlan`, and converts it to tensors once, into a :class:`StepInputs`:
@@ -13,7 +13,9 @@ a :class:`StepPlan`, and converts it to tensors once, into a :class:`StepInputs`
   persistent buffers (compiled and graph-captured forwards, which read fixed addresses).
 
 Each group's :class:`~paged_attention_ext.attention_metadata.AttentionMetadata` is derived
-from the inputs once, when they are built, and read by every layer of the group.
+from the inputs once, when they are built, and read by every layer of the group. A chunked
+group's metadata is :func:`~paged_attention_ext.chunked.chunk_local`'s rewrite of the
+step's, so its layers attend within their chunks through the same ops.
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ import torch
 
 from .attention_metadata import AttentionMetadata
 from .cascade import CascadePlan, padded_rows, plan_cascade
+from .chunked import chunk_local
 from .kv_cache import PagedKVCache
 
 
@@ -60,14 +63,23 @@ class StepInputs:
     # Per group, its cascade split (shared prefixes read once) or None; empty: none at all.
     cascades: Tuple[Optional[CascadePlan], ...] = ()
     query_rows: Optional[torch.Tensor] = None  # int64, as StepPlan's
+    # Per group, its chunk size (chunked local attention) or None; empty: no chunked group.
+    chunk_sizes: Tuple[Optional[int], ...] = ()
+    block_size: int = 0  # tokens per block; needed with chunk_sizes
     # Per group, its attention metadata: derived and checked once, read by its layers.
     attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.attention = tuple(
-            AttentionMetadata(tables, self.seq_lens, self.query_start_loc,
-                              self.cascades[group] if self.cascades else None)
-            for group, tables in enumerate(self.block_tables))
+        self.attention = tuple(self._metadata(group, tables)
+                               for group, tables in enumerate(self.block_tables))
+
+    def _metadata(self, group: int, tables: torch.Tensor) -> AttentionMetadata:
+        chunk = self.chunk_sizes[group] if self.chunk_sizes else None
+        if chunk is not None:  # never split: a cascade's shared prefix ignores chunks
+            return AttentionMetadata(*chunk_local(tables, self.seq_lens, chunk, self.block_size,
+                                                  self.query_start_loc))
+        return AttentionMetadata(tables, self.seq_lens, self.query_start_loc,
+                                 self.cascades[group] if self.cascades else None)
 
     @property
     def num_kv_groups(self) -> int:
@@ -99,7 +111,9 @@ class StepInputs:
             query_start_loc=torch.tensor(plan.query_start_loc(), dtype=torch.int32, device=device),
             cascades=_plan_cascades(plan, kv_cache, cascade_min_saved_tokens),
             query_rows=(None if plan.query_rows is None else
-                        torch.tensor(list(plan.query_rows), dtype=torch.int64, device=device)))
+                        torch.tensor(list(plan.query_rows), dtype=torch.int64, device=device)),
+            chunk_sizes=tuple(group.chunk_size for group in kv_cache.kv_groups.groups),
+            block_size=kv_cache.block_size)
 
 
 def _plan_cascades(plan: StepPlan, kv_cache: PagedKVCache,

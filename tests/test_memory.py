@@ -162,3 +162,46 @@ def test_groups_of_equal_size_say_nothing_of_padding(capsys):
     assert main(["memory", "--preset", "gpt-oss-120b"]) == 0  # 18 sliding + 18 full layers
     out = capsys.readouterr().out
     assert "KV group 1 (18 layers" in out and "padded" not in out
+
+
+# ---- chunked-attention layers in KV groups (Llama-4) -------------------------------------
+
+@pytest.mark.parametrize("max_len", [4096, 8192, 8193, 32767, 32768, 32769, 40000])
+def test_llama_4_scout_chunked_groups_hold_their_chunk_within_a_block(max_len):
+    """Each chunked group holds the blocks of its last token's chunk (at most one block more
+    than the tokens it reads), the NoPE full group every block."""
+    report = kv_report(PRESETS["llama-4-scout"], "bfloat16", max_len, block_size=16)["kv_groups"]
+    assert [g["kind"] for g in report["groups"]] == ["full attention"] + ["chunks of 8192"] * 3
+    assert report["layers_per_group"] == 12 and report["padded_layers"] == 0
+    chunk_tokens = max_len - (max_len - 1) // 8192 * 8192
+    for group in report["groups"]:
+        needed = chunk_tokens if group["chunk_size"] else max_len
+        assert -(-needed // 16) <= group["blocks_held"] <= -(-needed // 16) + 1
+    assert report["bytes_per_sequence"] <= report["bytes_per_sequence_ideal"] + 4 * report["bytes_per_block"]
+
+
+def test_llama_4_scout_at_32k_holds_under_half_of_one_table():
+    report = kv_report(PRESETS["llama-4-scout"], "bfloat16", 32768, block_size=16)
+    groups = report["kv_groups"]
+    assert report["bytes_per_token"] == 48 * 8 * 256 * 2  # 192 KiB: every layer, one table
+    assert [g["blocks_held"] for g in groups["groups"]] == [2048, 512, 512, 512]
+    # 12 full layers hold 32k tokens, 36 chunked ones 8k: (12 * 32k + 36 * 8k) / (48 * 32k).
+    assert groups["fraction_of_single_table"] == pytest.approx((12 * 4 + 36) / (48 * 4))
+    assert groups["fraction_of_ideal"] == 1.0
+
+
+def test_attention_chunk_size_flag(capsys):
+    assert main(["memory", "--layers", "4", "--kv-heads", "2", "--head-size", "64",
+                 "--attention-chunk-size", "256", "--layer-pattern", "3:1", "--max-len", "1000",
+                 "--block-size", "16", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "layers 3 chunked (chunks of 256) : 1 full" in out
+    groups = json.loads(out.strip().splitlines()[-1])["kv_groups"]["groups"]
+    assert [(g["chunk_size"], g["blocks_held"]) for g in groups] == [
+        (None, 63), (256, 15), (256, 15), (256, 15)]  # 1000 tokens; 999 // 256 * 256 = 768
+
+
+def test_a_shape_slides_or_chunks_not_both():
+    with pytest.raises(ValueError, match="give sliding_window or attention_chunk_size, not both"):
+        resolve_shape(None, 4, 2, 8, sliding_window=64, attention_chunk_size=256)
+    assert resolve_shape(None, 4, 2, 8, attention_chunk_size=256).layer_pattern == (1, 0)

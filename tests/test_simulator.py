@@ -215,3 +215,19 @@ def test_simulate_says_which_kv_group_is_padded(tmp_path, capsys):
     assert "padded to 10 layers" in rows[6] and "share one pool" in rows[6]
     assert not any("padded" in row for row in rows[:6])
     assert "through paged-groups" in err  # the KV groups' phase has its progress line
+
+
+def test_simulate_chunked_layers_fit_more_long_requests(tmp_path, capsys):
+    """Llama-4's pattern (3 chunked : 1 full) at a small chunk: the chunked groups hold a
+    chunk per request, so more long requests fit than with one table for every layer."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("".join('{"prompt_len": 2000, "output_len": 32}\n' for _ in range(30)))
+    assert main(["simulate", "--trace", str(trace), "--max-len", "4096", "--pool-tokens", "16384",
+                 "--layers", "8", "--kv-heads", "2", "--head-size", "64", "--layer-pattern", "3:1",
+                 "--attention-chunk-size", "256", "--json"]) == 0
+    out, _ = capsys.readouterr()
+    assert "(3 chunked (chunks of 256) : 1 full)" in out
+    groups = json.loads(out.strip().splitlines()[-1])["kv_groups"]
+    assert [(g["kind"], g["chunk_size"]) for g in groups["groups"]] == [
+        ("full attention", None)] + [("chunks of 256", 256)] * 3
+    assert groups["peak_batch"] > 2 * groups["peak_batch_single_table"]

@@ -9,7 +9,7 @@ import torch
 
 from ..block_table import block_hashes
 from ..kv_cache import PagedKVCache
-from ..kv_groups import KVGroupLayout
+from ..kv_groups import Chunked, KVGroupLayout
 from ..quantization import kv_cache_dtype
 from .beam_search import BeamSearch
 from .checks import check_engine
@@ -55,6 +55,15 @@ class LLMEngine:
         # Sliding-window layers get KV groups of their own, which free what leaves the window.
         kv_groups = (KVGroupLayout.from_windows(spec.layer_windows) if config.hybrid_kv_groups
                      else KVGroupLayout.uniform(spec.num_layers))
+        if not config.hybrid_kv_groups and any(isinstance(w, Chunked) for w in spec.layer_windows):
+            # A chunked layer's chunks come from its group's tables (chunk_local), not a layer option.
+            raise NotImplementedError("this model has chunked-attention layers, which need KV "
+                                      "groups of their own: set hybrid_kv_groups=True")
+        limit = spec.max_packed_positions
+        if limit is not None and config.max_num_batched_tokens > limit:
+            raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is more than "
+                             f"the {limit} tokens a packed forward of this model computes exactly "
+                             f"(ModelSpec.max_packed_positions); set max_num_batched_tokens <= {limit}")
         if config.record_block_contents and any(kv_groups.windows):
             raise NotImplementedError("record_block_contents checks full-attention block tables; "
                                       "this model has sliding-window layers, whose tables free blocks")
@@ -84,6 +93,13 @@ class LLMEngine:
                 raise ValueError(f"request {request.request_id}: prompt[{position}] = {token} is "
                                  f"not in the model's vocabulary (size {self.runner.spec.vocab_size})")
         params = request.params
+        limit = self.runner.spec.max_packed_positions
+        if limit is not None and len(request.prompt) + params.max_new_tokens > limit:
+            raise ValueError(f"request {request.request_id}: {len(request.prompt)} prompt tokens "
+                             f"+ max_new_tokens={params.max_new_tokens} is more than the {limit} "
+                             "positions this model computes exactly in a packed forward "
+                             "(ModelSpec.max_packed_positions: Llama-4's attention temperature "
+                             "tuning reads positions from the packed row)")
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.kv_cache.device).manual_seed(params.seed)

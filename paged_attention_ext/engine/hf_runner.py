@@ -22,7 +22,7 @@ import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION, PagedBatch
-from ..hf.support import check_config, kv_head_shape, layer_windows
+from ..hf.support import check_config, kv_head_shape, layer_windows, packed_position_limit
 from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs, StepPlan
 from .config import EngineConfig
@@ -42,7 +42,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
-                     dtype=model.dtype, device=model.device, vocab_size=text.vocab_size)
+                     dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
+                     max_packed_positions=packed_position_limit(text))
 
 
 class HFModelRunner(ModelRunner):

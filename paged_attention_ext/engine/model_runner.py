@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..kv_cache import PagedKVCache
+from ..kv_groups import Window
 from .config import EngineConfig
 from .scheduler import SchedulerOutput
 
@@ -27,13 +28,19 @@ COMPILED_DECODE_SETTINGS = ("compile_backend", "compile_options", "max_decode_ba
 class ModelSpec:
     """The model's facts the engine allocates and validates by."""
 
-    layer_windows: Tuple[Optional[int], ...]  # per layer: its sliding window, None for full attention
+    # Per layer: its sliding window, a kv_groups.Chunked span (chunked local attention) or
+    # None (full attention).
+    layer_windows: Tuple[Window, ...]
     num_kv_heads: int
     head_size: int                   # of the keys
     head_size_v: Optional[int]       # of the values; None: head_size (MLA's differ)
     dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype is fp8
     device: torch.device
     vocab_size: int                  # prompts' tokens must be below it
+    # Tokens a sequence, and a step, may hold; None: no limit. A model that reads a position
+    # from a token's index in the forward (Llama-4's attention temperature tuning) computes a
+    # packed forward as separate ones only where the two give the same result.
+    max_packed_positions: Optional[int] = None
 
     @property
     def num_layers(self) -> int:

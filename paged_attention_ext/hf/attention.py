@@ -14,7 +14,8 @@ comes from one of two places:
   ``mla_storage="expanded"``, stores the keys and values transformers expanded from them).
 
 Every keyword argument transformers passes either is applied (``scaling``,
-``sliding_window``, ``softcap``, attention sinks as ``s_aux``/``sinks``) or known not to
+``sliding_window``, ``softcap``, attention sinks as ``s_aux``/``sinks``; a chunked layer's
+chunks come with its KV group's metadata) or known not to
 change the result (``position_ids``: positions are already in the rotary embeddings and
 in the block tables); anything else raises instead of being ignored.
 """
@@ -56,7 +57,16 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, output_atten
 
 def _check_window(module: torch.nn.Module, sliding_window: Optional[int], batch: PagedBatch) -> None:
     """A layer must not see further back than its KV group keeps blocks for."""
-    kept = batch.kv_cache.kv_groups.groups[batch.kv_cache.kv_group(module.layer_idx)].sliding_window
+    group = batch.kv_cache.kv_groups.groups[batch.kv_cache.kv_group(module.layer_idx)]
+    kept = group.sliding_window
+    if group.chunk_size is not None:
+        # The group's metadata attends within each chunk; a window on top is not applied.
+        if sliding_window is not None:
+            raise NotImplementedError(
+                f"paged_attention_ext: layer {module.layer_idx} is a chunked-attention layer "
+                f"(chunks of {group.chunk_size} tokens) and also asks for sliding_window="
+                f"{sliding_window}, which chunked layers do not apply")
+        return
     if kept is not None and not (sliding_window is not None and 0 < sliding_window <= kept):
         raise ValueError(
             f"paged_attention_ext: layer {module.layer_idx} attends with sliding_window="

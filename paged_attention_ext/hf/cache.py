@@ -28,7 +28,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..block_table import blocks_needed
+from ..block_table import blocks_needed, check_window
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
@@ -166,6 +166,8 @@ class PagedCache(Cache):
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
         self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
+        for window in self.kv_groups.windows:  # a chunk must be whole blocks
+            check_window(window, block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -186,6 +188,7 @@ class PagedCache(Cache):
         self._placement: Optional[RowPlacement] = None  # created by the first forward
         self.kv: Optional[PagedKVCache] = None
         self._length = 0  # columns seen per row, padding included (transformers' seq length)
+        self._forward_len = 0  # columns the forward in flight adds
         self._batch: Optional[PagedBatch] = None
         self._pool_spec: Optional[PoolSpec] = None
         self._state = ForwardState(len(self.layer_types))
@@ -263,6 +266,11 @@ class PagedCache(Cache):
         self._state.layer_stored()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns per row that ``layer_idx`` has stored: during a forward, a layer not yet
+        updated has not seen its tokens (Llama-4's NoPE layers read their query positions
+        from this before their update, as from a DynamicCache)."""
+        if self._state.interrupted and layer_idx >= self._state.layers_stored:
+            return self._length - self._forward_len
         return self._length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
@@ -455,6 +463,7 @@ class PagedCache(Cache):
             self._start(rows, spec)
             self._check_room(counts)
         self._length += q_len
+        self._forward_len = q_len
         self._state.begin()
         self._batch = None
         placed = self._placement.place(counts, q_len, keys, values)

@@ -70,6 +70,14 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens, mla_storage=mla_storage)
+        chunked = [layer for group in self.kv_groups.groups if group.chunk_size is not None
+                   for layer in group.layers]
+        if chunked:
+            # Its steps read fixed buffers; a chunked layer's tables are rewritten every step
+            # (chunk_local). transformers' compiled generate does not build Llama-4's masks either.
+            raise NotImplementedError(
+                f"CompiledPagedCache does not serve chunked local attention (layers "
+                f"{sorted(chunked)} of {type(config).__name__}); use PagedCache")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:

@@ -8,15 +8,18 @@ check here asks the function itself, on this forward's index grid, whether it is
 masks the ops compute:
 
 * causal (key position <= query position), optionally with the config's sliding window
-  (a query sees its last ``sliding_window`` positions, itself included);
+  (a query sees its last ``sliding_window`` positions, itself included) or its
+  ``attention_chunk_size`` (a query sees the keys of its own chunk, chunks counted from each
+  row's first token after its left padding, as transformers counts them);
 * in a packed forward without cache and without a padding mask (the engine's, where
   transformers derives sequences from ``position_ids``): the same, within each packed
   sequence, the sequences inferred from where a token stops seeing its predecessor (the
   ops keep sequences apart through their block tables).
 
-Anything else (bidirectional, image-token blocks, chunked attention beyond one chunk) is
-refused. A chunked mask over a packed forward looks like packed sequences of one chunk each,
-so models with ``attention_chunk_size`` are refused by their config first (support.py).
+Anything else (bidirectional, image-token blocks) is refused. A chunked mask over a packed
+forward counts chunks from the packed row's start, not from each sequence's; it looks like
+packed sequences of one chunk each and passes as such. The chunking the ops apply is the
+layer's KV group's (per sequence), whatever mask transformers built.
 """
 
 from typing import Mapping, Optional, Sequence
@@ -55,11 +58,14 @@ def _packed_segments(mask: torch.Tensor) -> torch.Tensor:
 
 def is_paged_mask(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset,
                   kv_offset: int, packed: bool, sliding_windows: Sequence[Optional[int]],
-                  device=None) -> bool:
+                  device=None, chunk_size: Optional[int] = None,
+                  left_padding: Optional[torch.Tensor] = None) -> bool:
     """Whether ``mask_function`` equals, on this forward's grid, a mask the paged ops apply.
 
     ``packed``: the forward may hold several sequences per row (no cache, no padding mask).
     ``sliding_windows``: the windows a layer of this model may attend with (None: none).
+    ``chunk_size``: the chunk of the model's chunked layers (None: none), counted from each
+    row's ``left_padding`` (``[batch]`` padding tokens; None: none).
     """
     q_offset = int(q_offset)
     q_positions = torch.arange(q_offset, q_offset + q_length, device=device)
@@ -75,7 +81,20 @@ def is_paged_mask(mask_function, batch_size: int, q_length: int, kv_length: int,
             expected = allowed & (kv_positions[None, :] > q_positions[:, None] - window)[None]
         if torch.equal(mask, expected.expand_as(mask)):
             return True
+    if chunk_size is not None:
+        pad = (torch.zeros(batch_size, dtype=torch.long, device=kv_positions.device)
+               if left_padding is None else left_padding.to(kv_positions.device))[:, None, None]
+        same_chunk = ((kv_positions[None, None, :] - pad).div(chunk_size, rounding_mode="floor")
+                      == (q_positions[None, :, None] - pad).div(chunk_size, rounding_mode="floor"))
+        return torch.equal(mask, (allowed & same_chunk).expand_as(mask))
     return False
+
+
+def left_padding_of(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[batch]`` leading padding tokens of a 2D padding mask (0: padding), or None."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return (attention_mask.cumsum(-1) == 0).sum(-1)
 
 
 def check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], sizes: Mapping,
@@ -106,7 +125,9 @@ def check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], s
     name = getattr(mask_function, "__qualname__", repr(mask_function))
     try:
         paged = is_paged_mask(mask_function, **grid, packed=attention_mask is None,
-                              sliding_windows=windows, device=sizes.get("device"))
+                              sliding_windows=windows, device=sizes.get("device"),
+                              chunk_size=getattr(text_config, "attention_chunk_size", None),
+                              left_padding=left_padding_of(attention_mask))
     except Exception as error:  # a mask function that cannot be evaluated on index tensors
         raise NotImplementedError(
             f"attn_implementation={implementation!r} could not evaluate this model's mask function "
@@ -114,5 +135,5 @@ def check_mask_function(mask_function, attention_mask: Optional[torch.Tensor], s
     if not paged:
         raise NotImplementedError(
             f"attn_implementation={implementation!r} attends causally over block tables (with the "
-            f"layer's sliding window); this model asked for another mask ({name}: e.g. "
-            "bidirectional, chunked, or image-token blocks), which it cannot apply")
+            f"layer's sliding window or chunk); this model asked for another mask ({name}: e.g. "
+            "bidirectional, or image-token blocks), which it cannot apply")

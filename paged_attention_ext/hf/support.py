@@ -17,9 +17,10 @@ from typing import AbstractSet, Any, Dict, List, Mapping, NamedTuple, Optional, 
 import torch
 import transformers
 
+from ..kv_groups import Chunked, Window
 from .self_check import verify_architecture, verify_variant
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 # model_type -> why it cannot run with PagedCache / paged_attention_ext.
 REFUSED: Dict[str, str] = {
@@ -29,11 +30,8 @@ REFUSED: Dict[str, str] = {
            "through transformers' attention interface",
     "falcon": "its attention classes (selected from FALCON_ATTENTION_CLASSES, optionally with "
               "ALiBi) do not go through transformers' attention interface",
-    "llama4": "chunked local attention (attention_chunk_size: a query sees only keys of its own "
-              "chunk), which the ops serve (paged_attention_ext.chunked) but PagedCache does not",
-    "llama4_text": "chunked local attention (attention_chunk_size: a query sees only keys of its "
-                   "own chunk), which the ops serve (paged_attention_ext.chunked) but PagedCache "
-                   "does not",
+    "llama4": "the multimodal Llama4ForConditionalGeneration (its vision encoder's attention does "
+              "not attend over a cache); run its text model: Llama4ForCausalLM(config.text_config)",
     "deepseek_v32": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "glm_moe_dsa": "DeepSeek sparse attention (an indexer picks the keys each query attends to)",
     "gemma3n": "layers that reuse another layer's K/V (num_kv_shared_layers)",
@@ -167,18 +165,17 @@ def check_config(config, text_config) -> List[str]:
                "supported)")
     if getattr(text_config, "num_kv_shared_layers", None):
         refuse("layers that reuse another layer's K/V (num_kv_shared_layers)")
-    if getattr(text_config, "attention_chunk_size", None):
-        refuse("chunked local attention (attention_chunk_size), which the ops serve "
-               "(paged_attention_ext.chunked) but PagedCache does not")
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is None:
         # As transformers' DynamicCache infers them.
-        kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
+        kind = ("sliding_attention" if getattr(text_config, "sliding_window", None) else
+                "chunked_attention" if getattr(text_config, "attention_chunk_size", None) else
+                "full_attention")
         layer_types = [kind] * text_config.num_hidden_layers
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
         refuse(f"its layer types {unsupported} are not attention over a causal K/V history "
-               f"(linear attention / state-space layers, chunked attention, ...); PagedCache "
+               f"(linear attention / state-space layers, ...); PagedCache "
                f"supports {list(SUPPORTED_LAYER_TYPES)}")
     if getattr(text_config, "alibi", False) is True:
         refuse("ALiBi position biases (alibi=True) inside its own attention code")
@@ -201,14 +198,32 @@ def check_config(config, text_config) -> List[str]:
     return list(layer_types)
 
 
-def layer_windows(text_config, layer_types: Sequence[str]) -> List[Optional[int]]:
-    """Each layer's sliding window (None: full attention), from :func:`check_config`'s
-    layer types and the config's ``sliding_window``: what the block manager may free."""
-    window = getattr(text_config, "sliding_window", None)
-    if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
-        raise NotImplementedError(f"{type(text_config).__name__} has sliding-window layers but "
-                                  f"sliding_window={window!r} (a positive int is needed)")
-    return [window if kind == "sliding_attention" else None for kind in layer_types]
+def layer_windows(text_config, layer_types: Sequence[str]) -> List[Window]:
+    """Each layer's sliding window (None: full attention; :class:`~paged_attention_ext.
+    kv_groups.Chunked`: chunked local attention), from :func:`check_config`'s layer types and
+    the config's ``sliding_window`` and ``attention_chunk_size``: what the block manager may
+    free."""
+    windows = {"full_attention": None}
+    for kind, name in (("sliding_attention", "sliding_window"),
+                       ("chunked_attention", "attention_chunk_size")):
+        if kind in layer_types:
+            value = getattr(text_config, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise NotImplementedError(f"{type(text_config).__name__} has {kind} layers but "
+                                          f"{name}={value!r} (a positive int is needed)")
+            windows[kind] = value if kind == "sliding_attention" else Chunked(value)
+    return [windows[kind] for kind in layer_types]
+
+
+def packed_position_limit(text_config) -> Optional[int]:
+    """Tokens up to which a packed forward (several sequences in one row, no cache) computes
+    what separate forwards do, or None: no limit. Llama-4's NoPE layers scale their queries
+    by a temperature of the position they read from the token's index in the forward (not
+    from ``position_ids``); the scale is 1 for every index below ``floor_scale - 1``."""
+    no_rope = getattr(text_config, "no_rope_layers", None) or ()
+    if getattr(text_config, "attn_temperature_tuning", False) and 0 in no_rope:
+        return max(1, int(text_config.floor_scale) - 1)
+    return None
 
 
 def sink_logits_of(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:

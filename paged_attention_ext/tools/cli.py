@@ -113,14 +113,25 @@ def add_shape_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--layer-pattern", type=layer_pattern, metavar="SLIDING:FULL",
                      help="SLIDING:FULL layers repeating from the first (Gemma-3 5:1, GPT-OSS 1:1; "
                           "default with a window: every layer sliding)")
+    cmd.add_argument("--attention-chunk-size", type=positive_int, metavar="TOKENS",
+                     help="chunk of the chunked-attention layers, in tokens (Llama-4): the "
+                          "pattern's first count is then chunked layers")
 
 
 def shape_from(args: argparse.Namespace) -> "memory.ModelShape":
     try:
         return memory.resolve_shape(args.preset, args.layers, args.kv_heads, args.head_size,
-                                    args.sliding_window, args.layer_pattern)
+                                    args.sliding_window, args.layer_pattern,
+                                    args.attention_chunk_size)
     except ValueError as error:
         fail(str(error))
+
+
+def local_layers(shape: "memory.ModelShape") -> str:
+    """The pattern's first kind of layer in words."""
+    if shape.attention_chunk_size:
+        return f"chunked (chunks of {shape.attention_chunk_size})"
+    return f"sliding (window {shape.sliding_window})"
 
 
 def padding_note(padded_layers: int, layers_per_group: int) -> str:
@@ -155,20 +166,21 @@ def run_memory(args: argparse.Namespace) -> Dict:
     if groups is not None:
         bs = args.block_size or 16
         for g, group in enumerate(groups["groups"]):
-            kind = (f"window {group['sliding_window']}" if group["sliding_window"] else "full attention")
-            rows.append((f"KV group {g} ({group['layers']} layers, {kind})",
+            rows.append((f"KV group {g} ({group['layers']} layers, {group['kind']})",
                          f"{group['blocks_held']} blocks of {bs} tokens held, "
                          f"{size(group['bytes_held'])}"
                          + padding_note(group["padded_layers"], groups["layers_per_group"])))
         rows.append((f"per sequence of {args.max_len} tokens, KV groups",
                      f"{size(groups['bytes_per_sequence'])}: {groups['fraction_of_single_table']:.1%} "
-                     f"of one table for all layers ({groups['saving']:.2f}x less)"))
+                     f"of one table for all layers ({groups['saving']:.2f}x less), "
+                     f"{groups['fraction_of_ideal']:.1%} of what the layers read"))
         if args.memory_gib is not None:
             rows.append(("sequences fit, KV groups", f"{groups['sequences_fit']}"))
-    overridden = args.preset and any(v is not None for v in (args.layers, args.kv_heads, args.head_size,
-                                                             args.sliding_window, args.layer_pattern))
+    overridden = args.preset and any(v is not None for v in (
+        args.layers, args.kv_heads, args.head_size, args.sliding_window, args.layer_pattern,
+        args.attention_chunk_size))
     name = f"{args.preset} (overridden)" if overridden else args.preset or "model"
-    pattern = (f", layers {shape.layer_pattern[0]} sliding (window {shape.sliding_window}) : "
+    pattern = (f", layers {shape.layer_pattern[0]} {local_layers(shape)} : "
                f"{shape.layer_pattern[1]} full" if groups is not None else "")
     heads = (f"latent rows of {shape.latent_size} (expanded: {shape.kv_heads} heads, key head "
              f"{shape.head_size}, value head {shape.head_size_v})" if latent else
@@ -237,7 +249,8 @@ class Progress:
 
 
 def run_simulate(args: argparse.Namespace) -> Dict:
-    groups = bool(args.preset or args.layers or args.sliding_window or args.layer_pattern)
+    groups = bool(args.preset or args.layers or args.sliding_window or args.layer_pattern
+                  or args.attention_chunk_size)
     progress = Progress("simulate", 1 + len(simulator.STRATEGIES) + groups
                         + (args.parallel_samples > 1) + (args.beam_width > 1))
     progress(f"reading the trace {args.trace}" if args.trace else
@@ -307,24 +320,24 @@ def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
     paged = simulator.replay(trace, simulator.make_strategy("paged", args.pool_tokens, args.max_len,
                                                             args.block_size))
     layer_bytes = shape.expanded_layer_values() * memory.DTYPE_BYTES[args.dtype]
-    groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window,
+    groups = [{"layers": len(g.layers), "sliding_window": None if g.chunk_size else g.sliding_window,
+               "chunk_size": g.chunk_size, "kind": memory.window_label(g.sliding_window),
                "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u,
                "padded_layers": layout.layers_per_group - len(g.layers)}
               for g, u in zip(layout.groups, strategy.group_utilisation())]
     fit = f"{stats.mean_batch:.1f}" if stats.mean_batch is not None else "all"
     paged_fit = f"{paged.mean_batch:.1f}" if paged.mean_batch is not None else "all"
-    print(f"KV groups of {shape.layers} layers ({shape.layer_pattern[0]} sliding, window "
-          f"{shape.sliding_window} : {shape.layer_pattern[1]} full), same pool bytes: requests fit "
+    print(f"KV groups of {shape.layers} layers ({shape.layer_pattern[0]} {local_layers(shape)} : "
+          f"{shape.layer_pattern[1]} full), same pool bytes: requests fit "
           f"{fit} (paged, one table for every layer: {paged_fit}), {stats.preemptions} preemptions, "
           f"{stats.steps} steps")
     for g, group in enumerate(groups):
-        kind = f"window {group['sliding_window']}" if group["sliding_window"] else "full attention"
-        print(f"  group {g}: {group['layers']} layers, {kind}, "
+        print(f"  group {g}: {group['layers']} layers, {group['kind']}, "
               f"{memory.format_bytes(group['bytes_per_token'])} per token"
               f"{padding_note(group['padded_layers'], layout.layers_per_group)}, "
               f"utilisation {group['utilisation']:.1%}")
     return {"layers": shape.layers, "sliding_window": shape.sliding_window,
-            "layer_pattern": list(shape.layer_pattern), "groups": groups,
+            "attention_chunk_size": shape.attention_chunk_size, "layer_pattern": list(shape.layer_pattern), "groups": groups,
             "requests_fit": stats.mean_batch, "requests_fit_single_table": paged.mean_batch,
             "peak_batch": stats.peak_batch, "peak_batch_single_table": paged.peak_batch,
             "preemptions": stats.preemptions, "steps": stats.steps}

@@ -9,7 +9,8 @@ values); the report gives the expanded size beside it.
 
 A model with sliding-window layers (a ``layer_pattern`` of sliding : full layers) keeps
 them in KV groups of their own (:mod:`paged_attention_ext.kv_groups`) that hold only
-their window; the report then counts each group's blocks as the block manager holds them
+their window; chunked-attention layers (``attention_chunk_size``, Llama-4: the pattern's
+first count is then chunked layers) hold only their current chunk. The report then counts each group's blocks as the block manager holds them
 while a sequence decodes, beside one block table for every layer (the layout without
 KV groups).
 """
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..block_manager import BlockSpaceManager
-from ..kv_groups import KVGroupLayout
+from ..kv_groups import Chunked, KVGroupLayout, Window, first_visible_position
 
 GIB = 1 << 30
 
@@ -35,18 +36,31 @@ class ModelShape:
     # (kv_lora_rank + qk_rope_head_dim) that replaces a layer's K/V in a latent cache.
     head_size_v: Optional[int] = None
     latent_size: Optional[int] = None
+    # Chunked local attention (Llama-4): the pattern's first count is chunked layers.
+    attention_chunk_size: Optional[int] = None
 
     def expanded_layer_values(self) -> int:
         """Values one layer stores per token as K/V per head."""
         return self.kv_heads * (self.head_size + (self.head_size_v or self.head_size))
 
-    def windows(self) -> List[Optional[int]]:
-        """Each layer's window (None: full attention)."""
-        sliding, full = self.layer_pattern
-        if self.sliding_window is None or sliding == 0:
+    def windows(self) -> List[Window]:
+        """Each layer's window (None: full attention; Chunked: chunked local attention)."""
+        local, full = self.layer_pattern
+        window: Window = (Chunked(self.attention_chunk_size) if self.attention_chunk_size
+                          else self.sliding_window)
+        if window is None or local == 0:
             return [None] * self.layers
-        period = sliding + full
-        return [self.sliding_window if i % period < sliding else None for i in range(self.layers)]
+        period = local + full
+        return [window if i % period < local else None for i in range(self.layers)]
+
+
+def window_label(window: Window) -> str:
+    """A KV group's kind in words."""
+    if window is None:
+        return "full attention"
+    if isinstance(window, Chunked):
+        return f"chunks of {window.size}"
+    return f"window {window}"
 
 
 # Published configurations (config.json of each model).
@@ -65,6 +79,8 @@ PRESETS: Dict[str, ModelShape] = {
     "gemma-2-9b": ModelShape(42, 8, 256, sliding_window=4096, layer_pattern=(1, 1)),
     "cohere-2-7b": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(3, 1)),
     "mistral-7b-v0.1": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(1, 0)),
+    # Chunked local attention beside NoPE full layers (every 4th).
+    "llama-4-scout": ModelShape(48, 8, 128, attention_chunk_size=8192, layer_pattern=(3, 1)),
     # Multi-head latent attention: expanded per query head (keys 128 + 64 RoPE, values 128)
     # or latent rows of 512 + 64.
     "deepseek-v3": ModelShape(61, 128, 192, head_size_v=128, latent_size=576),
@@ -80,31 +96,38 @@ DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8":
 def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,
                   kv_heads: Optional[int] = None, head_size: Optional[int] = None,
                   sliding_window: Optional[int] = None,
-                  layer_pattern: Optional[Tuple[int, int]] = None) -> ModelShape:
+                  layer_pattern: Optional[Tuple[int, int]] = None,
+                  attention_chunk_size: Optional[int] = None) -> ModelShape:
     """A preset's shape with any explicitly given field overriding it; no preset needs all three
     sizes (a window needs a pattern, default every layer sliding)."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     base = asdict(PRESETS[preset]) if preset else {}
     given = {k: v for k, v in dict(layers=layers, kv_heads=kv_heads, head_size=head_size,
-                                   sliding_window=sliding_window,
-                                   layer_pattern=layer_pattern).items() if v is not None}
+                                   sliding_window=sliding_window, layer_pattern=layer_pattern,
+                                   attention_chunk_size=attention_chunk_size).items()
+             if v is not None}
     fields = {**base, **given}
     missing = [k for k in ("layers", "kv_heads", "head_size") if k not in fields]
     if missing:
         raise ValueError("give --preset or all of --layers --kv-heads --head-size "
                          f"(missing: {', '.join(missing)})")
-    bad = [k for k in ("layers", "kv_heads", "head_size", "sliding_window")
+    bad = [k for k in ("layers", "kv_heads", "head_size", "sliding_window", "attention_chunk_size")
            if fields.get(k) is not None and fields[k] < 1]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be >= 1")
     pattern = tuple(fields.get("layer_pattern", (0, 1)))
     if len(pattern) != 2 or min(pattern) < 0 or sum(pattern) < 1:
         raise ValueError(f"layer_pattern must be (sliding, full) layer counts, got {pattern}")
-    if fields.get("sliding_window") is not None and "layer_pattern" not in fields:
+    if fields.get("sliding_window") is not None and fields.get("attention_chunk_size") is not None:
+        raise ValueError("give sliding_window or attention_chunk_size, not both: the pattern's "
+                         "local layers either slide or attend within chunks")
+    local = "sliding_window" if fields.get("attention_chunk_size") is None else "attention_chunk_size"
+    if fields.get(local) is not None and "layer_pattern" not in fields:
         fields["layer_pattern"] = (1, 0)  # a window alone: every layer slides (Mistral v0.1)
-    if pattern[0] and fields.get("sliding_window") is None:
-        raise ValueError(f"layer_pattern {pattern} has sliding layers: give sliding_window")
+    if pattern[0] and fields.get(local) is None:
+        raise ValueError(f"layer_pattern {pattern} has sliding layers: give sliding_window "
+                         "(or attention_chunk_size for chunked layers)")
     return ModelShape(**{**fields, "layer_pattern": tuple(fields.get("layer_pattern", (0, 1)))})
 
 
@@ -150,7 +173,7 @@ def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[
     return report
 
 
-def held_blocks(windows: Tuple[Optional[int], ...], length: int, block_size: int) -> List[int]:
+def held_blocks(windows: Tuple[Window, ...], length: int, block_size: int) -> List[int]:
     """Blocks each KV group holds for one sequence decoding at ``length`` tokens, as the
     block manager holds them (a sliding group: its window plus the partial blocks at its ends)."""
     blocks = -(-length // block_size) * len(windows)
@@ -164,7 +187,7 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
                     memory_gib: Optional[float] = None) -> Dict:
     """Per KV group: layers, window, bytes per block, blocks held at ``max_len``; the
     sequence's total against one block table for all layers, and the ideal (each
-    group exactly its tokens: all of them, or its window).
+    group exactly the tokens its last query reads: all of them, its window, or its chunk).
 
     Every group's page is ``layers_per_group`` layers (all groups draw pages of one size from
     one pool), so a group of fewer layers (the last of a kind whose count is no multiple of
@@ -176,17 +199,20 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
     held = held_blocks(layout.windows, max_len, block_size)
     # Every page holds layers_per_group layers (one page size, so all groups share one pool):
     # a group of fewer layers leaves the rest of each of its pages unused, and its bytes count it.
-    groups = [{"layers": len(g.layers), "sliding_window": g.sliding_window, "blocks_held": n,
-               "bytes_held": n * page, "padded_layers": layout.layers_per_group - len(g.layers)}
+    groups = [{"layers": len(g.layers), "sliding_window": None if g.chunk_size else g.sliding_window,
+               "chunk_size": g.chunk_size, "kind": window_label(g.sliding_window),
+               "blocks_held": n, "bytes_held": n * page,
+               "padded_layers": layout.layers_per_group - len(g.layers)}
               for g, n in zip(layout.groups, held)]
     grouped = sum(held) * page
     single = -(-max_len // block_size) * shape.layers * layer_block
-    ideal = sum(len(g.layers) * min(max_len, g.sliding_window or max_len) for g in layout.groups) \
-        * layer_block // block_size
+    read = [max_len - first_visible_position(g.sliding_window, max_len - 1) for g in layout.groups]
+    ideal = sum(len(g.layers) * n for g, n in zip(layout.groups, read)) * layer_block // block_size
     report = {"num_groups": len(groups), "layers_per_group": layout.layers_per_group,
               "padded_layers": layout.padded_layers, "bytes_per_block": page, "groups": groups,
               "bytes_per_sequence": grouped, "bytes_per_sequence_single_table": single,
               "bytes_per_sequence_ideal": ideal, "fraction_of_single_table": grouped / single,
+              "fraction_of_ideal": grouped / ideal,
               "saving": single / grouped}
     if memory_gib is not None:
         report["sequences_fit"] = int(memory_gib * GIB) // grouped

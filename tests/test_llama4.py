@@ -1,0 +1,247 @@
+"""Llama-4 (text): chunked local attention layers beside NoPE full-attention layers, through
+``PagedCache`` and the engine, token-equal to transformers' eager ``generate`` (greedy,
+sampled n > 1, beams) over contexts several chunks long; what is not served (compiled
+steps, transformers' continuous batching, the multimodal wrapper) is refused clearly."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.masking_utils import chunked_causal_mask_function
+
+from paged_attention_ext.block_table import NULL_BLOCK
+from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
+                                        generate_reference)
+from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache
+from paged_attention_ext.hf.masks import is_paged_mask
+from paged_attention_ext.hf.support import check_config
+from paged_attention_ext.kv_groups import Chunked
+from paged_attention_ext.testing import random_pair
+
+import hf_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHUNK, BLOCK_SIZE = 8, 4
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+              initializer_range=0.2, attention_chunk_size=CHUNK, num_local_experts=2,
+              num_experts_per_tok=1, interleave_moe_layer_step=2)
+
+
+def llama4(**overrides) -> transformers.Llama4TextConfig:
+    """Layers 0-2 chunked, layer 3 NoPE full attention (every 4th layer, as Scout)."""
+    return transformers.Llama4TextConfig(**{**COMMON, **overrides})
+
+
+@pytest.fixture(scope="module")
+def models():
+    # floor_scale=4: the NoPE layer's attention temperature changes from position 3 on, so
+    # positions read through the cache must be exact (eager is the reference: soft maxima
+    # differ slightly between sdpa and eager, enough to flip a tie of random weights).
+    paged, reference = random_pair(llama4(floor_scale=4, attn_scale=0.5), reference_attention="eager")
+    return reference, paged
+
+
+def generate_both(models, ids, mask, seed=None, **kwargs):
+    reference, paged = models
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    outputs = []
+    for model, extra in ((reference, {}), (paged, {"past_key_values": cache})):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            outputs.append(model.generate(ids, attention_mask=mask, pad_token_id=0,
+                                          return_dict_in_generate=True, output_logits=True,
+                                          **kwargs, **extra))
+    return outputs[0], outputs[1], cache
+
+
+def test_chunked_layers_get_kv_groups_of_their_own(models):
+    _, paged = models
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert paged.config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    assert cache.kv_groups.windows == (None, Chunked(CHUNK), Chunked(CHUNK), Chunked(CHUNK))
+
+
+def test_greedy_left_padded_batch_over_many_chunks(models):
+    ids, mask = hf_prompts.left_padded([13, 7, 10], 0, vocab_size=128)
+    expected, got, cache = generate_both(models, ids, mask, max_new_tokens=30, do_sample=False)
+    assert torch.equal(got.sequences, expected.sequences)
+    for want, have in zip(expected.logits, got.logits):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+    # 43 positions: each chunked table holds its chunk's blocks, the chunks before are freed.
+    manager = cache.manager
+    manager.check_invariants()
+    for seq_id, tables in manager.tables.items():
+        for table in tables:
+            live = len(table.live_blocks)
+            if isinstance(table.sliding_window, Chunked):
+                assert live <= CHUNK // BLOCK_SIZE and table.blocks[0] == NULL_BLOCK
+            else:
+                assert NULL_BLOCK not in table.blocks
+
+
+def test_chunking_changes_the_tokens(models):
+    """The check above can fail: without chunks (one chunk longer than every sequence) the
+    same weights generate other tokens."""
+    reference, _ = models
+    ids, mask = hf_prompts.left_padded([13, 7, 10], 0, vocab_size=128)
+    unchunked = copy.deepcopy(reference)
+    unchunked.config.attention_chunk_size = 256
+    with torch.no_grad():
+        chunked_out = reference.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+        plain_out = unchunked.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert not torch.equal(chunked_out, plain_out)
+
+
+def test_sampled_rows_share_prompt_blocks(models):
+    ids, mask = hf_prompts.left_padded([11, 9], 1, vocab_size=128)
+    expected, got, cache = generate_both(models, ids, mask, seed=7, max_new_tokens=20,
+                                         do_sample=True, num_return_sequences=3)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert cache.manager.device.cache_hits > 0
+    cache.manager.check_invariants()
+
+
+def test_beam_search(models):
+    ids, mask = hf_prompts.left_padded([10, 6], 2, vocab_size=128)
+    expected, got, cache = generate_both(models, ids, mask, max_new_tokens=20, do_sample=False,
+                                         num_beams=3, num_return_sequences=2)
+    assert torch.equal(got.sequences, expected.sequences)
+    usage = cache.memory_usage()
+    assert usage["blocks_used"] < usage["block_references"]  # beams share forked blocks
+
+
+@pytest.mark.parametrize("q_offset,q_length", [(29, 1), (0, 30), (20, 10)])
+def test_the_chunked_mask_is_recognised_with_left_padding(q_offset, q_length):
+    """transformers counts chunks from each row's first real token; so do the ops (padding
+    is never stored). Another chunk size or padding, or a model without chunks, is refused."""
+    pad = torch.tensor([0, 3])
+    mask_function = chunked_causal_mask_function(CHUNK, pad)
+    grid = dict(batch_size=2, q_length=q_length, kv_length=30, q_offset=q_offset, kv_offset=0,
+                packed=False, sliding_windows=(None,))
+    assert is_paged_mask(mask_function, **grid, chunk_size=CHUNK, left_padding=pad)
+    assert not is_paged_mask(mask_function, **grid, chunk_size=CHUNK, left_padding=torch.tensor([0, 2]))
+    assert not is_paged_mask(mask_function, **grid, chunk_size=CHUNK // 2, left_padding=pad)
+    assert not is_paged_mask(mask_function, **grid)
+
+
+def test_prompt_lookup_decoding_crops_within_the_kept_chunks(models, monkeypatch):
+    """Verification forwards append the last accepted token and the candidates; rejected
+    candidates are cropped, never back before that token, so the chunk a chunked table keeps
+    (the first appended token's) is always enough."""
+    reference, paged = models
+    crops = []
+    monkeypatch.setattr(PagedCache, "crop", lambda self, n, _crop=PagedCache.crop: (
+        crops.append(self._tokens_to_crop(n)), _crop(self, n))[1])
+    ids = torch.tensor([[5, 6, 7, 8] * 3 + [5, 6]])
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=3)
+        got = paged.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=3,
+                             past_key_values=cache)
+    assert torch.equal(got, want) and max(crops) > 0  # candidates were rejected
+    cache.manager.check_invariants()
+
+
+def test_a_chunk_must_be_whole_blocks(models):
+    _, paged = models
+    with pytest.raises(ValueError, match="attention_chunk_size=8 is not a multiple of block_size=3"):
+        PagedCache(paged.config, block_size=3)
+
+
+def test_compiled_cache_is_refused(models):
+    _, paged = models
+    with pytest.raises(NotImplementedError, match="CompiledPagedCache does not serve chunked local "
+                                                  "attention \\(layers \\[0, 1, 2\\]"):
+        CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=64)
+
+
+def test_continuous_batching_is_refused_by_transformers(models):
+    """transformers' continuous batching has no cache for chunked layers: it raises before any
+    attention runs (the paged ops are never asked for a chunked layer there)."""
+    _, paged = models
+    model = copy.deepcopy(paged)
+    model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(ValueError, match="chunked_attention"):
+        model.generate_batch([list(range(1, 20))], generation_config=config,
+                             continuous_batching_config=ContinuousBatchingConfig(
+                                 page_size=8, num_blocks=32, max_batch_tokens=32))
+
+
+def test_the_multimodal_wrapper_is_refused_naming_the_text_model():
+    config = transformers.Llama4Config(text_config=COMMON)
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM\\(config.text_config\\)"):
+        check_config(config, config.get_text_config(decoder=True))
+
+
+# ---- the engine ------------------------------------------------------------------------
+
+SHARED = [9, 4, 33, 21, 8, 70, 3, 3, 15, 60, 2, 44, 5, 91, 12, 30]  # 4 blocks: a prefix-cache hit
+REQUESTS = [
+    Request("greedy", SHARED + [5, 17, 99, 3, 41, 8], SamplingParams(max_new_tokens=20)),
+    Request("shared", SHARED + [7, 1], SamplingParams(max_new_tokens=14)),
+    Request("sampled", [7, 7, 12, 90, 33, 2, 61, 18, 40], SamplingParams(
+        max_new_tokens=18, temperature=0.8, top_k=30, n=3, seed=3)),
+    Request("beam", [2, 64, 31, 18, 5, 77, 9, 100, 4, 16, 30], SamplingParams(
+        max_new_tokens=14, num_beams=3, num_return_sequences=2)),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_models():
+    # A packed forward reads the NoPE layers' temperature from the token's index in the row:
+    # exact only below floor_scale - 1 tokens (max_packed_positions).
+    paged, reference = random_pair(llama4(floor_scale=256), reference_attention="eager")
+    return paged, {r.request_id: generate_reference(reference, r) for r in REQUESTS}
+
+
+def serve(paged, **overrides):
+    engine = LLMEngine(paged, EngineConfig(**{**dict(
+        block_size=BLOCK_SIZE, num_device_blocks=256, num_host_blocks=256,
+        max_num_batched_tokens=255, enable_prefix_caching=True), **overrides}))
+    most_held = []  # per step: the most blocks a sequence's chunked group holds
+
+    def check(_output):
+        engine.check_invariants()
+        manager = engine.scheduler.manager
+        most_held.extend(len(t.live_blocks) for ts in manager.tables.values() for t in ts
+                         if isinstance(t.sliding_window, Chunked) and t.allocator is manager.device)
+    return engine, engine.generate(copy.deepcopy(REQUESTS), on_output=check), most_held
+
+
+@pytest.mark.parametrize("pool,mode", [("large", "swap"), ("small", "swap"), ("small", "recompute")])
+def test_engine_tokens_equal_generate(engine_models, pool, mode):
+    paged, expected = engine_models
+    engine, got, most_held = serve(paged, num_device_blocks=256 if pool == "large" else 60,
+                                   preemption_mode=mode)
+    assert got == expected
+    assert engine.kv_cache.kv_groups.windows == (None,) + (Chunked(CHUNK),) * 3
+    # A prompt is held whole until computed (6 blocks); after that, its chunk.
+    assert max(most_held) <= -(-len(REQUESTS[0].prompt) // BLOCK_SIZE)
+    assert sorted(most_held)[len(most_held) // 2] <= CHUNK // BLOCK_SIZE
+    if pool == "small":
+        assert sum(engine.report()["preemptions"].values()) > 0
+    assert engine.report()["prefix_cache_hit_rate"] > 0
+
+
+def test_engine_refuses_what_it_cannot_compute(engine_models):
+    paged, _ = engine_models
+    base = dict(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=0,
+                max_num_batched_tokens=255)
+    with pytest.raises(NotImplementedError, match="compiled and graph-captured steps do not serve "
+                                                  "chunked local attention"):
+        LLMEngine(paged, EngineConfig(**base, compile_decode=True, compile_backend="eager"))
+    with pytest.raises(NotImplementedError, match="set hybrid_kv_groups=True"):
+        LLMEngine(paged, EngineConfig(**base, hybrid_kv_groups=False))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=256 is more than the 255 tokens"):
+        LLMEngine(paged, EngineConfig(**{**base, "max_num_batched_tokens": 256}))
+    engine = LLMEngine(paged, EngineConfig(**base))
+    with pytest.raises(ValueError, match="request long: 250 prompt tokens \\+ max_new_tokens=6"):
+        engine.add_request(Request("long", [1] * 250, SamplingParams(max_new_tokens=6)))
+    assert not engine.has_unfinished()
