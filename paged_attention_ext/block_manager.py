@@ -26,8 +26,10 @@ fixed-size state slot (:class:`~paged_attention_ext.state_slots.StateSlots`, own
 beside the blocks): taken when the sequence is admitted or forked, freed with it, swapped
 with its group's blocks, all-or-nothing; admission and swap-in count free slots as they
 count free blocks. The slots' moves (zero, copy, swap) are taken with :meth:`take_state_moves`.
-Such a manager keeps no prefix cache: a hit would reuse K/V blocks while the linear layers'
-state at that position is nowhere kept (docs/kv_groups.md, "Linear-attention layers").
+A prefix hit then only serves a caller that computes every prompt token anyway
+(``queries_from_start``: a transformers forward, whose hits save K/V storage, not compute);
+otherwise it would reuse K/V blocks while the linear layers' state at that position is
+nowhere kept, so admission takes no hits (docs/linear_attention.md).
 """
 
 from collections import Counter
@@ -92,10 +94,6 @@ class BlockSpaceManager:
         (``num_host_state_slots`` in the swap pool); None: no linear layers."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        if num_state_slots is not None and enable_prefix_caching:
-            raise ValueError("enable_prefix_caching must be False with num_state_slots: a prefix hit "
-                             "would reuse K/V blocks while the linear-attention layers' state at that "
-                             "position is not kept (it would be computed from nothing)")
         if not kv_group_windows:
             raise ValueError("kv_group_windows needs one entry per KV group (None: full attention)")
         self.kv_group_windows = tuple(kv_group_windows)
@@ -513,6 +511,8 @@ class BlockSpaceManager:
         names = seqs[0].names[:shared_len // bs]
         tables = self._new_tables()
         num_hits = self._common_hit(tables, shared_len, names, first_query)
+        if self.states is not None and first_query is None:
+            num_hits = 0  # the linear layers' state after the hit is not kept: compute it all
         cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits, first_query)
                    for t in tables)
         sharers = len(seqs)  # holders of the prompt's partial last block

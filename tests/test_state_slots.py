@@ -5,6 +5,7 @@ import torch
 
 from paged_attention_ext.block_allocator import NoFreeBlocksError
 from paged_attention_ext.block_manager import BlockSpaceManager, SeqSpec
+from paged_attention_ext.block_table import block_hashes
 from paged_attention_ext.state_cache import StatePools, state_bytes
 from paged_attention_ext.state_slots import NoFreeStateSlotsError, StateMove, StateSlots
 
@@ -143,9 +144,23 @@ def test_rollback_restores_slots_and_pending_moves():
     m.check_invariants()
 
 
-def test_prefix_caching_is_refused_with_state_slots():
-    with pytest.raises(ValueError, match="enable_prefix_caching must be False with num_state_slots"):
-        hybrid(enable_prefix_caching=True)
+@pytest.mark.parametrize("slots", [None, 4])
+def test_prefix_hits_only_where_every_prompt_token_is_computed(slots):
+    """A hit skips the prompt's computation in try_admit (the engine): with state slots the
+    linear layers' state after the hit is nowhere kept, so there is none. A caller that
+    computes every prompt token (queries_from_start: a transformers forward) still shares
+    the K/V blocks."""
+    m = BlockSpaceManager(32, 0, 4, enable_prefix_caching=True, num_state_slots=slots)
+    prompt = list(range(13))
+    m.allocate(0, 0, prompt)
+    assert len(m.named_blocks()) == 3
+    [placed] = m.try_admit(1, [SeqSpec(1, 13, block_hashes(prompt, 4))], 13)
+    hits = 13 - len(placed.slots[0])
+    assert hits == (12 if slots is None else 0)
+    _, cached = m.allocate(2, 2, prompt, queries_from_start=True)
+    assert cached == 12
+    assert m.block_ids(2, 0)[:3] == m.block_ids(0, 0)[:3]
+    m.check_invariants()
 
 
 def test_usage_and_manager_without_slots():

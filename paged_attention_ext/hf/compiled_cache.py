@@ -69,6 +69,11 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens)
+        if self.is_hybrid_linear:
+            raise NotImplementedError(
+                "CompiledPagedCache does not serve models with linear-attention layers (their "
+                "states are gathered from and stored to the rows' slots in Python each forward); "
+                "use PagedCache(config) without torch.compile")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:
