@@ -234,3 +234,10 @@ def test_continuous_batching_is_refused(qwen3_next):
     with pytest.raises((ValueError, NotImplementedError), match="linear_attention|linear-attention"):
         model.generate_batch([[1, 2, 3], [4, 5]], generation_config=config,
                              continuous_batching_config=batching)
+
+
+def test_the_engine_refuses_linear_attention_models(qwen3_next):
+    from paged_attention_ext.engine.hf_runner import HFModelRunner
+
+    with pytest.raises(NotImplementedError, match="engine does not serve models with linear-attention"):
+        HFModelRunner(qwen3_next[0])
