@@ -241,3 +241,25 @@ def test_the_engine_refuses_linear_attention_models(qwen3_next):
 
     with pytest.raises(NotImplementedError, match="engine does not serve models with linear-attention"):
         HFModelRunner(qwen3_next[0])
+
+
+def test_a_forward_interrupted_between_linear_layers_is_refused_next():
+    """Layers [full, linear, linear, linear]: an exception in the last linear layer of a decode
+    forward leaves the K/V whole but the states partly updated; the next forward refuses."""
+    config = transformers.Qwen3NextConfig(**COMMON, **DELTANET, **MOE, num_key_value_heads=2, head_dim=16,
+                                          layer_types=["full_attention"] + ["linear_attention"] * 3)
+    paged, _ = random_pair(config, reference_attention="eager")
+    cache = PagedCache(paged.config)
+    with torch.no_grad():
+        paged(torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+        mixer = paged.model.layers[3].linear_attn
+        forward = mixer.forward
+        mixer.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            paged(torch.tensor([[8]]), past_key_values=cache, use_cache=True)
+        mixer.forward = forward
+        with pytest.raises(RuntimeError, match="before every linear-attention layer stored"):
+            paged(torch.tensor([[8]]), past_key_values=cache, use_cache=True)
+    cache.reset()
+    with torch.no_grad():
+        paged(torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)  # usable again

@@ -390,6 +390,11 @@ class PagedCache(Cache):
         first = layer_idx == self._kv_layers[0]
         if first and self._batch is not None and self._state.interrupted:
             self._refuse(self._state.interruption())
+        if first and self._linear is not None and not self._linear.whole(
+                self._state.forwards_done, self._kv_layers[0]):
+            self._refuse("a previous forward stopped before every linear-attention layer stored "
+                         "its states (an exception interrupted it), so the rows' states are only "
+                         "partly updated")
         call = pending_call(self)
         if call is not None:
             self._refuse(f"the attention of layer {call.layer_idx} did not read the paged cache: the "

@@ -40,6 +40,7 @@ class LinearStates:
         self.pools: Optional[StatePools] = None
         self._slots: Optional[torch.Tensor] = None  # the rows' slots the working tensors hold
         self._unstored: Set[int] = set()
+        self._stores = 0  # update_recurrent_state calls so far, every forward's
 
     def start(self, num_slots: int) -> None:
         """The pools, once the block manager's slot count is known (first forward)."""
@@ -49,8 +50,16 @@ class LinearStates:
     def slot_bytes(self) -> int:
         return self.pools.slot_bytes if self.pools is not None else 0
 
+    def whole(self, forwards_done: int, first_kv_layer: int) -> bool:
+        """Whether, at ``first_kv_layer``'s call in the forward after ``forwards_done`` whole
+        ones, every linear layer has stored its states once per forward (an exception
+        between two linear layers leaves the rows' states partly updated)."""
+        before = sum(1 for layer in self.layer_ids if layer < first_kv_layer)
+        return self._stores == forwards_done * len(self.layer_ids) + before
+
     def stored(self, layer_idx: int) -> None:
         """The layer's forward is done (its update_recurrent_state): into the rows' slots."""
+        self._stores += 1
         self._unstored.add(layer_idx)
         if self._slots is not None:
             self._store()
