@@ -223,8 +223,8 @@ class PagedCache(Cache):
 
     def _store_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
                      plan: Optional[Tuple[List[int], PoolSpec]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Layer 0 begins the forward; every layer stores its K/V and hands its call on. A
-        failure from here on leaves the history partly written (:meth:`_fail`)."""
+        """The first K/V layer begins the forward; every layer stores its K/V and hands its
+        call on. A failure from here on leaves the history partly written (:meth:`_fail`)."""
         try:
             if layer_idx == self._kv_layers[0]:
                 self._begin_forward(keys, values, plan)
