@@ -505,6 +505,13 @@ class BlockSpaceManager:
         prefix hit, in blocks, every KV group agrees on."""
         if not seqs:
             raise ValueError("a group needs at least one sequence")
+        if self.states is not None and len(seqs) > 1:
+            # The later sequences would compute from the shared prompt's last full block on,
+            # from a state there that no slot holds (the first sequence computes it this step).
+            raise NotImplementedError(
+                "admitting several sequences at once (a group recomputed after preemption) with "
+                "state slots: each would need the linear-attention state at the end of the shared "
+                "prompt; admit the first sequence and fork the others once it is computed")
         if shared_len < 1:
             raise ValueError(f"a prompt needs at least one token, got {shared_len}")
         bs = self.block_size
