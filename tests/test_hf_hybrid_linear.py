@@ -263,3 +263,18 @@ def test_a_forward_interrupted_between_linear_layers_is_refused_next():
     cache.reset()
     with torch.no_grad():
         paged(torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)  # usable again
+
+
+@pytest.mark.parametrize("config_class", [transformers.Qwen3_5Config, transformers.Qwen3_5MoeConfig])
+def test_the_composite_qwen3_5_configs(config_class):
+    """The multimodal configs (model_type qwen3_5 / qwen3_5_moe) as a causal LM of their text
+    config: the same support, checked through the composite config."""
+    text = dict(COMMON, **DELTANET, num_key_value_heads=2, head_dim=16, layer_types=ALTERNATING,
+                **(MOE if config_class is transformers.Qwen3_5MoeConfig else {}))
+    config = config_class(text_config=text, vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                               out_hidden_size=64, intermediate_size=32))
+    paged, reference = random_pair(config, reference_attention="eager")
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert cache.is_hybrid_linear
+    expected, got = generate_both(paged, reference, cache, *prompts(), **DECODING["beam"])
+    assert torch.equal(got, expected)
