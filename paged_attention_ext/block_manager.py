@@ -21,6 +21,16 @@ has left (a chunked group those of its finished chunks), and a prefix-cache hit 
 as every group can serve (full groups: the whole prefix; sliding groups: the window before
 the first recomputed token; chunked groups: that token's chunk). Slots
 then come per group, every group alike (:class:`SeqSlots`).
+
+A model with linear-attention layers (``num_state_slots``) also gives each sequence one
+fixed-size state slot (:class:`~paged_attention_ext.state_slots.StateSlots`, owned here
+beside the blocks): taken when the sequence is admitted or forked, freed with it, swapped
+with its group's blocks, all-or-nothing; admission and swap-in count free slots as they
+count free blocks. The slots' moves (zero, copy, swap) are taken with :meth:`take_state_moves`.
+A prefix hit then only serves a caller that computes every prompt token anyway
+(``queries_from_start``: a transformers forward, whose hits save K/V storage, not compute);
+otherwise it would reuse K/V blocks while the linear layers' state at that position is
+nowhere kept, so admission takes no hits (docs/linear_attention.md).
 """
 
 from collections import Counter
@@ -31,6 +41,7 @@ from .block_allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import (NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes,
                           blocks_needed, check_window)
 from .kv_groups import Window
+from .state_slots import StateMove, StateSlots
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSlots", "SeqSpec"]
@@ -69,6 +80,7 @@ class Checkpoint(NamedTuple):
     tables: Dict[int, List[BlockTable]]
     groups: Dict[int, List[int]]
     group_of: Dict[int, int]
+    states: Optional[StateSlots]
 
 
 class BlockSpaceManager:
@@ -76,9 +88,13 @@ class BlockSpaceManager:
                  enable_prefix_caching: bool = False, watermark: float = 0.01,
                  kv_group_windows: Sequence[Window] = (None,),
                  device_setting: str = "num_device_blocks",
-                 host_setting: str = "num_host_blocks") -> None:
-        """``device_setting`` / ``host_setting``: what the caller's user sets to size each
-        pool, named when it runs out."""
+                 host_setting: str = "num_host_blocks",
+                 num_state_slots: Optional[int] = None, num_host_state_slots: int = 0,
+                 state_setting: str = "num_state_slots") -> None:
+        """``device_setting`` / ``host_setting`` / ``state_setting``: what the caller's user
+        sets to size each pool, named when it runs out. ``num_state_slots``: a model with
+        linear-attention layers: the most sequences whose states the device holds at once
+        (``num_host_state_slots`` in the swap pool); None: no linear layers."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if not kv_group_windows:
@@ -95,6 +111,9 @@ class BlockSpaceManager:
         self._tables: Dict[int, List[BlockTable]] = {}  # per sequence, one per KV group
         self._groups: Dict[int, List[int]] = {}
         self._group_of: Dict[int, int] = {}
+        self.states: Optional[StateSlots] = None
+        if num_state_slots is not None:
+            self.states = StateSlots(num_state_slots, num_host_state_slots, state_setting)
 
     # ---- read-only views, for tests and inspection (library code asks the questions below)
     @property
@@ -177,7 +196,8 @@ class BlockSpaceManager:
         keeps them; otherwise they are computed from the ids.
         """
         num_tokens, names = self._prompt(prompt, extra_key, names)
-        return self._above_watermark(self._admission([SeqSpec(-1, num_tokens, names)], num_tokens)[0])
+        return (self._state_slots_free(1)
+                and self._above_watermark(self._admission([SeqSpec(-1, num_tokens, names)], num_tokens)[0]))
 
     def append_cost(self, group_id: int, tokens_per_seq: int = 1) -> int:
         """Device blocks an append of `tokens_per_seq` to every sequence of the group takes."""
@@ -185,7 +205,8 @@ class BlockSpaceManager:
                                  for t in self._tables[s])
 
     def can_swap_out(self, group_id: int) -> bool:
-        return len(self._distinct_blocks(group_id)) <= self.host.num_free_blocks
+        return (len(self._distinct_blocks(group_id)) <= self.host.num_free_blocks
+                and (self.states is None or self.states.can_move(self._groups[group_id], to_host=True)))
 
     # ---- lifecycle ----------------------------------------------------------------
     def allocate(self, group_id: int, seq_id: int, prompt: "int | Sequence[int]",
@@ -219,6 +240,8 @@ class BlockSpaceManager:
         needed, num_hits = self._admission(seqs, shared_len, first_query)
         if needed > self.device.num_free_blocks:
             raise self.device.exhausted(needed, who=f"group {group_id}")
+        if not self._state_slots_free(len(seqs)):
+            raise self.states.device.exhausted(len(seqs), f"group {group_id}")
         return self._place_group(group_id, seqs, shared_len, num_hits, first_query)
 
     def try_admit(self, group_id: int, seqs: Sequence[SeqSpec],
@@ -227,13 +250,16 @@ class BlockSpaceManager:
         if it does not."""
         self._check_new(group_id, [s.seq_id for s in seqs])
         needed, num_hits = self._admission(seqs, shared_len)
-        if not self._above_watermark(needed):
+        if not self._above_watermark(needed) or not self._state_slots_free(len(seqs)):
             return None
         return self._place_group(group_id, seqs, shared_len, num_hits)
 
     def fork(self, parent_seq: int, child_seq: int) -> None:
-        """A new sequence of the parent's group sharing all its blocks (never allocates)."""
+        """A new sequence of the parent's group sharing all its blocks (never allocates
+        blocks; with state slots, the child takes one holding a copy of the parent's state)."""
         self._check_new(None, [child_seq])
+        if self.states is not None:
+            self.states.fork(parent_seq, child_seq)  # first: it raises with nothing changed
         self._add(self._group_of[parent_seq], child_seq, [t.fork() for t in self._tables[parent_seq]])
 
     def append(self, seq_id: int, tokens: "int | Sequence[int]" = 1,
@@ -292,6 +318,8 @@ class BlockSpaceManager:
         """Release one sequence (a finished sample, a dropped beam)."""
         for table in self._tables.pop(seq_id):
             table.free()
+        if self.states is not None:
+            self.states.free(seq_id)
         group_id = self._group_of.pop(seq_id)
         self._groups[group_id].remove(seq_id)
         if not self._groups[group_id]:
@@ -325,6 +353,11 @@ class BlockSpaceManager:
                                 keep_free=self._watermark_blocks + self.append_cost(group_id),
                                 or_none=True)
 
+    def take_state_moves(self) -> List[StateMove]:
+        """The state slots' moves (zero, copy, swap) recorded since the last call, in order
+        (empty without state slots); apply them all before the next forward."""
+        return self.states.take_moves() if self.states is not None else []
+
     def is_swapped_out(self, group_id: int) -> bool:
         return self._tables[self._groups[group_id][0]][0].allocator is self.host
 
@@ -334,16 +367,18 @@ class BlockSpaceManager:
         pools = {id(self.device): self.device.copy(), id(self.host): self.host.copy()}
         tables = {s: [t.copy(pools[id(t.allocator)]) for t in ts] for s, ts in self._tables.items()}
         return Checkpoint(pools[id(self.device)], pools[id(self.host)], tables,
-                          {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of))
+                          {g: list(seqs) for g, seqs in self._groups.items()}, dict(self._group_of),
+                          self.states.copy() if self.states is not None else None)
 
     def rollback(self, checkpoint: Checkpoint) -> None:
         """Return to a checkpoint (once). Cached blocks evicted since then may have been
         written, so they stay out of the prefix cache; everything else is as it was."""
-        device, host, tables, groups, group_of = checkpoint
+        device, host, tables, groups, group_of, states = checkpoint
         now = self.device.named_blocks()
         device.forget(b for b, name in device.named_blocks().items() if now.get(b) != name)
         self.device, self.host = device, host
         self._tables, self._groups, self._group_of = tables, groups, group_of
+        self.states = states
 
     # ---- reporting --------------------------------------------------------------------
     def usage(self) -> Dict[str, float]:
@@ -369,6 +404,8 @@ class BlockSpaceManager:
             "device_slots_filled": sum(filled.values()),
             "prefix_cache_hit_rate": (self.device.cache_hits / self.device.cache_queries
                                       if self.device.cache_queries else 0.0),
+            **({"state_slots_total": self.states.num_slots, "state_slots_used": self.states.num_used}
+               if self.states is not None else {}),
         }
 
     def check_invariants(self) -> None:
@@ -396,6 +433,8 @@ class BlockSpaceManager:
         for group_id, seqs in self._groups.items():
             pools = {t.allocator.name for s in seqs for t in self._tables[s]}
             assert len(pools) == 1, f"group {group_id} is split across pools {pools}"
+        if self.states is not None:
+            self.states.check_invariants({s: ts[0].allocator.name for s, ts in self._tables.items()})
 
     # ---- internals --------------------------------------------------------------------
     def _prompt(self, prompt: "int | Sequence[int]", extra_key: str,
@@ -456,6 +495,10 @@ class BlockSpaceManager:
         self._groups.setdefault(group_id, []).append(seq_id)
         self._group_of[seq_id] = group_id
 
+    def _state_slots_free(self, count: int) -> bool:
+        """Whether ``count`` new sequences find free device state slots (always, without)."""
+        return self.states is None or count <= self.states.num_free
+
     def _above_watermark(self, needed: int) -> bool:
         """Whether taking ``needed`` device blocks leaves the watermark's blocks free."""
         return self.device.num_free_blocks - needed >= self._watermark_blocks
@@ -467,12 +510,21 @@ class BlockSpaceManager:
         prefix hit, in blocks, every KV group agrees on."""
         if not seqs:
             raise ValueError("a group needs at least one sequence")
+        if self.states is not None and len(seqs) > 1:
+            # The later sequences would compute from the shared prompt's last full block on,
+            # from a state there that no slot holds (the first sequence computes it this step).
+            raise NotImplementedError(
+                "admitting several sequences at once (a group recomputed after preemption) with "
+                "state slots: each would need the linear-attention state at the end of the shared "
+                "prompt; admit the first sequence and fork the others once it is computed")
         if shared_len < 1:
             raise ValueError(f"a prompt needs at least one token, got {shared_len}")
         bs = self.block_size
         names = seqs[0].names[:shared_len // bs]
         tables = self._new_tables()
         num_hits = self._common_hit(tables, shared_len, names, first_query)
+        if self.states is not None and first_query is None:
+            num_hits = 0  # the linear layers' state after the hit is not kept: compute it all
         cost = sum(t.blocks_needed_for_prompt(shared_len, names, num_hits, first_query)
                    for t in tables)
         sharers = len(seqs)  # holders of the prompt's partial last block
@@ -498,6 +550,8 @@ class BlockSpaceManager:
             table.take_prefix_hits(names, num_hits, first_query)
         for table in tables:
             table.place_prompt(shared_len, names)
+        if self.states is not None:
+            self.states.allocate([first.seq_id], f"group {group_id}")
         if self.device.enable_prefix_caching:
             self.device.record_lookups(hits=num_hits, queries=min(len(names), (shared_len - 1) // bs))
         self._add(group_id, first.seq_id, tables)
@@ -550,6 +604,14 @@ class BlockSpaceManager:
             if or_none:
                 return None
             raise target.exhausted(needed, who=f"group {group_id}")
+        if self.states is not None:  # the states travel with the blocks, all or none
+            seqs, to_host = self._groups[group_id], target is self.host
+            if not self.states.can_move(seqs, to_host):
+                if or_none:
+                    return None
+                raise (self.states.host if to_host else self.states.device).exhausted(
+                    len(seqs), f"group {group_id}")
+            self.states.move(seqs, to_host, f"group {group_id}")
         references = Counter(b for t in tables for b in t.live_blocks)
         mapping = {old: target.acquire_cached(content) for old, content in reuse.items()}
         copied = dict(zip(to_copy, target.allocate(len(to_copy))))

@@ -110,10 +110,12 @@ class PagedKVCache:
                              f"head_size_v={head_size_v}")
         if kv_groups is None:
             kv_groups = KVGroupLayout.uniform(num_layers)
-        if kv_groups.num_layers != num_layers:
+        if kv_groups.num_layers + len(kv_groups.without_kv) != num_layers:
             raise ValueError(f"kv_groups places {kv_groups.num_layers} layers, the cache has {num_layers}")
         self.kv_groups = kv_groups
-        self._place = [kv_groups.place(layer) for layer in range(num_layers)]
+        # Layers without K/V (kv_groups.without_kv) have no place: writing one raises.
+        self._place = {layer: kv_groups.place(layer) for layer in range(num_layers)
+                       if layer not in kv_groups.without_kv}
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.head_size_v = head_size if head_size_v is None else head_size_v
         self.values_in_keys = values_in_keys

@@ -14,6 +14,9 @@ physical block ``b`` of group ``g`` holds the K/V of group ``g``'s layers, layer
 of the group in pool tensor ``j``. A kind whose layer count is not a multiple of the
 group size leaves its last group short; its pages' unused part is the padding this
 layout costs (:attr:`KVGroupLayout.padded_layers`).
+
+Layers that keep no K/V (a hybrid model's linear-attention layers, whose fixed-size state
+lives in :mod:`paged_attention_ext.state_cache`) are in no group: ``without_kv``.
 """
 
 from dataclasses import dataclass
@@ -61,6 +64,7 @@ class KVGroup:
 @dataclass(frozen=True)
 class KVGroupLayout:
     groups: Tuple[KVGroup, ...]
+    without_kv: Tuple[int, ...] = ()  # layers in no group: they store no K/V
 
     @classmethod
     def uniform(cls, num_layers: int, sliding_window: Window = None) -> "KVGroupLayout":
@@ -68,15 +72,23 @@ class KVGroupLayout:
         return cls((KVGroup(sliding_window, tuple(range(num_layers))),))
 
     @classmethod
-    def from_windows(cls, windows: Sequence[Window]) -> "KVGroupLayout":
+    def from_windows(cls, windows: Sequence[Window],
+                     without_kv: Sequence[int] = ()) -> "KVGroupLayout":
         """Groups for layers with these windows (one entry per layer, None: full; an int: a
         sliding window; :class:`Chunked`: chunked local attention).
 
         One kind: one group. Several: groups of as many layers as the rarest kind has,
-        full attention first, then each window in order of first appearance.
+        full attention first, then each window in order of first appearance. Layers in
+        ``without_kv`` store no K/V (their window entry is ignored) and are in no group.
         """
         if not windows:
             raise ValueError("a model needs at least one layer")
+        without_kv = tuple(sorted(set(without_kv)))
+        if any(not 0 <= layer < len(windows) for layer in without_kv):
+            raise ValueError(f"without_kv {list(without_kv)} names layers outside the model's "
+                             f"{len(windows)}")
+        if len(without_kv) == len(windows):
+            raise ValueError("a model needs at least one layer that stores K/V")
         for layer, window in enumerate(windows):
             if window is not None and not isinstance(window, Chunked) and (
                     isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -84,17 +96,19 @@ class KVGroupLayout:
                                  f"Chunked span or None (full attention), got {window!r}")
         kinds: Dict[Window, List[int]] = {}
         for layer, window in sorted(enumerate(windows), key=lambda lw: lw[1] is not None):
-            kinds.setdefault(window, []).append(layer)
+            if layer not in without_kv:
+                kinds.setdefault(window, []).append(layer)
         if len(kinds) == 1:
             [(window, layers)] = kinds.items()
-            return cls((KVGroup(window, tuple(layers)),))
+            return cls((KVGroup(window, tuple(layers)),), without_kv)
         size = min(len(layers) for layers in kinds.values())
         return cls(tuple(KVGroup(window, tuple(layers[i:i + size]))
                          for window, layers in kinds.items()
-                         for i in range(0, len(layers), size)))
+                         for i in range(0, len(layers), size)), without_kv)
 
     @property
     def num_layers(self) -> int:
+        """Layers that store K/V (those in a group)."""
         return sum(len(g.layers) for g in self.groups)
 
     @property

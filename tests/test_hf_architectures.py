@@ -224,8 +224,6 @@ REFUSED = {
     "mpt": (lambda: transformers.MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4), "ALiBi"),
     "llama4": (lambda: transformers.Llama4Config(text_config=COMMON),
                r"run its text model: Llama4ForCausalLM\(config.text_config\)"),
-    "qwen3_next": (lambda: transformers.Qwen3NextConfig(**COMMON, num_key_value_heads=2),
-                   r"\['linear_attention'\]"),
     "jamba": (lambda: transformers.JambaConfig(**COMMON), r"\['linear_attention'\]"),
     "bamba": (lambda: transformers.BambaConfig(**COMMON), r"\['linear_attention'\]"),
     "zamba2": (lambda: transformers.Zamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,

@@ -233,3 +233,26 @@ def test_appends_count_the_blocks_the_window_returns():
         mgr.append(0, 1)
         mgr.check_invariants()
     assert mgr.num_tokens(0) == 27 and mgr.seq_append_cost(0, 1) <= 0
+
+
+def test_layers_without_kv_are_in_no_group():
+    """A hybrid model's linear-attention layers keep no K/V: the groups and the pools hold the
+    other layers only, and writing a layer without K/V has no pool."""
+    import torch
+
+    from paged_attention_ext.kv_cache import PagedKVCache
+
+    layout = KVGroupLayout.from_windows([None, None, None, None, 8, None], without_kv=[0, 1, 2])
+    # Groups of the rarest kind's count (one sliding layer), full attention first.
+    assert [g.layers for g in layout.groups] == [(3,), (5,), (4,)] and layout.num_layers == 3
+    assert layout.without_kv == (0, 1, 2)
+    cache = PagedKVCache(6, 1, 4, 4, torch.float32, num_blocks=2, kv_groups=layout)
+    assert len(cache.key_caches) == 1 and cache.kv_group(4) == 2
+    with pytest.raises(KeyError):
+        cache.layer(1)
+    with pytest.raises(ValueError, match="kv_groups places 3 layers, the cache has 5"):
+        PagedKVCache(5, 1, 4, 4, torch.float32, num_blocks=2, kv_groups=layout)
+    with pytest.raises(ValueError, match="outside the model's 2"):
+        KVGroupLayout.from_windows([None, None], without_kv=[2])
+    with pytest.raises(ValueError, match="at least one layer that stores K/V"):
+        KVGroupLayout.from_windows([None, None], without_kv=[0, 1])

@@ -205,3 +205,52 @@ def test_a_shape_slides_or_chunks_not_both():
     with pytest.raises(ValueError, match="give sliding_window or attention_chunk_size, not both"):
         resolve_shape(None, 4, 2, 8, sliding_window=64, attention_chunk_size=256)
     assert resolve_shape(None, 4, 2, 8, attention_chunk_size=256).layer_pattern == (1, 0)
+
+
+# ---- hybrid linear-attention shapes ------------------------------------------------------
+
+@pytest.mark.parametrize("preset, full, linear", [("qwen3-next-80b-a3b", 12, 36),
+                                                  ("qwen3.5-35b-a3b", 10, 30)])
+def test_linear_attention_presets_split_kv_and_state(preset, full, linear):
+    """K/V: the full layers only (2 heads of 256); state: per linear layer the conv window
+    (q, k: 16 heads of 128; v: 32 heads of 128; 4 tokens) and the recurrent matrix (32 heads
+    of 128 x 128), in 2-byte values."""
+    report = kv_report(PRESETS[preset], "bfloat16", max_len=8192, memory_gib=80)["linear_state"]
+    kv = full * 2 * 512 * 2 * 8192
+    state = linear * ((2 * 16 * 128 + 32 * 128) * 4 + 32 * 128 * 128) * 2
+    assert report["kv_bytes_per_sequence"] == kv
+    assert report["state_bytes_per_sequence"] == state
+    assert report["bytes_per_sequence_kv_every_layer"] == kv * (full + linear) // full
+    assert report["sequences_fit"] == 80 * GIB // (kv + state)
+    assert report["sequences_fit_kv_every_layer"] == 80 * GIB // (kv * 4)
+
+
+def test_qwen3_next_8k_requests_in_80_gib(capsys):
+    """The pool's bytes hold 355 sequences of 8k tokens (K/V of 12 full layers + 36 states),
+    106 if every layer kept K/V; fp8 K/V leaves the states at 2 bytes."""
+    report = kv_report(PRESETS["qwen3-next-80b-a3b"], "bfloat16", max_len=8192, memory_gib=80)
+    assert (report["linear_state"]["sequences_fit"],
+            report["linear_state"]["sequences_fit_kv_every_layer"]) == (355, 106)
+    fp8 = kv_report(PRESETS["qwen3-next-80b-a3b"], "fp8", max_len=8192)["linear_state"]
+    assert fp8["state_bytes_per_sequence"] == report["linear_state"]["state_bytes_per_sequence"]
+    assert main(["memory", "--preset", "qwen3-next-80b-a3b", "--max-len", "8192",
+                 "--memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "230.25 MiB: paged K/V 192 MiB + state 38.25 MiB" in out
+    assert "355 (K/V in every layer: 106)" in out
+    assert "fits in" not in out  # the K/V-only capacity would overstate it
+
+
+def test_a_hybrid_manager_admits_what_its_blocks_and_slots_hold():
+    """The block layer's side of the same count: 8k-token requests are admitted while both
+    blocks and state slots last; the next is refused with nothing changed."""
+    from paged_attention_ext.block_manager import BlockSpaceManager, SeqSpec
+
+    blocks_per_request = 8192 // 16
+    for blocks, slots, expected in ((10 * blocks_per_request, 12, 10), (12 * blocks_per_request, 7, 7)):
+        manager = BlockSpaceManager(blocks, 0, 16, watermark=0.0, num_state_slots=slots)
+        admitted = 0
+        while manager.try_admit(admitted, [SeqSpec(admitted, 8192)], 8192) is not None:
+            admitted += 1
+        assert admitted == expected
+        manager.check_invariants()

@@ -38,6 +38,12 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
     text = model.config.get_text_config()
     layer_types = check_config(model.config, text)
+    if "linear_attention" in layer_types:
+        # The engine's packed forward passes no Cache, so the linear layers would keep no
+        # state between steps; the block layer's state slots are not wired into it yet.
+        raise NotImplementedError(
+            f"the engine does not serve models with linear-attention layers "
+            f"({type(model).__name__}); use model.generate with a PagedCache")
     shape = kv_head_shape(text)  # MLA: K/V expanded per query head, key and value sizes differ
     return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,

@@ -19,7 +19,9 @@ copied on the next append (copy-on-write). Sliding-window layers sit in KV group
 own (:mod:`paged_attention_ext.kv_groups`): a row has one block table per group, and a
 sliding group frees the blocks its window has left. MLA models (DeepSeek-V2/V3): ``update``
 gets compressed latents and stores them as they are, one row per token; the attention
-function absorbs ``kv_b_proj`` (:class:`LayerStorage`, :mod:`.latent_attention`).
+function absorbs ``kv_b_proj`` (:class:`LayerStorage`, :mod:`.latent_attention`). Hybrid
+models with linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear): those
+layers store no K/V; their states sit in state pools, one slot per row (:mod:`.linear_states`).
 """
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -38,6 +40,7 @@ from .batch import PagedBatch, flat_tokens
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
                       take_padding_mask)
+from .linear_states import LINEAR_ATTENTION, LinearStates, state_pool_summary
 from .placement import RowLimit, RowPlacement, new_token_counts
 from .support import check_config, kv_head_shape, layer_windows, mla_head_sizes
 
@@ -101,7 +104,9 @@ class PagedCache(Cache):
             then holds one group's layers, and each row takes blocks in every group.
             ``None`` sizes the pool to what is in use, growing it by a quarter when needed, up
             to ``batch * ceil(max_seq_len / block_size)`` blocks per KV group.
-        enable_prefix_caching: share the full blocks of identical prompt prefixes.
+        enable_prefix_caching: share the full blocks of identical prompt prefixes (the forward
+            still computes every prompt token, so a hybrid model's linear-attention states are
+            right: docs/linear_attention.md).
         max_seq_len: with ``num_blocks=None``, the most tokens (prompt and generated) a row
             may hold; ``None`` takes the config's ``max_position_embeddings``. A forward past
             it raises ``ValueError`` before anything changes.
@@ -165,7 +170,12 @@ class PagedCache(Cache):
         self._config = text_config
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
-        self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
+        # The layers that store K/V (a hybrid model's linear layers keep states instead).
+        self._kv_layers = [i for i, kind in enumerate(layer_types) if kind != LINEAR_ATTENTION]
+        self.is_hybrid_linear = len(self._kv_layers) < len(layer_types)
+        self.kv_groups = KVGroupLayout.from_windows(
+            layer_windows(text_config, layer_types),
+            without_kv=[i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION])
         for window in self.kv_groups.windows:  # a chunk must be whole blocks
             check_window(window, block_size)
         self.block_size = block_size
@@ -191,7 +201,9 @@ class PagedCache(Cache):
         self._forward_len = 0  # columns the forward in flight adds
         self._batch: Optional[PagedBatch] = None
         self._pool_spec: Optional[PoolSpec] = None
-        self._state = ForwardState(len(self.layer_types))
+        self._state = ForwardState(len(self._kv_layers))
+        self._linear = LinearStates(self.layer_types) if self.is_hybrid_linear else None
+        self.layers = self._linear.layers if self._linear is not None else []
         self.cascade_forwards = 0  # forwards whose shared prompt blocks were read once (cascade)
         drop_calls_of(self)
 
@@ -225,15 +237,24 @@ class PagedCache(Cache):
         Returns its inputs unchanged: attention reads the history from the pools.
         """
         self._check_call(layer_idx)
-        plan = self._plan_forward(key_states, value_states) if layer_idx == 0 else None
+        first = layer_idx == self._kv_layers[0]
+        plan = self._plan_forward(key_states, value_states) if first else None
         return self._store_layer(layer_idx, key_states, value_states, plan)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """A linear-attention layer's last call of a forward: its states go to the rows' slots."""
+        self._state.check_usable()
+        stored = super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        self._linear.stored(layer_idx)
+        return stored
 
     def _store_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
                      plan: Optional[Tuple[List[int], PoolSpec]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Layer 0 begins the forward; every layer stores its K/V and hands its call on. A
-        failure from here on leaves the history partly written (:meth:`_fail`)."""
+        """The first K/V layer begins the forward; every layer stores its K/V and hands its
+        call on. A failure from here on leaves the history partly written (:meth:`_fail`)."""
         try:
-            if layer_idx == 0:
+            if layer_idx == self._kv_layers[0]:
                 self._begin_forward(keys, values, plan)
             self._write_layer(layer_idx, keys, values)
         except BaseException as error:
@@ -300,6 +321,7 @@ class PagedCache(Cache):
         candidates the model rejected): blocks past the new end are freed, the partial one
         is kept. ``tokens_to_remove <= 0`` removes that many; a positive value is
         transformers' older form, the length to keep."""
+        self._refuse_linear("crop")
         remove = self._tokens_to_crop(tokens_to_remove)
         if remove == 0:
             return
@@ -319,9 +341,18 @@ class PagedCache(Cache):
         return remove
 
     # Assisted and multi-token-prediction decoding ask a cache to record past states so that
-    # crop() can restore them; paged K/V crops at any time, and there are no recurrent states.
+    # crop() can restore them; paged K/V crops at any time. Linear-attention states would need
+    # their past kept per slot, which the state pools do not: refused.
     def activate_past_recording(self, **kwargs) -> None:
         """Nothing to record: :meth:`crop` frees or keeps blocks at any time."""
+        self._refuse_linear("record past states (assisted or multi-token-prediction decoding)")
+
+    def _refuse_linear(self, action: str) -> None:
+        if self.is_hybrid_linear:
+            raise NotImplementedError(
+                f"PagedCache cannot {action} for a model with linear-attention layers: their "
+                "states are kept for the last token only, so rejected candidate tokens cannot be "
+                "undone. Generate without an assistant model or prompt lookup.")
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
@@ -341,7 +372,7 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        return not self.is_hybrid_linear
 
     @property
     def is_initialized(self) -> bool:
@@ -355,7 +386,7 @@ class PagedCache(Cache):
     # mode's preparation, for a cache whose layers are all linear or dummy).
     @property
     def is_linear(self) -> List[bool]:
-        return [False] * len(self.layer_types)
+        return [kind == LINEAR_ATTENTION for kind in self.layer_types]
 
     @property
     def is_dummy(self) -> List[bool]:
@@ -372,8 +403,10 @@ class PagedCache(Cache):
         ``block_references`` counts every row's blocks; the difference to ``blocks_used``
         is what sharing (prefix hits, beam forks) saves.
         """
+        states = {} if self._linear is None else state_pool_summary(
+            self._linear.pools, self.manager.states.num_used if self._placement is not None else 0)
         if self._placement is None:
-            return {"pool_bytes": 0, "used_bytes": 0, "blocks_used": 0, "block_references": 0}
+            return {"pool_bytes": 0, "used_bytes": 0, "blocks_used": 0, "block_references": 0, **states}
         used = self.manager.num_used_device_blocks
         block_bytes = self.kv.block_bytes if self.kv is not None else 0
         return {
@@ -381,6 +414,7 @@ class PagedCache(Cache):
             "used_bytes": used * block_bytes,
             "blocks_used": used,
             "block_references": self._placement.block_references(),
+            **states,
         }
 
     # ---- consistency -----------------------------------------------------------------------
@@ -388,22 +422,29 @@ class PagedCache(Cache):
         """Refuse an update that would store K/V next to an inconsistent history."""
         self._state.check_usable()
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not (
-                0 <= layer_idx < len(self.layer_types)):
-            raise ValueError(f"PagedCache: layer_idx {layer_idx!r} is not a layer of this config "
-                             f"({len(self.layer_types)} layers)")
-        if layer_idx == 0 and self._batch is not None and self._state.interrupted:
+                0 <= layer_idx < len(self.layer_types)) or layer_idx not in self._kv_layers:
+            raise ValueError(f"PagedCache: layer_idx {layer_idx!r} is not a K/V layer of this config "
+                             f"({len(self.layer_types)} layers, K/V layers {self._kv_layers})")
+        first = layer_idx == self._kv_layers[0]
+        if first and self._batch is not None and self._state.interrupted:
             self._refuse(self._state.interruption())
+        if first and self._linear is not None and not self._linear.whole(
+                self._state.forwards_done, self._kv_layers[0]):
+            self._refuse("a previous forward stopped before every linear-attention layer stored "
+                         "its states (an exception interrupted it), so the rows' states are only "
+                         "partly updated")
         call = pending_call(self)
         if call is not None:
             self._refuse(f"the attention of layer {call.layer_idx} did not read the paged cache: the "
                          f"model does not run attn_implementation={ATTN_IMPLEMENTATION!r} (it would "
                          "attend only to the new tokens and generate different tokens). Load or build "
                          f"the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
-        if layer_idx == 0:
+        if first:
             self._check_attn_implementation(RuntimeError)
-        elif self._batch is None or layer_idx != self._state.layers_stored:
+        elif self._batch is None or layer_idx != self._kv_layers[self._state.layers_stored]:
             raise RuntimeError(f"PagedCache: layer {layer_idx} stored K/V out of order (after "
-                               f"{self._state.layers_stored} layers of this forward; layer 0 comes first)")
+                               f"{self._state.layers_stored} layers of this forward; layer "
+                               f"{self._kv_layers[0]} comes first)")
 
     def _refuse(self, reason: str) -> None:
         self._fail(reason)
@@ -437,6 +478,11 @@ class PagedCache(Cache):
                              "must be [batch, kv_heads, q_len, head_size] with equal leading sizes")
         rows, _, q_len, _ = keys.shape
         counts = self._check_new_tokens(rows, q_len, take_padding_mask())
+        if self.is_hybrid_linear and any(c == 0 for c in counts) and (
+                self._placement is None or None in self.rows):
+            raise ValueError("PagedCache: a row without tokens (all padding) in the first forward "
+                             "of a model with linear-attention layers; every row needs a state from "
+                             "its first forward on (drop the empty row)")
         spec = self._storage.pool_shape(keys, values) + (keys.dtype, keys.device)
         if self._pool_spec is not None and spec != self._pool_spec:
             raise ValueError(f"PagedCache: this forward's K/V (heads, key size, value size, dtype, "
@@ -467,6 +513,8 @@ class PagedCache(Cache):
         self._state.begin()
         self._batch = None
         placed = self._placement.place(counts, q_len, keys, values)
+        if self._linear is not None:  # new rows' slots zeroed, earlier layers' states stored
+            self._linear.placed(self.manager.take_state_moves(), self._placement.state_slots())
         tables = self._placement.tables()
         self._reserve(max(1, self.manager.device_high_water_mark))
         self.kv.apply_copies(placed.copies)  # before any layer writes this step's tokens
@@ -510,8 +558,12 @@ class PagedCache(Cache):
         else:
             raise ValueError("PagedCache: the config has no max_position_embeddings; pass "
                              "max_seq_len or num_blocks")
+        # A beam step forks every row before it frees the old ones: twice the rows' slots.
+        state_slots = 2 * rows if self.is_hybrid_linear else None
         self._placement = RowPlacement(rows, capacity, self.block_size, self.enable_prefix_caching,
-                                       self.kv_groups)
+                                       self.kv_groups, state_slots)
+        if self._linear is not None:
+            self._linear.start(state_slots)
         self._pool_spec = pool_spec
         if self.num_blocks is not None:
             self.kv = self._new_pool(self.num_blocks, pool_spec)
@@ -542,7 +594,13 @@ class PagedCache(Cache):
         """Row i becomes a fork of old row ``indices[i]``; the old rows are freed."""
         if self._placement is None:
             return  # nothing stored yet
+        if self._linear is not None and len(indices) > len(self.rows):
+            raise NotImplementedError(
+                f"PagedCache: {len(indices)} rows from {len(self.rows)}: a model with "
+                "linear-attention layers keeps state slots for its first forward's rows only")
         self._placement.select_rows(indices)
+        if self._linear is not None:  # one state copy per forked row
+            self._linear.reselect(self.manager.take_state_moves(), self._placement.state_slots())
         self._batch = self._batch if self._state.interrupted else None
 
 

@@ -78,6 +78,11 @@ class CompiledPagedCache(PagedCache):
             raise NotImplementedError(
                 f"CompiledPagedCache does not serve chunked local attention (layers "
                 f"{sorted(chunked)} of {type(config).__name__}); use PagedCache")
+        if self.is_hybrid_linear:
+            raise NotImplementedError(
+                "CompiledPagedCache does not serve models with linear-attention layers (their "
+                "states are gathered from and stored to the rows' slots in Python each forward); "
+                "use PagedCache(config) without torch.compile")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:

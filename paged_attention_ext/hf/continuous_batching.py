@@ -39,7 +39,9 @@ block tables cannot address; their keys are read back through the cache's own
 attends over that gather with the layer's window, as in the second form. Attention sinks
 (GPT-OSS's ``s_aux``) are applied. The decode fast path's ``block_table`` (flash-only in
 transformers) and any other unknown argument raise ``NotImplementedError``.
-Importing :mod:`paged_attention_ext.hf` registers the function.
+Models with linear-attention layers (Qwen3-Next, ...) are refused (transformers' continuous
+batching has no allocator for their states). Importing :mod:`paged_attention_ext.hf`
+registers the function.
 """
 
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -167,6 +169,13 @@ def _layer_allocator(cache, module: torch.nn.Module, sliding_window: Optional[in
 def _refuse_unsupported(module: torch.nn.Module, attention_mask, dropout: float, block_table,
                         kwargs: Dict) -> None:
     layer = f"layer {module.layer_idx} ({type(module).__name__})"
+    if "linear_attention" in (getattr(getattr(module, "config", None), "layer_types", None) or ()):
+        # transformers' continuous batching keeps no linear-attention states (5.25 refuses
+        # such models itself); should a release start to, it is untested here: refused.
+        raise NotImplementedError(
+            f"{CB_ATTN_IMPLEMENTATION}: {layer} belongs to a model with linear-attention layers, "
+            "whose states transformers' continuous batching does not hold for this "
+            "implementation; use generate() with a PagedCache")
     if attention_mask is not None:
         raise NotImplementedError(f"{CB_ATTN_IMPLEMENTATION}: {layer} got an attention mask; "
                                   "attention follows the cache's indices (causal) and cannot apply it")

@@ -64,11 +64,14 @@ class RowPlacement:
     """The batch rows' sequences in one block manager (created with the first forward)."""
 
     def __init__(self, num_rows: int, capacity: int, block_size: int, enable_prefix_caching: bool,
-                 kv_groups: KVGroupLayout) -> None:
+                 kv_groups: KVGroupLayout, num_state_slots: Optional[int] = None) -> None:
+        """``num_state_slots``: a model with linear-attention layers: state slots (one per
+        row's sequence, see :mod:`paged_attention_ext.state_slots`)."""
         self.manager = BlockSpaceManager(capacity, 0, block_size,
                                          enable_prefix_caching=enable_prefix_caching,
                                          watermark=0.0, kv_group_windows=kv_groups.windows,
-                                         device_setting="PagedCache(num_blocks=...)")
+                                         device_setting="PagedCache(num_blocks=...)",
+                                         num_state_slots=num_state_slots)
         self.prefix_caching = enable_prefix_caching
         self.rows: List[Optional[int]] = [None] * num_rows  # sequence ids; None: no token yet
         self._next_seq_id = 0
@@ -115,6 +118,10 @@ class RowPlacement:
         """Per KV group, each row's block ids (``[]`` for a row without tokens)."""
         return [[self.manager.block_ids(s, g) if s is not None else [] for s in self.rows]
                 for g in range(self.manager.num_kv_groups)]
+
+    def state_slots(self) -> List[int]:
+        """Each row's state slot (every row holds a sequence)."""
+        return [self.manager.states.slot(s) for s in self.rows]
 
     def seq_lens(self) -> List[int]:
         return [self.manager.num_tokens(s) if s is not None else 0 for s in self.rows]

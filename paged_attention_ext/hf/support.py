@@ -22,6 +22,13 @@ from .self_check import verify_architecture, verify_variant
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
+# Hybrid families whose linear-attention layers (gated DeltaNet, KDA) keep their states
+# through transformers' LinearAttentionLayer API (conv and recurrent states, last call
+# update_recurrent_state), which PagedCache serves from its state pools (linear_states.py).
+# Other "linear_attention" layers (Mamba's in Jamba, Bamba, Nemotron-H) are refused.
+LINEAR_ATTENTION_TESTED = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                           "olmo_hybrid", "kimi_linear")
+
 # model_type -> why it cannot run with PagedCache / paged_attention_ext.
 REFUSED: Dict[str, str] = {
     "bloom": "ALiBi position biases computed inside its own attention code, which does not go "
@@ -50,11 +57,11 @@ REFUSED: Dict[str, str] = {
 
 # Multi-head latent attention models whose attention runs (and was tested) with the K/V
 # expanded per head: key head qk_nope_head_dim + qk_rope_head_dim, value head v_head_dim.
-MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4")
+MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4", "kimi_linear")
 
 # Model types whose causal-LM class does not declare _supports_attention_backend but whose
 # attention does go through the interface (checked by the tests).
-INTERFACE_VERIFIED = ("stablelm",)
+INTERFACE_VERIFIED = ("stablelm",) + LINEAR_ATTENTION_TESTED
 
 
 def causal_lm_class(model_type: str):
@@ -172,11 +179,15 @@ def check_config(config, text_config) -> List[str]:
                 "chunked_attention" if getattr(text_config, "attention_chunk_size", None) else
                 "full_attention")
         layer_types = [kind] * text_config.num_hidden_layers
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    supported = SUPPORTED_LAYER_TYPES
+    if {getattr(config, "model_type", ""), model_type} & set(LINEAR_ATTENTION_TESTED):
+        supported += ("linear_attention",)
+    unsupported = sorted(set(layer_types) - set(supported))
     if unsupported:
         refuse(f"its layer types {unsupported} are not attention over a causal K/V history "
                f"(linear attention / state-space layers, ...); PagedCache "
-               f"supports {list(SUPPORTED_LAYER_TYPES)}")
+               f"supports {list(SUPPORTED_LAYER_TYPES)}, and 'linear_attention' in "
+               f"{', '.join(LINEAR_ATTENTION_TESTED)}")
     if getattr(text_config, "alibi", False) is True:
         refuse("ALiBi position biases (alibi=True) inside its own attention code")
     for name in ("num_key_value_heads", "num_attention_heads", "head_dim"):

@@ -176,6 +176,21 @@ def run_memory(args: argparse.Namespace) -> Dict:
                      f"{groups['fraction_of_ideal']:.1%} of what the layers read"))
         if args.memory_gib is not None:
             rows.append(("sequences fit, KV groups", f"{groups['sequences_fit']}"))
+    linear = report.get("linear_state")
+    if linear is not None:
+        # K/V alone is not what a sequence takes: its rows give way to K/V + state.
+        rows = [row for row in rows if not row[0].startswith(("per sequence of", "fits in"))]
+        rows += [(f"per sequence of {args.max_len} tokens",
+                  f"{size(linear['bytes_per_sequence'])}: paged K/V "
+                  f"{size(linear['kv_bytes_per_sequence'])} + state "
+                  f"{size(linear['state_bytes_per_sequence'])} ({linear['linear_layers']} "
+                  "linear-attention layers, one fixed state each)"),
+                 ("K/V in every layer instead", f"{size(linear['bytes_per_sequence_kv_every_layer'])} "
+                  f"({linear['saving']:.2f}x more)")]
+        if args.memory_gib is not None:
+            rows.append((f"sequences of {args.max_len} tokens fit in {size(report['memory_bytes'])}",
+                         f"{linear['sequences_fit']} (K/V in every layer: "
+                         f"{linear['sequences_fit_kv_every_layer']})"))
     overridden = args.preset and any(v is not None for v in (
         args.layers, args.kv_heads, args.head_size, args.sliding_window, args.layer_pattern,
         args.attention_chunk_size))
@@ -185,6 +200,8 @@ def run_memory(args: argparse.Namespace) -> Dict:
     heads = (f"latent rows of {shape.latent_size} (expanded: {shape.kv_heads} heads, key head "
              f"{shape.head_size}, value head {shape.head_size_v})" if latent else
              f"{shape.kv_heads} KV heads, head size {shape.head_size}")
+    if linear is not None:
+        heads += f" (and {shape.linear_layers} linear-attention layers)"
     print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({report['dtype_bytes']} "
           f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value){pattern}")
     width = max(len(label) for label, _ in rows) + 1

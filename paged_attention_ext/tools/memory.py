@@ -13,6 +13,12 @@ their window; chunked-attention layers (``attention_chunk_size``, Llama-4: the p
 first count is then chunked layers) hold only their current chunk. The report then counts each group's blocks as the block manager holds them
 while a sequence decodes, beside one block table for every layer (the layout without
 KV groups).
+
+A hybrid model with linear-attention layers (Qwen3.5, Qwen3-Next: ``linear_layers`` gated
+DeltaNet layers beside ``layers`` full-attention ones) keeps K/V for the full layers only
+and one fixed-size state per linear layer and sequence (:mod:`paged_attention_ext.state_slots`):
+the report splits a sequence's bytes into paged K/V and fixed state, beside what it would
+take if every layer kept K/V.
 """
 
 from dataclasses import asdict, dataclass
@@ -38,6 +44,10 @@ class ModelShape:
     latent_size: Optional[int] = None
     # Chunked local attention (Llama-4): the pattern's first count is chunked layers.
     attention_chunk_size: Optional[int] = None
+    # Linear-attention layers beside the ``layers`` that keep K/V, and the values each keeps
+    # per sequence (convolution window and recurrent matrix: :func:`gated_deltanet_state`).
+    linear_layers: int = 0
+    linear_state_values: int = 0
 
     def expanded_layer_values(self) -> int:
         """Values one layer stores per token as K/V per head."""
@@ -63,6 +73,15 @@ def window_label(window: Window) -> str:
     return f"window {window}"
 
 
+def gated_deltanet_state(key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                         conv_kernel: int) -> int:
+    """Values one gated-DeltaNet layer keeps per sequence, as transformers keeps them: the
+    convolution window (q, k and v channels, ``conv_kernel`` tokens) and the recurrent
+    matrix (``key_dim x value_dim`` per value head)."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return channels * conv_kernel + value_heads * key_dim * value_dim
+
+
 # Published configurations (config.json of each model).
 PRESETS: Dict[str, ModelShape] = {
     "llama-2-7b": ModelShape(layers=32, kv_heads=32, head_size=128),
@@ -86,6 +105,12 @@ PRESETS: Dict[str, ModelShape] = {
     "deepseek-v3": ModelShape(61, 128, 192, head_size_v=128, latent_size=576),
     "deepseek-v2-lite": ModelShape(27, 16, 192, head_size_v=128, latent_size=576),
     "kimi-k2": ModelShape(61, 64, 192, head_size_v=128, latent_size=576),
+    # Gated DeltaNet beside gated full attention, 3 : 1 (K/V: the full layers only; a state
+    # per linear layer and sequence: docs/linear_attention.md).
+    "qwen3.5-35b-a3b": ModelShape(10, 2, 256, linear_layers=30,
+                                  linear_state_values=gated_deltanet_state(16, 32, 128, 128, 4)),
+    "qwen3-next-80b-a3b": ModelShape(12, 2, 256, linear_layers=36,
+                                     linear_state_values=gated_deltanet_state(16, 32, 128, 128, 4)),
 }
 
 # fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
@@ -170,6 +195,27 @@ def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[
             report["blocks_fit"] = memory // (per_token * block_size)
     if any(shape.windows()):
         report["kv_groups"] = kv_group_report(shape, dtype, max_len, block_size or 16, memory_gib)
+    if shape.linear_layers:
+        report["linear_state"] = linear_state_report(shape, dtype, max_len, memory_gib)
+    return report
+
+
+def linear_state_report(shape: ModelShape, dtype: str, max_len: int,
+                        memory_gib: Optional[float] = None) -> Dict:
+    """A hybrid linear-attention shape's bytes per sequence: paged K/V of the full layers
+    and the fixed state of the linear layers (states are not quantized: at least 2 bytes
+    a value), against K/V in every layer."""
+    kv = bytes_per_token(shape, dtype) * max_len
+    state = shape.linear_layers * shape.linear_state_values * max(2, _dtype_bytes(dtype))
+    every_layer = kv * (shape.layers + shape.linear_layers) // shape.layers
+    report = {"linear_layers": shape.linear_layers, "kv_bytes_per_sequence": kv,
+              "state_bytes_per_sequence": state, "bytes_per_sequence": kv + state,
+              "bytes_per_sequence_kv_every_layer": every_layer,
+              "saving": every_layer / (kv + state)}
+    if memory_gib is not None:
+        memory = int(memory_gib * GIB)
+        report.update(sequences_fit=memory // (kv + state),
+                      sequences_fit_kv_every_layer=memory // every_layer)
     return report
 
 
