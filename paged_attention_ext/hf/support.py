@@ -223,7 +223,8 @@ def layer_windows(text_config, layer_types: Sequence[str]) -> List[Window]:
                 raise NotImplementedError(f"{type(text_config).__name__} has {kind} layers but "
                                           f"{name}={value!r} (a positive int is needed)")
             windows[kind] = value if kind == "sliding_attention" else Chunked(value)
-    return [windows[kind] for kind in layer_types]
+    # Linear-attention layers store no K/V (KVGroupLayout's without_kv): no window.
+    return [windows.get(kind) for kind in layer_types]
 
 
 def packed_position_limit(text_config) -> Optional[int]:
