@@ -104,7 +104,7 @@ def run_case(case: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype=case.get("dtype", "float32"),
               max_model_len=256, block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
               enable_prefix_caching=case.get("prefix_caching", False),
               num_gpu_blocks_override=case.get("num_blocks"),
@@ -140,6 +140,8 @@ def start_vllm(case: dict, plugin: bool) -> subprocess.Popen:
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin
+    elif "kv_cache_layout" in case:
+        env["VLLM_KV_CACHE_LAYOUT"] = case["kv_cache_layout"]
     if "cascade_min_saved_tokens" in case:
         env["PAGED_ATTENTION_CASCADE_MIN_SAVED_TOKENS"] = str(case["cascade_min_saved_tokens"])
     # The case (a few KB of token ids) travels as the child's argument.
@@ -253,6 +255,58 @@ def test_fp8_cache_runs(model_dirs):
                          kv_cache_dtype="fp8"), plugin=True)
     assert ours["attention"] == [["PagedAttentionImpl"]]
     assert [len(t) for t in ours["tokens"][0]] == [12] * len(batch)
+
+
+# Qwen3-Next-shaped: gated-DeltaNet layers beside full attention. vLLM's CPU gated-DeltaNet
+# kernel takes bf16 only, and linear-attention heads of 128.
+HYBRID_LINEAR_MODEL = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                           hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=32,
+                           num_attention_heads=4, num_key_value_heads=2, linear_num_value_heads=4,
+                           linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=32, full_attention_interval=2,
+                           vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                           initializer_range=0.2, torch_dtype="float32")
+
+
+def test_block_compact_layout(model_dirs):
+    """The page-compact order (each block's key tile, then its value tile), which vLLM's
+    hybrid manager picks when a block also holds linear-attention states: the same tokens
+    as vLLM's CPU backend in its own layout."""
+    batch = prompts(seed=2, count=6, shared_prefix=0)
+    check_same(dict(model=model_dirs["llama"], batches=[batch], max_tokens=12,
+                    kv_cache_layout="LBHNC"))
+
+
+def test_linear_attention_hybrid_under_vllms_hybrid_manager(tmp_path):
+    """vLLM keeps the gated-DeltaNet layers' states (its own kernels) in pages beside the full
+    layers' K/V, in the block-compact layout; the plugin serves the full layers. Only bf16
+    runs there, where two backends' roundings split near-tied logits now and then: every
+    prompt's first token (its prefill) must agree, and nearly all the others."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**HYBRID_LINEAR_MODEL)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
+    case = dict(model=str(tmp_path), batches=[prompts(seed=7, count=8, shared_prefix=0)],
+                max_tokens=12, dtype="bfloat16")
+    runs = [start_vllm(case, plugin) for plugin in (True, False)]
+    try:
+        ours, theirs = [finish_vllm(run) for run in runs]
+    finally:
+        for proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert ours["attention"] == [["PagedAttentionImpl"]], ours["attention"]
+    assert theirs["attention"] == [["CPUAttentionBackendImpl"]]
+    assert ours["kv_cache_groups"] > 1
+    pairs = list(zip(ours["tokens"][0], theirs["tokens"][0]))
+    assert all(a[0] == b[0] for a, b in pairs)
+    agreeing = sum(x == y for a, b in pairs for x, y in zip(a, b))
+    assert agreeing >= 0.8 * sum(len(a) for a, _ in pairs), pairs
 
 
 # DeepSeek-V2-shaped, dense MLPs: vLLM's own CPU MLA decode kernel (the baseline) takes only

@@ -14,7 +14,10 @@ KV cache layout: each layer's cache holds the key tiles of all its blocks, then 
 tiles, each an HND ``[num_kv_heads, block_size, head_size]`` tile, so the two halves are the
 ops' contiguous key and value caches (views, no copy). vLLM describes a page as
 ``[heads, states, content]``; the backend declares two head slots (key, value) of one
-state each (the whole block's tile) and the ``LHBNC`` order (the slot outside the block).
+state each (the whole block's tile) and the ``LHBNC`` order (the slot outside the block),
+or ``LBHNC`` (each block's key tile, then its value tile: the page-compact order vLLM's
+hybrid manager needs when linear-attention states share the pages); the ops read either
+through the block stride.
 """
 
 import os
@@ -49,6 +52,9 @@ need_fields(AttentionSpec,
             "customize_spec's page: key and value tiles as two head slots of one state")
 # Head slot (key/value) outside the block: all key tiles, then all value tiles.
 KEYS_THEN_VALUES = need_member(KVCacheLayout, "LHBNC", "the KV cache order the ops read")
+# Each block's key tile then its value tile: one contiguous page, which vLLM's hybrid
+# manager needs when a block also holds other specs' pages (linear-attention states).
+BLOCK_COMPACT = need_member(KVCacheLayout, "LBHNC", "the page-compact KV cache order the ops read")
 
 
 def cascade_threshold() -> Optional[int]:
@@ -128,7 +134,7 @@ class PagedAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KEYS_THEN_VALUES,)
+        return (KEYS_THEN_VALUES, BLOCK_COMPACT)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
