@@ -98,7 +98,8 @@ def paged_attention_forward(
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
-    if batch.write_kv:
+    # A KV-shared layer (a reader) gets its source's K/V, which the source stored.
+    if batch.write_kv and batch.kv_cache.source(module.layer_idx) == module.layer_idx:
         if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
                 or value.shape[1] != value_cache.shape[1] or head_size_v != value_cache.shape[-1]):
             raise ValueError(

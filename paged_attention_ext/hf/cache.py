@@ -37,9 +37,10 @@ from ..step_inputs import StepInputs, StepPlan
 from .batch import PagedBatch, flat_tokens
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
-                      take_padding_mask)
+                      publish_source_call, take_padding_mask)
 from .placement import RowLimit, RowPlacement, new_token_counts
-from .support import check_config, kv_head_shape, layer_windows, mla_head_sizes
+from .support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
+                      mla_head_sizes)
 
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
@@ -55,7 +56,9 @@ class LayerStorage(NamedTuple):
 
     @classmethod
     def of(cls, text_config, tp_size: int) -> "LayerStorage":
-        return cls(mla_head_sizes(text_config) is not None, tuple(kv_head_shape(text_config, tp_size)))
+        shapes = layer_shapes(text_config, tp_size)  # layers of several shapes: layer 0's
+        shape = shapes[0] if shapes is not None else kv_head_shape(text_config, tp_size)
+        return cls(mla_head_sizes(text_config) is not None, tuple(shape))
 
     def pool_shape(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[int, int, int]:
         """The pools' head shape for what update() got (MLA: the expanded heads)."""
@@ -140,7 +143,15 @@ class PagedCache(Cache):
         self._config = text_config
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
-        self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types))
+        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
+        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
+        tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+        readers = kv_readers(text_config, layer_types)
+        self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types),
+                                                    layer_shapes(text_config, tp_size), readers)
+        # The layers that call update(), in order (KV-shared layers read their source's K/V).
+        self._storing = [layer for layer in range(len(layer_types)) if layer not in readers]
+        self._sources = frozenset(readers.values())
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -149,9 +160,6 @@ class PagedCache(Cache):
         self._cascade_min_saved_tokens = cascade_min_saved_tokens
         self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                                 calibration=kv_scale_calibration)
-        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
-        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
-        tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
         self._storage = LayerStorage.of(text_config, tp_size)
         # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
         self._new_pool(1, (self._storage.config_shape[0], 1, 1, torch.float32, torch.device("cpu")))
@@ -163,7 +171,7 @@ class PagedCache(Cache):
         self._length = 0  # columns seen per row, padding included (transformers' seq length)
         self._batch: Optional[PagedBatch] = None
         self._pool_spec: Optional[PoolSpec] = None
-        self._state = ForwardState(len(self.layer_types))
+        self._state = ForwardState(len(self._storing))
         self.cascade_forwards = 0  # forwards whose shared prompt blocks were read once (cascade)
         drop_calls_of(self)
 
@@ -225,7 +233,10 @@ class PagedCache(Cache):
         """Count the layer stored and hand the attention function its call."""
         if not self._storage.in_attention:
             self._state.layer_stored()
-        publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), self._batch))
+        call = LayerCall(self, layer_idx, self._storage.handoff_key(keys), self._batch)
+        publish_layer_call(call)
+        if layer_idx in self._sources:
+            publish_source_call(call)  # the layers that read its K/V take the batch with it
 
     def _count_stored(self, layer_idx: int) -> None:
         """MLA: the attention function stored layer ``layer_idx``'s expanded K/V (so a
@@ -361,9 +372,14 @@ class PagedCache(Cache):
                          f"model does not run attn_implementation={ATTN_IMPLEMENTATION!r} (it would "
                          "attend only to the new tokens and generate different tokens). Load or build "
                          f"the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
+        if layer_idx not in self._storing:
+            raise RuntimeError(f"PagedCache: layer {layer_idx} reads layer "
+                               f"{dict(self.kv_groups.readers)[layer_idx]}'s K/V "
+                               "(num_kv_shared_layers) and stores none of its own")
         if layer_idx == 0:
             self._check_attn_implementation(RuntimeError)
-        elif self._batch is None or layer_idx != self._state.layers_stored:
+        elif self._batch is None or self._state.layers_stored >= len(self._storing) or (
+                layer_idx != self._storing[self._state.layers_stored]):
             raise RuntimeError(f"PagedCache: layer {layer_idx} stored K/V out of order (after "
                                f"{self._state.layers_stored} layers of this forward; layer 0 comes first)")
 
@@ -377,14 +393,14 @@ class PagedCache(Cache):
             self.reset()
 
     def _check_layer_shapes(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        kv_heads, head_size, head_size_v = self._pool_spec[:3]
+        kv_heads, head_size, head_size_v = self.kv.layer_shape(layer_idx)
         if (keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != kv_heads
                 or values.shape[1] != kv_heads or keys.shape[3] != head_size
                 or values.shape[3] != head_size_v or keys.shape[:3] != values.shape[:3]):
             raise ValueError(f"PagedCache: layer {layer_idx} stores keys {tuple(keys.shape)} and "
                              f"values {tuple(values.shape)}; the pools hold {kv_heads} KV heads of "
-                             f"key size {head_size} and value size {head_size_v} (set by layer 0: "
-                             "one pool shape serves every layer)")
+                             f"key size {head_size} and value size {head_size_v} (set by layer 0 "
+                             "and, where layers differ, the config's per-layer shapes)")
 
     # ---- placement -------------------------------------------------------------------------
     def _plan_forward(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[List[int], PoolSpec]:

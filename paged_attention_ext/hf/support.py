@@ -54,6 +54,11 @@ REFUSED: Dict[str, str] = {
 # expanded per head: key head qk_nope_head_dim + qk_rope_head_dim, value head v_head_dim.
 MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4")
 
+# Model types whose KV-shared layers (num_kv_shared_layers) get their source layer's K/V as
+# that layer's update() returned them, and call no update() themselves (the tests cover
+# them): the attention function then reads the source layer's blocks.
+KV_SHARING_VERIFIED = ("gemma4", "gemma4_text")
+
 # Model types whose causal-LM class does not declare _supports_attention_backend but whose
 # attention does go through the interface (checked by the tests).
 INTERFACE_VERIFIED = ("stablelm",)
@@ -123,6 +128,51 @@ class KVHeadShape(NamedTuple):
     head_size_v: int
 
 
+def layer_shapes(text_config, tp_size: int = 1) -> Optional[List[KVHeadShape]]:
+    """Each layer's K/V shape where layers differ in KV heads or head size (Gemma-4: sliding
+    layers of ``head_dim`` beside full ones of ``global_head_dim``, with their own KV head
+    count), read through transformers' per-layer config API; None where one shape serves
+    every layer (:func:`kv_head_shape`). ``NotImplementedError`` for an MLA model whose
+    layers differ."""
+    per_layer = {name: per_layer_values(text_config, name)
+                 for name in ("num_key_value_heads", "head_dim")}
+    if all(values is None or len(set(values)) == 1 for values in per_layer.values()):
+        return None
+    if mla_head_sizes(text_config) is not None:
+        shape_attribute(text_config, "head_dim")  # raises, naming the layers
+        shape_attribute(text_config, "num_key_value_heads")
+    heads = shape_attribute(text_config, "num_attention_heads")
+    shapes = []
+    for layer in range(text_config.num_hidden_layers):
+        def value(name):
+            values = per_layer[name]
+            return values[layer] if values is not None else getattr(text_config, name, None)
+        kv_heads = value("num_key_value_heads") or heads
+        head_size = value("head_dim") or text_config.hidden_size // heads
+        if kv_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of layer "
+                             f"{layer} of {type(text_config).__name__}")
+        shapes.append(KVHeadShape(kv_heads // tp_size, head_size, head_size))
+    return shapes
+
+
+def kv_readers(text_config, layer_types: Sequence[str]) -> Dict[int, int]:
+    """Layers that store no K/V and read an earlier layer's (``num_kv_shared_layers``): each
+    of the last ``num_kv_shared_layers`` layers reads the last layer before them of its own
+    type, as transformers' Gemma-4 hands it ``shared_kv_states``. Empty for other models."""
+    shared = getattr(text_config, "num_kv_shared_layers", None) or 0
+    first = len(layer_types) - shared
+    readers: Dict[int, int] = {}
+    for layer in range(max(first, 0), len(layer_types)):
+        sources = [j for j in range(max(first, 0)) if layer_types[j] == layer_types[layer]]
+        if not sources:
+            raise NotImplementedError(
+                f"{type(text_config).__name__}: layer {layer} ({layer_types[layer]}) reuses K/V "
+                f"(num_kv_shared_layers={shared}), but no earlier layer of its type stores any")
+        readers[layer] = sources[-1]
+    return readers
+
+
 def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
     """The K/V shape the paged pools of a transformers text config hold.
 
@@ -165,8 +215,9 @@ def check_config(config, text_config) -> List[str]:
     if getattr(config, "is_encoder_decoder", False):
         refuse("encoder-decoder models need a cross-attention cache (only decoder-only models are "
                "supported)")
-    if getattr(text_config, "num_kv_shared_layers", None):
-        refuse("layers that reuse another layer's K/V (num_kv_shared_layers)")
+    if getattr(text_config, "num_kv_shared_layers", None) and model_type not in KV_SHARING_VERIFIED:
+        refuse("layers that reuse another layer's K/V (num_kv_shared_layers) in a way the tests "
+               f"do not cover (they cover {', '.join(KV_SHARING_VERIFIED)})")
     if getattr(text_config, "attention_chunk_size", None):
         refuse("chunked local attention (attention_chunk_size), which the ops serve "
                "(paged_attention_ext.chunked) but PagedCache does not")
@@ -182,11 +233,12 @@ def check_config(config, text_config) -> List[str]:
                f"supports {list(SUPPORTED_LAYER_TYPES)}")
     if getattr(text_config, "alibi", False) is True:
         refuse("ALiBi position biases (alibi=True) inside its own attention code")
-    for name in ("num_key_value_heads", "num_attention_heads", "head_dim"):
-        try:
-            shape_attribute(text_config, name)
-        except NotImplementedError as error:
-            refuse(str(error))
+    try:
+        shape_attribute(text_config, "num_attention_heads")
+        layer_shapes(text_config)  # layers of different K/V shapes get pools per shape
+        kv_readers(text_config, layer_types)
+    except NotImplementedError as error:
+        refuse(str(error))
     model_class = causal_lm_class(model_type)
     if (model_class is not None and not getattr(model_class, "_supports_attention_backend", False)
             and model_type not in INTERFACE_VERIFIED):
