@@ -112,6 +112,12 @@ def paged_attention_forward(
     elif head_size_v != value_cache.shape[-1]:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
+    if batch.q_len is not None and q_len != batch.q_len:
+        if batch.last_queries is None or batch.kv_cache.source(module.layer_idx) == module.layer_idx:
+            raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has {q_len} queries per "
+                             f"row, the forward {batch.q_len} (only a layer that reuses another's "
+                             "K/V may run on the last positions alone)")
+        batch = batch.last_queries(q_len)
     q = batch.kv_cache.as_query(flat_tokens(query))
     query_rows = batch.inputs.query_rows
     if query_rows is not None:

@@ -22,7 +22,7 @@ gets compressed latents and the attention function stores the keys and values tr
 expands from them (:class:`LayerStorage`).
 """
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from transformers import PretrainedConfig
@@ -453,8 +453,25 @@ class PagedCache(Cache):
         inputs = StepInputs.from_plan(step, self.kv, self._cascade_min_saved_tokens)
         in_attention = self._storage.in_attention
         self._batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
-                                 on_stored=self._count_stored if in_attention else None)
+                                 on_stored=self._count_stored if in_attention else None,
+                                 q_len=q_len, last_queries=self._last_queries(step))
         self.cascade_forwards += bool(self._batch.inputs.cascades)
+
+    def _last_queries(self, step: StepPlan) -> Callable[[int], PagedBatch]:
+        """The forward's batch for queries of the last ``keep`` positions of each row (built
+        once per ``keep``; these queries write nothing)."""
+        built: Dict[int, PagedBatch] = {}
+
+        def narrowed(keep: int) -> PagedBatch:
+            if keep not in built:
+                counts = [min(n, keep) for n in step.query_lens]
+                rows = [row * keep + i for row, n in enumerate(counts) for i in range(keep - n, keep)]
+                plan = StepPlan(step.tables, step.slots, step.seq_lens, counts,
+                                None if len(rows) == len(counts) * keep else rows)
+                built[keep] = PagedBatch(self.kv, StepInputs.from_plan(
+                    plan, self.kv, self._cascade_min_saved_tokens), write_kv=False)
+            return built[keep]
+        return narrowed
 
     def _check_room(self, counts: Sequence[int]) -> None:
         """Refuse a forward the pool cannot take, before any state changes."""

@@ -69,6 +69,12 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens)
+        if self.kv_groups.readers:
+            # A reader's attention finds its batch through its source's call, which a
+            # traced forward does not publish.
+            raise NotImplementedError(
+                "CompiledPagedCache: layers that reuse another layer's K/V (num_kv_shared_layers) "
+                "run only eagerly: use PagedCache")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:

@@ -103,8 +103,9 @@ def shape_attribute(text_config, name: str) -> Any:
         summary = "; ".join(f"{value} on layer{'s' if len(layers[value]) > 1 else ''} "
                             f"{_layer_ranges(layers[value])}" for value in distinct)
         raise NotImplementedError(
-            f"{type(text_config).__name__} has a different {name} per layer ({summary}), and one "
-            "pool shape serves every layer of a PagedCache")
+            f"{type(text_config).__name__} has a different {name} per layer ({summary}), which "
+            "PagedCache serves only for attention over per-head K/V (not multi-head latent "
+            "attention)")
     return distinct[0]
 
 
