@@ -52,9 +52,10 @@ class LLMEngine:
                  config: EngineConfig = EngineConfig()) -> None:
         runner = model if isinstance(model, ModelRunner) else _transformers_runner(model)
         spec = runner.spec
-        # Sliding-window layers get KV groups of their own, which free what leaves the window.
-        kv_groups = (KVGroupLayout.from_windows(spec.layer_windows) if config.hybrid_kv_groups
-                     else KVGroupLayout.uniform(spec.num_layers))
+        # Sliding-window layers get KV groups of their own, which free what leaves the window;
+        # layers of different K/V shapes get groups per shape either way.
+        windows = spec.layer_windows if config.hybrid_kv_groups else (None,) * spec.num_layers
+        kv_groups = KVGroupLayout.from_windows(windows, spec.layer_shapes, dict(spec.kv_readers))
         if config.record_block_contents and any(kv_groups.windows):
             raise NotImplementedError("record_block_contents checks full-attention block tables; "
                                       "this model has sliding-window layers, whose tables free blocks")

@@ -22,7 +22,7 @@ import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION, PagedBatch
-from ..hf.support import check_config, kv_head_shape, layer_windows
+from ..hf.support import check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows
 from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs, StepPlan
 from .config import EngineConfig
@@ -38,11 +38,15 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
     text = model.config.get_text_config()
     layer_types = check_config(model.config, text)
-    shape = kv_head_shape(text)  # MLA: K/V expanded per query head, key and value sizes differ
+    shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
+    # MLA: K/V expanded per query head, key and value sizes differ.
+    shape = shapes[0] if shapes is not None else kv_head_shape(text)
     return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
-                     dtype=model.dtype, device=model.device, vocab_size=text.vocab_size)
+                     dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
+                     layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
+                     kv_readers=tuple(sorted(kv_readers(text, layer_types).items())))
 
 
 class HFModelRunner(ModelRunner):

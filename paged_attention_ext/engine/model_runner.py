@@ -34,6 +34,11 @@ class ModelSpec:
     dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype is fp8
     device: torch.device
     vocab_size: int                  # prompts' tokens must be below it
+    # Per layer (kv heads, key size, value size) where layers differ (Gemma-4); None: the
+    # three fields above serve every layer.
+    layer_shapes: Optional[Tuple[Tuple[int, int, int], ...]] = None
+    # (layer, source layer): layers that store no K/V and attend over their source's.
+    kv_readers: Tuple[Tuple[int, int], ...] = ()
 
     @property
     def num_layers(self) -> int:
