@@ -38,6 +38,21 @@ def shape_elements(shape: LayerShape) -> int:
     return heads * (head_size + head_size_v)
 
 
+def trailing_readers(kinds: Sequence, num_shared: int) -> Dict[int, int]:
+    """Layers that reuse K/V as Gemma-4's ``num_kv_shared_layers`` declares it: each of the
+    last ``num_shared`` layers reads the last layer before them of its own kind (``kinds``:
+    one per layer, e.g. its attention type). ``ValueError`` when a kind has no such layer."""
+    first = max(len(kinds) - num_shared, 0)
+    readers: Dict[int, int] = {}
+    for layer in range(first, len(kinds)):
+        sources = [j for j in range(first) if kinds[j] == kinds[layer]]
+        if not sources:
+            raise ValueError(f"layer {layer} ({kinds[layer]}) reuses K/V (the last {num_shared} "
+                             "layers do), but no earlier layer of its kind stores any")
+        readers[layer] = sources[-1]
+    return readers
+
+
 @dataclass(frozen=True)
 class KVGroup:
     sliding_window: Window
@@ -68,9 +83,9 @@ class KVGroupLayout:
 
         ``shapes`` (one per layer; None: every layer stores the cache's one shape): a kind
         is then a window and a shape, and each kind's group holds ``P // elements`` of its
-        layers, where ``P`` is the fewest elements per token any kind stores in all (so
-        every page is at most ``P`` elements, and a kind of half the bytes per layer has
-        groups of twice the layers). ``readers`` maps a layer that stores nothing to the
+        layers for one page of ``P`` elements per token (a kind of half the bytes per layer
+        has groups of twice the layers); ``P`` is the whole number of some kind's layers
+        that leaves the fewest page elements unused. ``readers`` maps a layer that stores nothing to the
         layer whose K/V it reads (same window and shape); such a layer is in no group.
         """
         if not windows:
@@ -99,11 +114,26 @@ class KVGroupLayout:
         if shapes is None:
             sizes = dict.fromkeys(kinds, min(len(layers) for layers in kinds.values()))
         else:
-            page = min(len(layers) * shape_elements(shape) for (_, shape), layers in kinds.items())
-            sizes = {kind: max(1, page // shape_elements(kind[1])) for kind in kinds}
+            sizes = cls._sizes_by_bytes({kind: len(layers) for kind, layers in kinds.items()})
         return cls(tuple(KVGroup(window, tuple(layers[i:i + sizes[window, shape]]), shape)
                          for (window, shape), layers in kinds.items()
                          for i in range(0, len(layers), sizes[window, shape])), pairs)
+
+    @staticmethod
+    def _sizes_by_bytes(counts: Mapping[Tuple[Window, LayerShape], int]) -> Dict[Tuple[Window, LayerShape], int]:
+        """Layers per group of each kind for one page size: the page (a whole number of some
+        kind's layers) that leaves the fewest elements unused over all groups, the largest
+        such page on a tie (fewer groups, fewer block tables)."""
+        def waste(page: int) -> int:
+            unused = 0
+            for (_, shape), n in counts.items():
+                per_group = max(1, page // shape_elements(shape))
+                page_needed = max(page, shape_elements(shape))
+                unused += -(-n // per_group) * page_needed - n * shape_elements(shape)
+            return unused
+        pages = {k * shape_elements(shape) for (_, shape), n in counts.items() for k in range(1, n + 1)}
+        page = min(pages, key=lambda p: (waste(p), -p))
+        return {kind: max(1, page // shape_elements(kind[1])) for kind in counts}
 
     @staticmethod
     def _check_readers(readers: Mapping[int, int], windows: Sequence[Window],

@@ -184,3 +184,64 @@ def test_recalibrate_sets_new_scales_in_place_on_the_next_write():
     given.recalibrate()  # given scales stay
     given.write(0, key, key, torch.tensor([0, 1]))
     assert given.k_scales[0].tolist() == [0.5]
+
+
+# ---- pools per layer shape (one page buffer, views per layer) ---------------------------------
+def shaped_layout():
+    """Layers 0, 1, 3: 2 heads of 8; layer 2: 1 head of 16; layer 4 reads layer 2."""
+    windows = [4, 4, None, 4, None]
+    shapes = [(2, 8, 8), (2, 8, 8), (1, 16, 16), (2, 8, 8), (1, 16, 16)]
+    return KVGroupLayout.from_windows(windows, shapes, {4: 2})
+
+
+def shaped_cache():
+    return PagedKVCache(5, 2, 8, block_size=4, dtype=torch.float32, num_blocks=6,
+                        num_host_blocks=3, kv_groups=shaped_layout())
+
+
+def test_shaped_pools_are_disjoint_views_of_one_page():
+    cache = shaped_cache()
+    assert cache.layer(2)[0].shape == (6, 1, 4, 16) and cache.layer(0)[0].shape == (6, 2, 4, 8)
+    assert cache.layer(4)[0].data_ptr() == cache.layer(2)[0].data_ptr()  # a reader: its source's
+    # Both shapes store 32 values per token: a page of one layer leaves nothing unused.
+    assert [len(g.layers) for g in cache.kv_groups.groups] == [1, 1, 1, 1]
+    assert cache.block_bytes == 4 * 32 * 4
+    for layer in (0, 1, 2, 3):
+        key, value = cache.layer(layer)
+        key.fill_(layer + 1)
+        value.fill_(-(layer + 1))
+    # Each layer's slice holds its own values: the views do not overlap.
+    for layer in (0, 1, 2, 3):
+        key, value = cache.layer(layer)
+        assert bool((key == layer + 1).all()) and bool((value == -(layer + 1)).all())
+    with pytest.raises(ValueError, match="layer 4 reads layer 2's K/V and stores nothing"):
+        cache.write(4, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.tensor([0]))
+
+
+def test_shaped_pools_copy_swap_and_grow_whole_pages():
+    cache = shaped_cache()
+    for layer in (0, 1, 2, 3):
+        for pool in cache.layer(layer):
+            pool.copy_(torch.randn_like(pool))
+    before = [tuple(p.clone() for p in cache.layer(layer)) for layer in range(5)]
+    cache.apply_copies([(1, 4)])
+    cache.swap_out([(2, 0)])
+    cache.layer(0)[0][2].zero_()
+    cache.swap_in([(0, 5)])
+    bigger = cache.with_blocks(8)
+    for layer in range(5):
+        for was, now, grown in zip(before[layer], cache.layer(layer), bigger.layer(layer)):
+            assert torch.equal(now[4], was[1]) and torch.equal(now[5], was[2])
+            assert torch.equal(grown[:6], now)
+
+
+def test_shaped_fp8_scales_per_layer_heads():
+    """Per-head scales follow each layer's KV heads."""
+    k_scale = [torch.ones(2), torch.ones(2), torch.ones(1), torch.ones(2), torch.ones(1)]
+    layout = shaped_layout()
+    cache = PagedKVCache(5, 2, 8, block_size=4, dtype=torch.float8_e4m3fn, num_blocks=2,
+                         kv_groups=layout, k_scale=k_scale, v_scale=k_scale)
+    assert cache.scales(4)["k_scale"] is cache.scales(2)["k_scale"]
+    with pytest.raises(ValueError, match=r"k_scale\[2\]"):
+        PagedKVCache(5, 2, 8, block_size=4, dtype=torch.float8_e4m3fn, num_blocks=2,
+                     kv_groups=layout, k_scale=[torch.ones(2)] * 5, v_scale=[torch.ones(2)] * 5)

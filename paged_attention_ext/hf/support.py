@@ -17,6 +17,7 @@ from typing import AbstractSet, Any, Dict, List, Mapping, NamedTuple, Optional, 
 import torch
 import transformers
 
+from ..kv_groups import trailing_readers
 from .self_check import verify_architecture, verify_variant
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -161,17 +162,10 @@ def kv_readers(text_config, layer_types: Sequence[str]) -> Dict[int, int]:
     """Layers that store no K/V and read an earlier layer's (``num_kv_shared_layers``): each
     of the last ``num_kv_shared_layers`` layers reads the last layer before them of its own
     type, as transformers' Gemma-4 hands it ``shared_kv_states``. Empty for other models."""
-    shared = getattr(text_config, "num_kv_shared_layers", None) or 0
-    first = len(layer_types) - shared
-    readers: Dict[int, int] = {}
-    for layer in range(max(first, 0), len(layer_types)):
-        sources = [j for j in range(max(first, 0)) if layer_types[j] == layer_types[layer]]
-        if not sources:
-            raise NotImplementedError(
-                f"{type(text_config).__name__}: layer {layer} ({layer_types[layer]}) reuses K/V "
-                f"(num_kv_shared_layers={shared}), but no earlier layer of its type stores any")
-        readers[layer] = sources[-1]
-    return readers
+    try:
+        return trailing_readers(layer_types, getattr(text_config, "num_kv_shared_layers", None) or 0)
+    except ValueError as error:
+        raise NotImplementedError(f"{type(text_config).__name__}: {error}") from None
 
 
 def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
