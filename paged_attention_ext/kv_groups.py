@@ -125,15 +125,13 @@ class KVGroupLayout:
         kind's layers) that leaves the fewest elements unused over all groups, the largest
         such page on a tie (fewer groups, fewer block tables)."""
         def waste(page: int) -> int:
-            unused = 0
-            for (_, shape), n in counts.items():
-                per_group = max(1, page // shape_elements(shape))
-                page_needed = max(page, shape_elements(shape))
-                unused += -(-n // per_group) * page_needed - n * shape_elements(shape)
-            return unused
-        pages = {k * shape_elements(shape) for (_, shape), n in counts.items() for k in range(1, n + 1)}
+            return sum(-(-n // (page // shape_elements(shape))) * page - n * shape_elements(shape)
+                       for (_, shape), n in counts.items())
+        largest = max(shape_elements(shape) for _, shape in counts)
+        pages = {k * shape_elements(shape) for (_, shape), n in counts.items()
+                 for k in range(1, n + 1) if k * shape_elements(shape) >= largest}
         page = min(pages, key=lambda p: (waste(p), -p))
-        return {kind: max(1, page // shape_elements(kind[1])) for kind in counts}
+        return {kind: page // shape_elements(kind[1]) for kind in counts}
 
     @staticmethod
     def _check_readers(readers: Mapping[int, int], windows: Sequence[Window],
