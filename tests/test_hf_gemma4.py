@@ -192,3 +192,33 @@ def test_layer_shapes_through_the_per_layer_config():
     with pytest.raises(ValueError, match="tp_size=4 does not divide the 2 KV heads of layer 5"):
         support.layer_shapes(config, tp_size=4)
     assert support.layer_shapes(transformers.LlamaConfig(num_hidden_layers=2)) is None
+
+
+def test_real_head_sizes():
+    """Gemma-4's own head sizes: sliding layers of 256, full layers of 512 (the ops' largest)."""
+    config = transformers.Gemma4TextConfig(**dict(COMMON, head_dim=256, global_head_dim=512,
+                                                  num_attention_heads=2),
+                                           num_hidden_layers=6, num_key_value_heads=1,
+                                           num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           hidden_size_per_layer_input=0)
+    paged, reference = random_pair(config, reference_attention="eager")
+    ids, mask = left_padded([11, 7], vocab_size=COMMON["vocab_size"])
+    want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert torch.equal(generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False), want)
+    assert {tuple(cache.kv.layer(i)[0].shape[1:]) for i in range(6)} == {(1, 4, 256), (1, 4, 512)}
+
+
+def test_transformers_continuous_batching_does_not_serve_gemma4():
+    """transformers' continuous-batching cache reads the global head_dim, which Gemma-4
+    declares per layer: its own paged|sdpa fails before any attention runs. When this test
+    fails, transformers serves the family and the continuous-batching path needs its test."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.integrations.heterogeneity.configuration_utils import (
+        AmbiguousGlobalPerLayerAttributeError)
+    model = transformers.Gemma4ForCausalLM(CONFIGS["dense"]()).eval()
+    model.set_attn_implementation("paged|sdpa")
+    with pytest.raises(AmbiguousGlobalPerLayerAttributeError, match="head_dim"):
+        model.generate_batch([[1, 2, 3]], generation_config=GenerationConfig(
+            max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0),
+            continuous_batching_config=ContinuousBatchingConfig(page_size=8, num_blocks=16))
