@@ -189,3 +189,8 @@ def test_gemma_4_memory_command(capsys):
     out = capsys.readouterr().out
     assert "the last 18 reusing earlier layers' K/V" in out
     assert "2 layers, full attention, 2 KV heads of 512" in out and "18 (store nothing)" in out
+
+
+def test_simulate_refuses_layers_of_several_shapes():
+    with pytest.raises(SystemExit, match="simulate replays layers of one shape; gemma-4-31b"):
+        main(["simulate", "--preset", "gemma-4-31b", "--num-requests", "4"])

@@ -144,13 +144,13 @@ def layer_shapes(text_config, tp_size: int = 1) -> Optional[List[KVHeadShape]]:
         shape_attribute(text_config, "head_dim")  # raises, naming the layers
         shape_attribute(text_config, "num_key_value_heads")
     heads = shape_attribute(text_config, "num_attention_heads")
+    layers = text_config.num_hidden_layers
+    each = {name: values if values is not None else [getattr(text_config, name, None)] * layers
+            for name, values in per_layer.items()}
     shapes = []
-    for layer in range(text_config.num_hidden_layers):
-        def value(name):
-            values = per_layer[name]
-            return values[layer] if values is not None else getattr(text_config, name, None)
-        kv_heads = value("num_key_value_heads") or heads
-        head_size = value("head_dim") or text_config.hidden_size // heads
+    for layer, (kv_heads, head_size) in enumerate(zip(each["num_key_value_heads"], each["head_dim"])):
+        kv_heads = kv_heads or heads
+        head_size = head_size or text_config.hidden_size // heads
         if kv_heads % tp_size:
             raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of layer "
                              f"{layer} of {type(text_config).__name__}")

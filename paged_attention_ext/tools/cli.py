@@ -253,6 +253,9 @@ class Progress:
 
 def run_simulate(args: argparse.Namespace) -> Dict:
     groups = bool(args.preset or args.layers or args.sliding_window or args.layer_pattern)
+    if groups and shape_from(args).is_heterogeneous:
+        fail(f"simulate replays layers of one shape; {args.preset} has layers of several shapes or "
+             "layers that reuse K/V: `paged-attention memory` sizes its KV groups")
     progress = Progress("simulate", 1 + len(simulator.STRATEGIES) + groups
                         + (args.parallel_samples > 1) + (args.beam_width > 1))
     progress(f"reading the trace {args.trace}" if args.trace else
