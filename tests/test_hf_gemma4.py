@@ -11,15 +11,20 @@ left-padded batch that decodes past the sliding window:
   RoPE and V after ``v_norm``, so the cache holds two different tensors;
 * ``kv_shared``: the last three layers reuse the K/V of the last earlier layer of their
   type (``num_kv_shared_layers``, E2B/E4B-like) and call no ``update``.
+
+Also: the image-text model with text prompts, Gemma-4's own head sizes (256 and 512),
+compile mode, prefix caching and a fixed pool. The engine's tests are in
+``tests/test_engine_gemma4.py``.
 """
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
-from paged_attention_ext.hf import CompiledPagedCache, PagedCache, support
+from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache, support
 from paged_attention_ext.hf import cache as cache_module, handoff
 from paged_attention_ext.testing import random_pair
 
@@ -143,13 +148,26 @@ def test_prefix_caching_and_fixed_pool(pair):
 
 
 def test_multimodal_wrapper_with_text_prompts():
-    """Gemma4Config (the image-text model) with text prompts: its text model's layers."""
+    """Gemma4ForConditionalGeneration (the image-text model, a one-layer vision tower) with
+    text prompts: its text model's layers, token-identical to eager."""
     text = dict(COMMON, num_hidden_layers=6, num_key_value_heads=2, num_global_key_value_heads=1,
                 attention_k_eq_v=True, hidden_size_per_layer_input=0)
-    config = transformers.Gemma4Config(text_config=text)
-    cache = PagedCache(config, block_size=BLOCK_SIZE)
-    shapes = {g.shape for g in cache.kv_groups.groups}
-    assert shapes == {(2, 16, 16), (1, 32, 32)}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    special = dict(boi_token_id=120, eoi_token_id=121, image_token_id=122, video_token_id=123,
+                   boa_token_id=124, eoa_token_index=125, audio_token_id=126)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                       **special)
+    torch.manual_seed(0)
+    build = transformers.Gemma4ForConditionalGeneration._from_config
+    reference = build(copy.deepcopy(config), attn_implementation="eager").eval()
+    paged = build(copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION).eval()
+    paged.load_state_dict(reference.state_dict())
+    ids, mask = left_padded([11, 7], vocab_size=special["boi_token_id"])  # text tokens only
+    want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert torch.equal(generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False), want)
+    assert {g.shape for g in cache.kv_groups.groups} == {(2, 16, 16), (1, 32, 32)}
 
 
 def test_wrong_layer_shape_raises():
