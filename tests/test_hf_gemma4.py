@@ -240,3 +240,19 @@ def test_transformers_continuous_batching_does_not_serve_gemma4():
         model.generate_batch([[1, 2, 3]], generation_config=GenerationConfig(
             max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0),
             continuous_batching_config=ContinuousBatchingConfig(page_size=8, num_blocks=16))
+
+
+def test_fp8_scales_follow_each_layer_heads():
+    """An fp8 cache calibrates per KV head of each layer's own shape; readers use their
+    source's scales and calibrate none."""
+    paged, _ = random_pair(CONFIGS["kv_shared"](), reference_attention="eager")
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype="fp8",
+                       kv_scale_calibration="per_head")
+    generate(paged, *left_padded([9, 5], vocab_size=COMMON["vocab_size"]), cache, max_new_tokens=3)
+    assert [s.numel() if s is not None else None for s in cache.kv.k_scales] == [1] * 5 + [None] * 3
+    assert cache.kv.scales(7)["k_scale"] is cache.kv.scales(4)["k_scale"]
+    paged, _ = random_pair(CONFIGS["k_eq_v"](), reference_attention="eager")
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype="fp8",
+                       kv_scale_calibration="per_head")
+    generate(paged, *left_padded([9, 5], vocab_size=COMMON["vocab_size"]), cache, max_new_tokens=3)
+    assert [s.numel() for s in cache.kv.k_scales] == [2] * 5 + [1]  # one global KV head
