@@ -256,3 +256,18 @@ def test_fp8_scales_follow_each_layer_heads():
                        kv_scale_calibration="per_head")
     generate(paged, *left_padded([9, 5], vocab_size=COMMON["vocab_size"]), cache, max_new_tokens=3)
     assert [s.numel() for s in cache.kv.k_scales] == [2] * 5 + [1]  # one global KV head
+
+
+def test_mixture_of_experts_26b_like():
+    """Gemma-4 26B-A4B-like: MoE blocks beside K=V full layers of one global KV head."""
+    config = transformers.Gemma4TextConfig(**COMMON, num_hidden_layers=6, num_key_value_heads=2,
+                                           num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           hidden_size_per_layer_input=0, enable_moe_block=True,
+                                           num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    paged, reference = random_pair(config, reference_attention="eager")
+    ids, mask = left_padded([11, 7], vocab_size=COMMON["vocab_size"])
+    for decoding in ("greedy", "beam"):
+        want = generate(reference, ids, mask, max_new_tokens=12, **DECODING[decoding])
+        cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+        assert torch.equal(generate(paged, ids, mask, cache, max_new_tokens=12, **DECODING[decoding]),
+                           want), decoding
