@@ -95,6 +95,12 @@ def test_pools_per_shape(pair):
         want = (global_heads, BLOCK_SIZE, 32) if kind == "full_attention" else (sliding_heads, BLOCK_SIZE, 16)
         assert key_pool.shape[1:] == want and value_pool.shape[1:] == want, (layer, key_pool.shape)
         assert key_pool.data_ptr() != value_pool.data_ptr()  # K=V layers still store both
+    if name == "k_eq_v":
+        # What transformers stores as the full layers' keys (k_norm, RoPE) and values (v_norm)
+        # differ, although one projection makes both: a value view of the keys would be wrong.
+        block = cache.manager.tables[cache.rows[0]][cache.kv.kv_group(5)].blocks[0]
+        key_pool, value_pool = cache.kv.layer(5)
+        assert value_pool[block].abs().sum() > 0 and not torch.allclose(key_pool[block], value_pool[block])
     assert len(cache.kv.key_caches) == 1  # one page buffer for keys, one for values
     # A page (fp32) is as large as the largest group's.
     elements = [cache.kv_groups.page_elements(g, BLOCK_SIZE) for g in range(len(cache.kv_groups.groups))]
