@@ -77,6 +77,14 @@ class PagedKVCache:
     block then holds one group's layers, so the pools are ``layers_per_group`` tensors
     (not one per layer), :meth:`layer` finds a layer's, and the block manager gives each
     group its own block tables and slots. None: one group of every layer.
+
+    A shaped layout (groups whose layers store different shapes: ``KVGroup.shape``) keeps
+    one key and one value page buffer, ``[num_blocks, 1, 1, elements]`` (:attr:`key_caches`
+    and :attr:`value_caches` then hold these two, so copies and swaps move whole pages),
+    each page as large as the largest group's; :meth:`layer` returns views of a block's
+    slice for the layer, in its own shape (``num_kv_heads``, ``head_size`` and
+    ``head_size_v`` then name layer 0's). A reader layer (``KVGroupLayout.readers``) stores
+    nothing: :meth:`layer` and :meth:`scales` answer its source layer's.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
@@ -110,18 +118,33 @@ class PagedKVCache:
                              f"head_size_v={head_size_v}")
         if kv_groups is None:
             kv_groups = KVGroupLayout.uniform(num_layers)
-        if kv_groups.num_layers + len(kv_groups.without_kv) != num_layers:
+        if kv_groups.num_layers != num_layers:
             raise ValueError(f"kv_groups places {kv_groups.num_layers} layers, the cache has {num_layers}")
         self.kv_groups = kv_groups
         # Layers without K/V (kv_groups.without_kv) have no place: writing one raises.
         self._place = {layer: kv_groups.place(layer) for layer in range(num_layers)
                        if layer not in kv_groups.without_kv}
+        readers = dict(kv_groups.readers)
+        self._source = [readers.get(layer, layer) for layer in range(num_layers)]
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.head_size_v = head_size if head_size_v is None else head_size_v
         self.values_in_keys = values_in_keys
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
-        self.block_bytes = bytes_per_block(kv_groups.layers_per_group, num_kv_heads, head_size,
-                                           block_size, dtype, 0 if values_in_keys else self.head_size_v)
+        one_shape = (num_kv_heads, head_size, self.head_size_v)
+        self._shapes = [kv_groups.groups[self._place[layer][0]].shape or one_shape
+                        if layer in self._place else one_shape for layer in range(num_layers)]
+        if kv_groups.is_shaped:
+            if values_in_keys:
+                raise ValueError("values_in_keys needs one shape for every layer; these "
+                                 "kv_groups have layers of several")
+            # Key and value elements of the largest group's page.
+            self._page = tuple(max(len(g.layers) * g.shape[0] * g.shape[part] * block_size
+                                   for g in kv_groups.groups) for part in (1, 2))
+            element = torch.empty((), dtype=dtype).element_size()
+            self.block_bytes = sum(self._page) * element
+        else:
+            self.block_bytes = bytes_per_block(kv_groups.layers_per_group, num_kv_heads, head_size,
+                                               block_size, dtype, 0 if values_in_keys else self.head_size_v)
         if num_blocks is None:
             num_blocks = memory_bytes // self.block_bytes
         if num_blocks < 1:
@@ -137,6 +160,9 @@ class PagedKVCache:
         host_shape_v = (num_host_blocks,) + shape_v[1:]
         # Pinned host memory lets device <-> host swaps run asynchronously.
         pin = self.device.type == "cuda"
+        if kv_groups.is_shaped:
+            self._shaped_pools(pin)
+            return
         self.key_caches: List[torch.Tensor] = []
         self.value_caches: List[torch.Tensor] = []
         self.host_key_caches: List[torch.Tensor] = []
@@ -150,6 +176,28 @@ class PagedKVCache:
             else:
                 self.value_caches.append(self._device_pool(shape_v))
                 self.host_value_caches.append(torch.zeros(host_shape_v, dtype=dtype, pin_memory=pin))
+
+    def _shaped_pools(self, pin: bool) -> None:
+        """One key and one value page buffer; each stored layer's pools are views of its
+        slice of every page (layer ``j`` of a group at ``j`` layers' elements in)."""
+        keys, values = ((self.num_blocks, 1, 1, n) for n in self._page)
+        self.key_caches, self.value_caches = [self._device_pool(keys)], [self._device_pool(values)]
+        self.host_key_caches = [torch.zeros((self.num_host_blocks,) + keys[1:], dtype=self.dtype,
+                                            pin_memory=pin)]
+        self.host_value_caches = [torch.zeros((self.num_host_blocks,) + values[1:], dtype=self.dtype,
+                                              pin_memory=pin)]
+        self._views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.kv_groups.groups:
+            heads, size, size_v = group.shape
+            for j, layer in enumerate(group.layers):
+                self._views[layer] = (self._page_slice(self.key_caches[0], j, heads, size),
+                                      self._page_slice(self.value_caches[0], j, heads, size_v))
+
+    def _page_slice(self, pages: torch.Tensor, j: int, heads: int, size: int) -> torch.Tensor:
+        """``[num_blocks, heads, block_size, size]``: the ``j``-th layer slot of every page."""
+        n = heads * self.block_size * size
+        return pages.view(self.num_blocks, -1)[:, j * n:(j + 1) * n].view(
+            self.num_blocks, heads, self.block_size, size)
 
     def _device_pool(self, shape: Tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -192,7 +240,7 @@ class PagedKVCache:
         elif len(scales) != self.num_layers:
             raise ValueError(f"{name} must be one scale for every layer or a sequence of one per "
                              f"layer ({self.num_layers}), got {len(scales)} entries")
-        return [check_scale(f"{name}[{i}]", s, self.num_kv_heads, self.device)
+        return [check_scale(f"{name}[{i}]", s, self._shapes[i][0], self.device)
                 for i, s in enumerate(scales)]
 
     @property
@@ -206,8 +254,18 @@ class PagedKVCache:
 
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s key and value pools (shared by one layer of each KV group)."""
+        if self.kv_groups.is_shaped:
+            return self._views[self._source[index]]
         pool = self._place[index][1]
         return self.key_caches[pool], self.value_caches[pool]
+
+    def layer_shape(self, index: int) -> Tuple[int, int, int]:
+        """(KV heads, key head size, value head size) of layer ``index``'s pools."""
+        return self._shapes[index]
+
+    def source(self, index: int) -> int:
+        """The layer whose K/V layer ``index`` reads: itself, or a reader's source."""
+        return self._source[index]
 
     def kv_group(self, index: int) -> int:
         """The KV group of layer ``index`` (whose block tables and slots it uses)."""
@@ -218,6 +276,7 @@ class PagedKVCache:
         float cache (the ops' default, None). Every op call on the pools passes them."""
         if not self.is_quantized:
             return {}
+        index = self._source[index]
         if self.k_scales[index] is None:
             raise RuntimeError(f"layer {index} of the {self.dtype} cache has no scales yet: they "
                                "are calibrated by the layer's first write(), or give k_scale/v_scale")
@@ -234,6 +293,9 @@ class PagedKVCache:
         if self.values_in_keys:
             raise ValueError("this cache keeps the values in the keys' rows: store them with "
                              "write_columns(index, values, rest_of_key, slot_mapping)")
+        if self._source[index] != index:
+            raise ValueError(f"layer {index} reads layer {self._source[index]}'s K/V and stores "
+                             "nothing of its own")
         key_cache, value_cache = self.layer(index)
         if not self.is_quantized:
             key, value = key.to(self.dtype), value.to(self.dtype)

@@ -241,11 +241,6 @@ REFUSED = {
     "jetmoe": (lambda: transformers.JetMoeConfig(**COMMON), "repeat the K/V heads"),
     "hrm_text": (lambda: transformers.HrmTextConfig(**COMMON), "other cache layer indices"),
     "glm_moe_dsa": (lambda: transformers.GlmMoeDsaConfig(**COMMON), "sparse attention"),
-    # Read through transformers' per-layer config API (the global head_dim raises there).
-    "gemma4_text": (lambda: transformers.Gemma4TextConfig(**COMMON, num_key_value_heads=2),
-                    r"a different head_dim per layer \(256 on layer 0; 512 on layer 1\)"),
-    "gemma4": (lambda: transformers.Gemma4Config(text_config=dict(COMMON, num_hidden_layers=12)),
-               r"a different head_dim per layer \(256 on layers 0-4, 6-10; 512 on layers 5, 11\)"),
 }
 
 

@@ -243,3 +243,68 @@ def test_values_in_keys_and_separate_pools_refuse_each_others_writes():
     separate = PagedKVCache(1, 1, 8, 4, torch.float32, num_blocks=2)
     with pytest.raises(ValueError, match="use write"):
         separate.write_columns(0, torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.tensor([0]))
+
+
+# ---- pools per layer shape (one page buffer, views per layer) ---------------------------------
+def shaped_layout():
+    """Sliding layers 0, 1, 3, 4: 1 head of 8 (16 values a token); full layer 2: 1 head of 16
+    (32 values); layer 5 reads layer 2. Pages of 32 values: groups [2], [0, 1], [3, 4]."""
+    windows = [4, 4, None, 4, 4, None]
+    shapes = [(1, 8, 8), (1, 8, 8), (1, 16, 16), (1, 8, 8), (1, 8, 8), (1, 16, 16)]
+    return KVGroupLayout.from_windows(windows, shapes, {5: 2})
+
+
+def shaped_cache():
+    return PagedKVCache(6, 1, 8, block_size=4, dtype=torch.float32, num_blocks=6,
+                        num_host_blocks=3, kv_groups=shaped_layout())
+
+
+def test_shaped_pools_are_views_of_one_page():
+    cache = shaped_cache()
+    assert [g.layers for g in cache.kv_groups.groups] == [(2,), (0, 1), (3, 4)]
+    assert cache.layer(2)[0].shape == (6, 1, 4, 16) and cache.layer(0)[0].shape == (6, 1, 4, 8)
+    assert cache.layer(5)[0].data_ptr() == cache.layer(2)[0].data_ptr()  # a reader: its source's
+    assert cache.block_bytes == 4 * 32 * 4 and len(cache.key_caches) == 1
+    # The layers of one group are disjoint slices of a page; layer j of each group shares
+    # slot j (a page belongs to one group at a time).
+    for group in cache.kv_groups.groups:
+        for layer in group.layers:
+            key, value = cache.layer(layer)
+            key.fill_(layer + 1)
+            value.fill_(-(layer + 1))
+        for layer in group.layers:
+            key, value = cache.layer(layer)
+            assert bool((key == layer + 1).all()) and bool((value == -(layer + 1)).all())
+    assert cache.layer(0)[0].data_ptr() == cache.layer(3)[0].data_ptr()
+    with pytest.raises(ValueError, match="layer 5 reads layer 2's K/V and stores nothing"):
+        cache.write(5, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.tensor([0]))
+
+
+def test_shaped_pools_copy_swap_and_grow_whole_pages():
+    cache = shaped_cache()
+    for layer in (2, 0, 1):  # the slots of one group of each kind
+        for pool in cache.layer(layer):
+            pool.copy_(torch.randn_like(pool))
+    before = [tuple(p.clone() for p in cache.layer(layer)) for layer in range(6)]
+    cache.apply_copies([(1, 4)])
+    cache.swap_out([(2, 0)])
+    cache.layer(0)[0][2].zero_()
+    cache.swap_in([(0, 5)])
+    bigger = cache.with_blocks(8)
+    for layer in range(6):
+        for was, now, grown in zip(before[layer], cache.layer(layer), bigger.layer(layer)):
+            assert torch.equal(now[4], was[1]) and torch.equal(now[5], was[2])
+            assert torch.equal(grown[:6], now)
+
+
+def test_shaped_fp8_scales_per_layer_heads():
+    """Per-head scales follow each layer's KV heads; a reader uses its source's scales."""
+    windows = [4, None, 4]
+    layout = KVGroupLayout.from_windows(windows, [(2, 8, 8), (1, 16, 16), (2, 8, 8)], {2: 0})
+    k_scale = [torch.ones(2), torch.full((1,), 2.0), torch.ones(2)]
+    cache = PagedKVCache(3, 2, 8, block_size=4, dtype=torch.float8_e4m3fn, num_blocks=2,
+                         kv_groups=layout, k_scale=k_scale, v_scale=k_scale)
+    assert cache.scales(2)["k_scale"] is cache.scales(0)["k_scale"]
+    with pytest.raises(ValueError, match=r"k_scale\[1\]"):
+        PagedKVCache(3, 2, 8, block_size=4, dtype=torch.float8_e4m3fn, num_blocks=2,
+                     kv_groups=layout, k_scale=[torch.ones(2)] * 3, v_scale=[torch.ones(2)] * 3)

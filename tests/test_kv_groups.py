@@ -8,7 +8,7 @@ import pytest
 
 from paged_attention_ext.block_manager import BlockSpaceManager, NoFreeBlocksError, SeqSpec
 from paged_attention_ext.block_table import NULL_BLOCK, block_hashes
-from paged_attention_ext.kv_groups import KVGroupLayout
+from paged_attention_ext.kv_groups import KVGroupLayout, trailing_readers
 
 GEMMA3_26 = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # 5 local : 1 global
 
@@ -244,15 +244,50 @@ def test_layers_without_kv_are_in_no_group():
 
     layout = KVGroupLayout.from_windows([None, None, None, None, 8, None], without_kv=[0, 1, 2])
     # Groups of the rarest kind's count (one sliding layer), full attention first.
-    assert [g.layers for g in layout.groups] == [(3,), (5,), (4,)] and layout.num_layers == 3
+    assert [g.layers for g in layout.groups] == [(3,), (5,), (4,)]
+    assert layout.stored_layers == 3 and layout.num_layers == 6
     assert layout.without_kv == (0, 1, 2)
     cache = PagedKVCache(6, 1, 4, 4, torch.float32, num_blocks=2, kv_groups=layout)
     assert len(cache.key_caches) == 1 and cache.kv_group(4) == 2
     with pytest.raises(KeyError):
         cache.layer(1)
-    with pytest.raises(ValueError, match="kv_groups places 3 layers, the cache has 5"):
+    with pytest.raises(ValueError, match="kv_groups places 6 layers, the cache has 5"):
         PagedKVCache(5, 1, 4, 4, torch.float32, num_blocks=2, kv_groups=layout)
     with pytest.raises(ValueError, match="outside the model's 2"):
         KVGroupLayout.from_windows([None, None], without_kv=[2])
     with pytest.raises(ValueError, match="at least one layer that stores K/V"):
         KVGroupLayout.from_windows([None, None], without_kv=[0, 1])
+
+
+# ---- groups per layer shape, layers that read another's K/V ---------------------------------
+def test_groups_per_shape_are_sized_by_bytes():
+    """Gemma-4-31B-like: 50 sliding layers of 16 heads x 256 and 10 full of 4 x 512: a full
+    layer stores half a sliding one, so pages hold 10 full or 5 sliding layers, none padded."""
+    windows = [1024 if i % 6 < 5 else None for i in range(60)]
+    shapes = [(16, 256, 256) if w else (4, 512, 512) for w in windows]
+    layout = KVGroupLayout.from_windows(windows, shapes)
+    assert [len(g.layers) for g in layout.groups] == [10] + [5] * 10
+    assert {layout.page_elements(g, 16) for g in range(len(layout.groups))} == {16 * 40960}
+    assert layout.is_shaped and layout.windows == (None,) + (1024,) * 10
+    # One shape: the layout without shapes.
+    assert KVGroupLayout.from_windows(windows, [(2, 64, 64)] * 60) == KVGroupLayout.from_windows(windows)
+
+
+def test_readers_are_in_no_group():
+    windows = [4, 4, None, 4, None, 4, 4, None]
+    layout = KVGroupLayout.from_windows(windows, readers={5: 3, 6: 3, 7: 4})
+    assert layout.stored_layers == 5 and layout.num_layers == 8
+    assert layout.place(6) == layout.place(3) and layout.place(7) == layout.place(4)
+    assert trailing_readers(["s", "s", "f", "s", "f", "s", "s", "f"], 3) == {5: 3, 6: 3, 7: 4}
+    with pytest.raises(ValueError, match="layer 2 \\(f\\) reuses K/V .* no earlier layer of its kind"):
+        trailing_readers(["s", "s", "f"], 1)
+
+
+@pytest.mark.parametrize("readers, match", [
+    ({1: 0}, "window or shape differs"),
+    ({3: 1, 1: 0}, "which stores nothing itself"),
+    ({9: 0}, "the model has layers 0-3"),
+])
+def test_bad_readers_raise(readers, match):
+    with pytest.raises(ValueError, match=match):
+        KVGroupLayout.from_windows([None, 4, None, 4], readers=readers)

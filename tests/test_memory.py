@@ -254,3 +254,35 @@ def test_a_hybrid_manager_admits_what_its_blocks_and_slots_hold():
             admitted += 1
         assert admitted == expected
         manager.check_invariants()
+
+
+# ---- layers of several shapes and layers that reuse K/V (Gemma-4) -------------------------
+@pytest.mark.parametrize("preset, per_token, saving", [("gemma-4-31b", 901120, 9.11),
+                                                       ("gemma-4-e4b", 57344, 10.09)])
+def test_gemma_4_groups_hold_their_layers_within_a_block(preset, per_token, saving):
+    """At 32k each group holds at most one block more than its tokens need, in pages its own
+    layers fill (no padding), against every layer stored in the largest shape in one table."""
+    shape = PRESETS[preset]
+    report = kv_report(shape, "bfloat16", 32768, block_size=16)
+    assert report["bytes_per_token"] == per_token  # readers store nothing
+    groups = report["kv_groups"]
+    for group in groups["groups"]:
+        needed = -(-min(32768, group["sliding_window"] or 32768) // 16)
+        assert needed <= group["blocks_held"] <= needed + 1
+        assert group["padded_bytes"] == 0
+    excess = groups["bytes_per_sequence"] - groups["bytes_per_sequence_ideal"]
+    assert 0 <= excess <= groups["num_groups"] * groups["bytes_per_block"]
+    assert round(groups["saving"], 2) == saving
+    assert groups["readers"] == shape.kv_shared_layers
+
+
+def test_gemma_4_memory_command(capsys):
+    assert main(["memory", "--preset", "gemma-4-e4b", "--max-len", "32768"]) == 0
+    out = capsys.readouterr().out
+    assert "the last 18 reusing earlier layers' K/V" in out
+    assert "2 layers, full attention, 2 KV heads of 512" in out and "18 (store nothing)" in out
+
+
+def test_simulate_refuses_layers_of_several_shapes():
+    with pytest.raises(SystemExit, match="simulate replays layers of one shape; gemma-4-31b"):
+        main(["simulate", "--preset", "gemma-4-31b", "--num-requests", "4"])

@@ -47,7 +47,8 @@ class EngineConfig:
     kv_scale_calibration: str = "per_layer"
     # Sliding-window layers in KV groups of their own, which free the blocks that leave the
     # window (docs/kv_groups.md). False: one block table for every layer, each keeping every block
-    # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py).
+    # (as vLLM's disable_hybrid_kv_cache_manager; the baseline of bench/bench_kv_groups.py);
+    # layers of different K/V shapes (Gemma-4) still get a group per shape.
     hybrid_kv_groups: bool = True
     # Cascade attention (docs/cascade.md): running sequences that share prefix
     # blocks (samples, beams, requests on one cached prompt) read them once per step where

@@ -52,13 +52,14 @@ class LLMEngine:
                  config: EngineConfig = EngineConfig()) -> None:
         runner = model if isinstance(model, ModelRunner) else _transformers_runner(model)
         spec = runner.spec
-        # Sliding-window layers get KV groups of their own, which free what leaves the window.
-        kv_groups = (KVGroupLayout.from_windows(spec.layer_windows) if config.hybrid_kv_groups
-                     else KVGroupLayout.uniform(spec.num_layers))
+        # Sliding-window and chunked layers get KV groups of their own, which free what leaves
+        # their span; layers of different K/V shapes get groups per shape either way.
         if not config.hybrid_kv_groups and any(isinstance(w, Chunked) for w in spec.layer_windows):
             # A chunked layer's chunks come from its group's tables (chunk_local), not a layer option.
             raise NotImplementedError("this model has chunked-attention layers, which need KV "
                                       "groups of their own: set hybrid_kv_groups=True")
+        windows = spec.layer_windows if config.hybrid_kv_groups else (None,) * spec.num_layers
+        kv_groups = KVGroupLayout.from_windows(windows, spec.layer_shapes, dict(spec.kv_readers))
         limit = spec.max_packed_positions
         if limit is not None and config.max_num_batched_tokens > limit:
             raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is more than "

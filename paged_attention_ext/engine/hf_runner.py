@@ -22,7 +22,8 @@ import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION, PagedBatch
-from ..hf.support import check_config, kv_head_shape, layer_windows, packed_position_limit
+from ..hf.support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
+                          packed_position_limit)
 from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs, StepPlan
 from .config import EngineConfig
@@ -44,12 +45,16 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         raise NotImplementedError(
             f"the engine does not serve models with linear-attention layers "
             f"({type(model).__name__}); use model.generate with a PagedCache")
-    shape = kv_head_shape(text)  # MLA: K/V expanded per query head, key and value sizes differ
+    shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
+    # MLA: K/V expanded per query head, key and value sizes differ.
+    shape = shapes[0] if shapes is not None else kv_head_shape(text)
     return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
                      dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
-                     max_packed_positions=packed_position_limit(text))
+                     max_packed_positions=packed_position_limit(text),
+                     layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
+                     kv_readers=tuple(sorted(kv_readers(text, layer_types).items())))
 
 
 class HFModelRunner(ModelRunner):

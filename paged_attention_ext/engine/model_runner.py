@@ -37,6 +37,11 @@ class ModelSpec:
     dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype is fp8
     device: torch.device
     vocab_size: int                  # prompts' tokens must be below it
+    # Per layer (kv heads, key size, value size) where layers differ (Gemma-4); None: the
+    # three fields above serve every layer.
+    layer_shapes: Optional[Tuple[Tuple[int, int, int], ...]] = None
+    # (layer, source layer): layers that store no K/V and attend over their source's.
+    kv_readers: Tuple[Tuple[int, int], ...] = ()
     # Tokens a sequence, and a step, may hold; None: no limit. A model that reads a position
     # from a token's index in the forward (Llama-4's attention temperature tuning) computes a
     # packed forward as separate ones only where the two give the same result.

@@ -113,7 +113,8 @@ def paged_attention_forward(
     if latent:
         key_weight, value_weight = latent_weights(module, heads, value_cache.shape[-1])
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
-    if batch.write_kv:
+    # A KV-shared layer (a reader) gets its source's K/V, which the source stored.
+    if batch.write_kv and batch.kv_cache.source(module.layer_idx) == module.layer_idx:
         if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
                 or value.shape[1] != value_cache.shape[1] or head_size_v != value_cache.shape[-1]):
             raise ValueError(
@@ -126,6 +127,12 @@ def paged_attention_forward(
     elif head_size_v != value_cache.shape[-1] and not latent:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
+    if batch.q_len is not None and q_len != batch.q_len:
+        if batch.last_queries is None or batch.kv_cache.source(module.layer_idx) == module.layer_idx:
+            raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has {q_len} queries per "
+                             f"row, the forward {batch.q_len} (only a layer that reuses another's "
+                             "K/V may run on the last positions alone)")
+        batch = batch.last_queries(q_len)
     q = flat_tokens(query)
     if latent:
         q = absorb_query(q, key_weight)

@@ -42,6 +42,11 @@ class PagedBatch:
     # Called with the layer index once the attention function has stored a layer's K/V
     # (a PagedCache of an MLA model, whose update() only sees the latents, counts on it).
     on_stored: Optional[Callable[[int], None]] = None
+    # A PagedCache forward's row width, and this batch for queries of only the last positions
+    # of each row: transformers' Gemma-4 runs its KV-shared layers on the positions whose
+    # logits it keeps (the others' K/V are stored already).
+    q_len: Optional[int] = None
+    last_queries: Optional[Callable[[int], "PagedBatch"]] = None
 
     def _group(self, layer: int) -> int:
         """The layer's KV group, which this batch must have tables for."""

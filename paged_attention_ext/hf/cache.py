@@ -24,7 +24,7 @@ models with linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Line
 layers store no K/V; their states sit in state pools, one slot per row (:mod:`.linear_states`).
 """
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from transformers import PretrainedConfig
@@ -39,10 +39,11 @@ from ..step_inputs import StepInputs, StepPlan
 from .batch import PagedBatch, flat_tokens
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
-                      take_padding_mask)
+                      publish_source_call, take_padding_mask)
 from .linear_states import LINEAR_ATTENTION, LinearStates, state_pool_summary
 from .placement import RowLimit, RowPlacement, new_token_counts
-from .support import check_config, kv_head_shape, layer_windows, mla_head_sizes
+from .support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
+                      mla_head_sizes)
 
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
@@ -76,7 +77,9 @@ class LayerStorage(NamedTuple):
             # Every rank holds the whole latent: it is one head shared by all query heads.
             lora, rope = text_config.kv_lora_rank, text_config.qk_rope_head_dim
             return cls(False, True, (1, lora + rope, lora))
-        return cls(mla, False, tuple(kv_head_shape(text_config, tp_size)))
+        shapes = layer_shapes(text_config, tp_size)  # layers of several shapes: layer 0's
+        shape = shapes[0] if shapes is not None else kv_head_shape(text_config, tp_size)
+        return cls(mla, False, tuple(shape))
 
     def pool_shape(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[int, int, int]:
         """The pools' head shape for what update() got (MLA: the config's)."""
@@ -170,14 +173,21 @@ class PagedCache(Cache):
         self._config = text_config
         self._check_attn_implementation(ValueError)
         self.layer_types: List[str] = layer_types
-        # The layers that store K/V (a hybrid model's linear layers keep states instead).
-        self._kv_layers = [i for i, kind in enumerate(layer_types) if kind != LINEAR_ATTENTION]
-        self.is_hybrid_linear = len(self._kv_layers) < len(layer_types)
-        self.kv_groups = KVGroupLayout.from_windows(
-            layer_windows(text_config, layer_types),
-            without_kv=[i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION])
+        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
+        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
+        tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+        readers = kv_readers(text_config, layer_types)
+        linear = [i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION]
+        # The layers that call update(), in order: a hybrid model's linear layers keep states
+        # instead, and KV-shared layers read their source's K/V.
+        self._kv_layers = [i for i in range(len(layer_types)) if i not in readers and i not in linear]
+        self.is_hybrid_linear = bool(linear)
+        self.kv_groups = KVGroupLayout.from_windows(layer_windows(text_config, layer_types),
+                                                    layer_shapes(text_config, tp_size), readers,
+                                                    without_kv=linear)
         for window in self.kv_groups.windows:  # a chunk must be whole blocks
             check_window(window, block_size)
+        self._sources = frozenset(readers.values())
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -186,9 +196,6 @@ class PagedCache(Cache):
         self._cascade_min_saved_tokens = cascade_min_saved_tokens
         self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                                 calibration=kv_scale_calibration)
-        # Tensor parallel (transformers' tp_plan): each rank's attention gets its share of the
-        # heads, and its pools hold that share (as transformers' StaticCache sizes itself).
-        tp_size: int = getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
         self._storage = LayerStorage.of(text_config, tp_size, mla_storage)
         # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
         self._new_pool(1, (self._storage.config_shape[0], 2, 1, torch.float32, torch.device("cpu")))
@@ -279,7 +286,10 @@ class PagedCache(Cache):
         """Count the layer stored and hand the attention function its call."""
         if not self._storage.in_attention:
             self._state.layer_stored()
-        publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), self._batch))
+        call = LayerCall(self, layer_idx, self._storage.handoff_key(keys), self._batch)
+        publish_layer_call(call)
+        if layer_idx in self._sources:
+            publish_source_call(call)  # the layers that read its K/V take the batch with it
 
     def _count_stored(self, layer_idx: int) -> None:
         """MLA: the attention function stored layer ``layer_idx``'s expanded K/V (so a
@@ -421,8 +431,10 @@ class PagedCache(Cache):
     def _check_call(self, layer_idx: int) -> None:
         """Refuse an update that would store K/V next to an inconsistent history."""
         self._state.check_usable()
+        readers = dict(self.kv_groups.readers)
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not (
-                0 <= layer_idx < len(self.layer_types)) or layer_idx not in self._kv_layers:
+                0 <= layer_idx < len(self.layer_types)) or (
+                    layer_idx not in self._kv_layers and layer_idx not in readers):
             raise ValueError(f"PagedCache: layer_idx {layer_idx!r} is not a K/V layer of this config "
                              f"({len(self.layer_types)} layers, K/V layers {self._kv_layers})")
         first = layer_idx == self._kv_layers[0]
@@ -439,9 +451,13 @@ class PagedCache(Cache):
                          f"model does not run attn_implementation={ATTN_IMPLEMENTATION!r} (it would "
                          "attend only to the new tokens and generate different tokens). Load or build "
                          f"the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
+        if layer_idx not in self._kv_layers:  # a KV-shared layer (the check above let it by)
+            raise RuntimeError(f"PagedCache: layer {layer_idx} reads layer {readers[layer_idx]}'s "
+                               "K/V (num_kv_shared_layers) and stores none of its own")
         if first:
             self._check_attn_implementation(RuntimeError)
-        elif self._batch is None or layer_idx != self._kv_layers[self._state.layers_stored]:
+        elif self._batch is None or self._state.layers_stored >= len(self._kv_layers) or (
+                layer_idx != self._kv_layers[self._state.layers_stored]):
             raise RuntimeError(f"PagedCache: layer {layer_idx} stored K/V out of order (after "
                                f"{self._state.layers_stored} layers of this forward; layer "
                                f"{self._kv_layers[0]} comes first)")
@@ -456,7 +472,7 @@ class PagedCache(Cache):
             self.reset()
 
     def _check_layer_shapes(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        kv_heads, head_size, head_size_v = self._pool_spec[:3]
+        kv_heads, head_size, head_size_v = self.kv.layer_shape(layer_idx)
         if self._storage.latent:  # update() got the latent and the rotary key part
             head_size, head_size_v = head_size_v, head_size - head_size_v
         if (keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != kv_heads
@@ -464,8 +480,8 @@ class PagedCache(Cache):
                 or values.shape[3] != head_size_v or keys.shape[:3] != values.shape[:3]):
             raise ValueError(f"PagedCache: layer {layer_idx} stores keys {tuple(keys.shape)} and "
                              f"values {tuple(values.shape)}; the pools hold {kv_heads} KV heads of "
-                             f"key size {head_size} and value size {head_size_v} (set by layer 0: "
-                             "one pool shape serves every layer)")
+                             f"key size {head_size} and value size {head_size_v} (set by layer 0 "
+                             "and, where layers differ, the config's per-layer shapes)")
 
     # ---- placement -------------------------------------------------------------------------
     def _plan_forward(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[List[int], PoolSpec]:
@@ -526,8 +542,25 @@ class PagedCache(Cache):
         inputs = StepInputs.from_plan(step, self.kv, self._cascade_min_saved_tokens)
         in_attention = self._storage.in_attention
         self._batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
-                                 on_stored=self._count_stored if in_attention else None)
+                                 on_stored=self._count_stored if in_attention else None,
+                                 q_len=q_len, last_queries=self._last_queries(step))
         self.cascade_forwards += bool(self._batch.inputs.cascades)
+
+    def _last_queries(self, step: StepPlan) -> Callable[[int], PagedBatch]:
+        """The forward's batch for queries of the last ``keep`` positions of each row (built
+        once per ``keep``; these queries write nothing)."""
+        built: Dict[int, PagedBatch] = {}
+
+        def narrowed(keep: int) -> PagedBatch:
+            if keep not in built:
+                counts = [min(n, keep) for n in step.query_lens]
+                rows = [row * keep + i for row, n in enumerate(counts) for i in range(keep - n, keep)]
+                plan = StepPlan(step.tables, step.slots, step.seq_lens, counts,
+                                None if len(rows) == len(counts) * keep else rows)
+                built[keep] = PagedBatch(self.kv, StepInputs.from_plan(
+                    plan, self.kv, self._cascade_min_saved_tokens), write_kv=False)
+            return built[keep]
+        return narrowed
 
     def _check_room(self, counts: Sequence[int]) -> None:
         """Refuse a forward the pool cannot take, before any state changes."""

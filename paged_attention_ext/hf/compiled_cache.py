@@ -83,6 +83,12 @@ class CompiledPagedCache(PagedCache):
                 "CompiledPagedCache does not serve models with linear-attention layers (their "
                 "states are gathered from and stored to the rows' slots in Python each forward); "
                 "use PagedCache(config) without torch.compile")
+        if self.kv_groups.readers:
+            # A reader's attention finds its batch through its source's call, which a
+            # traced forward does not publish.
+            raise NotImplementedError(
+                "CompiledPagedCache: layers that reuse another layer's K/V (num_kv_shared_layers) "
+                "run only eagerly: use PagedCache")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:

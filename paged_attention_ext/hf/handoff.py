@@ -10,14 +10,18 @@ function, so three hand-offs go through context variables:
   next forward;
 * each ``update`` publishes the layer's :class:`LayerCall` with the key tensor it returns
   (:func:`publish_layer_call`), and the attention function takes the batch only for that
-  same tensor (:func:`take_batch`), which clears it.
+  same tensor (:func:`take_batch`), which clears it;
+* a layer whose K/V other layers reuse (Gemma-4's KV-shared layers, which call no
+  ``update``: transformers hands them the K/V their source's ``update`` returned) also
+  publishes its call as a source (:func:`publish_source_call`); a reader's attention takes
+  the batch when it gets that same key tensor, until the next forward's mask function.
 
 Inside a ``torch.compile`` trace dynamo cannot trace ``ContextVar.set``; the layer call then
 goes through an attribute of a plain object, which it can (and replays after the graph).
 """
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -42,6 +46,7 @@ class LayerCall(NamedTuple):
 
 _padding_mask: ContextVar[Optional[torch.Tensor]] = ContextVar("paged_padding_mask", default=None)
 _layer_call: ContextVar[Optional[LayerCall]] = ContextVar("paged_layer_call", default=None)
+_source_calls: ContextVar[Tuple[LayerCall, ...]] = ContextVar("paged_source_calls", default=())
 # A compiled cache whose get_mask_sizes just ran eagerly: the mask function that
 # transformers calls next with the 2D padding mask prepares that cache's next forward.
 _preparing: ContextVar[Optional["CompiledPagedCache"]] = ContextVar("paged_mask_sizes", default=None)
@@ -72,6 +77,7 @@ def publish_padding_mask(attention_mask: Optional[torch.Tensor] = None, mask_fun
     if mask_function is not None:
         check_mask_function(mask_function, attention_mask, kwargs, ATTN_IMPLEMENTATION)
     _layer_call.set(None)
+    _source_calls.set(())
     cache = _preparing.get()
     _preparing.set(None)
     if cache is not None:
@@ -106,6 +112,11 @@ def publish_layer_call(call: LayerCall) -> None:
         _layer_call.set(call)
 
 
+def publish_source_call(call: LayerCall) -> None:
+    """``call``'s layer has readers: they take its batch with its key tensor (eager only)."""
+    _source_calls.set(_source_calls.get() + (call,))
+
+
 def pending_call(cache: "PagedCache") -> Optional[LayerCall]:
     """A call ``cache`` published that no attention function took (eager forwards only)."""
     call = _layer_call.get()
@@ -115,15 +126,21 @@ def pending_call(cache: "PagedCache") -> Optional[LayerCall]:
 def drop_calls_of(cache: "PagedCache") -> None:
     if pending_call(cache) is not None:
         _layer_call.set(None)
+    _source_calls.set(tuple(call for call in _source_calls.get() if call.cache is not cache))
 
 
 def take_batch(module: torch.nn.Module, key: torch.Tensor) -> Optional[PagedBatch]:
     """The batch a PagedCache published for the attention call of ``module`` with ``key``."""
     compiling = torch.compiler.is_compiling()
     call = _traced.call if compiling else _layer_call.get()
+    layer_idx = getattr(module, "layer_idx", None)
+    if not compiling:
+        for source in _source_calls.get():
+            if (source.key is key and layer_idx is not None
+                    and source.batch.kv_cache.source(layer_idx) == source.layer_idx != layer_idx):
+                return source.batch  # a reader of that layer's K/V
     if call is None:
         return None
-    layer_idx = getattr(module, "layer_idx", None)
     if call.key is None:
         if layer_idx != call.layer_idx:
             return None

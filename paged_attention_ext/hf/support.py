@@ -17,7 +17,7 @@ from typing import AbstractSet, Any, Dict, List, Mapping, NamedTuple, Optional, 
 import torch
 import transformers
 
-from ..kv_groups import Chunked, Window
+from ..kv_groups import Chunked, Window, trailing_readers
 from .self_check import verify_architecture, verify_variant
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -58,6 +58,11 @@ REFUSED: Dict[str, str] = {
 # Multi-head latent attention models whose attention runs (and was tested) with the K/V
 # expanded per head: key head qk_nope_head_dim + qk_rope_head_dim, value head v_head_dim.
 MLA_TESTED = ("deepseek_v2", "deepseek_v3", "mistral4", "kimi_linear")
+
+# Model types whose KV-shared layers (num_kv_shared_layers) get their source layer's K/V as
+# that layer's update() returned them, and call no update() themselves (the tests cover
+# them): the attention function then reads the source layer's blocks.
+KV_SHARING_VERIFIED = ("gemma4", "gemma4_text")
 
 # Model types whose causal-LM class does not declare _supports_attention_backend but whose
 # attention does go through the interface (checked by the tests).
@@ -103,8 +108,9 @@ def shape_attribute(text_config, name: str) -> Any:
         summary = "; ".join(f"{value} on layer{'s' if len(layers[value]) > 1 else ''} "
                             f"{_layer_ranges(layers[value])}" for value in distinct)
         raise NotImplementedError(
-            f"{type(text_config).__name__} has a different {name} per layer ({summary}), and one "
-            "pool shape serves every layer of a PagedCache")
+            f"{type(text_config).__name__} has a different {name} per layer ({summary}), which "
+            "PagedCache serves only for attention over per-head K/V (not multi-head latent "
+            "attention)")
     return distinct[0]
 
 
@@ -126,6 +132,44 @@ class KVHeadShape(NamedTuple):
     num_kv_heads: int
     head_size: int
     head_size_v: int
+
+
+def layer_shapes(text_config, tp_size: int = 1) -> Optional[List[KVHeadShape]]:
+    """Each layer's K/V shape where layers differ in KV heads or head size (Gemma-4: sliding
+    layers of ``head_dim`` beside full ones of ``global_head_dim``, with their own KV head
+    count), read through transformers' per-layer config API; None where one shape serves
+    every layer (:func:`kv_head_shape`). ``NotImplementedError`` for an MLA model whose
+    layers differ."""
+    per_layer = {name: per_layer_values(text_config, name)
+                 for name in ("num_key_value_heads", "head_dim")}
+    if all(values is None or len(set(values)) == 1 for values in per_layer.values()):
+        return None
+    if mla_head_sizes(text_config) is not None:
+        shape_attribute(text_config, "head_dim")  # raises, naming the layers
+        shape_attribute(text_config, "num_key_value_heads")
+    heads = shape_attribute(text_config, "num_attention_heads")
+    layers = text_config.num_hidden_layers
+    each = {name: values if values is not None else [getattr(text_config, name, None)] * layers
+            for name, values in per_layer.items()}
+    shapes = []
+    for layer, (kv_heads, head_size) in enumerate(zip(each["num_key_value_heads"], each["head_dim"])):
+        kv_heads = kv_heads or heads
+        head_size = head_size or text_config.hidden_size // heads
+        if kv_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of layer "
+                             f"{layer} of {type(text_config).__name__}")
+        shapes.append(KVHeadShape(kv_heads // tp_size, head_size, head_size))
+    return shapes
+
+
+def kv_readers(text_config, layer_types: Sequence[str]) -> Dict[int, int]:
+    """Layers that store no K/V and read an earlier layer's (``num_kv_shared_layers``): each
+    of the last ``num_kv_shared_layers`` layers reads the last layer before them of its own
+    type, as transformers' Gemma-4 hands it ``shared_kv_states``. Empty for other models."""
+    try:
+        return trailing_readers(layer_types, getattr(text_config, "num_kv_shared_layers", None) or 0)
+    except ValueError as error:
+        raise NotImplementedError(f"{type(text_config).__name__}: {error}") from None
 
 
 def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
@@ -170,8 +214,9 @@ def check_config(config, text_config) -> List[str]:
     if getattr(config, "is_encoder_decoder", False):
         refuse("encoder-decoder models need a cross-attention cache (only decoder-only models are "
                "supported)")
-    if getattr(text_config, "num_kv_shared_layers", None):
-        refuse("layers that reuse another layer's K/V (num_kv_shared_layers)")
+    if getattr(text_config, "num_kv_shared_layers", None) and model_type not in KV_SHARING_VERIFIED:
+        refuse("layers that reuse another layer's K/V (num_kv_shared_layers) in a way the tests "
+               f"do not cover (they cover {', '.join(KV_SHARING_VERIFIED)})")
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is None:
         # As transformers' DynamicCache infers them.
@@ -190,11 +235,12 @@ def check_config(config, text_config) -> List[str]:
                f"{', '.join(LINEAR_ATTENTION_TESTED)}")
     if getattr(text_config, "alibi", False) is True:
         refuse("ALiBi position biases (alibi=True) inside its own attention code")
-    for name in ("num_key_value_heads", "num_attention_heads", "head_dim"):
-        try:
-            shape_attribute(text_config, name)
-        except NotImplementedError as error:
-            refuse(str(error))
+    try:
+        shape_attribute(text_config, "num_attention_heads")
+        layer_shapes(text_config)  # layers of different K/V shapes get pools per shape
+        kv_readers(text_config, layer_types)
+    except NotImplementedError as error:
+        refuse(str(error))
     model_class = causal_lm_class(model_type)
     if (model_class is not None and not getattr(model_class, "_supports_attention_backend", False)
             and model_type not in INTERFACE_VERIFIED):

@@ -166,13 +166,24 @@ def run_memory(args: argparse.Namespace) -> Dict:
     if groups is not None:
         bs = args.block_size or 16
         for g, group in enumerate(groups["groups"]):
-            rows.append((f"KV group {g} ({group['layers']} layers, {group['kind']})",
+            kind = group["kind"]
+            if group["shape"] is not None:
+                heads, head_size, _ = group["shape"]
+                kind += f", {heads} KV heads of {head_size}"
+                note = (f" (its layers fill {1 - group['padded_bytes'] / groups['bytes_per_block']:.0%} "
+                        "of a page)" if group["padded_bytes"] else "")
+            else:
+                note = padding_note(group["padded_layers"], groups["layers_per_group"])
+            rows.append((f"KV group {g} ({group['layers']} layers, {kind})",
                          f"{group['blocks_held']} blocks of {bs} tokens held, "
-                         f"{size(group['bytes_held'])}"
-                         + padding_note(group["padded_layers"], groups["layers_per_group"])))
+                         f"{size(group['bytes_held'])}{note}"))
+        if groups["readers"]:
+            rows.append(("layers reusing another's K/V", f"{groups['readers']} (store nothing)"))
+        baseline = ("one pool shape (the largest) and one table for all layers"
+                    if shape.is_heterogeneous else "one table for all layers")
         rows.append((f"per sequence of {args.max_len} tokens, KV groups",
                      f"{size(groups['bytes_per_sequence'])}: {groups['fraction_of_single_table']:.1%} "
-                     f"of one table for all layers ({groups['saving']:.2f}x less), "
+                     f"of {baseline} ({groups['saving']:.2f}x less), "
                      f"{groups['fraction_of_ideal']:.1%} of what the layers read"))
         if args.memory_gib is not None:
             rows.append(("sequences fit, KV groups", f"{groups['sequences_fit']}"))
@@ -202,6 +213,11 @@ def run_memory(args: argparse.Namespace) -> Dict:
              f"{shape.kv_heads} KV heads, head size {shape.head_size}")
     if linear is not None:
         heads += f" (and {shape.linear_layers} linear-attention layers)"
+    if shape.full_kv_heads or shape.full_head_size:
+        full_heads, full_size, _ = shape.layer_shapes()[shape.windows().index(None)]
+        heads += f" (full layers: {full_heads} KV heads, head size {full_size})"
+    if shape.kv_shared_layers:
+        heads += f", the last {shape.kv_shared_layers} reusing earlier layers' K/V"
     print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({report['dtype_bytes']} "
           f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value){pattern}")
     width = max(len(label) for label, _ in rows) + 1
@@ -268,6 +284,9 @@ class Progress:
 def run_simulate(args: argparse.Namespace) -> Dict:
     groups = bool(args.preset or args.layers or args.sliding_window or args.layer_pattern
                   or args.attention_chunk_size)
+    if groups and shape_from(args).is_heterogeneous:
+        fail(f"simulate replays layers of one shape; {args.preset} has layers of several shapes or "
+             "layers that reuse K/V: `paged-attention memory` sizes its KV groups")
     progress = Progress("simulate", 1 + len(simulator.STRATEGIES) + groups
                         + (args.parallel_samples > 1) + (args.beam_width > 1))
     progress(f"reading the trace {args.trace}" if args.trace else

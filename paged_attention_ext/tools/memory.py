@@ -19,13 +19,20 @@ DeltaNet layers beside ``layers`` full-attention ones) keeps K/V for the full la
 and one fixed-size state per linear layer and sequence (:mod:`paged_attention_ext.state_slots`):
 the report splits a sequence's bytes into paged K/V and fixed state, beside what it would
 take if every layer kept K/V.
+
+Gemma-4 shapes add full-attention layers of another shape (``full_kv_heads``,
+``full_head_size``: ``num_global_key_value_heads``, ``global_head_dim``) and trailing layers
+that reuse an earlier layer's K/V (``kv_shared_layers``) and store nothing. Their groups hold
+layers of one shape each and are sized by bytes; the report compares them with one pool
+shape for every layer (each layer stored as large as the largest, one table).
 """
 
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..block_manager import BlockSpaceManager
-from ..kv_groups import Chunked, KVGroupLayout, Window, first_visible_position
+from ..kv_groups import (Chunked, KVGroupLayout, LayerShape, Window, first_visible_position,
+                         trailing_readers)
 
 GIB = 1 << 30
 
@@ -48,10 +55,39 @@ class ModelShape:
     # per sequence (convolution window and recurrent matrix: :func:`gated_deltanet_state`).
     linear_layers: int = 0
     linear_state_values: int = 0
+    # Gemma-4: the full-attention layers' KV heads and head size where they differ, and the
+    # trailing layers that reuse an earlier layer's K/V (they store nothing).
+    full_kv_heads: Optional[int] = None
+    full_head_size: Optional[int] = None
+    kv_shared_layers: int = 0
 
     def expanded_layer_values(self) -> int:
-        """Values one layer stores per token as K/V per head."""
-        return self.kv_heads * (self.head_size + (self.head_size_v or self.head_size))
+        """Values one layer stores per token as K/V per head (the largest layer's, where
+        layers differ)."""
+        return max(heads * (size + size_v) for heads, size, size_v in self.layer_shapes())
+
+    def layer_shapes(self) -> List[LayerShape]:
+        """Each layer's (KV heads, key head size, value head size)."""
+        sliding = (self.kv_heads, self.head_size, self.head_size_v or self.head_size)
+        full_size = self.full_head_size or self.head_size
+        full = (self.full_kv_heads or self.kv_heads, full_size,
+                full_size if self.full_head_size else self.head_size_v or self.head_size)
+        return [sliding if window else full for window in self.windows()]
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        """Layers differ in shape, or some store nothing."""
+        return len(set(self.layer_shapes())) > 1 or self.kv_shared_layers > 0
+
+    def readers(self) -> Dict[int, int]:
+        """Layers that store nothing -> the layer whose K/V they read."""
+        return trailing_readers(self.windows(), self.kv_shared_layers)
+
+    def stored_values(self) -> int:
+        """Values all layers store per token (K/V per head; readers store none)."""
+        readers = self.readers()
+        return sum(heads * (size + size_v) for layer, (heads, size, size_v)
+                   in enumerate(self.layer_shapes()) if layer not in readers)
 
     def windows(self) -> List[Window]:
         """Each layer's window (None: full attention; Chunked: chunked local attention)."""
@@ -100,6 +136,13 @@ PRESETS: Dict[str, ModelShape] = {
     "mistral-7b-v0.1": ModelShape(32, 8, 128, sliding_window=4096, layer_pattern=(1, 0)),
     # Chunked local attention beside NoPE full layers (every 4th).
     "llama-4-scout": ModelShape(48, 8, 128, attention_chunk_size=8192, layer_pattern=(3, 1)),
+    # Gemma-4 as its model cards describe it: sliding layers of head 256, full layers of head
+    # 512. 31B: full layers K=V with 4 KV heads (stored as two tensors, see docs/kv_groups.md);
+    # E4B: the last 18 layers reuse K/V.
+    "gemma-4-31b": ModelShape(60, 16, 256, sliding_window=1024, layer_pattern=(5, 1),
+                              full_kv_heads=4, full_head_size=512),
+    "gemma-4-e4b": ModelShape(42, 2, 256, sliding_window=512, layer_pattern=(5, 1),
+                              full_head_size=512, kv_shared_layers=18),
     # Multi-head latent attention: expanded per query head (keys 128 + 64 RoPE, values 128)
     # or latent rows of 512 + 64.
     "deepseek-v3": ModelShape(61, 128, 192, head_size_v=128, latent_size=576),
@@ -166,6 +209,8 @@ def bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """The cache's bytes per token: latent rows for an MLA shape, else K/V per head."""
     if shape.latent_size is not None:
         return shape.layers * shape.latent_size * _dtype_bytes(dtype)
+    if shape.is_heterogeneous:
+        return shape.stored_values() * _dtype_bytes(dtype)
     return expanded_bytes_per_token(shape, dtype)
 
 
@@ -193,7 +238,7 @@ def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[
                       sequences_fit=memory // (per_token * max_len))
         if block_size is not None:
             report["blocks_fit"] = memory // (per_token * block_size)
-    if any(shape.windows()):
+    if any(shape.windows()) or shape.is_heterogeneous:
         report["kv_groups"] = kv_group_report(shape, dtype, max_len, block_size or 16, memory_gib)
     if shape.linear_layers:
         report["linear_state"] = linear_state_report(shape, dtype, max_len, memory_gib)
@@ -235,28 +280,40 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
     sequence's total against one block table for all layers, and the ideal (each
     group exactly the tokens its last query reads: all of them, its window, or its chunk).
 
-    Every group's page is ``layers_per_group`` layers (all groups draw pages of one size from
-    one pool), so a group of fewer layers (the last of a kind whose count is no multiple of
-    the group size) holds the bytes of a full one: its ``padded_layers`` unused layer slots
-    per page are counted in its ``bytes_held``."""
-    layout = KVGroupLayout.from_windows(shape.windows())
-    layer_block = shape.expanded_layer_values() * DTYPE_BYTES[dtype] * block_size
-    page = layout.layers_per_group * layer_block
+    All groups draw pages of one size from one pool, so a group whose layers fill less than
+    a page (the last of a kind whose count is no multiple of the group size, or a kind of
+    another shape) holds the bytes of a full page: its unused part (``padded_layers`` layer
+    slots, or ``padded_bytes`` per block where shapes differ) is counted in its
+    ``bytes_held``. With layers of several shapes, "one table" stores every layer in the
+    largest shape (one pool shape for every layer)."""
+    element = DTYPE_BYTES[dtype]
+    shaped = shape.is_heterogeneous
+    layout = KVGroupLayout.from_windows(shape.windows(), shape.layer_shapes() if shaped else None,
+                                        shape.readers())
+    layer_block = shape.expanded_layer_values() * element * block_size  # the largest layer's
+
+    def own_block(group) -> int:  # bytes a block of the group's layers fills
+        if group.shape is None:
+            return len(group.layers) * layer_block
+        return layout.page_elements(layout.groups.index(group), block_size) * element
+    page = (max(own_block(g) for g in layout.groups) if layout.is_shaped
+            else layout.layers_per_group * layer_block)
     held = held_blocks(layout.windows, max_len, block_size)
-    # Every page holds layers_per_group layers (one page size, so all groups share one pool):
-    # a group of fewer layers leaves the rest of each of its pages unused, and its bytes count it.
     groups = [{"layers": len(g.layers), "sliding_window": None if g.chunk_size else g.sliding_window,
                "chunk_size": g.chunk_size, "kind": window_label(g.sliding_window),
                "blocks_held": n, "bytes_held": n * page,
-               "padded_layers": layout.layers_per_group - len(g.layers)}
+               "padded_layers": layout.layers_per_group - len(g.layers),
+               "padded_bytes": page - own_block(g), "shape": g.shape}
               for g, n in zip(layout.groups, held)]
     grouped = sum(held) * page
     single = -(-max_len // block_size) * shape.layers * layer_block
+    # Each group's tokens its last query reads: all of them, its window, or its chunk.
     read = [max_len - first_visible_position(g.sliding_window, max_len - 1) for g in layout.groups]
-    ideal = sum(len(g.layers) * n for g, n in zip(layout.groups, read)) * layer_block // block_size
+    ideal = sum(own_block(g) * n for g, n in zip(layout.groups, read)) // block_size
     report = {"num_groups": len(groups), "layers_per_group": layout.layers_per_group,
               "padded_layers": layout.padded_layers, "bytes_per_block": page, "groups": groups,
-              "bytes_per_sequence": grouped, "bytes_per_sequence_single_table": single,
+              "readers": len(layout.readers), "bytes_per_sequence": grouped,
+              "bytes_per_sequence_single_table": single,
               "bytes_per_sequence_ideal": ideal, "fraction_of_single_table": grouped / single,
               "fraction_of_ideal": grouped / ideal,
               "saving": single / grouped}
