@@ -91,3 +91,16 @@ def test_engine_eager_buffers_grow_to_a_prompt_past_the_step_budget():
     assert engine.runner._buffers is buffers  # kept across steps, not rebuilt
     for request in requests:
         assert got[request.request_id] == generate_reference(reference, request)
+
+
+def test_engine_steps_inside_and_outside_inference_mode():
+    """Buffers first allocated under inference_mode stay writable by later steps outside it."""
+    paged, reference = random_pair(tiny_config(), reference_attention="eager")
+    engine = LLMEngine(paged, EngineConfig(block_size=BLOCK, num_device_blocks=64, num_host_blocks=0))
+    first = Request("first", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3))
+    second = Request("second", [5, 6, 7], SamplingParams(max_new_tokens=3))  # fits: no growth
+    with torch.inference_mode():
+        got = engine.generate([first])
+    got.update(engine.generate([second]))
+    for request in (first, second):
+        assert got[request.request_id] == generate_reference(reference, request)

@@ -128,8 +128,10 @@ class HFModelRunner(ModelRunner):
             old = (0, 0, 0) if buffers is None else (buffers.max_seqs, buffers.max_tokens,
                                                       buffers.width)
             need = (len(plan.seq_lens), plan.num_tokens, plan.width())
-            self._buffers = buffers = StepBuffers(
-                self.kv_cache, *(o if n <= o else max(n, 2 * o) for n, o in zip(need, old)))
+            # Normal tensors even under inference_mode, so later steps outside it may write them.
+            with torch.inference_mode(False):
+                self._buffers = buffers = StepBuffers(
+                    self.kv_cache, *(o if n <= o else max(n, 2 * o) for n, o in zip(need, old)))
         return buffers.fill_sized(plan, plan_cascades(plan, self.kv_cache,
                                                       self.cascade_min_saved_tokens))
 
