@@ -25,7 +25,7 @@ import torch
 
 from .cascade import CascadeBuffers, CascadePlan, stage_split, unsplit_layout
 from .kv_cache import PagedKVCache
-from .step_inputs import StepInputs, StepPlan
+from .step_inputs import StepInputs, StepPlan, host_tensor
 
 
 class StepBuffers:
@@ -125,14 +125,12 @@ class StepBuffers:
         for group, tables in enumerate(plan.tables):
             self._fill_tables(group, tables)
         # One host tensor per buffer, copied into the fixed storage.
-        self.seq_lens[:num_seqs].copy_(torch.tensor(list(plan.seq_lens), dtype=torch.int32),
-                                       non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(host_tensor(plan.seq_lens, torch.int32), non_blocking=True)
         if self.query_start_loc is not None:
             self.query_start_loc[:num_seqs + 1].copy_(
-                torch.tensor(plan.query_start_loc(), dtype=torch.int32), non_blocking=True)
+                host_tensor(plan.query_start_loc(), torch.int32), non_blocking=True)
         for buffer, slots in zip(self.slot_mappings, plan.slots):
-            buffer[:num_tokens].copy_(torch.tensor(list(slots), dtype=torch.int64),
-                                      non_blocking=True)
+            buffer[:num_tokens].copy_(host_tensor(slots, torch.int64), non_blocking=True)
 
     def inputs(self, num_seqs: int, num_tokens: int, cascade: bool = False) -> StepInputs:
         """Views of the buffers for a step of this shape (the same object every time), with
@@ -178,7 +176,14 @@ class StepBuffers:
         width = max(max(len(held[s]), len(tables[s])) for s in changed)
         for seq in changed:
             held[seq] = list(tables[seq])
-        padded = [held[s] + [self.pad_block] * (width - len(held[s])) for s in changed]
+        flat: List[int] = []
+        for seq in changed:
+            flat += held[seq]
+            flat += [self.pad_block] * (width - len(held[seq]))
+        padded = host_tensor(flat, torch.int32).view(len(changed), width)
         buffer = self.block_tables[group]
+        if changed[-1] == len(changed) - 1:  # the leading rows (a prefill's): one slice
+            buffer[:len(changed), :width].copy_(padded, non_blocking=True)
+            return
         index = torch.tensor(changed).to(buffer.device)
-        buffer[:, :width].index_copy_(0, index, torch.tensor(padded, dtype=torch.int32).to(buffer.device))
+        buffer[:, :width].index_copy_(0, index, padded.to(buffer.device))
