@@ -427,7 +427,7 @@ class BlockSpaceManager:
     def _device_tables(self, seq_id: int) -> List[BlockTable]:
         """The sequence's tables, which must be on the device (their blocks are written)."""
         tables = self._tables[seq_id]
-        if self._pool_of(seq_id) is not self.device:
+        if any(t.allocator is not self.device for t in tables):  # every group's, alike
             raise ValueError(f"sequence {seq_id} is swapped out")
         return tables
 
