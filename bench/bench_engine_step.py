@@ -37,7 +37,7 @@ from paged_attention_ext.testing import random_pair, tiny_config
 CATEGORIES = {
     "checkpoint": [("block_manager.py", "checkpoint")],
     "scheduler": [("scheduler.py", "preempt"), ("scheduler.py", "schedule")],
-    "metadata": [("step_inputs.py", "from_plan"), ("hf_compiled_decode.py", "_stage")],
+    "metadata": [("hf_runner.py", "_inputs"), ("hf_compiled_decode.py", "_stage")],
     "forward": [("module.py", "_call_impl"), ("hf_compiled_decode.py", "_call")],
     "sampling": [("engine.py", "_choose_all"), ("engine.py", "_choose")],
     "metrics": [("metrics.py", "on_step"), ("metrics.py", "on_tokens")],

@@ -35,13 +35,15 @@ nowhere kept, so admission takes no hits (docs/linear_attention.md).
 
 from collections import Counter
 from types import MappingProxyType
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 from .block_allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import (NULL_BLOCK, AppendResult, BlockPair, BlockTable, block_hashes,
                           blocks_needed, check_window)
 from .kv_groups import Window
 from .state_slots import StateMove, StateSlots
+
+T = TypeVar("T")
 
 __all__ = ["BlockAllocator", "BlockTable", "AppendResult", "BlockSpaceManager", "NoFreeBlocksError",
            "SeqSlots", "SeqSpec"]
@@ -54,6 +56,11 @@ class SeqSlots(NamedTuple):
 
     slots: List[List[int]]
     copies: List[BlockPair]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens placed: one count, asked of every group alike."""
+        return _agreed("slots placed", (len(s) for s in self.slots))
 
 
 class SeqSpec(NamedTuple):
@@ -126,6 +133,12 @@ class BlockSpaceManager:
         return len(self.kv_group_windows)
 
     @property
+    def group_keys(self) -> Tuple[bytes, ...]:
+        """What each KV group's block names carry in the shared pool: key g (group 0: none,
+        so a single-group manager names blocks as a plain table does)."""
+        return tuple(bytes([g]) if g else b"" for g in range(self.num_kv_groups))
+
+    @property
     def groups(self) -> Mapping[int, List[int]]:
         return MappingProxyType(self._groups)
 
@@ -148,7 +161,7 @@ class BlockSpaceManager:
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens the sequence's blocks hold (the same in every KV group's table)."""
-        return self._tables[seq_id][0].num_tokens  # any table: check() asserts they agree
+        return _agreed(f"sequence {seq_id}: tokens", (t.num_tokens for t in self._tables[seq_id]))
 
     def group_of_seq(self, seq_id: int) -> int:
         return self._group_of[seq_id]
@@ -223,7 +236,7 @@ class BlockSpaceManager:
         num_tokens, names = self._prompt(prompt, extra_key, names)
         [placed] = self.admit(group_id, [SeqSpec(seq_id, num_tokens, names)], num_tokens,
                               queries_from_start)
-        return placed, num_tokens - len(placed.slots[0])
+        return placed, num_tokens - placed.num_tokens
 
     def admit(self, group_id: int, seqs: Sequence[SeqSpec], shared_len: int,
               queries_from_start: bool = False) -> List[SeqSlots]:
@@ -359,7 +372,7 @@ class BlockSpaceManager:
         return self.states.take_moves() if self.states is not None else []
 
     def is_swapped_out(self, group_id: int) -> bool:
-        return self._tables[self._groups[group_id][0]][0].allocator is self.host
+        return self._pool_of(self._groups[group_id][0]) is self.host
 
     # ---- transactions -----------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
@@ -416,9 +429,9 @@ class BlockSpaceManager:
             allocator.check_invariants(refs)
         for seq_id, tables in self._tables.items():
             assert len(tables) == self.num_kv_groups, f"sequence {seq_id}: {len(tables)} tables"
+            self.num_tokens(seq_id)  # the groups agree
             for table, window in zip(tables, self.kv_group_windows):
                 assert table.sliding_window == window
-                assert table.num_tokens == tables[0].num_tokens, f"sequence {seq_id}: groups disagree"
                 assert len(table.blocks) == blocks_needed(table.num_tokens, self.block_size), (
                     f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
                 # Freed entries: the leading ones, where no query from the last token on looks.
@@ -458,9 +471,13 @@ class BlockSpaceManager:
     def _device_tables(self, seq_id: int) -> List[BlockTable]:
         """The sequence's tables, which must be on the device (their blocks are written)."""
         tables = self._tables[seq_id]
-        if tables[0].allocator is not self.device:
+        if any(t.allocator is not self.device for t in tables):  # every group's, alike
             raise ValueError(f"sequence {seq_id} is swapped out")
         return tables
+
+    def _pool_of(self, seq_id: int) -> BlockAllocator:
+        """The pool holding the sequence's blocks (every group's table is in the same one)."""
+        return _agreed(f"sequence {seq_id}: pools", (t.allocator for t in self._tables[seq_id]))
 
     @staticmethod
     def _release(tables: Iterable[BlockTable]) -> None:
@@ -469,10 +486,9 @@ class BlockSpaceManager:
             table.release_unreachable()
 
     def _new_tables(self) -> List[BlockTable]:
-        """An empty table per KV group; group g's block names carry key g (group 0: none,
-        so a single-group manager names blocks as a plain table does)."""
-        return [BlockTable(self.device, window, bytes([g]) if g else b"")
-                for g, window in enumerate(self.kv_group_windows)]
+        """An empty table per KV group."""
+        return [BlockTable(self.device, window, key)
+                for window, key in zip(self.kv_group_windows, self.group_keys)]
 
     def _common_hit(self, tables: Sequence[BlockTable], num_tokens: int,
                     names: Sequence[bytes], first_query: Optional[int] = None) -> int:
@@ -644,3 +660,11 @@ class BlockSpaceManager:
                 for block in table.live_blocks:
                     seen.setdefault(block, None)
         return list(seen)
+
+
+def _agreed(what: str, values: Iterable[T]) -> T:
+    """The one value every KV group gives; groups that disagree break an invariant."""
+    distinct = set(values)
+    if len(distinct) != 1:
+        raise AssertionError(f"{what} differ between KV groups: {distinct}")
+    return distinct.pop()

@@ -9,6 +9,10 @@ does. The inputs a step reads are views of the buffers' leading rows, one object
 so the forward sees the same tensors every step. Table entries past a sequence's blocks
 are never read (its length bounds them).
 
+An eager forward (the engine's prefills and mixed steps) fills the same buffers with
+:meth:`StepBuffers.fill_sized`, whose views have the step's own shapes, so a step writes
+into storage that lives across steps rather than allocating its inputs anew.
+
 With ``cascade_min_saved_tokens`` a step whose sequences share leading blocks also gets the
 cascade split (:mod:`paged_attention_ext.cascade`) in fixed buffers, one group per
 sequence at most: its inputs are a second object per shape, so a compiled forward has a
@@ -19,9 +23,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cascade import CascadeBuffers, stage_split, unsplit_layout
+from .cascade import CascadeBuffers, CascadePlan, stage_split, unsplit_layout
 from .kv_cache import PagedKVCache
-from .step_inputs import StepInputs, StepPlan
+from .step_inputs import StepInputs, StepPlan, host_tensor
 
 
 class StepBuffers:
@@ -88,29 +92,53 @@ class StepBuffers:
         starts = [] if self.query_start_loc is None else [self.query_start_loc]
         return [*self.block_tables, *self.slot_mappings, self.seq_lens, *starts, *cascade]
 
+    def fits(self, plan: StepPlan) -> bool:
+        """Whether the step's sequences, tokens and tables fit the buffers."""
+        return (len(plan.seq_lens) <= self.max_seqs and plan.num_tokens <= self.max_tokens
+                and plan.width() <= self.width)
+
     def fill(self, plan: StepPlan) -> StepInputs:
-        """Write the step into the buffers and return the inputs it reads."""
-        num_seqs, num_tokens = len(plan.seq_lens), len(plan.slots[0])
-        if num_seqs > self.max_seqs or num_tokens > self.max_tokens or plan.width() > self.width:
-            raise ValueError(f"StepBuffers: a step of {num_seqs} sequences, {num_tokens} tokens "
-                             f"and tables of {plan.width()} blocks exceeds the buffers "
-                             f"({self.max_seqs} sequences, {self.max_tokens} tokens, "
-                             f"{self.width} blocks)")
+        """Write the step into the buffers and return the inputs it reads: the same object
+        for every step of its shape (a compiled forward's or a graph's fixed inputs)."""
+        self._write(plan)
+        return self.inputs(len(plan.seq_lens), plan.num_tokens, self._stage_cascade(plan))
+
+    def fill_sized(self, plan: StepPlan,
+                   cascades: Tuple[Optional[CascadePlan], ...] = ()) -> StepInputs:
+        """Write the step into the buffers and return views of its own shapes (tables as
+        wide as its longest), as :meth:`StepInputs.from_plan` would build them: an eager
+        forward's, whose shapes change every step. ``cascades``: the step's split as
+        :func:`~paged_attention_ext.step_inputs.plan_cascades` plans it (any number of
+        groups, so not staged here)."""
+        self._write(plan)
+        num_seqs, num_tokens, width = len(plan.seq_lens), plan.num_tokens, plan.width()
+        return StepInputs(
+            slot_mappings=tuple(b[:num_tokens] for b in self.slot_mappings),
+            block_tables=tuple(b[:num_seqs, :width] for b in self.block_tables),
+            seq_lens=self.seq_lens[:num_seqs],
+            query_start_loc=(None if self.query_start_loc is None
+                             else self.query_start_loc[:num_seqs + 1]),
+            cascades=cascades)
+
+    def _write(self, plan: StepPlan) -> None:
+        if not self.fits(plan):
+            raise ValueError(f"StepBuffers: a step of {len(plan.seq_lens)} sequences, "
+                             f"{plan.num_tokens} tokens and tables of {plan.width()} blocks "
+                             f"exceeds the buffers ({self.max_seqs} sequences, "
+                             f"{self.max_tokens} tokens, {self.width} blocks)")
         if plan.query_rows is not None:
             raise ValueError("StepBuffers: fixed buffers have no query_rows; give padding "
                              "queries sequences of their own")
+        num_seqs, num_tokens = len(plan.seq_lens), plan.num_tokens
         for group, tables in enumerate(plan.tables):
             self._fill_tables(group, tables)
         # One host tensor per buffer, copied into the fixed storage.
-        self.seq_lens[:num_seqs].copy_(torch.tensor(list(plan.seq_lens), dtype=torch.int32),
-                                       non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(host_tensor(plan.seq_lens, torch.int32), non_blocking=True)
         if self.query_start_loc is not None:
             self.query_start_loc[:num_seqs + 1].copy_(
-                torch.tensor(plan.query_start_loc(), dtype=torch.int32), non_blocking=True)
+                host_tensor(plan.query_start_loc(), torch.int32), non_blocking=True)
         for buffer, slots in zip(self.slot_mappings, plan.slots):
-            buffer[:num_tokens].copy_(torch.tensor(list(slots), dtype=torch.int64),
-                                      non_blocking=True)
-        return self.inputs(num_seqs, num_tokens, self._stage_cascade(plan))
+            buffer[:num_tokens].copy_(host_tensor(slots, torch.int64), non_blocking=True)
 
     def inputs(self, num_seqs: int, num_tokens: int, cascade: bool = False) -> StepInputs:
         """Views of the buffers for a step of this shape (the same object every time), with
@@ -156,7 +184,14 @@ class StepBuffers:
         width = max(max(len(held[s]), len(tables[s])) for s in changed)
         for seq in changed:
             held[seq] = list(tables[seq])
-        padded = [held[s] + [self.pad_block] * (width - len(held[s])) for s in changed]
+        flat: List[int] = []
+        for seq in changed:
+            flat += held[seq]
+            flat += [self.pad_block] * (width - len(held[seq]))
+        padded = host_tensor(flat, torch.int32).view(len(changed), width)
         buffer = self.block_tables[group]
+        if changed[-1] == len(changed) - 1:  # the leading rows (a prefill's): one slice
+            buffer[:len(changed), :width].copy_(padded, non_blocking=True)
+            return
         index = torch.tensor(changed).to(buffer.device)
-        buffer[:, :width].index_copy_(0, index, torch.tensor(padded, dtype=torch.int32).to(buffer.device))
+        buffer[:, :width].index_copy_(0, index, padded.to(buffer.device))

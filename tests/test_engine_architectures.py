@@ -43,16 +43,13 @@ REQUESTS = [
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_engine_equals_eager(name):
     paged, reference = random_pair(CONFIGS[name](), reference_attention="eager")
-    # The token-level shadow covers full-attention tables only (GPT-OSS has sliding layers,
-    # whose KV group frees blocks: tests/test_engine_hybrid.py).
-    deep = name != "gpt_oss"
-    # A small pool, the same bytes for both: a GPT-OSS page holds one of its two KV groups.
-    engine = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=10 if deep else 20,
-                                           num_host_blocks=32, record_block_contents=deep))
+    # A small pool, the same bytes for all: a GPT-OSS page holds one of its two KV groups.
+    engine = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=20 if name == "gpt_oss" else 10,
+                                           num_host_blocks=32, record_block_contents=True))
     got = engine.generate(copy.deepcopy(REQUESTS))
     for request in REQUESTS:
         assert got[request.request_id] == generate_reference(reference, request), request.request_id
-    engine.check_invariants(deep=deep)
+    engine.check_invariants(deep=True)
     if name == "deepseek_v3":
         key_pool, value_pool = engine.kv_cache.layer(0)
         assert key_pool.shape[-1] == 24 and value_pool.shape[-1] == 16

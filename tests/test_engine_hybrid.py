@@ -54,11 +54,12 @@ def shape(request):
 
 def serve(paged, **overrides):
     engine = LLMEngine(paged, EngineConfig(**{**dict(block_size=BLOCK_SIZE, num_device_blocks=256,
-                                                     num_host_blocks=256), **overrides}))
+                                                     num_host_blocks=256,
+                                                     record_block_contents=True), **overrides}))
     most_held = []  # per step: the most blocks a sequence's sliding group holds
 
     def check(_output):
-        engine.check_invariants()
+        engine.check_invariants(deep=True)  # every KV group's tables read back token by token
         manager = engine.scheduler.manager
         for seq_id in list(manager.tables):
             for table in manager.tables[seq_id]:

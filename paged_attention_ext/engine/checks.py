@@ -2,6 +2,7 @@
 
 from typing import Mapping, Optional
 
+from ..block_table import NULL_BLOCK
 from .contents import BlockContents
 from .scheduler import Scheduler
 from .sequence import GroupStatus, SequenceGroup
@@ -44,7 +45,12 @@ def check_engine(scheduler: Scheduler, groups: Mapping[str, SequenceGroup],
             continue
         pool = contents.host if group.status is GroupStatus.SWAPPED else contents.device
         for seq in group.live_seqs:
-            held = contents.tokens(pool, manager.block_ids(seq.seq_id, 0), seq.num_computed)
-            assert held == seq.token_ids[:seq.num_computed], (
-                f"request {group.request.request_id}, sequence {seq.seq_id}: the cache holds "
-                f"{held} for tokens {seq.token_ids[:seq.num_computed]}")
+            for kv_group in range(manager.num_kv_groups):
+                blocks = manager.block_ids(seq.seq_id, kv_group)
+                held = contents.tokens(pool, blocks, seq.num_computed)
+                # A sliding window's freed blocks hold nothing the sequence reads.
+                want = [None if blocks[p // contents.block_size] == NULL_BLOCK else token
+                        for p, token in enumerate(seq.token_ids[:seq.num_computed])]
+                assert held == want, (
+                    f"request {group.request.request_id}, sequence {seq.seq_id}, KV group "
+                    f"{kv_group}: the cache holds {held} for tokens {want}")

@@ -10,13 +10,14 @@ from what was really written there.
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..block_table import BlockPair, chain_hash
+from ..block_table import NULL_BLOCK, BlockPair, chain_hash
 
 
 @dataclass
 class BlockRecord:
     parent: Optional[bytes]                                   # name of the block before it
     tokens: List[Optional[int]] = field(default_factory=list)  # None: never written
+    key: bytes = b""  # what its KV group's names carry (BlockSpaceManager.group_keys)
 
 
 class BlockContents:
@@ -26,8 +27,9 @@ class BlockContents:
         self.host: Dict[int, BlockRecord] = {}
 
     def write(self, slots: Sequence[int], tokens: Sequence[int], positions: Iterable[int],
-              names: Sequence[bytes]) -> None:
-        """Tokens of one sequence written at these slots; ``names``: the sequence's block names."""
+              names: Sequence[bytes], key: bytes = b"") -> None:
+        """Tokens of one sequence written at these slots of one KV group; ``names``: the
+        sequence's block names, ``key``: the group's."""
         bs = self.block_size
         for slot, token, position in zip(slots, tokens, positions):
             block, offset = divmod(slot, bs)
@@ -35,7 +37,7 @@ class BlockContents:
             parent = names[index - 1] if 0 < index <= len(names) else None
             record = self.device.get(block)
             if offset == 0 or record is None:
-                record = self.device[block] = BlockRecord(parent)
+                record = self.device[block] = BlockRecord(parent, key=key)
             record.tokens[offset:] = [None] * (offset - len(record.tokens)) + [token]
 
     def copy(self, copies: Iterable[BlockPair]) -> None:
@@ -51,11 +53,13 @@ class BlockContents:
             self.device[device_block] = _clone(self.host.get(host_block))
 
     def tokens(self, pool: Dict[int, BlockRecord], blocks: Sequence[int], length: int) -> List[Optional[int]]:
-        """The first ``length`` tokens held by a sequence with these blocks."""
+        """The first ``length`` tokens held by a sequence with these blocks (None where a
+        block is freed, :data:`~paged_attention_ext.block_table.NULL_BLOCK`)."""
         bs = self.block_size
         out: List[Optional[int]] = []
         for p in range(length):
-            record = pool.get(blocks[p // bs])
+            block = blocks[p // bs]
+            record = None if block == NULL_BLOCK else pool.get(block)
             held = record.tokens if record is not None else []
             out.append(held[p % bs] if p % bs < len(held) else None)
         return out
@@ -66,7 +70,7 @@ class BlockContents:
             record = self.device.get(block)
             assert record is not None and len(record.tokens) == self.block_size \
                 and None not in record.tokens, f"cached block {block} was never fully written"
-            assert chain_hash(record.parent, record.tokens) == name, (  # type: ignore[arg-type]
+            assert chain_hash(record.parent, record.tokens) + record.key == name, (  # type: ignore[arg-type]
                 f"cached block {block} holds tokens {record.tokens} after another prefix than "
                 "its name says")
 
@@ -74,4 +78,4 @@ class BlockContents:
 def _clone(record: Optional[BlockRecord]) -> BlockRecord:
     if record is None:
         return BlockRecord(None)
-    return BlockRecord(record.parent, list(record.tokens))
+    return BlockRecord(record.parent, list(record.tokens), record.key)

@@ -65,9 +65,6 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is more than "
                              f"the {limit} tokens a packed forward of this model computes exactly "
                              f"(ModelSpec.max_packed_positions); set max_num_batched_tokens <= {limit}")
-        if config.record_block_contents and any(kv_groups.windows):
-            raise NotImplementedError("record_block_contents checks full-attention block tables; "
-                                      "this model has sliding-window layers, whose tables free blocks")
         self.config = config
         self.kv_cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.head_size, config.block_size,
@@ -224,12 +221,14 @@ class LLMEngine:
         if self.contents is not None:
             self.contents.swap_in(plan.swap_in)
             self.contents.copy(plan.copies)
+            keys = self.scheduler.manager.group_keys
         for group in plan.groups:
             for seq in group.live_seqs:
                 end = len(seq.token_ids)
                 if self.contents is not None:
-                    self.contents.write(plan.slots[seq.seq_id][0], seq.token_ids[seq.num_computed:],
-                                        range(seq.num_computed, end), seq.block_hashes)
+                    for slots, key in zip(plan.slots[seq.seq_id], keys):  # every KV group's
+                        self.contents.write(slots, seq.token_ids[seq.num_computed:],
+                                            range(seq.num_computed, end), seq.block_hashes, key)
                 seq.num_computed = end
         outputs = []
         for group, choice in zip(plan.groups, choices):

@@ -25,7 +25,8 @@ from ..hf import ATTN_IMPLEMENTATION, PagedBatch
 from ..hf.support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
                           packed_position_limit)
 from ..kv_cache import PagedKVCache
-from ..step_inputs import StepInputs, StepPlan
+from ..step_buffers import StepBuffers
+from ..step_inputs import StepInputs, StepPlan, plan_cascades
 from .config import EngineConfig
 from .hf_compiled_decode import CompiledDecode
 from .model_runner import ModelRunner, ModelSpec, RunnerStats
@@ -66,6 +67,7 @@ class HFModelRunner(ModelRunner):
         super().__init__(model_spec(model))
         self.model = model
         self.decode: Optional[CompiledDecode] = None
+        self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
         self.cascade_steps = 0          # steps that ran cascade attention
         self.cascade_saved_tokens = 0   # key reads (per layer and KV head) their prefixes saved
@@ -74,6 +76,7 @@ class HFModelRunner(ModelRunner):
         """Take the pools, and compile the decode forward if ``config`` asks (which
         compiles and warms up here, at engine creation)."""
         super().bind(kv_cache, config)
+        self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
             # The longest table a sequence can have: the pool, or the model's positions.
@@ -129,9 +132,24 @@ class HFModelRunner(ModelRunner):
                 query_lens.append(end - start)
         return ids, positions, StepPlan(tables, slots, seq_lens, query_lens)
 
+    def _inputs(self, plan: StepPlan) -> StepInputs:
+        """The eager step's inputs, written into persistent buffers (grown, by doubling,
+        to the first step they cannot hold: a prompt may exceed max_num_batched_tokens)."""
+        buffers = self._buffers
+        if buffers is None or not buffers.fits(plan):
+            old = (0, 0, 0) if buffers is None else (buffers.max_seqs, buffers.max_tokens,
+                                                      buffers.width)
+            need = (len(plan.seq_lens), plan.num_tokens, plan.width())
+            # Normal tensors even under inference_mode, so later steps outside it may write them.
+            with torch.inference_mode(False):
+                self._buffers = buffers = StepBuffers(
+                    self.kv_cache, *(o if n <= o else max(n, 2 * o) for n, o in zip(need, old)))
+        return buffers.fill_sized(plan, plan_cascades(plan, self.kv_cache,
+                                                      self.cascade_min_saved_tokens))
+
     def _packed(self, ids: List[int], positions: List[int], plan: StepPlan) -> torch.Tensor:
         """The eager packed forward: logits of each sequence's last token."""
-        inputs = StepInputs.from_plan(plan, self.kv_cache, self.cascade_min_saved_tokens)
+        inputs = self._inputs(plan)
         if inputs.cascades:
             self.cascade_steps += 1
             self.cascade_saved_tokens += inputs.cascade_saved_tokens

@@ -241,7 +241,7 @@ class Scheduler:
         if placements is None:
             return False
         for seq, placed in zip(group.live_seqs, placements):
-            seq.num_computed = len(seq.token_ids) - len(placed.slots[0])
+            seq.num_computed = len(seq.token_ids) - placed.num_tokens
             out.slots[seq.seq_id] = placed.slots
         return True
 
