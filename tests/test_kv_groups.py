@@ -10,6 +10,8 @@ from paged_attention_ext.block_manager import BlockSpaceManager, NoFreeBlocksErr
 from paged_attention_ext.block_table import NULL_BLOCK, block_hashes
 from paged_attention_ext.kv_groups import KVGroupLayout, trailing_readers
 
+from group_walk import random_group_walk
+
 GEMMA3_26 = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # 5 local : 1 global
 
 
@@ -163,44 +165,13 @@ def test_hybrid_random_operations_keep_invariants():
     checked after every operation (reference counts, freed entries only outside windows)."""
     rng = random.Random(4)
     mgr = hybrid(num_blocks=48, host=48, windows=(None, 5, 9), caching=True)
-    live, swapped, next_id = {}, set(), 100
-    for step in range(400):
-        op = rng.random()
-        try:
-            if op < 0.2 and len(live) < 6:
-                prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
-                names = block_hashes(prompt, 4)
-                mgr.admit(next_id, [SeqSpec(next_id, len(prompt), names)], len(prompt))
-                live[next_id] = [next_id]
-                next_id += 1
-            elif op < 0.6 and live:
-                group = rng.choice([g for g in live if g not in swapped] or [None])
-                if group is not None:
-                    mgr.append_group(group, {s: 1 for s in live[group]})
-            elif op < 0.7 and live:
-                group = rng.choice([g for g in live if g not in swapped] or [None])
-                if group is not None:
-                    mgr.fork(live[group][0], next_id)
-                    live[group].append(next_id)
-                    next_id += 1
-            elif op < 0.8 and live:
-                group = rng.choice(list(live))
-                if group in swapped:
-                    mgr.swap_in(group)
-                    swapped.discard(group)
-                else:
-                    mgr.swap_out(group)
-                    swapped.add(group)
-            elif live:
-                group = rng.choice(list(live))
-                mgr.free_group(group)
-                del live[group]
-                swapped.discard(group)
-        except NoFreeBlocksError:
-            pass
-        mgr.check_invariants()
-    for group in list(live):
-        mgr.free_group(group)
+
+    def admit(group):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        mgr.admit(group, [SeqSpec(group, len(prompt), block_hashes(prompt, 4))], len(prompt))
+        return [group]
+
+    random_group_walk(mgr, rng, 400, admit)
     assert mgr.num_free_device_blocks == 48 and mgr.host.num_free_blocks == 48
 
 

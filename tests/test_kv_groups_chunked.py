@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
-from paged_attention_ext.block_manager import BlockSpaceManager, NoFreeBlocksError, SeqSpec
+from paged_attention_ext.block_manager import BlockSpaceManager, SeqSpec
 from paged_attention_ext.block_table import NULL_BLOCK, block_hashes
 from paged_attention_ext.chunked import chunk_local
 from paged_attention_ext.kv_groups import Chunked, KVGroupLayout
+
+from group_walk import random_group_walk
 
 C, BS = 8, 4
 LLAMA4_8 = [None if (i + 1) % 4 == 0 else Chunked(C) for i in range(8)]  # 3 chunked : 1 full
@@ -164,47 +166,19 @@ def test_random_operations_keep_invariants():
     rng = random.Random(7)
     mgr = manager(num_blocks=48, host=48, windows=(None, Chunked(C), 5, Chunked(2 * C)),
                   caching=True)
-    live, swapped, next_id = {}, set(), 100
-    for _ in range(500):
-        op = rng.random()
-        try:
-            if op < 0.2 and len(live) < 6:
-                prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
-                seqs = [SeqSpec(next_id + i, len(prompt) + rng.randrange(3), block_hashes(prompt, BS))
-                        for i in range(rng.choice([1, 1, 2]))]
-                mgr.admit(next_id, seqs, len(prompt))
-                live[next_id] = [s.seq_id for s in seqs]
-                next_id += len(seqs)
-            elif op < 0.6 and live:
-                group = rng.choice([g for g in live if g not in swapped] or [None])
-                if group is not None:
-                    mgr.append_group(group, {s: rng.choice([1, 1, 3]) for s in live[group]})
-                    for s in live[group]:
-                        assert NULL_BLOCK not in read_blocks(mgr, s)
-            elif op < 0.7 and live:
-                group = rng.choice([g for g in live if g not in swapped] or [None])
-                if group is not None:
-                    mgr.fork(live[group][0], next_id)
-                    live[group].append(next_id)
-                    next_id += 1
-            elif op < 0.8 and live:
-                group = rng.choice(list(live))
-                if group in swapped:
-                    mgr.swap_in(group)
-                    swapped.discard(group)
-                else:
-                    mgr.swap_out(group)
-                    swapped.add(group)
-            elif live:
-                group = rng.choice(list(live))
-                mgr.free_group(group)
-                del live[group]
-                swapped.discard(group)
-        except NoFreeBlocksError:
-            pass
-        mgr.check_invariants()
-    for group in list(live):
-        mgr.free_group(group)
+
+    def admit(group):
+        prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
+        seqs = [SeqSpec(group + i, len(prompt) + rng.randrange(3), block_hashes(prompt, BS))
+                for i in range(rng.choice([1, 1, 2]))]
+        mgr.admit(group, seqs, len(prompt))
+        return [s.seq_id for s in seqs]
+
+    def reads_no_freed_block(seq):
+        assert NULL_BLOCK not in read_blocks(mgr, seq)
+
+    random_group_walk(mgr, rng, 500, admit, append_count=lambda: rng.choice([1, 1, 3]),
+                      after_append=reads_no_freed_block)
     assert mgr.num_free_device_blocks == 48 and mgr.host.num_free_blocks == 48
 
 
