@@ -299,21 +299,33 @@ class PagedKVCache:
         key_cache, value_cache = self.layer(index)
         if not self.is_quantized:
             key, value = key.to(self.dtype), value.to(self.dtype)
-        elif self.k_scales[index] is None or self._recalibrate[index]:
-            stored = slot_mapping >= 0
-            if not bool(stored.any()):  # nothing to store or to calibrate from: wait
-                return
-            per_head = self.calibration == "per_head"
-            k_scale = calibrate(key[stored], self.dtype, per_head).to(self.device)
-            v_scale = calibrate(value[stored], self.dtype, per_head).to(self.device)
-            if self._recalibrate[index] and self.k_scales[index].shape == k_scale.shape:
-                # In place: a compiled forward holding these tensors reads the new scales.
-                self.k_scales[index].copy_(k_scale)
-                self.v_scales[index].copy_(v_scale)
-            else:
-                self.k_scales[index], self.v_scales[index] = k_scale, v_scale
-            self._recalibrate[index] = False
+        elif not self._calibrated(index, key, value, slot_mapping, one_scale=False):
+            return
         ops.write_kv(key, value, key_cache, value_cache, slot_mapping, **self.scales(index))
+
+    def _calibrated(self, index: int, key: torch.Tensor, value: torch.Tensor,
+                    slot_mapping: torch.Tensor, one_scale: bool) -> bool:
+        """An fp8 layer's scales, calibrated first where due from the tokens that have a slot
+        (``one_scale``: the larger of both, for rows that hold keys and values at once).
+        False when that is due but no token has a slot: nothing to store or calibrate from."""
+        if self.k_scales[index] is not None and not self._recalibrate[index]:
+            return True
+        stored = slot_mapping >= 0
+        if not bool(stored.any()):
+            return False
+        per_head = self.calibration == "per_head"
+        k_scale = calibrate(key[stored], self.dtype, per_head).to(self.device)
+        v_scale = calibrate(value[stored], self.dtype, per_head).to(self.device)
+        if one_scale:
+            k_scale = v_scale = torch.maximum(k_scale, v_scale)
+        if self._recalibrate[index] and self.k_scales[index].shape == k_scale.shape:
+            # In place: a compiled forward holding these tensors reads the new scales.
+            self.k_scales[index].copy_(k_scale)
+            self.v_scales[index].copy_(v_scale)
+        else:
+            self.k_scales[index], self.v_scales[index] = k_scale, v_scale
+        self._recalibrate[index] = False
+        return True
 
     def write_columns(self, index: int, head: torch.Tensor, tail: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
@@ -330,18 +342,8 @@ class PagedKVCache:
         rows = self.layer(index)[0]
         if not self.is_quantized:
             head, tail = head.to(self.dtype), tail.to(self.dtype)
-        elif self.k_scales[index] is None or self._recalibrate[index]:
-            stored = slot_mapping >= 0
-            if not bool(stored.any()):  # nothing to store or to calibrate from: wait
-                return
-            per_head = self.calibration == "per_head"
-            scale = torch.maximum(calibrate(head[stored], self.dtype, per_head),
-                                  calibrate(tail[stored], self.dtype, per_head)).to(self.device)
-            if self._recalibrate[index] and self.k_scales[index].shape == scale.shape:
-                self.k_scales[index].copy_(scale)  # in place, as in write()
-            else:
-                self.k_scales[index] = self.v_scales[index] = scale
-            self._recalibrate[index] = False
+        elif not self._calibrated(index, head, tail, slot_mapping, one_scale=True):
+            return
         # The op writes its "keys" and "values" into two column views of the same rows.
         ops.write_kv(head, tail, rows[..., :self.head_size_v], rows[..., self.head_size_v:],
                      slot_mapping, **self.scales(index))
