@@ -178,9 +178,10 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def check_same(case: dict) -> dict:
-    # Both runs at once: each is one process with one OpenMP thread (tensor parallel: one
-    # per rank), so the pair shares this 2-core machine's cores instead of queueing.
+def run_both(case: dict) -> tuple:
+    """(with the plugin, without it): both runs at once. Each is one process with one OpenMP
+    thread (tensor parallel: one per rank), so the pair shares this 2-core machine's cores
+    instead of queueing."""
     runs = [start_vllm(case, plugin) for plugin in (True, False)]
     try:
         ours, theirs = [finish_vllm(run) for run in runs]
@@ -189,6 +190,11 @@ def check_same(case: dict) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return ours, theirs
+
+
+def check_same(case: dict) -> dict:
+    ours, theirs = run_both(case)
     assert ours["attention"] == [["PagedAttentionImpl"]] * case.get("tp", 1), ours["attention"]
     assert theirs["attention"] == [["CPUAttentionBackendImpl"]] * case.get("tp", 1)
     assert ours["tokens"] == theirs["tokens"]
@@ -292,14 +298,7 @@ def test_linear_attention_hybrid_under_vllms_hybrid_manager(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
     case = dict(model=str(tmp_path), batches=[prompts(seed=7, count=8, shared_prefix=0)],
                 max_tokens=12, dtype="bfloat16")
-    runs = [start_vllm(case, plugin) for plugin in (True, False)]
-    try:
-        ours, theirs = [finish_vllm(run) for run in runs]
-    finally:
-        for proc in runs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    ours, theirs = run_both(case)
     assert ours["attention"] == [["PagedAttentionImpl"]], ours["attention"]
     assert theirs["attention"] == [["CPUAttentionBackendImpl"]]
     assert ours["kv_cache_groups"] > 1
@@ -332,14 +331,7 @@ def test_mla_greedy_equals_vllm_cpu_mla_backend(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
     case = dict(model=str(tmp_path), batches=[prompts(seed=5, count=5, shared_prefix=0)],
                 max_tokens=16)
-    runs = [start_vllm(case, plugin) for plugin in (True, False)]
-    try:
-        ours, theirs = [finish_vllm(run) for run in runs]
-    finally:
-        for proc in runs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    ours, theirs = run_both(case)
     assert ours["attention"] == [["PagedMLAImpl"]], ours["attention"]
     assert theirs["attention"] == [["CPUMLAImpl"]], theirs["attention"]
     assert ours["tokens"] == theirs["tokens"]
