@@ -71,7 +71,8 @@ class LLMEngine:
             dtype=kv_cache_dtype(config.kv_cache_dtype, spec.dtype), device=spec.device,
             num_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
             head_size_v=spec.head_size_v, k_scale=config.k_scale, v_scale=config.v_scale,
-            calibration=config.kv_scale_calibration, kv_groups=kv_groups)
+            calibration=config.kv_scale_calibration, kv_groups=kv_groups,
+            values_in_keys=spec.values_in_keys)
         # The scheduler owns the block manager: the engine goes through it.
         self.scheduler = Scheduler(config, kv_groups.windows)
         runner.bind(self.kv_cache, config)

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..hf import PagedBatch
+from ..hf.packed_latents import PackedLatentCache, packed_arguments
 from ..kv_cache import PagedKVCache
 from ..step_buffers import StepBuffers
 from ..step_inputs import StepInputs, StepPlan
@@ -76,9 +76,11 @@ class CompiledDecode:
                  max_batch: int, backend: str = "inductor",
                  sizes: Optional[Sequence[int]] = None,
                  options: Optional[Mapping[str, Any]] = None,
-                 cascade_min_saved_tokens: Optional[int] = None) -> None:
+                 cascade_min_saved_tokens: Optional[int] = None,
+                 latents: Optional[PackedLatentCache] = None) -> None:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.latents = latents  # an MLA model's latent rows: stored through Cache.update
         self.cuda_graphs = device.type == "cuda"
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_decode_batch must be an integer >= 1, got {max_batch!r}")
@@ -186,9 +188,8 @@ class CompiledDecode:
         # query_start_loc None: one query token per sequence (the decode form of the op).
         inputs = StepInputs(tuple(slots), tuple(tables), seq_lens, None, tuple(cascade))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
-        return self.model(input_ids=ids, position_ids=positions,
-                          paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
-                          **masks).logits[0]
+        return self.model(input_ids=ids, position_ids=positions, use_cache=False, **masks,
+                          **packed_arguments(self.kv_cache, inputs, self.latents)).logits[0]
 
     def _call(self, size: int, cascade: bool = False) -> torch.Tensor:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.

@@ -21,9 +21,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..block_table import blocks_needed
-from ..hf import ATTN_IMPLEMENTATION, PagedBatch
-from ..hf.support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
-                          packed_position_limit)
+from ..hf import ATTN_IMPLEMENTATION
+from ..hf.latent_attention import check_absorbable
+from ..hf.packed_latents import PackedLatentCache, packed_arguments
+from ..hf.support import (check_config, check_mla_storage, kv_head_shape, kv_readers,
+                          layer_shapes, layer_windows, mla_latent_shape, packed_position_limit)
 from ..kv_cache import PagedKVCache
 from ..step_buffers import StepBuffers
 from ..step_inputs import StepInputs, StepPlan, plan_cascades
@@ -33,9 +35,11 @@ from .model_runner import ModelRunner, ModelSpec, RunnerStats
 from .scheduler import SchedulerOutput
 
 
-def model_spec(model: torch.nn.Module) -> ModelSpec:
-    """The KV layout of a transformers model loaded with the paged attention; an
-    architecture the ops cannot run raises here."""
+def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec:
+    """The KV layout of a transformers model loaded with the paged attention (an MLA model's
+    as ``mla_storage`` says: latent rows, or K/V expanded per query head); an architecture
+    the ops cannot run raises here."""
+    check_mla_storage("HFModelRunner", mla_storage)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
     text = model.config.get_text_config()
@@ -47,25 +51,42 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
             f"the engine does not serve models with linear-attention layers "
             f"({type(model).__name__}); use model.generate with a PagedCache")
     shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
-    # MLA: K/V expanded per query head, key and value sizes differ.
-    shape = shapes[0] if shapes is not None else kv_head_shape(text)
+    latent = mla_latent_shape(text) if mla_storage == "latent" else None
+    if latent is not None:
+        # Read with kv_b_proj absorbed: a projection that cannot be is refused now.
+        check_absorbable(model, text.num_attention_heads, latent.head_size_v)
+        shape = latent
+    else:  # expanded MLA: K/V per query head, key and value sizes differ
+        shape = shapes[0] if shapes is not None else kv_head_shape(text)
     return ModelSpec(layer_windows=tuple(layer_windows(text, layer_types)),
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
                      dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
                      max_packed_positions=packed_position_limit(text),
                      layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
-                     kv_readers=tuple(sorted(kv_readers(text, layer_types).items())))
+                     kv_readers=tuple(sorted(kv_readers(text, layer_types).items())),
+                     values_in_keys=latent is not None)
 
 
 class HFModelRunner(ModelRunner):
-    """``model``: a transformers causal LM loaded with ``attn_implementation="paged_attention_ext"``."""
+    """``model``: a transformers causal LM loaded with ``attn_implementation="paged_attention_ext"``.
+
+    ``mla_storage``: for multi-head latent attention models (DeepSeek-V2/V3, Kimi, ...),
+    ``"latent"`` keeps one row of ``kv_lora_rank + qk_rope_head_dim`` values per token and
+    layer, read with ``kv_b_proj`` absorbed; ``"expanded"`` keeps the per-head K/V
+    transformers expands (for a ``kv_b_proj`` that is not a plain ``nn.Linear``). Other
+    models ignore it.
+    """
 
     compiles_decode = True
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model_spec(model))
+    def __init__(self, model: torch.nn.Module, mla_storage: str = "latent") -> None:
+        super().__init__(model_spec(model, mla_storage))
         self.model = model
+        # Latent rows: transformers hands the latents to Cache.update only.
+        self._latents = PackedLatentCache(model) if self.spec.values_in_keys else None
+        readers = dict(self.spec.kv_readers)
+        self._stored_layers = [i for i in range(self.spec.num_layers) if i not in readers]
         self.decode: Optional[CompiledDecode] = None
         self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
@@ -85,7 +106,8 @@ class HFModelRunner(ModelRunner):
             width = min(kv_cache.num_blocks, blocks_needed(positions, kv_cache.block_size))
             self.decode = CompiledDecode(self.model, kv_cache, width, config.max_decode_batch,
                                          config.compile_backend, config.decode_batch_sizes,
-                                         config.compile_options, config.cascade_min_saved_tokens)
+                                         config.compile_options, config.cascade_min_saved_tokens,
+                                         self._latents)
 
     def stats(self) -> RunnerStats:
         decode = self.decode
@@ -159,7 +181,10 @@ class HFModelRunner(ModelRunner):
             self.cascade_saved_tokens += inputs.cascade_saved_tokens
         device = self.kv_cache.device
         last_rows = (inputs.query_start_loc[1:] - 1).long()
-        return self.model(input_ids=torch.tensor([ids]).to(device),
-                          position_ids=torch.tensor([positions]).to(device),
-                          paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
-                          logits_to_keep=last_rows).logits[0]
+        logits = self.model(input_ids=torch.tensor([ids]).to(device),
+                            position_ids=torch.tensor([positions]).to(device), use_cache=False,
+                            logits_to_keep=last_rows,
+                            **packed_arguments(self.kv_cache, inputs, self._latents)).logits[0]
+        if self._latents is not None:
+            self._latents.check_stored(self._stored_layers)
+        return logits

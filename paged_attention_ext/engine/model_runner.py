@@ -46,6 +46,9 @@ class ModelSpec:
     # from a token's index in the forward (Llama-4's attention temperature tuning) computes a
     # packed forward as separate ones only where the two give the same result.
     max_packed_positions: Optional[int] = None
+    # MLA latent rows: one KV head whose first head_size_v columns are the values
+    # (PagedKVCache(values_in_keys=True)), so a block holds each token's row once.
+    values_in_keys: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -42,16 +42,14 @@ from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_cal
                       publish_source_call, take_padding_mask)
 from .linear_states import LINEAR_ATTENTION, LinearStates, state_pool_summary
 from .placement import RowLimit, RowPlacement, new_token_counts
-from .support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
-                      mla_head_sizes)
+from .latent_attention import write_latent_rows
+from .support import (check_config, check_mla_storage, kv_head_shape, kv_readers, layer_shapes,
+                      layer_windows, mla_latent_shape)
 
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
 # (kv heads, key size, value size, dtype, device): the shape of every layer's pools.
 PoolSpec = Tuple[int, int, int, torch.dtype, torch.device]
-
-
-MLA_STORAGES = ("latent", "expanded")
 
 
 class LayerStorage(NamedTuple):
@@ -69,17 +67,13 @@ class LayerStorage(NamedTuple):
 
     @classmethod
     def of(cls, text_config, tp_size: int, mla_storage: str) -> "LayerStorage":
-        if mla_storage not in MLA_STORAGES:
-            raise ValueError(f"PagedCache: mla_storage must be one of {MLA_STORAGES}, got "
-                             f"{mla_storage!r}")
-        mla = mla_head_sizes(text_config) is not None
-        if mla and mla_storage == "latent":
-            # Every rank holds the whole latent: it is one head shared by all query heads.
-            lora, rope = text_config.kv_lora_rank, text_config.qk_rope_head_dim
-            return cls(False, True, (1, lora + rope, lora))
+        check_mla_storage("PagedCache", mla_storage)
+        latent = mla_latent_shape(text_config)
+        if latent is not None and mla_storage == "latent":
+            return cls(False, True, tuple(latent))
         shapes = layer_shapes(text_config, tp_size)  # layers of several shapes: layer 0's
         shape = shapes[0] if shapes is not None else kv_head_shape(text_config, tp_size)
-        return cls(mla, False, tuple(shape))
+        return cls(latent is not None, False, tuple(shape))
 
     def pool_shape(self, keys: torch.Tensor, values: torch.Tensor) -> Tuple[int, int, int]:
         """The pools' head shape for what update() got (MLA: the config's)."""
@@ -274,9 +268,7 @@ class PagedCache(Cache):
         """Store one layer's new K/V at the prepared slots (MLA latent rows: the latent and
         the rotary key; MLA expanded: the attention function does)."""
         if self._storage.latent:
-            self._check_layer_shapes(layer_idx, keys, values)
-            self.kv.write_columns(layer_idx, flat_tokens(keys), flat_tokens(values),
-                                  self._batch.slots_of(layer_idx))
+            write_latent_rows(self.kv, layer_idx, keys, values, self._batch.slots_of(layer_idx))
         elif not self._storage.in_attention:
             self._check_layer_shapes(layer_idx, keys, values)
             self.kv.write(layer_idx, flat_tokens(keys), flat_tokens(values),
@@ -473,8 +465,6 @@ class PagedCache(Cache):
 
     def _check_layer_shapes(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         kv_heads, head_size, head_size_v = self.kv.layer_shape(layer_idx)
-        if self._storage.latent:  # update() got the latent and the rotary key part
-            head_size, head_size_v = head_size_v, head_size - head_size_v
         if (keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != kv_heads
                 or values.shape[1] != kv_heads or keys.shape[3] != head_size
                 or values.shape[3] != head_size_v or keys.shape[:3] != values.shape[:3]):

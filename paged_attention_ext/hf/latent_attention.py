@@ -16,12 +16,40 @@ from typing import Tuple
 
 import torch
 
+from ..kv_cache import PagedKVCache
+from .batch import flat_tokens
+
 
 def _refuse(module: torch.nn.Module, reason: str) -> None:
     raise NotImplementedError(
         f"paged_attention_ext: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) "
         f"{reason}, so its latent rows cannot be read with kv_b_proj absorbed; pass "
-        "PagedCache(config, mla_storage='expanded') to store the expanded keys and values instead")
+        "mla_storage='expanded' (PagedCache(config, mla_storage='expanded'), or the engine's "
+        "HFModelRunner(model, mla_storage='expanded')) to store the expanded keys and values instead")
+
+
+def write_latent_rows(kv_cache: PagedKVCache, layer_idx: int, latent: torch.Tensor,
+                      rotary_key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store what an MLA layer hands ``Cache.update``: the normalised latent ``[batch, 1,
+    tokens, kv_lora_rank]`` and the rotated key ``[batch, 1, tokens, qk_rope_head_dim]``,
+    one row per token at ``slot_mapping`` (a ``values_in_keys`` cache)."""
+    _, row_size, latent_size = kv_cache.layer_shape(layer_idx)
+    if (latent.dim() != 4 or rotary_key.dim() != 4 or latent.shape[1] != 1
+            or rotary_key.shape[1] != 1 or latent.shape[:3] != rotary_key.shape[:3]
+            or latent.shape[3] != latent_size or rotary_key.shape[3] != row_size - latent_size):
+        raise ValueError(f"paged_attention_ext: layer {layer_idx} stores latents "
+                         f"{tuple(latent.shape)} and rotary keys {tuple(rotary_key.shape)}; its "
+                         f"latent rows hold [batch, 1, tokens, {latent_size}] and [batch, 1, "
+                         f"tokens, {row_size - latent_size}] (kv_lora_rank, qk_rope_head_dim)")
+    kv_cache.write_columns(layer_idx, flat_tokens(latent), flat_tokens(rotary_key), slot_mapping)
+
+
+def check_absorbable(model: torch.nn.Module, heads: int, latent_size: int) -> None:
+    """Refuse, before anything runs, an MLA model with a layer whose ``kv_b_proj`` cannot be
+    absorbed (:func:`latent_weights`)."""
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "layer_idx"):
+            latent_weights(module, heads, latent_size)
 
 
 def latent_weights(module: torch.nn.Module, heads: int, latent_size: int) -> Tuple[torch.Tensor, torch.Tensor]:

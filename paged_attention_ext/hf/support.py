@@ -84,6 +84,15 @@ def mla_head_sizes(text_config) -> Optional[tuple]:
     return (text_config.qk_nope_head_dim + text_config.qk_rope_head_dim, text_config.v_head_dim)
 
 
+# How an MLA model's K/V is stored: its latent rows, or the K/V transformers expands per head.
+MLA_STORAGES = ("latent", "expanded")
+
+
+def check_mla_storage(owner: str, mla_storage: str) -> None:
+    if mla_storage not in MLA_STORAGES:
+        raise ValueError(f"{owner}: mla_storage must be one of {MLA_STORAGES}, got {mla_storage!r}")
+
+
 def per_layer_values(text_config, name: str) -> Optional[List[Any]]:
     """Each layer's ``name`` where the config declares it per layer (transformers'
     heterogeneous configs list it in ``per_layer_attributes``: Gemma-4's ``head_dim``), read
@@ -194,6 +203,17 @@ def kv_head_shape(text_config, tp_size: int = 1) -> KVHeadShape:
         raise ValueError(f"tp_size={tp_size} does not divide the {kv_heads} KV heads of "
                          f"{type(text_config).__name__}")
     return KVHeadShape(kv_heads // tp_size, head_size, head_size_v)
+
+
+def mla_latent_shape(text_config) -> Optional[KVHeadShape]:
+    """An MLA model's latent row as the pools' shape, or None for other models: one KV head
+    (shared by every query head, whole on every tensor-parallel rank) of ``kv_lora_rank +
+    qk_rope_head_dim`` values, the normalised latent then the rotary key; the values are its
+    first ``kv_lora_rank`` columns (``PagedKVCache(values_in_keys=True)``)."""
+    if mla_head_sizes(text_config) is None:
+        return None
+    lora, rope = text_config.kv_lora_rank, text_config.qk_rope_head_dim
+    return KVHeadShape(1, lora + rope, lora)
 
 
 def check_config(config, text_config) -> List[str]:

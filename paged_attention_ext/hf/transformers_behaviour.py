@@ -11,6 +11,13 @@ from ..versions import release
 STRIPS_PAGED_PREFIX: bool = release(transformers.__version__) >= (5, 19)
 
 
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its ``Cache`` by: ``past_key_values`` up to the
+    releases that rename it ``cache`` (which then take the old name with a deprecation
+    warning). Told apart by the signature."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def read_window(cache, key, value, layer_idx: int, read_index, write_index, cu_seq_lens_k,
                 max_length_k):
     """A sliding-window layer's continuous-batching update through the cache's public
