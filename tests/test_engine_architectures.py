@@ -1,6 +1,6 @@
-"""The engine on architectures beyond Qwen2: attention sinks (GPT-OSS) and different key and
-value head sizes (DeepSeek-V3 multi-head latent attention) equal eager ``generate``; an
-architecture the ops cannot run is refused when the engine is created."""
+"""The engine on architectures beyond Qwen2: attention sinks (GPT-OSS) and multi-head latent
+attention (DeepSeek-V3, Mistral-4, GLM-4-MoE-Lite: latent rows, test_engine_mla.py) equal eager
+``generate``; an architecture the ops cannot run is refused when the engine is created."""
 
 import copy
 
@@ -50,9 +50,9 @@ def test_engine_equals_eager(name):
     for request in REQUESTS:
         assert got[request.request_id] == generate_reference(reference, request), request.request_id
     engine.check_invariants(deep=True)
-    if name == "deepseek_v3":
-        key_pool, value_pool = engine.kv_cache.layer(0)
-        assert key_pool.shape[-1] == 24 and value_pool.shape[-1] == 16
+    if name == "deepseek_v3":  # latent rows of 32 + 8, the values their first 32 columns
+        rows, values = engine.kv_cache.layer(0)
+        assert rows.shape[1:] == (1, 4, 40) and values.shape[1:] == (1, 4, 32)
 
 
 @pytest.mark.skipif(not hasattr(transformers, "Mistral4ForCausalLM"), reason="no Mistral-4 here")

@@ -159,7 +159,8 @@ class LLMEngine:
                     {"steps": stats.compiled_decode_steps,
                      "compile_and_warmup_s": stats.compile_and_warmup_s})
         cascade = {"steps": stats.cascade_steps, "saved_key_reads": stats.cascade_saved_key_reads}
-        return {**self.metrics.report(self.scheduler), "compiled_decode": compiled,
+        return {**self.metrics.report(self.scheduler), "kv_bytes_per_block": self.kv_cache.block_bytes,
+                "compiled_decode": compiled,
                 "cascade": cascade, "config": asdict(self.config)}
 
     # ---- one step -------------------------------------------------------------------
