@@ -6,7 +6,9 @@ keys and values (``[batch, heads, tokens, head_size]``). This one attends with
 comes from one of two places:
 
 * the ``paged_batch`` keyword argument (the engine's packed forward): the function
-  also stores the keys and values with ``paged.write_kv``;
+  also stores the keys and values with ``paged.write_kv`` (for an MLA model kept as latent
+  rows, the forward's :class:`~paged_attention_ext.hf.packed_latents.PackedLatentCache`
+  has stored them in ``update``, and this function reads them with ``kv_b_proj`` absorbed);
 * the :class:`~paged_attention_ext.hf.PagedCache` passed as ``past_key_values``: its
   ``update`` has already stored them and published the batch for this layer call
   (for MLA models, whose ``update`` gets compressed latents, this function reads the

@@ -7,7 +7,8 @@ Two producers build a :class:`PagedBatch` around the step's
   sequences one after another) and passes the batch to the model as the keyword argument
   ``paged_batch``; transformers forwards extra keyword arguments down to every attention
   call, where :func:`paged_attention_ext.hf.attention.paged_attention_forward` reads it and
-  also writes the K/V;
+  also writes the K/V (an MLA model's latent rows are written by the forward's
+  :class:`~paged_attention_ext.hf.packed_latents.PackedLatentCache`, ``write_kv=False``);
 * :class:`paged_attention_ext.hf.PagedCache` builds one per ``generate`` forward (rows of a
   ``[batch, q_len]`` input, possibly left-padded), writes the K/V itself in ``update`` and
   hands the batch to the attention function with ``write_kv=False``.
