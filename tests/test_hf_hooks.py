@@ -5,6 +5,8 @@ facts in hf/transformers_behaviour.py and the private hooks in hf/hooks/.
 """
 
 import contextlib
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from transformers.generation.continuous_batching import continuous_api
 
 from paged_attention_ext.hf import ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION
 from paged_attention_ext.hf.hooks import cb_attention_allowlist
-from paged_attention_ext.hf.transformers_behaviour import STRIPS_PAGED_PREFIX
-from paged_attention_ext.testing import TINY
+from paged_attention_ext.hf.packed_latents import PackedLatentCache
+from paged_attention_ext.hf.transformers_behaviour import STRIPS_PAGED_PREFIX, cache_keyword
+from paged_attention_ext.testing import TINY, random_pair
 
 
 def tiny_model():
@@ -65,3 +68,28 @@ def test_allowlist_hook_warns_instead_of_failing_when_transformers_drops_the_met
     with pytest.warns(RuntimeWarning, match=r"changed continuous batching \(.*switch_to_cb_friendly"
                                             r"_attn is gone"):
         assert not cb_attention_allowlist.install(ATTN_IMPLEMENTATION)
+
+
+
+def test_cache_keyword_is_the_one_the_forward_takes_without_a_warning():
+    """transformers renames a forward's ``past_key_values`` to ``cache`` (the old name then
+    warns); the engine's packed forward of an MLA model passes its cache by the name in force."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=None, first_k_dense_replace=1,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    model, _ = random_pair(config)
+    keyword = cache_keyword(model)
+    assert keyword in inspect.signature(model.forward).parameters
+    cache = PackedLatentCache(model)
+    assert cache.keyword == keyword
+    stored = []
+    cache.update = lambda latent, rotary_key, layer_idx, *args, **kwargs: (
+        stored.append((layer_idx, latent.shape[-1], rotary_key.shape[-1])) or (latent, rotary_key))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # No paged batch: the attention refuses, after the layer's update got the latents.
+        with pytest.raises(ValueError, match="has neither"):
+            model(torch.tensor([[1, 2]]), use_cache=False, **{keyword: cache})
+    assert stored == [(0, 16, 4)]
