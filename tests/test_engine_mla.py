@@ -22,33 +22,35 @@ from paged_attention_ext.tools.memory import PRESETS, kv_report
 
 BLOCK = 4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None,
               initializer_range=0.2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
               v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
               first_k_dense_replace=1, n_shared_experts=1)
 
 
-def yarn(factor: float, beta_fast: float, mscale_all_dim: float) -> dict:
-    """YaRN scaling from position 16 on (real models: 4096), so these short runs cross it."""
-    return dict(rope_type="yarn", rope_theta=10000.0, factor=factor,
-                original_max_position_embeddings=16, beta_fast=beta_fast, beta_slow=1.0,
-                mscale=1.0, mscale_all_dim=mscale_all_dim)
+def yarn(factor: int, beta_fast: float, mscale_all_dim: float) -> dict:
+    """YaRN scaling from position 16 on (real models: 4096), so these short runs cross it;
+    the positions it stretches to, ``factor`` times that, are the model's."""
+    return dict(max_position_embeddings=16 * factor, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=float(factor),
+        original_max_position_embeddings=16, beta_fast=beta_fast, beta_slow=1.0, mscale=1.0,
+        mscale_all_dim=mscale_all_dim))
 
 
 CONFIGS = {
     # DeepSeek-V2-Lite: no query compression, YaRN whose mscale_all_dim rescales the softmax.
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-        rope_parameters=yarn(40.0, 32.0, 0.707)),
+        **yarn(40, 32.0, 0.707)),
     # DeepSeek-V3: query compression, interleaved RoPE, grouped expert routing.
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, n_group=2,
-        topk_group=1, rope_interleave=True, rope_parameters=yarn(40.0, 32.0, 1.0)),
+        topk_group=1, rope_interleave=True, **yarn(40, 32.0, 1.0)),
     # Kimi-K2 (a DeepSeek-V3 architecture): half the heads per hidden size, one expert group,
     # YaRN factor 32 with beta_fast 1, RoPE halves not interleaved.
     "kimi_k2": lambda: transformers.DeepseekV3Config(
         **COMMON, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=48, n_group=1,
-        topk_group=1, rope_interleave=False, rope_parameters=yarn(32.0, 1.0, 1.0)),
+        topk_group=1, rope_interleave=False, **yarn(32, 1.0, 1.0)),
 }
 
 
@@ -136,6 +138,21 @@ def test_latent_pool_is_the_memory_calculators():
         engine = LLMEngine(runner, EngineConfig(block_size=16, num_device_blocks=1,
                                                 num_host_blocks=0))
         assert engine.kv_cache.block_bytes == per_block == engine.report()["kv_bytes_per_block"]
+
+
+def test_fp8_latent_rows_take_one_scale_per_layer(pair):
+    name, paged, reference = pair
+    with pytest.raises(ValueError, match="one scale"):
+        LLMEngine(paged, EngineConfig(block_size=BLOCK, num_device_blocks=8, num_host_blocks=0,
+                                      kv_cache_dtype="fp8_e4m3", k_scale=1.0, v_scale=2.0))
+    reqs = requests()[:3]
+    engine, outputs = serve(paged, copy.deepcopy(reqs), num_device_blocks=64, num_host_blocks=0,
+                            kv_cache_dtype="fp8_e4m3")
+    assert sorted(outputs) == [r.request_id for r in reqs]
+    assert engine.kv_cache.dtype == torch.float8_e4m3fn
+    for layer in range(2):  # calibrated from the first prefill's latents and rotary keys
+        scales = engine.kv_cache.scales(layer)
+        assert torch.equal(scales["k_scale"], scales["v_scale"]) and scales["k_scale"].numel() == 1
 
 
 def test_compiled_decode_over_latent_rows():
