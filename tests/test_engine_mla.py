@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
@@ -156,13 +157,20 @@ def test_fp8_latent_rows_take_one_scale_per_layer(pair):
 
 
 def test_compiled_decode_over_latent_rows():
+    """The decode graph stores the latents through the same cache object, given each step's
+    batch inside the trace: compiled once at creation, no recompiles as batches change."""
     paged, reference = random_pair(CONFIGS["deepseek_v3"](), reference_attention="eager")
     reqs = requests()
-    engine, outputs = serve(paged, copy.deepcopy(reqs), num_device_blocks=64, num_host_blocks=0,
-                            compile_decode=True, compile_backend="eager")
-    assert outputs == expected(reference, reqs)
-    assert engine.report()["compiled_decode"]["steps"] > 0
-    assert engine.kv_cache.values_in_keys
+    torch._dynamo.reset()
+    counters.clear()
+    engine = LLMEngine(paged, EngineConfig(block_size=BLOCK, num_device_blocks=64,
+                                           num_host_blocks=0, compile_decode=True,
+                                           compile_backend="eager"))
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.generate(copy.deepcopy(reqs)) == expected(reference, reqs)
+    assert engine.report()["compiled_decode"]["steps"] > 5 and engine.kv_cache.values_in_keys
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["recompiles"] and not counters["graph_break"]
 
 
 class _Quantized(torch.nn.Module):
