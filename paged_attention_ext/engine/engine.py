@@ -325,7 +325,7 @@ def _check_state_slots(spec: ModelSpec, config: EngineConfig) -> None:
     if spec.linear_layers and not config.num_state_slots:
         raise ValueError(
             f"this model has linear-attention layers ({len(spec.linear_layers)}), which keep "
-            f"a fixed-size state per sequence ({state_bytes_of(spec)} bytes): set "
+            f"a fixed-size state per sequence ({_state_bytes(spec)} bytes): set "
             "EngineConfig.num_state_slots to the most sequences the device holds at once")
     if not spec.linear_layers and (config.num_state_slots is not None
                                    or config.num_host_state_slots is not None):
@@ -333,7 +333,7 @@ def _check_state_slots(spec: ModelSpec, config: EngineConfig) -> None:
                          "linear-attention layers, which this model does not have; leave them None")
 
 
-def state_bytes_of(spec: ModelSpec) -> int:
+def _state_bytes(spec: ModelSpec) -> int:
     """Bytes of one sequence's linear-attention states (one slot)."""
     return sum(state_bytes([shape], dtype) for _, shape, dtype in spec.linear_states)
 

@@ -65,6 +65,9 @@ class LinearStep:
             if i not in decode:
                 self.runs.append(Run([i], torch.arange(starts[i], starts[i] + count), False))
         self._pending: Dict[Hashable, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._keys: Dict[Tuple[int, str], List[StateKey]] = {}  # per (layer, kind), in order
+        for key in sorted(pools.device):
+            self._keys.setdefault(key[:2], []).append(key)
 
     def cache(self, layer_idx: int, run: Run) -> Cache:
         """A Cache whose layer ``layer_idx`` holds the run's states (the only linear layer in
@@ -73,7 +76,7 @@ class LinearStep:
         if self._has_state[run.seqs[0]]:  # a run's sequences all have states or it is one
             slots = self._slots[run.seqs]
             for kind in ("conv", "recurrent"):
-                for key in self._keys(layer_idx, kind):
+                for key in self._keys.get((layer_idx, kind), ()):
                     pool = self.pools.device[key]
                     state = pool.index_select(0, slots.to(pool.device))
                     if kind == "conv":  # the window as the layer keeps it after a forward
@@ -103,9 +106,6 @@ class LinearStep:
             slots = torch.cat([s for s, _ in parts]).to(pool.device)
             pool.index_copy_(0, slots, torch.cat([t for _, t in parts]).to(pool.dtype))
         self._pending = {}
-
-    def _keys(self, layer_idx: int, kind: str) -> List[StateKey]:
-        return sorted(k for k in self.pools.device if k[0] == layer_idx and k[1] == kind)
 
 
 def probe_states(call, layer_idx: int, hidden_size: int, dtype: torch.dtype,
