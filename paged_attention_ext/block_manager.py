@@ -97,8 +97,10 @@ class BlockSpaceManager:
                  device_setting: str = "num_device_blocks",
                  host_setting: str = "num_host_blocks",
                  num_state_slots: Optional[int] = None, num_host_state_slots: int = 0,
-                 state_setting: str = "num_state_slots") -> None:
-        """``device_setting`` / ``host_setting`` / ``state_setting``: what the caller's user
+                 state_setting: str = "num_state_slots",
+                 host_state_setting: str = "num_host_state_slots") -> None:
+        """``device_setting`` / ``host_setting`` / ``state_setting`` / ``host_state_setting``:
+        what the caller's user
         sets to size each pool, named when it runs out. ``num_state_slots``: a model with
         linear-attention layers: the most sequences whose states the device holds at once
         (``num_host_state_slots`` in the swap pool); None: no linear layers."""
@@ -120,7 +122,8 @@ class BlockSpaceManager:
         self._group_of: Dict[int, int] = {}
         self.states: Optional[StateSlots] = None
         if num_state_slots is not None:
-            self.states = StateSlots(num_state_slots, num_host_state_slots, state_setting)
+            self.states = StateSlots(num_state_slots, num_host_state_slots, state_setting,
+                                     host_state_setting)
 
     # ---- read-only views, for tests and inspection (library code asks the questions below)
     @property
@@ -246,7 +249,9 @@ class BlockSpaceManager:
         recomputation, whose samples or beams share the prompt's full blocks and each
         recompute the prompt's partial last block into their own block. Returns, per
         sequence, the slots (per KV group) of the tokens that must be computed: the leading tokens not listed are in the prefix cache or
-        computed by the first sequence.
+        computed by the first sequence. With state slots every later sequence lists every
+        token (its linear-attention state starts at the first), those of the shared full
+        blocks at slot -1: written by the first sequence, read by all.
         """
         self._check_new(group_id, [s.seq_id for s in seqs])
         first_query = 0 if queries_from_start else None
@@ -526,13 +531,6 @@ class BlockSpaceManager:
         prefix hit, in blocks, every KV group agrees on."""
         if not seqs:
             raise ValueError("a group needs at least one sequence")
-        if self.states is not None and len(seqs) > 1:
-            # The later sequences would compute from the shared prompt's last full block on,
-            # from a state there that no slot holds (the first sequence computes it this step).
-            raise NotImplementedError(
-                "admitting several sequences at once (a group recomputed after preemption) with "
-                "state slots: each would need the linear-attention state at the end of the shared "
-                "prompt; admit the first sequence and fork the others once it is computed")
         if shared_len < 1:
             raise ValueError(f"a prompt needs at least one token, got {shared_len}")
         bs = self.block_size
@@ -577,9 +575,17 @@ class BlockSpaceManager:
                           {s.seq_id: s.names for s in seqs}, computed=False)
         # Copy-on-write copies of the prompt's partial block are not needed: its
         # content does not exist yet, every sequence computes its own copy.
-        starts = [num_hits * bs] + [shared_len // bs * bs] * (len(seqs) - 1)
-        return [self._placed(self._tables[seq.seq_id], start, seq.num_tokens)
-                for seq, start in zip(seqs, starts)]
+        shared = shared_len // bs * bs
+        starts = [num_hits * bs] + [shared] * (len(seqs) - 1)
+        placed = [self._placed(self._tables[seq.seq_id], start, seq.num_tokens)
+                  for seq, start in zip(seqs, starts)]
+        if self.states is not None:
+            # Each later sequence builds its linear-attention state from its first token, so it
+            # computes the prompt's shared full blocks again, reading what the first sequence
+            # writes there in the same forward and writing nothing (slot -1: the ops skip it).
+            placed[1:] = [SeqSlots([[-1] * shared + s for s in p.slots], p.copies)
+                          for p in placed[1:]]
+        return placed
 
     def _append_cost(self, appends: Iterable[Tuple[BlockTable, int]], computed: bool = True) -> int:
         """Device blocks that these appends, in this order, take (less those they return:

@@ -70,7 +70,6 @@ def test_allowlist_hook_warns_instead_of_failing_when_transformers_drops_the_met
         assert not cb_attention_allowlist.install(ATTN_IMPLEMENTATION)
 
 
-
 def test_cache_keyword_is_the_one_the_forward_takes_without_a_warning():
     """transformers renames a forward's ``past_key_values`` to ``cache`` (the old name then
     warns); the engine's packed forward of an MLA model passes its cache by the name in force."""
@@ -93,3 +92,40 @@ def test_cache_keyword_is_the_one_the_forward_takes_without_a_warning():
         with pytest.raises(ValueError, match="has neither"):
             model(torch.tensor([[1, 2]]), use_cache=False, **{keyword: cache})
     assert stored == [(0, 16, 4)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid",
+                                    "kimi_linear"])
+def test_packed_linear_attention_finds_each_linear_module_and_its_cache_parameter(family):
+    """What the engine's linear-attention hook relies on, on every served family: one module
+    per linear layer (``layer_idx``) whose forward takes (hidden_states, the Cache,
+    attention_mask) and keeps its states in that Cache."""
+    from test_hf_hybrid_linear import MODELS
+    from paged_attention_ext.hf.hooks import packed_linear_attention
+    from paged_attention_ext.hf.linear_step import probe_states
+    from paged_attention_ext.hf.support import check_config
+    model = transformers.AutoModelForCausalLM.from_config(MODELS[family](),
+                                                          attn_implementation=ATTN_IMPLEMENTATION)
+    layer_types = check_config(model.config, model.config.get_text_config())
+    linear = [i for i, kind in enumerate(layer_types) if kind == "linear_attention"]
+    modules = packed_linear_attention.linear_modules(model, linear)
+    assert sorted(modules) == linear
+    for layer_idx, module in modules.items():
+        assert packed_linear_attention.cache_parameter(module) in ("cache_params", "cache")
+        states = probe_states(packed_linear_attention.module_call(module), layer_idx,
+                              model.config.hidden_size, torch.float32, torch.device("cpu"))
+        assert {key[1] for key, _, _ in states} == {"conv", "recurrent"}
+
+
+def test_packed_linear_attention_names_a_changed_signature():
+    class Changed(torch.nn.Module):
+        layer_idx = 0
+
+        def forward(self, hidden_states, past_key_values=None, attention_mask=None):
+            return hidden_states
+
+    from paged_attention_ext.hf.hooks import packed_linear_attention
+    with pytest.raises(NotImplementedError, match="now takes.*changed what the engine's"):
+        packed_linear_attention.install(torch.nn.Sequential(Changed()), [0])
+    with pytest.raises(NotImplementedError, match="expected one module with layer_idx=1"):
+        packed_linear_attention.install(torch.nn.Sequential(Changed()), [1])

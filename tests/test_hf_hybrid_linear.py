@@ -236,13 +236,6 @@ def test_continuous_batching_is_refused(qwen3_next):
                              continuous_batching_config=batching)
 
 
-def test_the_engine_refuses_linear_attention_models(qwen3_next):
-    from paged_attention_ext.engine.hf_runner import HFModelRunner
-
-    with pytest.raises(NotImplementedError, match="engine does not serve models with linear-attention"):
-        HFModelRunner(qwen3_next[0])
-
-
 def test_a_forward_interrupted_between_linear_layers_is_refused_next():
     """Layers [full, linear, linear, linear]: an exception in the last linear layer of a decode
     forward leaves the K/V whole but the states partly updated; the next forward refuses."""

@@ -52,15 +52,21 @@ def test_no_free_slot_refuses_admission_with_nothing_changed():
     m.check_invariants()
 
 
-def test_a_group_of_several_sequences_is_refused_with_nothing_changed():
-    """A group recomputed after preemption shares its prompt: the later sequences would start
-    from a linear-attention state at the shared prefix that no slot holds."""
-    m = hybrid(slots=4)
-    before = state(m)
-    for call in (m.try_admit, m.admit):
-        with pytest.raises(NotImplementedError, match="state at the end of the shared prompt"):
-            call(0, [SeqSpec(s, 5) for s in range(2)], 4)
-    assert state(m) == before and not m.groups
+def test_a_group_of_several_sequences_recomputes_the_shared_prompt_without_writing_it():
+    """A group recomputed after preemption: each sequence builds its linear-attention state
+    from its first token, so each computes every token from an empty slot; the prompt's full
+    blocks stay shared, written by the first sequence only (the others' slots there: -1)."""
+    m = hybrid(blocks=8, slots=4, enable_prefix_caching=True)
+    seqs = [SeqSpec(s, 11, block_hashes(list(range(9)) + [s, s], 4)) for s in range(2)]
+    assert hybrid(blocks=8, slots=1).try_admit(0, seqs, 9) is None  # two slots needed
+    placed = m.try_admit(0, seqs, 9)
+    assert [p.num_tokens for p in placed] == [11, 11]
+    first, second = (m.tables[s][0] for s in range(2))
+    assert placed[0].slots[0] == first.slots(0, 11)
+    assert placed[1].slots[0] == [-1] * 8 + second.slots(8, 11)
+    assert first.blocks[:2] == second.blocks[:2] and first.blocks[2] != second.blocks[2]
+    assert m.take_state_moves() == [StateMove("zero", -1, m.states.slot(0)),
+                                    StateMove("copy", m.states.slot(0), m.states.slot(1))]
     m.check_invariants()
 
 

@@ -12,6 +12,12 @@ class EngineConfig:
     num_device_blocks: int = 512
     num_host_blocks: int = 512
     enable_prefix_caching: bool = True
+    # A model with linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear):
+    # the most sequences whose fixed-size states the device holds at once (one state slot
+    # each, beside their blocks: docs/linear_attention.md), and the host swap pool's; None
+    # for the host: as many as the device. Required for such a model, refused for others.
+    num_state_slots: Optional[int] = None
+    num_host_state_slots: Optional[int] = None
     # "swap" or "recompute"; swap had the higher throughput over bench/bench_engine.py's
     # preemption workloads (docs/engine.md).
     preemption_mode: str = "swap"
@@ -55,3 +61,8 @@ class EngineConfig:
     # that saves at least this many key reads ((sharers - 1) * prefix tokens); None: plain
     # attention only (the baseline of bench/bench_cascade.py).
     cascade_min_saved_tokens: Optional[int] = DEFAULT_MIN_SAVED_TOKENS
+
+    @property
+    def host_state_slots(self) -> Optional[int]:
+        """The host swap pool's state slots (``num_host_state_slots``, or the device's)."""
+        return self.num_state_slots if self.num_host_state_slots is None else self.num_host_state_slots

@@ -32,6 +32,8 @@ class BlockContents:
         sequence's block names, ``key``: the group's."""
         bs = self.block_size
         for slot, token, position in zip(slots, tokens, positions):
+            if slot < 0:  # read, not written (a shared prompt block another sequence writes)
+                continue
             block, offset = divmod(slot, bs)
             index = position // bs
             parent = names[index - 1] if 0 < index <= len(names) else None

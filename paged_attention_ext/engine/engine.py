@@ -11,12 +11,13 @@ from ..block_table import block_hashes
 from ..kv_cache import PagedKVCache
 from ..kv_groups import Chunked, KVGroupLayout
 from ..quantization import kv_cache_dtype
+from ..state_cache import StatePools, state_bytes
 from .beam_search import BeamSearch
 from .checks import check_engine
 from .config import EngineConfig
 from .contents import BlockContents
 from .metrics import EngineMetrics
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, ModelSpec
 from .params import Request
 from .sampler import sample_many
 from .scheduler import Preemption, Scheduler, SchedulerOutput
@@ -59,7 +60,10 @@ class LLMEngine:
             raise NotImplementedError("this model has chunked-attention layers, which need KV "
                                       "groups of their own: set hybrid_kv_groups=True")
         windows = spec.layer_windows if config.hybrid_kv_groups else (None,) * spec.num_layers
-        kv_groups = KVGroupLayout.from_windows(windows, spec.layer_shapes, dict(spec.kv_readers))
+        _check_state_slots(spec, config)
+        # A hybrid model's linear-attention layers store no K/V: their states have pools of their own.
+        kv_groups = KVGroupLayout.from_windows(windows, spec.layer_shapes, dict(spec.kv_readers),
+                                               without_kv=spec.linear_layers)
         limit = spec.max_packed_positions
         if limit is not None and config.max_num_batched_tokens > limit:
             raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is more than "
@@ -73,9 +77,10 @@ class LLMEngine:
             head_size_v=spec.head_size_v, k_scale=config.k_scale, v_scale=config.v_scale,
             calibration=config.kv_scale_calibration, kv_groups=kv_groups,
             values_in_keys=spec.values_in_keys)
+        self.states = _state_pools(spec, config)
         # The scheduler owns the block manager: the engine goes through it.
         self.scheduler = Scheduler(config, kv_groups.windows)
-        runner.bind(self.kv_cache, config)
+        runner.bind(self.kv_cache, config, self.states)
         self.runner = runner
         self.contents = BlockContents(config.block_size) if config.record_block_contents else None
         self.metrics = EngineMetrics()
@@ -181,6 +186,8 @@ class LLMEngine:
             with self.scheduler.transaction():
                 preemption = self.scheduler.preempt()
                 self.kv_cache.swap_out(preemption.swap_out)
+                if self.states is not None:
+                    self.states.apply(preemption.state_moves)
             if self.contents is not None:
                 self.contents.swap_out(preemption.swap_out)
             self.metrics.on_preempt(preemption.counts)
@@ -188,8 +195,11 @@ class LLMEngine:
             plan = self.scheduler.schedule(admit=not preemption.any)
             self.kv_cache.swap_in(plan.swap_in)
             self.kv_cache.apply_copies(plan.copies)
+            if self.states is not None:
+                self.states.apply(plan.state_moves)
             logits = self.runner.forward(plan) if plan.groups else []
             choices = self._choose_all(plan.groups, logits)
+            self.runner.commit()
         return self._commit(plan, choices)
 
     def _choose_all(self, groups: List[SequenceGroup], logits: List[torch.Tensor]) -> List[_Choice]:
@@ -306,6 +316,38 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             seq.block_hashes = block_hashes(seq.token_ids, self.config.block_size,
                                             known=seq.block_hashes)
+
+
+def _check_state_slots(spec: ModelSpec, config: EngineConfig) -> None:
+    """State slots are sized for a model with linear-attention layers, and only for one."""
+    for name in ("num_state_slots", "num_host_state_slots"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"EngineConfig.{name} must be an int >= 0 or None, got {value!r}")
+    if spec.linear_layers and not config.num_state_slots:
+        raise ValueError(
+            f"this model has linear-attention layers ({len(spec.linear_layers)}), which keep "
+            f"a fixed-size state per sequence ({_state_bytes(spec)} bytes): set "
+            "EngineConfig.num_state_slots to the most sequences the device holds at once")
+    if not spec.linear_layers and (config.num_state_slots is not None
+                                   or config.num_host_state_slots is not None):
+        raise ValueError("EngineConfig.num_state_slots / num_host_state_slots size the states of "
+                         "linear-attention layers, which this model does not have; leave them None")
+
+
+def _state_bytes(spec: ModelSpec) -> int:
+    """Bytes of one sequence's linear-attention states (one slot)."""
+    return sum(state_bytes([shape], dtype) for _, shape, dtype in spec.linear_states)
+
+
+def _state_pools(spec: ModelSpec, config: EngineConfig) -> Optional[StatePools]:
+    """The linear layers' state pools, allocated whole at creation (None: no linear layers)."""
+    if not spec.linear_layers:
+        return None
+    pools = StatePools(config.num_state_slots, config.host_state_slots)
+    for key, shape, dtype in spec.linear_states:
+        pools.pool(key, shape, dtype, spec.device)
+    return pools
 
 
 def _transformers_runner(model: torch.nn.Module) -> ModelRunner:

@@ -16,17 +16,21 @@ A step in which every sequence computes one token (a decode step) goes through t
 config asks for one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
-from typing import List, Optional, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION
+from ..hf.hooks import packed_linear_attention
 from ..hf.latent_attention import check_absorbable
+from ..hf.linear_states import LINEAR_ATTENTION
+from ..hf.linear_step import LinearStep, probe_states
 from ..hf.packed_latents import PackedLatentCache, packed_arguments
 from ..hf.support import (check_config, check_mla_storage, kv_head_shape, kv_readers,
                           layer_shapes, layer_windows, mla_latent_shape, packed_position_limit)
 from ..kv_cache import PagedKVCache
+from ..state_cache import StatePools
 from ..step_buffers import StepBuffers
 from ..step_inputs import StepInputs, StepPlan, plan_cascades
 from .config import EngineConfig
@@ -44,12 +48,7 @@ def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec
         raise ValueError(f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}")
     text = model.config.get_text_config()
     layer_types = check_config(model.config, text)
-    if "linear_attention" in layer_types:
-        # The engine's packed forward passes no Cache, so the linear layers would keep no
-        # state between steps; the block layer's state slots are not wired into it yet.
-        raise NotImplementedError(
-            f"the engine does not serve models with linear-attention layers "
-            f"({type(model).__name__}); use model.generate with a PagedCache")
+    linear = [i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION]
     shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
     latent = mla_latent_shape(text) if mla_storage == "latent" else None
     if latent is not None:
@@ -65,7 +64,19 @@ def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec
                      max_packed_positions=packed_position_limit(text),
                      layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
                      kv_readers=tuple(sorted(kv_readers(text, layer_types).items())),
-                     values_in_keys=latent is not None)
+                     values_in_keys=latent is not None,
+                     linear_layers=tuple(linear),
+                     linear_states=tuple(_linear_states(model, linear, text.hidden_size)))
+
+
+def _linear_states(model: torch.nn.Module, linear: List[int],
+                   hidden_size: int) -> List[Tuple[Hashable, Tuple[int, ...], torch.dtype]]:
+    """The states one sequence keeps in each linear layer: each layer's own forward run on one
+    token with an empty Cache (transformers creates a layer's states on first use)."""
+    modules = packed_linear_attention.linear_modules(model, linear)
+    return [state for layer_idx, module in modules.items()
+            for state in probe_states(packed_linear_attention.module_call(module), layer_idx,
+                                      hidden_size, model.dtype, model.device)]
 
 
 class HFModelRunner(ModelRunner):
@@ -87,16 +98,25 @@ class HFModelRunner(ModelRunner):
         self._latents = PackedLatentCache(model) if self.spec.values_in_keys else None
         readers = dict(self.spec.kv_readers)
         self._stored_layers = [i for i in range(self.spec.num_layers) if i not in readers]
+        if self.spec.linear_layers:
+            packed_linear_attention.install(model, list(self.spec.linear_layers))
+        self._linear_step: Optional[LinearStep] = None  # the last forward's, until commit()
         self.decode: Optional[CompiledDecode] = None
         self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
         self.cascade_steps = 0          # steps that ran cascade attention
         self.cascade_saved_tokens = 0   # key reads (per layer and KV head) their prefixes saved
 
-    def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
+    def bind(self, kv_cache: PagedKVCache, config: EngineConfig,
+             states: Optional[StatePools] = None) -> None:
         """Take the pools, and compile the decode forward if ``config`` asks (which
         compiles and warms up here, at engine creation)."""
-        super().bind(kv_cache, config)
+        if config.compile_decode and self.spec.linear_layers:
+            raise NotImplementedError(
+                "compile_decode=True: the compiled decode does not run linear-attention layers "
+                f"(layers {list(self.spec.linear_layers)} of {type(self.model).__name__}), whose "
+                "states the eager forward gathers per step; set compile_decode=False")
+        super().bind(kv_cache, config, states)
         self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
@@ -120,12 +140,18 @@ class HFModelRunner(ModelRunner):
     @torch.no_grad()
     def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
         ids, positions, plan = self._plan(step)
+        self._linear_step = None
         if (self.decode is not None and len(ids) == len(plan.seq_lens)
                 and self.decode.fits(len(ids), plan.width())):
             logits = self.decode.run(ids, positions, plan)
         else:
-            logits = self._packed(ids, positions, plan)
+            logits = self._packed(ids, positions, plan, step)
         return list(logits.float().split([len(g.live_seqs) for g in step.groups]))
+
+    def commit(self) -> None:
+        if self._linear_step is not None:
+            self._linear_step.commit()
+            self._linear_step = None
 
     def _plan(self, step: SchedulerOutput) -> Tuple[List[int], List[int], StepPlan]:
         """The step's token ids and positions, and its plan: every live sequence's
@@ -173,7 +199,8 @@ class HFModelRunner(ModelRunner):
         return buffers.fill_sized(plan, plan_cascades(plan, self.kv_cache,
                                                       self.cascade_min_saved_tokens))
 
-    def _packed(self, ids: List[int], positions: List[int], plan: StepPlan) -> torch.Tensor:
+    def _packed(self, ids: List[int], positions: List[int], plan: StepPlan,
+                step: SchedulerOutput) -> torch.Tensor:
         """The eager packed forward: logits of each sequence's last token."""
         inputs = self._inputs(plan)
         if inputs.cascades:
@@ -181,10 +208,21 @@ class HFModelRunner(ModelRunner):
             self.cascade_saved_tokens += inputs.cascade_saved_tokens
         device = self.kv_cache.device
         last_rows = (inputs.query_start_loc[1:] - 1).long()
+        linear = self._linear(step) if self.spec.linear_layers else None
         logits = self.model(input_ids=torch.tensor([ids]).to(device),
                             position_ids=torch.tensor([positions]).to(device), use_cache=False,
                             logits_to_keep=last_rows,
-                            **packed_arguments(self.kv_cache, inputs, self._latents)).logits[0]
+                            **packed_arguments(self.kv_cache, inputs, self._latents,
+                                               linear)).logits[0]
         if self._latents is not None:
             self._latents.check_stored(self._stored_layers)
+        self._linear_step = linear  # stored by commit(), once the engine adopts the step
         return logits
+
+    def _linear(self, step: SchedulerOutput) -> LinearStep:
+        """The linear layers' runs of the step: each live sequence from its state slot (a
+        sequence that has computed nothing starts without a state, as a first forward does)."""
+        seqs = [seq for group in step.groups for seq in group.live_seqs]
+        return LinearStep(self.states, [step.state_slots[s.seq_id] for s in seqs],
+                          [len(s.token_ids) - s.num_computed for s in seqs],
+                          [s.num_computed > 0 for s in seqs])

@@ -10,12 +10,13 @@ calls back into the engine or the scheduler. The transformers implementation is
 
 import abc
 from dataclasses import dataclass, fields
-from typing import List, Optional, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 
 from ..kv_cache import PagedKVCache
 from ..kv_groups import Window
+from ..state_cache import StatePools
 from .config import EngineConfig
 from .scheduler import SchedulerOutput
 
@@ -49,6 +50,11 @@ class ModelSpec:
     # MLA latent rows: one KV head whose first head_size_v columns are the values
     # (PagedKVCache(values_in_keys=True)), so a block holds each token's row once.
     values_in_keys: bool = False
+    # Layers that keep no K/V but a fixed-size state per sequence (a hybrid model's linear
+    # attention), and the states one sequence keeps in them: (key, shape, dtype) each, one
+    # row of a StatePools tensor per state slot.
+    linear_layers: Tuple[int, ...] = ()
+    linear_states: Tuple[Tuple[Hashable, Tuple[int, ...], torch.dtype], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -78,9 +84,12 @@ class ModelRunner(abc.ABC):
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.kv_cache: Optional[PagedKVCache] = None
+        self.states: Optional[StatePools] = None
 
-    def bind(self, kv_cache: PagedKVCache, config: EngineConfig) -> None:
-        """Take the pools the forwards write and read, built from :attr:`spec`; ``config``
+    def bind(self, kv_cache: PagedKVCache, config: EngineConfig,
+             states: Optional[StatePools] = None) -> None:
+        """Take the pools the forwards write and read, built from :attr:`spec` (``states``:
+        the linear layers' state pools, for a spec with ``linear_layers``); ``config``
         carries the settings of how to run the model (compiled decode, cascade attention),
         of which a runner applies those it implements: the base class refuses
         ``compile_decode`` for a runner without one (``compiles_decode``), and the compiled
@@ -96,13 +105,21 @@ class ModelRunner(abc.ABC):
                                       "compile_decode=True needs a runner that has one "
                                       "(engine/hf_runner.py)")
         self.kv_cache = kv_cache
+        self.states = states
 
     @abc.abstractmethod
     def forward(self, step: SchedulerOutput) -> List[torch.Tensor]:
         """Per scheduled group, fp32 logits ``[live sequences, vocab]`` of each live
         sequence's last token, its uncomputed tokens (``token_ids[num_computed:]``)
         written at ``step.slots`` and its context read through ``step.tables`` (both per
-        KV group)."""
+        KV group); a spec with ``linear_layers`` runs them from ``step.state_slots``.
+        Nothing it computes for the linear layers may reach the state pools before
+        :meth:`commit`."""
+
+    def commit(self) -> None:
+        """The engine adopted the last forward's step: store what cannot be computed twice
+        (the linear layers' new states). A step that fails before this call leaves every
+        state as it was, and the engine runs it again."""
 
     def stats(self) -> RunnerStats:
         return RunnerStats()

@@ -32,6 +32,7 @@ from typing import (Deque, Dict, Iterator, List, MutableSequence, Optional, Sequ
 
 from ..block_manager import BlockSpaceManager, SeqSpec
 from ..block_table import BlockPair
+from ..state_slots import StateMove
 from .config import EngineConfig
 from .sequence import GroupStatus, Sequence, SequenceGroup
 
@@ -41,6 +42,8 @@ PREEMPTION_MODES = ("swap", "recompute")
 @dataclass
 class Preemption:
     swap_out: List[BlockPair] = field(default_factory=list)  # (device, host) rows to copy before any write
+    # state slot moves (a hybrid model's: earlier forks' copies, then the swap-outs), in order
+    state_moves: List[StateMove] = field(default_factory=list)
     counts: Dict[str, int] = field(default_factory=lambda: {m: 0 for m in PREEMPTION_MODES})
 
     @property
@@ -57,6 +60,10 @@ class SchedulerOutput:
     tables: Dict[int, List[List[int]]] = field(default_factory=dict)
     swap_in: List[BlockPair] = field(default_factory=list)
     copies: List[BlockPair] = field(default_factory=list)  # copy-on-write, after the swap-ins
+    # A hybrid model's: per sequence its state slot, and the slot moves (zero, copy, swap-in)
+    # to apply, in order, before the forward.
+    state_slots: Dict[int, int] = field(default_factory=dict)
+    state_moves: List[StateMove] = field(default_factory=list)
 
 
 class Scheduler:
@@ -64,11 +71,14 @@ class Scheduler:
     model's KV groups): nothing else changes it."""
 
     def __init__(self, config: EngineConfig, kv_group_windows: TypingSequence[Optional[int]]) -> None:
-        self._manager = BlockSpaceManager(config.num_device_blocks, config.num_host_blocks,
-                                          config.block_size, config.enable_prefix_caching,
-                                          config.watermark, kv_group_windows,
-                                          device_setting="EngineConfig.num_device_blocks",
-                                          host_setting="EngineConfig.num_host_blocks")
+        self._manager = BlockSpaceManager(
+            config.num_device_blocks, config.num_host_blocks, config.block_size,
+            config.enable_prefix_caching, config.watermark, kv_group_windows,
+            device_setting="EngineConfig.num_device_blocks",
+            host_setting="EngineConfig.num_host_blocks", num_state_slots=config.num_state_slots,
+            num_host_state_slots=config.host_state_slots,
+            state_setting="EngineConfig.num_state_slots",
+            host_state_setting="EngineConfig.num_host_state_slots")
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.preemption_mode = config.preemption_mode
@@ -161,6 +171,7 @@ class Scheduler:
                     self.running.append(group)
                     break
                 self._preempt(queue.pop() if queue else group, out)
+        out.state_moves = self._manager.take_state_moves()
         return out
 
     def schedule(self, admit: bool = True) -> SchedulerOutput:
@@ -177,14 +188,20 @@ class Scheduler:
                 raise RuntimeError(f"request {group.request.request_id} cannot fit in the KV pool "
                                    f"({self._manager.num_device_blocks} blocks) even alone")
         kv_groups = range(self._manager.num_kv_groups)
+        states = self._manager.states
         for group in out.groups:
             for seq in group.live_seqs:
                 out.tables[seq.seq_id] = [self._manager.block_ids(seq.seq_id, g) for g in kv_groups]
+                if states is not None:
+                    out.state_slots[seq.seq_id] = states.slot(seq.seq_id)
+        out.state_moves = self._manager.take_state_moves()
         return out
 
     # ---- the queues that wait --------------------------------------------------------
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped:
+            if not self._state_slots_fit(self.swapped[0]):
+                return
             mapping = self._manager.try_swap_in(self.swapped[0].group_id)
             if mapping is None:
                 return
@@ -198,7 +215,8 @@ class Scheduler:
         while self.waiting:
             group = self.waiting[0]
             tokens = sum(len(s.token_ids) for s in group.live_seqs)
-            if (out.groups and tokens > budget) or not self._admit(group, out):
+            if ((out.groups and tokens > budget) or not self._state_slots_fit(group)
+                    or not self._admit(group, out)):
                 return
             self.waiting.popleft()
             self._start(group)
@@ -209,6 +227,16 @@ class Scheduler:
     def _start(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.RUNNING
         _insert(self.running, group)
+
+    def _state_slots_fit(self, group: SequenceGroup) -> bool:
+        """Whether the device's state slots hold the group's live sequences and every fork
+        it and the running groups are still to make (forks happen after the forward, where
+        they must not fail): always, for a model without linear-attention layers."""
+        states = self._manager.states
+        if states is None:
+            return True
+        promised = sum(_forks_ahead(g) for g in self.running)
+        return len(group.live_seqs) + _forks_ahead(group) <= states.num_free - promised
 
     def _append_pending(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Room for the token each live sequence sampled last step."""
@@ -255,6 +283,13 @@ def _admission(group: SequenceGroup) -> Tuple[List[SeqSpec], int]:
     live = group.live_seqs
     seqs = [SeqSpec(s.seq_id, len(s.token_ids), s.block_hashes) for s in live]
     return seqs, (len(live[0].token_ids) if len(live) == 1 else live[0].prompt_len)
+
+
+def _forks_ahead(group: SequenceGroup) -> int:
+    """Sequences the group has yet to fork: samples at their first token, beams up to
+    ``num_beams`` (a beam step frees the dropped beams before it forks the others)."""
+    params = group.request.params
+    return (params.num_beams if params.is_beam_search else params.n) - len(group.seqs)
 
 
 def _insert(queue: MutableSequence[SequenceGroup], group: SequenceGroup) -> None:

@@ -22,6 +22,7 @@ import torch
 from ..attention_metadata import AttentionMetadata
 from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs, StepPlan
+from .linear_step import LinearStep
 
 
 def flat_tokens(states: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,9 @@ class PagedBatch:
     # logits it keeps (the others' K/V are stored already).
     q_len: Optional[int] = None
     last_queries: Optional[Callable[[int], "PagedBatch"]] = None
+    # The engine's forward of a hybrid model: how its linear-attention layers run the packed
+    # row, sequence by sequence from their state slots (hf/hooks/packed_linear_attention.py).
+    linear: Optional[LinearStep] = None
 
     def _group(self, layer: int) -> int:
         """The layer's KV group, which this batch must have tables for."""

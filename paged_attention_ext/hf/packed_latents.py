@@ -23,6 +23,7 @@ from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs
 from .batch import PagedBatch
 from .latent_attention import write_latent_rows
+from .linear_step import LinearStep
 from .transformers_behaviour import cache_keyword
 
 
@@ -70,12 +71,14 @@ class PackedLatentCache(Cache):
 
 
 def packed_arguments(kv_cache: PagedKVCache, inputs: StepInputs,
-                     latents: Optional[PackedLatentCache]) -> Dict[str, Any]:
+                     latents: Optional[PackedLatentCache],
+                     linear: Optional[LinearStep] = None) -> Dict[str, Any]:
     """The paged keyword arguments of a packed forward over ``inputs``: its batch, whose
     attention function also stores the K/V, or, for a model stored as latent rows, the batch
-    (reading only) and ``latents``, whose ``update`` stores them."""
+    (reading only) and ``latents``, whose ``update`` stores them. ``linear``: a hybrid
+    model's linear-attention runs of the step (hf/hooks/packed_linear_attention.py)."""
     if latents is None:
-        return {"paged_batch": PagedBatch(kv_cache, inputs)}
-    batch = PagedBatch(kv_cache, inputs, write_kv=False)
+        return {"paged_batch": PagedBatch(kv_cache, inputs, linear=linear)}
+    batch = PagedBatch(kv_cache, inputs, write_kv=False, linear=linear)
     latents.begin(batch)
     return {"paged_batch": batch, latents.keyword: latents}

@@ -24,7 +24,8 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 
 # Hybrid families whose linear-attention layers (gated DeltaNet, KDA) keep their states
 # through transformers' LinearAttentionLayer API (conv and recurrent states, last call
-# update_recurrent_state), which PagedCache serves from its state pools (linear_states.py).
+# update_recurrent_state), which PagedCache (linear_states.py) and the engine
+# (linear_step.py) serve from state pools.
 # Other "linear_attention" layers (Mamba's in Jamba, Bamba, Nemotron-H) are refused.
 LINEAR_ATTENTION_TESTED = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                            "olmo_hybrid", "kimi_linear")
