@@ -96,8 +96,9 @@ class HFModelRunner(ModelRunner):
         self.model = model
         # Latent rows: transformers hands the latents to Cache.update only.
         self._latents = PackedLatentCache(model) if self.spec.values_in_keys else None
-        readers = dict(self.spec.kv_readers)
-        self._stored_layers = [i for i in range(self.spec.num_layers) if i not in readers]
+        # Readers store nothing; linear-attention layers keep states, not latents.
+        skipped = set(dict(self.spec.kv_readers)) | set(self.spec.linear_layers)
+        self._stored_layers = [i for i in range(self.spec.num_layers) if i not in skipped]
         if self.spec.linear_layers:
             packed_linear_attention.install(model, list(self.spec.linear_layers))
         self._linear_step: Optional[LinearStep] = None  # the last forward's, until commit()

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from ..linear_step import LinearStep
+from ..packed_latents import PackedLatentCache
 
 HOOKED = "_paged_attention_ext_packed_linear"
 _CACHE_NAMES = ("cache_params", "cache")
@@ -95,10 +96,13 @@ def _packed_forward(original: Callable, name: str, layer_idx: int) -> Callable:
 
 def _check_packed(step: LinearStep, hidden_states: torch.Tensor, args: Tuple, cache, mask,
                   layer_idx: int) -> None:
-    if args or cache is not None:
+    # The only Cache the engine's forward passes is an MLA model's PackedLatentCache (Kimi-Linear's
+    # full layers), which holds no linear state.
+    if args or not (cache is None or isinstance(cache, PackedLatentCache)):
         raise NotImplementedError(
             f"linear-attention layer {layer_idx} got a Cache or positional arguments beside the "
-            "engine's packed row; the engine's forward passes neither (use_cache=False)")
+            "engine's packed row; the engine's forward passes neither (use_cache=False), but "
+            "for the latent rows' PackedLatentCache")
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != step.num_tokens:
         raise ValueError(f"linear-attention layer {layer_idx}: the packed row is "
                          f"{tuple(hidden_states.shape[:2])}, the step has {step.num_tokens} tokens")
