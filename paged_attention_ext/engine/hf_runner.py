@@ -22,8 +22,8 @@ import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION, PagedBatch
-from ..hf.support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
-                          packed_position_limit)
+from ..hf.hooks import llama4_positions
+from ..hf.support import check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows
 from ..kv_cache import PagedKVCache
 from ..step_buffers import StepBuffers
 from ..step_inputs import StepInputs, StepPlan, plan_cascades
@@ -46,6 +46,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         raise NotImplementedError(
             f"the engine does not serve models with linear-attention layers "
             f"({type(model).__name__}); use model.generate with a PagedCache")
+    if llama4_positions.tempered_layers(model):
+        llama4_positions.check()
     shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
     # MLA: K/V expanded per query head, key and value sizes differ.
     shape = shapes[0] if shapes is not None else kv_head_shape(text)
@@ -53,7 +55,6 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
                      dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
-                     max_packed_positions=packed_position_limit(text),
                      layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
                      kv_readers=tuple(sorted(kv_readers(text, layer_types).items())))
 
@@ -79,6 +80,12 @@ class HFModelRunner(ModelRunner):
         self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
+            if llama4_positions.tempered_layers(self.model):
+                # A compiled decode step packs its rows into one too, without the hook.
+                raise NotImplementedError(
+                    "compiled decode steps do not serve Llama-4's attention temperature tuning "
+                    "(its NoPE layers read each query's position from its index in the row): "
+                    "set compile_decode=False")
             # The longest table a sequence can have: the pool, or the model's positions.
             positions = getattr(self.model.config.get_text_config(), "max_position_embeddings",
                                 1 << 30)
@@ -159,7 +166,8 @@ class HFModelRunner(ModelRunner):
             self.cascade_saved_tokens += inputs.cascade_saved_tokens
         device = self.kv_cache.device
         last_rows = (inputs.query_start_loc[1:] - 1).long()
-        return self.model(input_ids=torch.tensor([ids]).to(device),
-                          position_ids=torch.tensor([positions]).to(device),
-                          paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
-                          logits_to_keep=last_rows).logits[0]
+        position_ids = torch.tensor([positions]).to(device)
+        with llama4_positions.real_positions(self.model, position_ids):
+            return self.model(input_ids=torch.tensor([ids]).to(device), position_ids=position_ids,
+                              paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
+                              logits_to_keep=last_rows).logits[0]
