@@ -102,7 +102,7 @@ def test_llama4_temperature_reads_the_positions_the_hook_feeds():
     positions = torch.tensor([[0, 1, 2, 30, 31, 9]])  # three sequences packed in one row
     with torch.no_grad():
         model(input_ids=ids, position_ids=positions, use_cache=False)
-        with llama4_positions.real_positions(model, positions):
+        with llama4_positions.real_positions(llama4_positions.tempered_layers(model), positions):
             model(input_ids=ids, position_ids=positions, use_cache=False)
     plain, tempered = queries
 
@@ -133,5 +133,6 @@ def test_llama4_hook_refuses_a_layer_given_a_cache():
     model = llama4_model()
     ids = torch.tensor([[5, 9, 3]])
     with pytest.raises(RuntimeError, match="layer 3: expected one empty cache argument"):
-        with torch.no_grad(), llama4_positions.real_positions(model, torch.tensor([[4, 5, 6]])):
+        with torch.no_grad(), llama4_positions.real_positions(llama4_positions.tempered_layers(model),
+                                                              torch.tensor([[4, 5, 6]])):
             model(input_ids=ids, **{cache_argument(model): transformers.DynamicCache(config=model.config)})

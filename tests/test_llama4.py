@@ -252,6 +252,6 @@ def test_without_real_positions_the_engine_differs(engine_models, monkeypatch):
     packed row (transformers' default without the hook), the engine's tokens differ."""
     paged, expected = engine_models
     monkeypatch.setattr(llama4_positions, "real_positions",
-                        lambda model, position_ids: contextlib.nullcontext())
+                        lambda layers, position_ids: contextlib.nullcontext())
     _, got, _ = serve(paged)
     assert got != expected

@@ -67,6 +67,8 @@ class HFModelRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model_spec(model))
         self.model = model
+        # Llama-4's NoPE layers, told each packed token's real position (hf/hooks).
+        self._tempered_layers = llama4_positions.tempered_layers(model)
         self.decode: Optional[CompiledDecode] = None
         self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
@@ -80,7 +82,7 @@ class HFModelRunner(ModelRunner):
         self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
-            if llama4_positions.tempered_layers(self.model):
+            if self._tempered_layers:
                 # A compiled decode step packs its rows into one too, without the hook.
                 raise NotImplementedError(
                     "compiled decode steps do not serve Llama-4's attention temperature tuning "
@@ -167,7 +169,7 @@ class HFModelRunner(ModelRunner):
         device = self.kv_cache.device
         last_rows = (inputs.query_start_loc[1:] - 1).long()
         position_ids = torch.tensor([positions]).to(device)
-        with llama4_positions.real_positions(self.model, position_ids):
+        with llama4_positions.real_positions(self._tempered_layers, position_ids):
             return self.model(input_ids=torch.tensor([ids]).to(device), position_ids=position_ids,
                               paged_batch=PagedBatch(self.kv_cache, inputs), use_cache=False,
                               logits_to_keep=last_rows).logits[0]
