@@ -255,3 +255,15 @@ def test_without_real_positions_the_engine_differs(engine_models, monkeypatch):
                         lambda layers, position_ids: contextlib.nullcontext())
     _, got, _ = serve(paged)
     assert got != expected
+
+
+def test_compiled_decode_is_refused_for_the_temperature_without_chunks():
+    """A Llama-4 config whose layers are all full attention has no chunked group to refuse,
+    but a compiled decode step would temper its rows by their index in the row."""
+    config = llama4(layer_types=["full_attention"] * 4, floor_scale=FLOOR)
+    paged, _ = random_pair(config)
+    base = dict(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=0)
+    LLMEngine(paged, EngineConfig(**base))  # eager steps serve it
+    with pytest.raises(NotImplementedError, match="compiled decode steps do not serve Llama-4's "
+                                                  "attention temperature tuning"):
+        LLMEngine(paged, EngineConfig(**base, compile_decode=True, compile_backend="eager"))
