@@ -130,9 +130,10 @@ def cache_argument(model) -> str:
 
 
 def test_llama4_hook_refuses_a_layer_given_a_cache():
+    """The hook stands in for an empty cache only: a forward with a real one is refused."""
     model = llama4_model()
-    ids = torch.tensor([[5, 9, 3]])
+    layers = llama4_positions.tempered_layers(model)
+    cache = {cache_argument(model): transformers.DynamicCache(config=model.config)}
     with pytest.raises(RuntimeError, match="layer 3: expected one empty cache argument"):
-        with torch.no_grad(), llama4_positions.real_positions(llama4_positions.tempered_layers(model),
-                                                              torch.tensor([[4, 5, 6]])):
-            model(input_ids=ids, **{cache_argument(model): transformers.DynamicCache(config=model.config)})
+        with torch.no_grad(), llama4_positions.real_positions(layers, torch.tensor([[4, 5, 6]])):
+            model(input_ids=torch.tensor([[5, 9, 3]]), **cache)

@@ -28,7 +28,8 @@ from transformers.models.llama4 import modeling_llama4
 
 # The lines of Llama4TextAttention.forward the stand-in feeds (transformers 5.18: the cache
 # argument is ``past_key_values``; 5.25: ``cache``).
-_POSITIONS = "positions = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen_tokens"
+_POSITIONS = ("positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)"
+              " + past_seen_tokens")
 _SEEN = ".get_seq_length(self.layer_idx)"
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
 
