@@ -3,6 +3,7 @@
 sampled n > 1, beams) over contexts several chunks long; what is not served (compiled
 steps, transformers' continuous batching, the multimodal wrapper) is refused clearly."""
 
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +16,7 @@ from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, SamplingParams,
                                         generate_reference)
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache
+from paged_attention_ext.hf.hooks import llama4_positions
 from paged_attention_ext.hf.masks import is_paged_mask
 from paged_attention_ext.hf.support import check_config
 from paged_attention_ext.kv_groups import Chunked
@@ -193,11 +195,15 @@ REQUESTS = [
 ]
 
 
+# The NoPE layer's attention temperature steps every FLOOR positions: each request crosses
+# several steps, and a packed row puts most tokens at an index other than their position.
+FLOOR = 6
+
+
 @pytest.fixture(scope="module")
 def engine_models():
-    # A packed forward reads the NoPE layers' temperature from the token's index in the row:
-    # exact only below floor_scale - 1 tokens (max_packed_positions).
-    paged, reference = random_pair(llama4(floor_scale=256), reference_attention="eager")
+    paged, reference = random_pair(llama4(floor_scale=FLOOR, attn_scale=0.5),
+                                   reference_attention="eager")
     return paged, {r.request_id: generate_reference(reference, r) for r in REQUESTS}
 
 
@@ -234,14 +240,30 @@ def test_engine_refuses_what_it_cannot_compute(engine_models):
     paged, _ = engine_models
     base = dict(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=0,
                 max_num_batched_tokens=255)
-    with pytest.raises(NotImplementedError, match="compiled and graph-captured steps do not serve "
-                                                  "chunked local attention"):
+    with pytest.raises(NotImplementedError, match="compiled decode steps do not serve Llama-4's "
+                                                  "attention temperature tuning"):
         LLMEngine(paged, EngineConfig(**base, compile_decode=True, compile_backend="eager"))
     with pytest.raises(NotImplementedError, match="set hybrid_kv_groups=True"):
         LLMEngine(paged, EngineConfig(**base, hybrid_kv_groups=False))
-    with pytest.raises(ValueError, match="max_num_batched_tokens=256 is more than the 255 tokens"):
-        LLMEngine(paged, EngineConfig(**{**base, "max_num_batched_tokens": 256}))
-    engine = LLMEngine(paged, EngineConfig(**base))
-    with pytest.raises(ValueError, match="request long: 250 prompt tokens \\+ max_new_tokens=6"):
-        engine.add_request(Request("long", [1] * 250, SamplingParams(max_new_tokens=6)))
-    assert not engine.has_unfinished()
+
+
+def test_without_real_positions_the_engine_differs(engine_models, monkeypatch):
+    """The equality above can fail: with the temperature read from each token's index in the
+    packed row (transformers' default without the hook), the engine's tokens differ."""
+    paged, expected = engine_models
+    monkeypatch.setattr(llama4_positions, "real_positions",
+                        lambda layers, position_ids: contextlib.nullcontext())
+    _, got, _ = serve(paged)
+    assert got != expected
+
+
+def test_compiled_decode_is_refused_for_the_temperature_without_chunks():
+    """A Llama-4 config whose layers are all full attention has no chunked group to refuse,
+    but a compiled decode step would temper its rows by their index in the row."""
+    config = llama4(layer_types=["full_attention"] * 4, floor_scale=FLOOR)
+    paged, _ = random_pair(config)
+    base = dict(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=0)
+    LLMEngine(paged, EngineConfig(**base))  # eager steps serve it
+    with pytest.raises(NotImplementedError, match="compiled decode steps do not serve Llama-4's "
+                                                  "attention temperature tuning"):
+        LLMEngine(paged, EngineConfig(**base, compile_decode=True, compile_backend="eager"))

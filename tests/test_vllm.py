@@ -84,12 +84,23 @@ def _kv_cache_groups(worker) -> int:
     return len(worker.model_runner.kv_cache_config.kv_cache_groups)
 
 
+# vLLM's attention layer classes (Llama-4's chunked layers are ChunkedLocalAttention).
+ATTENTION_LAYERS = ("Attention", "MLAAttention", "ChunkedLocalAttention")
+
+
 def _attention_classes(worker) -> list[str]:
-    """Names of the attention impl classes of the worker's model, MLA layers' included (runs
-    in the worker)."""
+    """Names of the attention impl classes of the worker's model, MLA and chunked layers'
+    included (runs in the worker)."""
     model = worker.model_runner.model
     return sorted({type(m.impl).__name__ for m in model.modules()
-                   if type(m).__name__ in ("Attention", "MLAAttention")})
+                   if type(m).__name__ in ATTENTION_LAYERS})
+
+
+def _attention_backends(worker) -> list[str]:
+    """Each attention layer's backend class, in layer order: vLLM wraps a chunked layer's
+    backend in a ChunkedLocalAttention_<chunk>_ subclass (runs in the worker)."""
+    model = worker.model_runner.model
+    return [m.attn_backend.__name__ for m in model.modules() if type(m).__name__ in ATTENTION_LAYERS]
 
 
 def _cascade_steps(worker) -> int:
@@ -121,6 +132,7 @@ def run_case(case: dict) -> dict:
                       if "preempt" in m.name)
     cached = sum(o.num_cached_tokens or 0 for o in outs)
     return dict(tokens=batches, attention=llm.collective_rpc(_attention_classes),
+                backends=llm.collective_rpc(_attention_backends)[0],
                 kv_cache_groups=llm.collective_rpc(_kv_cache_groups)[0],
                 preemptions=preemptions, cached_tokens_last_batch=cached,
                 cascade_steps=sum(llm.collective_rpc(_cascade_steps)))
@@ -335,6 +347,54 @@ def test_mla_greedy_equals_vllm_cpu_mla_backend(tmp_path):
     assert ours["attention"] == [["PagedMLAImpl"]], ours["attention"]
     assert theirs["attention"] == [["CPUMLAImpl"]], theirs["attention"]
     assert ours["tokens"] == theirs["tokens"]
+
+
+# Llama-4 text: layers 0-2 chunked local attention (chunks of two blocks), layer 3 NoPE full
+# attention with the attention temperature (stepping every 16 positions).
+LLAMA4_CHUNK = 2 * BLOCK_SIZE
+LLAMA4_MODEL = dict(architectures=["Llama4ForCausalLM"], model_type="llama4_text",
+                    hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                    attention_chunk_size=LLAMA4_CHUNK, floor_scale=16, attn_scale=0.5,
+                    vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                    initializer_range=0.2, torch_dtype="float32")
+
+
+def write_llama4(folder, **overrides) -> str:
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{**LLAMA4_MODEL, **overrides})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+def test_llama4_chunked_local_attention_equals_vllm_cpu_backend(tmp_path):
+    """vLLM builds Llama-4's chunked layers as ChunkedLocalAttention, which wraps the selected
+    backend (ours, or vLLM's CPU one) in a builder that splits each request into one virtual
+    request per chunk (its queries, its chunk's keys, its chunk's blocks): the plugin's
+    builder takes those tables and lengths as they come. Prompts of up to three chunks and 60
+    new tokens each, prefix caching (a second batch on the first's prompts) and preemption:
+    the same tokens as vLLM's CPU backend."""
+    first = prompts(seed=8, count=8, shared_prefix=40)
+    second = first[:3] + prompts(seed=9, count=3, shared_prefix=40)
+    case = dict(model=write_llama4(tmp_path / "chunked"), batches=[first, second], max_tokens=60,
+                prefix_caching=True, num_blocks=64)
+    ours, theirs = run_both(case)
+    chunked = f"ChunkedLocalAttention_{LLAMA4_CHUNK}_"
+    assert ours["backends"] == [chunked + "PagedAttentionBackend"] * 3 + ["PagedAttentionBackend"]
+    assert theirs["backends"] == [chunked + "CPUAttentionBackend"] * 3 + ["CPUAttentionBackend"]
+    assert ours["attention"] == [["PagedAttentionImpl"]], ours["attention"]
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["kv_cache_groups"] > 1 and ours["preemptions"] > 0
+    assert ours["cached_tokens_last_batch"] > 0
+    # The check can fail: one chunk longer than every sequence gives other tokens.
+    unchunked = run_vllm(dict(case, model=write_llama4(tmp_path / "unchunked",
+                                                       attention_chunk_size=512)), plugin=True)
+    assert unchunked["tokens"] != ours["tokens"]
 
 
 def test_docs_example_runs(tmp_path):

@@ -220,3 +220,73 @@ def test_cascade_split_equals_plain_attention(common_prefix_len):
                                                            seq_lens, HEAD_SIZE ** -0.5, starts,
                                                            sliding_window=8))
     assert builder_for(BLOCK_SIZE, threshold=None).build(common_prefix_len, m).cascade is None
+
+
+def chunked_attention(query, key_cache, value_cache, block_table, seq_lens, q_lens, chunk):
+    """Dense chunked local attention: the query at position p sees the keys of its own chunk
+    up to p (positions p // chunk * chunk .. p)."""
+    out, row = torch.empty_like(query), 0
+    group = HEADS // KV_HEADS
+    for seq, (length, q_len) in enumerate(zip(seq_lens.tolist(), q_lens)):
+        blocks = block_table[seq, :-(-length // BLOCK_SIZE)].long()
+        keys = key_cache[blocks].permute(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_SIZE)[:length]
+        values = value_cache[blocks].permute(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_SIZE)[:length]
+        for p in range(length - q_len, length):
+            start = p // chunk * chunk
+            k = keys[start:p + 1].repeat_interleave(group, dim=1)  # [keys, heads, size]
+            v = values[start:p + 1].repeat_interleave(group, dim=1)
+            weights = torch.einsum("hd,khd->hk", query[row], k) * HEAD_SIZE ** -0.5
+            out[row] = torch.einsum("hk,khd->hd", weights.softmax(-1), v)
+            row += 1
+    return out
+
+
+def test_vllms_chunked_local_attention_wrapper_over_the_backend(monkeypatch):
+    """vLLM builds Llama-4's chunked layers as ChunkedLocalAttention, which wraps the chosen
+    backend's builder: each request becomes one virtual request per chunk its queries touch
+    (that chunk's keys and blocks). Over the plugin's builder (cascade split planned on the
+    virtual requests: two share prompt blocks) and impl, a prefill after a prefix hit that
+    stays in the first chunk, a second request on its prompt blocks, a decode in the second
+    chunk and a fresh prefill of two chunks equal dense chunked attention."""
+    from vllm.model_executor.layers.attention.chunked_local_attention import (
+        create_chunked_local_attention_backend)
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    # The interface check's vLLM 0.34 (a GPU build, no GPU) would stage the virtual tables
+    # in pinned memory.
+    monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False, raising=False)
+    chunk = 4 * BLOCK_SIZE
+    wrapped = create_chunked_local_attention_backend(PagedAttentionBackend, chunk)
+    assert issubclass(wrapped, PagedAttentionBackend)
+    builder_cls = wrapped.get_builder_cls()
+    builder = builder_cls.__new__(builder_cls)
+    plain = builder_for(BLOCK_SIZE)
+    builder.__dict__.update(plain.__dict__)
+
+    torch.manual_seed(2)
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "auto")
+    # Each block's key tile, then its value tile (the page-compact layout).
+    kv = torch.randn(24, 2, 1, KV_HEADS * BLOCK_SIZE * HEAD_SIZE)
+    key_cache, value_cache = split_kv_cache(kv, KV_HEADS, HEAD_SIZE)
+    # 40 cached + 10 new; 32 cached on the first request's blocks + 11 new; 70 cached + 1 new
+    # (the second chunk); 100 new (two chunks).
+    tables = [[3, 4, 5, 6], [3, 4, 15], [7, 8, 9, 10, 11], [12, 13, 14, 16, 17, 18, 19]]
+    block_table = torch.tensor([t + [0] * (7 - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor([50, 43, 71, 100], dtype=torch.int32)
+    q_lens = [10, 11, 1, 100]
+    starts = torch.tensor([0, 10, 21, 22, 122], dtype=torch.int32)
+    m = CommonAttentionMetadata(query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=seq_lens,
+                                num_reqs=4, num_actual_tokens=122, max_query_len=100,
+                                max_seq_len=100, block_table_tensor=block_table,
+                                slot_mapping=torch.full((122,), -1, dtype=torch.int64))
+    metadata = builder.build(0, m)
+    assert metadata.block_table.shape[0] == 5  # virtual requests: one per chunk touched
+    assert metadata.cascade is not None  # the first two share the first chunk's blocks
+    query = torch.randn(122, HEADS, HEAD_SIZE)
+    output = torch.zeros(122, HEADS, HEAD_SIZE)
+    impl.forward(Layer(1.0), query, None, None, kv, metadata, output)
+    want = chunked_attention(query, key_cache, value_cache, block_table, seq_lens, q_lens, chunk)
+    torch.testing.assert_close(output, want)
+    # Without chunks the same step attends over whole sequences: the check can fail.
+    impl.forward(Layer(1.0), query, None, None, kv, plain.build(0, m), output)
+    assert not torch.allclose(output, want)

@@ -64,11 +64,6 @@ class LLMEngine:
         # A hybrid model's linear-attention layers store no K/V: their states have pools of their own.
         kv_groups = KVGroupLayout.from_windows(windows, spec.layer_shapes, dict(spec.kv_readers),
                                                without_kv=spec.linear_layers)
-        limit = spec.max_packed_positions
-        if limit is not None and config.max_num_batched_tokens > limit:
-            raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is more than "
-                             f"the {limit} tokens a packed forward of this model computes exactly "
-                             f"(ModelSpec.max_packed_positions); set max_num_batched_tokens <= {limit}")
         self.config = config
         self.kv_cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.head_size, config.block_size,
@@ -97,13 +92,6 @@ class LLMEngine:
                 raise ValueError(f"request {request.request_id}: prompt[{position}] = {token} is "
                                  f"not in the model's vocabulary (size {self.runner.spec.vocab_size})")
         params = request.params
-        limit = self.runner.spec.max_packed_positions
-        if limit is not None and len(request.prompt) + params.max_new_tokens > limit:
-            raise ValueError(f"request {request.request_id}: {len(request.prompt)} prompt tokens "
-                             f"+ max_new_tokens={params.max_new_tokens} is more than the {limit} "
-                             "positions this model computes exactly in a packed forward "
-                             "(ModelSpec.max_packed_positions: Llama-4's attention temperature "
-                             "tuning reads positions from the packed row)")
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.kv_cache.device).manual_seed(params.seed)

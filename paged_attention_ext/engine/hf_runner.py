@@ -22,13 +22,13 @@ import torch
 
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION
-from ..hf.hooks import packed_linear_attention
+from ..hf.hooks import llama4_positions, packed_linear_attention
 from ..hf.latent_attention import check_absorbable
 from ..hf.linear_states import LINEAR_ATTENTION
 from ..hf.linear_step import LinearStep, probe_states
 from ..hf.packed_latents import PackedLatentCache, packed_arguments
 from ..hf.support import (check_config, check_mla_storage, kv_head_shape, kv_readers,
-                          layer_shapes, layer_windows, mla_latent_shape, packed_position_limit)
+                          layer_shapes, layer_windows, mla_latent_shape)
 from ..kv_cache import PagedKVCache
 from ..state_cache import StatePools
 from ..step_buffers import StepBuffers
@@ -49,6 +49,8 @@ def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec
     text = model.config.get_text_config()
     layer_types = check_config(model.config, text)
     linear = [i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION]
+    if llama4_positions.tempered_layers(model):
+        llama4_positions.check()
     shapes = layer_shapes(text)  # Gemma-4: per layer; None: one for every layer
     latent = mla_latent_shape(text) if mla_storage == "latent" else None
     if latent is not None:
@@ -61,7 +63,6 @@ def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec
                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                      head_size_v=shape.head_size_v if shape.head_size_v != shape.head_size else None,
                      dtype=model.dtype, device=model.device, vocab_size=text.vocab_size,
-                     max_packed_positions=packed_position_limit(text),
                      layer_shapes=None if shapes is None else tuple(tuple(s) for s in shapes),
                      kv_readers=tuple(sorted(kv_readers(text, layer_types).items())),
                      values_in_keys=latent is not None,
@@ -102,6 +103,8 @@ class HFModelRunner(ModelRunner):
         if self.spec.linear_layers:
             packed_linear_attention.install(model, list(self.spec.linear_layers))
         self._linear_step: Optional[LinearStep] = None  # the last forward's, until commit()
+        # Llama-4's NoPE layers, told each packed token's real position (hf/hooks).
+        self._tempered_layers = llama4_positions.tempered_layers(model)
         self.decode: Optional[CompiledDecode] = None
         self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
@@ -121,6 +124,12 @@ class HFModelRunner(ModelRunner):
         self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
+            if self._tempered_layers:
+                # A compiled decode step packs its rows into one too, without the hook.
+                raise NotImplementedError(
+                    "compiled decode steps do not serve Llama-4's attention temperature tuning "
+                    "(its NoPE layers read each query's position from its index in the row): "
+                    "set compile_decode=False")
             # The longest table a sequence can have: the pool, or the model's positions.
             positions = getattr(self.model.config.get_text_config(), "max_position_embeddings",
                                 1 << 30)
@@ -210,11 +219,12 @@ class HFModelRunner(ModelRunner):
         device = self.kv_cache.device
         last_rows = (inputs.query_start_loc[1:] - 1).long()
         linear = self._linear(step) if self.spec.linear_layers else None
-        logits = self.model(input_ids=torch.tensor([ids]).to(device),
-                            position_ids=torch.tensor([positions]).to(device), use_cache=False,
-                            logits_to_keep=last_rows,
-                            **packed_arguments(self.kv_cache, inputs, self._latents,
-                                               linear)).logits[0]
+        position_ids = torch.tensor([positions]).to(device)
+        with llama4_positions.real_positions(self._tempered_layers, position_ids):
+            logits = self.model(input_ids=torch.tensor([ids]).to(device), position_ids=position_ids,
+                                use_cache=False, logits_to_keep=last_rows,
+                                **packed_arguments(self.kv_cache, inputs, self._latents,
+                                                   linear)).logits[0]
         if self._latents is not None:
             self._latents.check_stored(self._stored_layers)
         self._linear_step = linear  # stored by commit(), once the engine adopts the step

@@ -43,10 +43,6 @@ class ModelSpec:
     layer_shapes: Optional[Tuple[Tuple[int, int, int], ...]] = None
     # (layer, source layer): layers that store no K/V and attend over their source's.
     kv_readers: Tuple[Tuple[int, int], ...] = ()
-    # Tokens a sequence, and a step, may hold; None: no limit. A model that reads a position
-    # from a token's index in the forward (Llama-4's attention temperature tuning) computes a
-    # packed forward as separate ones only where the two give the same result.
-    max_packed_positions: Optional[int] = None
     # MLA latent rows: one KV head whose first head_size_v columns are the values
     # (PagedKVCache(values_in_keys=True)), so a block holds each token's row once.
     values_in_keys: bool = False

@@ -294,17 +294,6 @@ def layer_windows(text_config, layer_types: Sequence[str]) -> List[Window]:
     return [windows.get(kind) for kind in layer_types]
 
 
-def packed_position_limit(text_config) -> Optional[int]:
-    """Tokens up to which a packed forward (several sequences in one row, no cache) computes
-    what separate forwards do, or None: no limit. Llama-4's NoPE layers scale their queries
-    by a temperature of the position they read from the token's index in the forward (not
-    from ``position_ids``); the scale is 1 for every index below ``floor_scale - 1``."""
-    no_rope = getattr(text_config, "no_rope_layers", None) or ()
-    if getattr(text_config, "attn_temperature_tuning", False) and 0 in no_rope:
-        return max(1, int(text_config.floor_scale) - 1)
-    return None
-
-
 def sink_logits_of(module: torch.nn.Module, s_aux, sinks, heads: int, device) -> Optional[torch.Tensor]:
     """The learned per-head sink logits (``s_aux`` or ``sinks``, as models pass them) as
     fp32 ``[heads]``, or None."""
