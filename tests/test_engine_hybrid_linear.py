@@ -180,6 +180,9 @@ def test_settings_are_checked_by_name():
         engine_for(paged, compile_decode=True)
     with pytest.raises(ValueError, match="num_host_state_slots must be an int"):
         engine_for(paged, num_host_state_slots=-1)
+    with pytest.raises(ValueError, match="4 sequences need a state slot each.*num_state_slots=3"):
+        engine_for(paged, num_state_slots=3).add_request(
+            Request("wide", [1, 2], SamplingParams(num_beams=4)))
     plain, _ = random_pair(tiny_config(vocab_size=64))
     with pytest.raises(ValueError, match="which this model does not have"):
         LLMEngine(plain, EngineConfig(num_device_blocks=16, num_host_blocks=16, num_state_slots=4))

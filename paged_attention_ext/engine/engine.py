@@ -103,6 +103,11 @@ class LLMEngine:
                              "positions this model computes exactly in a packed forward "
                              "(ModelSpec.max_packed_positions: Llama-4's attention temperature "
                              "tuning reads positions from the packed row)")
+        width = params.num_beams if params.is_beam_search else params.n
+        if self.states is not None and width > self.config.num_state_slots:
+            raise ValueError(f"request {request.request_id}: its {width} sequences need a state slot "
+                             f"each, more than EngineConfig.num_state_slots="
+                             f"{self.config.num_state_slots}; raise num_state_slots")
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.kv_cache.device).manual_seed(params.seed)
