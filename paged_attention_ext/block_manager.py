@@ -100,8 +100,7 @@ class BlockSpaceManager:
                  state_setting: str = "num_state_slots",
                  host_state_setting: str = "num_host_state_slots") -> None:
         """``device_setting`` / ``host_setting`` / ``state_setting`` / ``host_state_setting``:
-        what the caller's user
-        sets to size each pool, named when it runs out. ``num_state_slots``: a model with
+        what the caller's user sets to size each pool, named when it runs out. ``num_state_slots``: a model with
         linear-attention layers: the most sequences whose states the device holds at once
         (``num_host_state_slots`` in the swap pool); None: no linear layers."""
         if not 0.0 <= watermark < 1.0:

@@ -151,6 +151,27 @@ def test_a_failed_step_leaves_every_state_as_it_was():
     assert [tokens] == generate_reference(reference, request)
 
 
+@pytest.mark.parametrize("point", ["forward", "sampler"])
+def test_a_step_that_fails_after_a_fork_runs_again_to_the_same_tokens(point):
+    """The step after n = 3 samples forked applies the forks' state copies, then fails in the
+    forward or the sampler; it is rolled back (the copies stay pending) and runs again."""
+    paged, reference = random_pair(MODELS["qwen3_next"](), reference_attention="eager")
+    engine = engine_for(paged)
+    request = Request("r", [7, 7, 12, 90, 33], SamplingParams(max_new_tokens=5, temperature=0.8,
+                                                              n=3, seed=3))
+    engine.add_request(copy.deepcopy(request))
+    engine.step()  # the prompt; its first tokens fork the samples
+    assert len(engine.scheduler.manager.states.pending_moves()) == 2
+    target = (mock.patch.object(paged, "forward", side_effect=RuntimeError("injected"))
+              if point == "forward" else
+              mock.patch.object(engine_module, "sample_many", side_effect=RuntimeError("injected")))
+    with target, pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert len(engine.scheduler.manager.states.pending_moves()) == 2
+    got = engine.generate([])
+    assert got == {"r": generate_reference(reference, request)}
+
+
 def test_settings_are_checked_by_name():
     paged, _ = random_pair(MODELS["qwen3_next"](), reference_attention="eager")
     with pytest.raises(ValueError, match="set EngineConfig.num_state_slots"):
@@ -159,6 +180,9 @@ def test_settings_are_checked_by_name():
         engine_for(paged, compile_decode=True)
     with pytest.raises(ValueError, match="num_host_state_slots must be an int"):
         engine_for(paged, num_host_state_slots=-1)
+    with pytest.raises(ValueError, match="4 sequences need a state slot each.*num_state_slots=3"):
+        engine_for(paged, num_state_slots=3).add_request(
+            Request("wide", [1, 2], SamplingParams(num_beams=4)))
     plain, _ = random_pair(tiny_config(vocab_size=64))
     with pytest.raises(ValueError, match="which this model does not have"):
         LLMEngine(plain, EngineConfig(num_device_blocks=16, num_host_blocks=16, num_state_slots=4))

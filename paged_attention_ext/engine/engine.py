@@ -92,6 +92,11 @@ class LLMEngine:
                 raise ValueError(f"request {request.request_id}: prompt[{position}] = {token} is "
                                  f"not in the model's vocabulary (size {self.runner.spec.vocab_size})")
         params = request.params
+        width = params.num_beams if params.is_beam_search else params.n
+        if self.states is not None and width > self.config.num_state_slots:
+            raise ValueError(f"request {request.request_id}: its {width} sequences need a state slot "
+                             f"each, more than EngineConfig.num_state_slots="
+                             f"{self.config.num_state_slots}; raise num_state_slots")
         generator = None
         if params.do_sample:
             generator = torch.Generator(device=self.kv_cache.device).manual_seed(params.seed)

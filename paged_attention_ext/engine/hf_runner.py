@@ -11,6 +11,12 @@ packed sequence after sequence into a single row. The ``paged_attention_ext`` at
 writes each token's K/V to its slot and attends with the multi-token form of
 ``paged.attention``; only the last position of each sequence goes through the LM head.
 
+A hybrid model's linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear)
+run the packed row per sequence from the sequences' state slots
+(:class:`~paged_attention_ext.hf.linear_step.LinearStep` in the ``paged_batch``, through the
+hook :mod:`~paged_attention_ext.hf.hooks.packed_linear_attention`); their new states reach
+the state pools in :meth:`HFModelRunner.commit`, once the engine adopts the step.
+
 A step in which every sequence computes one token (a decode step) goes through the
 :class:`~paged_attention_ext.engine.hf_compiled_decode.CompiledDecode` forward when the
 config asks for one; prefills and mixed steps run eager (docs/engine.md says why).
