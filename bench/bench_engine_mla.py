@@ -20,12 +20,17 @@ one with 8 routed experts) of its hidden size 7168, random weights.
 * Tokens: the same attention in float32 with a narrow hidden size (512), on the CPU: the
   engine with each storage against transformers' eager ``generate`` (greedy, sampled n=2,
   beams), short prompts; the wall time of each engine run is recorded for information.
+* Step times (information, on a shared machine): that model in bf16 serves 4 requests of
+  1024 prompt tokens and 12 new ones with each storage, alternating, twice: the prefill
+  step's seconds and the decode steps' median milliseconds. Prefill reads the latent rows
+  absorbed too (576 + 512 multiply-adds per head and key against 192 + 128 expanded).
 """
 
 import argparse
 import copy
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -128,6 +133,34 @@ def token_equality(quick: bool) -> Dict[str, Dict]:
     return results
 
 
+def step_times(quick: bool) -> List[Dict]:
+    config = transformers.DeepseekV3Config(**MODEL, **ATTENTION, hidden_size=512,
+                                           intermediate_size=512, moe_intermediate_size=128,
+                                           initializer_range=0.05)
+    paged = random_pair(config)[0].to(torch.bfloat16)
+    rng = random.Random(2)
+    prompt = 256 if quick else 1024
+    requests = [Request(f"r{i}", [rng.randrange(2, 1024) for _ in range(prompt)],
+                        SamplingParams(max_new_tokens=12)) for i in range(4)]
+    rows = []
+    for storage in STORAGES * 2:
+        engine = LLMEngine(HFModelRunner(paged, mla_storage=storage), EngineConfig(
+            block_size=BLOCK_SIZE, num_device_blocks=400, num_host_blocks=0))
+        for request in copy.deepcopy(requests):
+            engine.add_request(request)
+        times = []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        rows.append({"storage": storage, "prompt_tokens": prompt, "requests": len(requests),
+                     "prefill_step_s": times[0],
+                     "decode_step_ms_median": 1e3 * statistics.median(times[1:])})
+        print(f"{storage}: prefill step {times[0]:.1f} s, decode step median "
+              f"{rows[-1]['decode_step_ms_median']:.0f} ms")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller budget, fewer requests")
@@ -141,13 +174,14 @@ def main() -> None:
     ratio = counts["latent"]["most_running"] / max(1, counts["expanded"]["most_running"])
     print(f"latent / expanded concurrent 8k requests: {ratio:.1f}x")
     tokens = token_equality(args.quick)
+    steps = step_times(args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": machine_info(),
         "attention": ATTENTION, "model": MODEL, "block_size": BLOCK_SIZE,
         "admission": {"budget_gib": budget_gib, "prompt_tokens": prompt, "new_tokens": new_tokens,
                       "dtype": "bfloat16", **counts, "latent_over_expanded": ratio},
-        "tokens": tokens}, indent=2) + "\n")
+        "tokens": tokens, "step_times_bf16": steps}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

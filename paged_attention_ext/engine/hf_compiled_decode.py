@@ -80,7 +80,10 @@ class CompiledDecode:
                  latents: Optional[PackedLatentCache] = None) -> None:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
-        self.latents = latents  # an MLA model's latent rows: stored through Cache.update
+        # An MLA model's latent rows, stored through Cache.update. Whether the model stores
+        # every layer's is checked by the eager prefills (engine/hf_runner.py), which precede
+        # any decode; a replayed graph runs no Python to count them.
+        self.latents = latents
         self.cuda_graphs = device.type == "cuda"
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_decode_batch must be an integer >= 1, got {max_batch!r}")
