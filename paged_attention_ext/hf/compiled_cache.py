@@ -70,14 +70,6 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens, mla_storage=mla_storage)
-        chunked = [layer for group in self.kv_groups.groups if group.chunk_size is not None
-                   for layer in group.layers]
-        if chunked:
-            # Its steps read fixed buffers; a chunked layer's tables are rewritten every step
-            # (chunk_local). transformers' compiled generate does not build Llama-4's masks either.
-            raise NotImplementedError(
-                f"CompiledPagedCache does not serve chunked local attention (layers "
-                f"{sorted(chunked)} of {type(config).__name__}); use PagedCache")
         if self.is_hybrid_linear:
             raise NotImplementedError(
                 "CompiledPagedCache does not serve models with linear-attention layers (their "
@@ -99,8 +91,9 @@ class CompiledPagedCache(PagedCache):
         self._step: Optional[Tuple[List[int], int, List[List[int]]]] = None
         self._step_open = False
         self._unfingerprinted: List[int] = []
-        # A tensor for get_seq_length inside a compiled forward (an int would recompile).
-        self._length_tensor = torch.zeros((), dtype=torch.int64)
+        # get_seq_length inside a compiled forward: the columns before the prepared forward,
+        # as a tensor (an int would recompile).
+        self._past_length = torch.zeros((), dtype=torch.int64)
         # Set by a compiled forward (it runs no Python): the prepared step was consumed.
         self._consumed = torch.zeros((), dtype=torch.bool)
 
@@ -147,9 +140,16 @@ class CompiledPagedCache(PagedCache):
         self._state.begin()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """As :class:`PagedCache`'s: the columns a layer has stored. The forward's tokens are
+        placed before it runs, yet no layer has stored them until its update (Llama-4's NoPE
+        layers and a forward without position_ids read their positions from this first); a
+        compiled forward reads the columns before it for every layer (it calls this before
+        the layer's update)."""
         if torch.compiler.is_compiling():
-            return self._length_tensor  # set before the forward; an int would recompile
-        return self._length
+            return self._past_length
+        if self._step_open:
+            return self._length - self._forward_len
+        return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
         if not torch.compiler.is_compiling():
@@ -222,8 +222,9 @@ class CompiledPagedCache(PagedCache):
                 self.reset()
             raise
         self.kv.apply_copies(copies)  # before any layer writes this step's tokens
+        self._past_length.fill_(self._length)
         self._length += q_len
-        self._length_tensor.fill_(self._length)
+        self._forward_len = q_len
         self._step = (counts, q_len, slots)
         self._unfingerprinted = started
         self._step_open = True
@@ -256,12 +257,12 @@ class CompiledPagedCache(PagedCache):
         self._pool_spec = spec
         self.kv = self._static.pool
         # On the pools' device, so the compiled graph touches no host tensor.
-        self._length_tensor = self._length_tensor.to(spec[4])
+        self._past_length = self._past_length.to(spec[4])
         self._consumed = self._consumed.to(spec[4])
         # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
         # "reduce-overhead") may then read and write them in place instead of copying them.
         for tensor in (*self.kv.key_caches, *self.kv.value_caches, *self._static.buffers.tensors(),
-                       self._length_tensor, self._consumed):
+                       self._past_length, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
     def _fill_buffers(self) -> None:
