@@ -36,7 +36,7 @@ from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from ..step_inputs import StepInputs, StepPlan
-from .batch import PagedBatch, flat_tokens
+from .batch import PagedBatch, flat_tokens, real_query_rows
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
                       publish_source_call, take_padding_mask)
@@ -534,11 +534,8 @@ class PagedCache(Cache):
         tables = self._placement.tables()
         self._reserve(max(1, self.manager.device_high_water_mark))
         self.kv.apply_copies(placed.copies)  # before any layer writes this step's tokens
-        query_rows = None
-        if sum(counts) != rows * q_len:
-            query_rows = [row * q_len + i for row, count in enumerate(counts)
-                          for i in range(q_len - count, q_len)]
-        step = StepPlan(tables, placed.slots, self._placement.seq_lens(), counts, query_rows)
+        step = StepPlan(tables, placed.slots, self._placement.seq_lens(), counts,
+                        real_query_rows(counts, q_len))
         inputs = StepInputs.from_plan(step, self.kv, self._cascade_min_saved_tokens)
         in_attention = self._storage.in_attention
         self._batch = PagedBatch(self.kv, inputs, write_kv=in_attention,

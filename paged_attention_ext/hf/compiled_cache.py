@@ -7,6 +7,7 @@ forward (``prepare``, called by the mask function when generate builds the masks
 so a compiled forward only writes K/V at the prepared slots and attends.
 """
 
+import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -16,11 +17,11 @@ from ..block_table import blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..step_buffers import StepBuffers
-from ..step_inputs import StepInputs
-from .batch import PagedBatch, rows_as_sequences
+from ..step_inputs import StepInputs, StepPlan
+from .batch import PagedBatch, real_query_rows, rows_as_sequences
 from .cache import PagedCache, PoolSpec
-from .handoff import (LayerCall, cancel_preparation, publish_layer_call, request_preparation,
-                      take_padding_mask)
+from .handoff import (LayerCall, begin_traced_forward, cancel_preparation, publish_layer_call,
+                      publish_source_call, request_preparation, take_padding_mask)
 from .placement import RowLimit, RowPlacement
 
 
@@ -75,12 +76,6 @@ class CompiledPagedCache(PagedCache):
                 "CompiledPagedCache does not serve models with linear-attention layers (their "
                 "states are gathered from and stored to the rows' slots in Python each forward); "
                 "use PagedCache(config) without torch.compile")
-        if self.kv_groups.readers:
-            # A reader's attention finds its batch through its source's call, which a
-            # traced forward does not publish.
-            raise NotImplementedError(
-                "CompiledPagedCache: layers that reuse another layer's K/V (num_kv_shared_layers) "
-                "run only eagerly: use PagedCache")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:
@@ -122,8 +117,12 @@ class CompiledPagedCache(PagedCache):
             torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
                                 "cache.prepare(...) since the previous one")
             self._consumed.fill_(True)
+            begin_traced_forward()
         self._write_layer(layer_idx, keys, values)
-        publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch))
+        call = LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch)
+        publish_layer_call(call)
+        if layer_idx in self._sources:
+            publish_source_call(call)  # its readers take the batch with its key tensor
         return keys, values
 
     def _begin_forward(self, keys: torch.Tensor, values: torch.Tensor, plan: None = None) -> None:
@@ -138,6 +137,14 @@ class CompiledPagedCache(PagedCache):
             self._fingerprint_started_rows(keys, values)
         self._step_open = False
         self._state.begin()
+        if self._sources:
+            # Readers may run on the last positions of each row alone (transformers 5.25
+            # runs them on the kept logits' positions): an eager forward narrows for them.
+            counts, _, slots = self._step
+            step = StepPlan(self._placement.tables(), slots, self._placement.seq_lens(), counts,
+                            real_query_rows(counts, q_len))
+            self._batch = dataclasses.replace(self._batch, q_len=q_len,
+                                              last_queries=self._last_queries(step))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """As :class:`PagedCache`'s: the columns a layer has stored. The forward's tokens are
@@ -278,8 +285,10 @@ class CompiledPagedCache(PagedCache):
         """The batch over one shape's inputs, made once: a compiled forward reads the same
         object every step."""
         in_attention = self._storage.in_attention
+        rows = inputs.seq_lens.shape[0] // 2  # two sequences per row (rows_as_sequences)
         batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
-                           on_stored=self._count_stored if in_attention else None)
+                           on_stored=self._count_stored if in_attention else None,
+                           q_len=inputs.num_tokens // rows)
         self._static.batches[id(inputs)] = batch
         return batch
 
