@@ -27,6 +27,7 @@ layers store no K/V; their states sit in state pools, one slot per row (:mod:`.l
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import transformers
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
@@ -42,6 +43,7 @@ from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_cal
                       publish_source_call, take_padding_mask)
 from .linear_states import LINEAR_ATTENTION, LinearStates, state_pool_summary
 from .placement import RowLimit, RowPlacement, new_token_counts
+from .transformers_behaviour import LINEAR_LAYERS_ROLL_BACK
 from .support import (check_config, kv_head_shape, kv_readers, layer_shapes, layer_windows,
                       mla_head_sizes)
 
@@ -330,9 +332,13 @@ class PagedCache(Cache):
         """Drop the last tokens of every row (assisted and prompt-lookup decoding discard the
         candidates the model rejected): blocks past the new end are freed, the partial one
         is kept. ``tokens_to_remove <= 0`` removes that many; a positive value is
-        transformers' older form, the length to keep."""
-        self._refuse_linear("crop")
+        transformers' older form, the length to keep. A hybrid model's linear-attention
+        layers restore the states they recorded (:meth:`activate_past_recording`)."""
+        if self._linear is not None:
+            self._check_linear_recording("crop")
         remove = self._tokens_to_crop(tokens_to_remove)
+        if self._linear is not None:
+            self._linear.cropped(remove)  # crop(0) too: a recording window shrinks back
         if remove == 0:
             return
         self._placement.remove_last(remove)
@@ -351,24 +357,41 @@ class PagedCache(Cache):
         return remove
 
     # Assisted and multi-token-prediction decoding ask a cache to record past states so that
-    # crop() can restore them; paged K/V crops at any time. Linear-attention states would need
-    # their past kept per slot, which the state pools do not: refused.
+    # crop() can restore them; paged K/V crops at any time. A hybrid model's linear layers
+    # (transformers' own) record their states' past themselves.
     def activate_past_recording(self, **kwargs) -> None:
-        """Nothing to record: :meth:`crop` frees or keeps blocks at any time."""
-        self._refuse_linear("record past states (assisted or multi-token-prediction decoding)")
+        """K/V need nothing recorded (:meth:`crop` frees or keeps blocks at any time); a
+        hybrid model's linear-attention layers record their states' past (transformers >=
+        5.25, whose layers can restore a recurrent state)."""
+        if self._linear is None:
+            return
+        self._check_linear_recording("record past states (assisted or multi-token-prediction "
+                                     "decoding)")
+        for layer_idx in self._linear.layer_ids:
+            self.layers[layer_idx].activate_past_recording(**kwargs)
 
-    def _refuse_linear(self, action: str) -> None:
-        if self.is_hybrid_linear:
+    def _check_linear_recording(self, action: str) -> None:
+        if not LINEAR_LAYERS_ROLL_BACK:
             raise NotImplementedError(
-                f"PagedCache cannot {action} for a model with linear-attention layers: their "
-                "states are kept for the last token only, so rejected candidate tokens cannot be "
-                "undone. Generate without an assistant model or prompt lookup.")
+                f"PagedCache cannot {action} for a model with linear-attention layers on "
+                f"transformers {transformers.__version__}: its linear-attention layers keep no "
+                "past recurrent states, so rejected candidate tokens cannot be undone (its own "
+                "generate refuses assisted decoding for these models). Use transformers >= 5.25, "
+                "or generate without an assistant model or prompt lookup.")
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return False
+        """Whether linear-attention layer ``layer_idx`` records its states' past."""
+        layer = self.layers[layer_idx] if self._linear is not None else None
+        return bool(getattr(layer, "record_past", False))
 
     def get_recurrent_states_to_keep(self, layer_idx: Optional[int] = None) -> int:
-        return 0
+        """Recurrent states of a forward's last positions a recording layer keeps (the most
+        of any layer for None), as transformers' caches answer it."""
+        if self._linear is None:
+            return 0
+        layers = self._linear.layer_ids if layer_idx is None else [layer_idx]
+        return max([getattr(self.layers[i], "recurrent_states_to_keep", 0) or 0
+                    for i in layers if self.is_recording_past(i)], default=0)
 
     def early_initialization(self, *args, **kwargs) -> None:
         raise NotImplementedError("PagedCache allocates its pools on the first forward")
@@ -382,7 +405,9 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return not self.is_hybrid_linear
+        """Whether :meth:`crop` restores every layer: K/V always; linear-attention states
+        where transformers' layers restore them (they are asked to record first)."""
+        return not self.is_hybrid_linear or LINEAR_LAYERS_ROLL_BACK
 
     @property
     def is_initialized(self) -> bool:

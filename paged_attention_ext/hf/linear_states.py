@@ -16,6 +16,14 @@ forward, so after it the layer's states are stored back into the rows' slots; a 
 first linear layers may run before the rows have slots (the first attention layer places
 the forward's tokens), so what they stored waits (``_unstored``) until the placement.
 When the rows' slots change (beam search's reorder), the working tensors are gathered anew.
+
+Assisted and prompt-lookup decoding verify candidate tokens in one forward and crop the
+rejected ones: transformers' layer, recording (``activate_past_recording``), keeps the
+convolution window of every new token and the recurrent states of the last positions, and
+its ``crop`` restores the state after the last accepted token. The slots hold the state
+after the forward's last token meanwhile (a recording layer's window, its last
+``conv_kernel_size`` columns), and after a crop the restored states are stored again
+(:meth:`LinearStates.cropped`).
 """
 
 from typing import Dict, List, Optional, Sequence, Set
@@ -84,6 +92,30 @@ class LinearStates:
                         pool = self.pools.device[(layer_idx, kind, state_idx)]
                         states[state_idx] = pool.index_select(0, self._slots.to(pool.device))
 
+    def cropped(self, tokens_to_remove: int) -> None:
+        """Assisted decoding rejected the last ``tokens_to_remove`` tokens (0: none): each
+        layer restores its states as they were after the last kept one (transformers' crop,
+        which also shrinks a recording window back to the kernel), stored into the slots.
+        Raises before any layer changes when a layer does not record or recorded fewer."""
+        for layer_idx in self.layer_ids:
+            layer = self.layers[layer_idx]
+            if not getattr(layer, "record_past", False):
+                raise RuntimeError(
+                    f"PagedCache.crop: linear-attention layer {layer_idx} records no past states; "
+                    "call cache.activate_past_recording() before the forwards to crop "
+                    "(generate does for assisted and prompt-lookup decoding)")
+            recorded = [len(layer.recurrent_states_history[i]) for i in range(layer.number_of_states)
+                        if layer.is_recurrent_states_initialized[i]]
+            if recorded and min(recorded) < tokens_to_remove:
+                raise ValueError(
+                    f"PagedCache.crop: cannot remove {tokens_to_remove} tokens: linear-attention "
+                    f"layer {layer_idx} recorded the states of the last {min(recorded)} only "
+                    "(activate_past_recording(recurrent_states_to_keep=...))")
+        for layer_idx in self.layer_ids:
+            self.layers[layer_idx].crop(-tokens_to_remove)
+            self._unstored.add(layer_idx)
+        self._store()
+
     def _store(self) -> None:
         for layer_idx in sorted(self._unstored):
             layer = self.layers[layer_idx]
@@ -91,6 +123,8 @@ class LinearStates:
                 for state_idx, tensor in states.items():
                     if tensor is None:
                         continue
+                    if kind == "conv" and getattr(layer, "record_past", False):
+                        tensor = _window(tensor, layer.conv_kernel_size[state_idx])
                     if tensor.shape[0] != len(self._slots):
                         raise ValueError(f"layer {layer_idx}'s {kind} state has {tensor.shape[0]} "
                                          f"rows, the cache holds {len(self._slots)}")
@@ -98,6 +132,14 @@ class LinearStates:
                                            tensor.dtype, tensor.device)
                     pool.index_copy_(0, self._slots.to(pool.device), tensor)
         self._unstored.clear()
+
+
+def _window(conv_states: torch.Tensor, kernel: int) -> torch.Tensor:
+    """A recording layer's convolution states (every new token's columns) as the window the
+    next token reads: the last ``kernel`` columns, zero-padded on the left if fewer."""
+    if conv_states.shape[-1] >= kernel:
+        return conv_states[..., -kernel:]
+    return torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
 
 
 def state_pool_summary(pools: Optional[StatePools], used_slots: int) -> Dict[str, int]:
