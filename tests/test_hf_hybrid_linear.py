@@ -6,13 +6,14 @@ state pools, one slot per row. Tiny random fp32 models, eager ``generate`` with
 transformers' DynamicCache as the reference: token-equal for greedy, beam search and
 sampling (left padding included); the pools hold exactly the states DynamicCache holds;
 prompt-lookup decoding where transformers' linear layers restore their states (5.25); what
-is not served (assisted decoding on 5.18, the compile mode, transformers' continuous
-batching) is refused.
+is not served (assisted decoding on 5.18, a compiled first forward, transformers' continuous
+batching) is refused. Compile mode (CompiledPagedCache): decode steps in one graph.
 """
 
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache
 from paged_attention_ext.hf.linear_states import LinearStates
@@ -254,10 +255,67 @@ def test_assisted_decoding_is_refused_where_states_cannot_roll_back(qwen3_next):
     assert not cache.is_croppable
 
 
-def test_compile_mode_is_refused(qwen3_next):
-    with pytest.raises(NotImplementedError, match="CompiledPagedCache does not serve models with "
-                                                  "linear-attention layers"):
-        CompiledPagedCache(qwen3_next[0].config, max_cache_len=32)
+GRAPHS = []  # one entry per graph dynamo hands to the backend
+
+
+def counting_backend(gm: torch.fx.GraphModule, example_inputs):
+    GRAPHS.append(len(example_inputs))
+    return gm.forward
+
+
+@pytest.mark.parametrize("decoding", sorted(DECODING))
+def test_compile_mode_token_equal_to_eager(pair, decoding):
+    """CompiledPagedCache through generate's compile_config path: the eager prefill places the
+    rows and creates the state pools; every decode step runs in one graph where transformers'
+    layers update their working states in place and the graph copies them into the rows'
+    slots (a fixed slot tensor). Beam search runs no compiled forward of transformers': its
+    reorders gather the working states from the slots in place."""
+    name, paged, reference = pair
+    config = transformers.CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    config._compile_all_devices = True  # generate compiles only on accelerators otherwise
+    torch._dynamo.reset()
+    counters.clear()
+    GRAPHS.clear()
+    cache = CompiledPagedCache(paged.config, max_cache_len=32, block_size=BLOCK_SIZE)
+    try:
+        expected, got = generate_both(paged, reference, cache, *prompts(), compile_config=config,
+                                      **DECODING[decoding])
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected), name
+    assert len(GRAPHS) == (0 if decoding == "beam" else 1), GRAPHS
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    cache.manager.check_invariants()
+    # The slots hold the working states (what the next reorder would gather).
+    states = cache._linear
+    for layer_idx in linear_layers(paged.config):
+        layer = cache.layers[layer_idx]
+        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in held.items():
+                if tensor is not None:
+                    pool = states.pools.device[(layer_idx, kind, state_idx)]
+                    assert torch.equal(pool.index_select(0, states._slots), tensor), (name, layer_idx)
+
+
+def test_a_compiled_first_forward_is_refused(qwen3_next):
+    """The state pools come from an eager first forward; a compiled prefill says so."""
+    paged, _ = qwen3_next
+    forward = paged.forward
+    torch._dynamo.reset()
+    paged.forward = torch.compile(forward, fullgraph=True, backend="eager")
+    try:
+        cache = CompiledPagedCache(paged.config, max_cache_len=32, block_size=BLOCK_SIZE)
+        with pytest.raises(Exception, match="run the prefill eagerly"), torch.no_grad():
+            paged.generate(*prompts()[:1], attention_mask=prompts()[1], max_new_tokens=2,
+                           pad_token_id=0, past_key_values=cache)
+    finally:
+        paged.forward = forward
+        torch._dynamo.reset()
+
+
+def test_compiled_cache_refuses_recording(qwen3_next):
+    with pytest.raises(NotImplementedError, match="CompiledPagedCache cannot record past states"):
+        CompiledPagedCache(qwen3_next[0].config, max_cache_len=32).activate_past_recording()
 
 
 def test_an_empty_first_row_is_refused_before_anything_changes(qwen3_next):

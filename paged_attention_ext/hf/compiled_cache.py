@@ -12,6 +12,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
 
 from ..block_table import blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
@@ -71,11 +72,6 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens, mla_storage=mla_storage)
-        if self.is_hybrid_linear:
-            raise NotImplementedError(
-                "CompiledPagedCache does not serve models with linear-attention layers (their "
-                "states are gathered from and stored to the rows' slots in Python each forward); "
-                "use PagedCache(config) without torch.compile")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:
@@ -101,6 +97,26 @@ class CompiledPagedCache(PagedCache):
         cancel_preparation(self)  # left by a mask function that is not ours
         self._check_call(layer_idx)
         return self._store_layer(layer_idx, key_states, value_states)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """A linear-attention layer's last call: eagerly as :class:`PagedCache`'s; traced,
+        transformers' layer updates its working tensors in place and the graph copies them
+        into the rows' slots (no Python bookkeeping: it would run at trace time only)."""
+        if not torch.compiler.is_compiling():
+            return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        stored = Cache.update_recurrent_state(self, recurrent_states, layer_idx, state_idx, **kwargs)
+        self._linear.store_traced(layer_idx)
+        return stored
+
+    def activate_past_recording(self, **kwargs) -> None:
+        if self._linear is not None:
+            # Recording grows the convolution windows every forward (transformers' layers
+            # then stop being compileable).
+            raise NotImplementedError(
+                "CompiledPagedCache cannot record past states for a model with linear-attention "
+                "layers (assisted or prompt-lookup decoding): use PagedCache")
+        super().activate_past_recording(**kwargs)
 
     def _traced_update(self, keys: torch.Tensor, values: torch.Tensor,
                        layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +275,12 @@ class CompiledPagedCache(PagedCache):
                                   pad_block=capacity,
                                   cascade_min_saved_tokens=self._cascade_min_saved_tokens)
             self._static = _Static(spec, pool, buffers, {})
+        # A beam step forks every row before it frees the old ones: twice the rows' slots.
+        state_slots = 2 * rows if self._linear is not None else None
         self._placement = RowPlacement(rows, capacity, self.block_size, self.enable_prefix_caching,
-                                       self.kv_groups)
+                                       self.kv_groups, state_slots)
+        if self._linear is not None:
+            self._linear.start(state_slots)
         self._pool_spec = spec
         self.kv = self._static.pool
         # On the pools' device, so the compiled graph touches no host tensor.
@@ -272,13 +292,16 @@ class CompiledPagedCache(PagedCache):
                        self._past_length, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
-    def _fill_buffers(self) -> None:
+    def _fill_buffers(self, replaced: bool = False) -> None:
         counts, q_len, slots = self._step
         static = self._static
         plan = rows_as_sequences(self._placement.tables(), self._placement.seq_lens(), counts,
                                  q_len, slots, static.buffers.pad_block)
         inputs = static.buffers.fill(plan)
         self._batch = static.batches.get(id(inputs)) or self._new_batch(inputs)
+        if self._linear is not None:  # the rows' slots, before any linear layer runs
+            place = self._linear.replaced if replaced else self._linear.placed
+            place(self.manager.take_state_moves(), self._placement.state_slots())
         self.cascade_forwards += bool(inputs.cascades)
 
     def _new_batch(self, inputs: StepInputs) -> PagedBatch:
@@ -298,4 +321,4 @@ class CompiledPagedCache(PagedCache):
         counts, q_len, slots = self._step
         self._placement.replace_rows(self._unfingerprinted, counts, q_len, keys, values, slots)
         self._unfingerprinted = []
-        self._fill_buffers()
+        self._fill_buffers(replaced=True)

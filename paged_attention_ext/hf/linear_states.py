@@ -76,21 +76,61 @@ class LinearStates:
         """The block manager placed the rows: apply its moves (new rows' slots zeroed),
         then store what the layers computed before (the first forward's early layers)."""
         self.pools.apply(moves)
-        self._slots = torch.tensor(list(slots), dtype=torch.int64)
+        self._set_slots(slots)
         self._store()
+
+    def replaced(self, moves: Sequence[StateMove], slots: Sequence[int]) -> None:
+        """The rows were placed again before their forward's first attention layer (a
+        compiled cache's eager first forward, with prefix fingerprints): the layers that ran
+        already store their states into the rows' new slots."""
+        self.pools.apply(moves)
+        self._set_slots(slots)
+        self._unstored.update(self.layer_ids)
+        self._store()
+
+    def _set_slots(self, slots: Sequence[int]) -> None:
+        """In place once allocated: a compiled forward reads the same tensor every step."""
+        new = torch.tensor(list(slots), dtype=torch.int64)
+        if self._slots is not None and self._slots.shape == new.shape:
+            self._slots.copy_(new)
+        else:
+            self._slots = new
 
     def reselect(self, moves: Sequence[StateMove], slots: Sequence[int]) -> None:
         """The rows now hold other sequences (beam search): apply the block manager's moves
-        (one copy per forked row) and gather every layer's working tensors anew."""
+        (one copy per forked row) and gather every layer's working tensors anew (in place
+        where the shape allows: a compiled forward reads transformers' tensors at fixed
+        addresses)."""
         self.pools.apply(moves)
-        self._slots = torch.tensor(list(slots), dtype=torch.int64)
+        self._set_slots(slots)
         for layer_idx in self.layer_ids:
             layer = self.layers[layer_idx]
             for kind, states in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
                 for state_idx, tensor in states.items():
                     if tensor is not None:
                         pool = self.pools.device[(layer_idx, kind, state_idx)]
-                        states[state_idx] = pool.index_select(0, self._slots.to(pool.device))
+                        gathered = pool.index_select(0, self._slots.to(pool.device))
+                        if tensor.shape == gathered.shape:
+                            tensor.copy_(gathered)
+                        else:
+                            states[state_idx] = gathered
+
+    def store_traced(self, layer_idx: int) -> None:
+        """A compiled forward's layer: its states into the rows' slots with tensor ops only
+        (the pools exist since the eager prefill; the slots are a fixed tensor)."""
+        layer = self.layers[layer_idx]
+        for kind, states in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in states.items():
+                if tensor is None:
+                    continue
+                pool = self.pools.device.get((layer_idx, kind, state_idx))
+                if pool is None:
+                    raise NotImplementedError(
+                        f"a compiled forward stores layer {layer_idx}'s linear-attention states "
+                        "into pools that an eager first forward creates: run the prefill "
+                        "eagerly (generate's compile_config path does; in a loop of one's own, "
+                        "call the uncompiled forward first)")
+                pool.index_copy_(0, self._slots.to(pool.device), tensor)
 
     def cropped(self, tokens_to_remove: int) -> None:
         """Assisted decoding rejected the last ``tokens_to_remove`` tokens (0: none): each
