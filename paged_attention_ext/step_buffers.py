@@ -120,7 +120,8 @@ class StepBuffers:
             seq_lens=self.seq_lens[:num_seqs],
             query_start_loc=(None if self.query_start_loc is None
                              else self.query_start_loc[:num_seqs + 1]),
-            cascades=cascades, chunk_sizes=tuple(b and b.chunk_size for b in self._chunks),
+            cascades=cascades,
+            chunk_sizes=tuple(None if b is None else b.chunk_size for b in self._chunks),
             block_size=self.block_size)
 
     def _write(self, plan: StepPlan) -> None:
@@ -155,8 +156,9 @@ class StepBuffers:
                 slot_mappings=tuple(b[:num_tokens] for b in self.slot_mappings),
                 block_tables=tuple(b[:num_seqs] for b in self.block_tables),
                 seq_lens=self.seq_lens[:num_seqs], query_start_loc=starts, cascades=plans,
-                chunk_local=tuple(b and b.metadata(b.num_pieces(num_seqs, num_tokens))
-                                  for b in self._chunks))
+                chunk_local=tuple(
+                    None if b is None else b.metadata(b.num_pieces(num_seqs, num_tokens))
+                    for b in self._chunks))
         return self._inputs[key]
 
     def stage_unsplit(self, num_seqs: int) -> None:

@@ -263,7 +263,9 @@ def test_own_compiled_loop(models):
             mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
             positions = positions[:, -1:] + 1
             cache.prepare(2, 1, mask, dtype=paged.dtype, device=paged.device)
+            assert cache.get_seq_length() == tokens.shape[1] - 1  # prepared, not run yet
             logits = step(next_token, position_ids=positions, past_key_values=cache).logits
+            assert cache.get_seq_length() == tokens.shape[1]  # the compiled step ran
     assert torch.equal(tokens, want)
     assert len(GRAPHS) == 1, GRAPHS
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -170,7 +170,7 @@ class CompiledPagedCache(PagedCache):
         the layer's update)."""
         if torch.compiler.is_compiling():
             return self._past_length
-        if self._step_open:
+        if self._step_open and not self._consumed.item():  # prepared, not run yet
             return self._length - self._forward_len
         return super().get_seq_length(layer_idx)
 
