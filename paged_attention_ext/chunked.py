@@ -12,9 +12,14 @@ on every backend, cache format and layout:
 * multi-token rows: a sequence whose query rows cross chunk boundaries becomes one piece per
   chunk, in row order, so the pieces' rows are the original rows and the op's output needs
   no reordering. This form reads the lengths on the host (a step's host-side plan).
+
+Compiled and graph-captured steps read fixed buffers instead
+(:class:`~paged_attention_ext.step_buffers.StepBuffers`): the same pieces
+(:func:`chunk_pieces`), computed from the step's plan on the host and padded with empty
+pieces to :func:`max_chunk_pieces`, a count fixed per step shape.
 """
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +40,35 @@ def _check(chunk_size: int, block_size: int) -> None:
         raise ValueError(f"chunk_local: chunk_size={chunk_size} is not a multiple of block_size="
                          f"{block_size}, so a chunk would start inside a block; use a block size "
                          f"that divides the chunk size (any power of two up to it does)")
+
+
+def chunk_pieces(seq_lens: Sequence[int], query_lens: Sequence[int],
+                 chunk_size: int) -> List[Tuple[int, int, int, int]]:
+    """A multi-token step's sequences as pieces of one chunk each, in row order: per piece
+    (sequence, its chunk's first position, KV tokens from there, query rows). A sequence
+    without query rows stays one empty piece."""
+    pieces: List[Tuple[int, int, int, int]] = []
+    for seq, (length, q_len) in enumerate(zip(seq_lens, query_lens)):
+        if not 0 <= q_len <= length:
+            raise ValueError(f"chunk_local: 'query_start_loc' gives sequence {seq} {q_len} query "
+                             f"rows but 'seq_lens' only {length} tokens")
+        if q_len == 0:
+            pieces.append((seq, 0, 0, 0))
+            continue
+        position = length - q_len  # of the sequence's first query row
+        while position < length:
+            start = position // chunk_size * chunk_size
+            end = min(start + chunk_size, length)
+            pieces.append((seq, start, end - start, end - position))
+            position = end
+    return pieces
+
+
+def max_chunk_pieces(num_seqs: int, num_tokens: int, chunk_size: int) -> int:
+    """The most pieces :func:`chunk_pieces` makes of ``num_seqs`` sequences with ``num_tokens``
+    query rows: a sequence of ``q`` rows touches at most ``q // chunk_size + 2`` chunks, and
+    never more pieces than rows (at least one)."""
+    return min(2 * num_seqs + num_tokens // chunk_size, num_seqs + num_tokens)
 
 
 def _shift_tables(block_tables: torch.Tensor, first_blocks: torch.Tensor) -> torch.Tensor:
@@ -73,21 +107,7 @@ def chunk_local(block_tables: torch.Tensor, seq_lens: torch.Tensor, chunk_size: 
         return ChunkLocalMetadata(_shift_tables(block_tables, starts // block_size),
                                   (lens - starts).to(torch.int32), None)
     lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
-    pieces: List[Tuple[int, int, int, int]] = []  # (sequence, chunk start, length, query rows)
-    for seq, length in enumerate(lens):
-        q_len = qsl[seq + 1] - qsl[seq]
-        if not 0 <= q_len <= length:
-            raise ValueError(f"chunk_local: 'query_start_loc' gives sequence {seq} {q_len} query "
-                             f"rows but 'seq_lens' only {length} tokens")
-        if q_len == 0:  # a padded row stays one empty piece
-            pieces.append((seq, 0, 0, 0))
-            continue
-        position = length - q_len  # of the sequence's first query row
-        while position < length:
-            start = position // chunk_size * chunk_size
-            end = min(start + chunk_size, length)
-            pieces.append((seq, start, end - start, end - position))
-            position = end
+    pieces = chunk_pieces(lens, [qsl[seq + 1] - qsl[seq] for seq in range(len(lens))], chunk_size)
     seqs, starts, piece_lens, piece_rows = zip(*pieces) if pieces else ((), (), (), ())
     device = block_tables.device
     first_blocks = torch.tensor(starts, dtype=torch.int64, device=device) // block_size

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .cascade import CascadeBuffers, CascadePlan, stage_split, unsplit_layout
+from .chunked import ChunkLocalMetadata, chunk_pieces, max_chunk_pieces
 from .kv_cache import PagedKVCache
 from .step_inputs import StepInputs, StepPlan, host_tensor
 
@@ -40,14 +41,6 @@ class StepBuffers:
                  cascade_min_saved_tokens: Optional[int] = None) -> None:
         device = kv_cache.device
         groups = kv_cache.kv_groups.groups
-        chunked = [g.layers for g in groups if g.chunk_size is not None]
-        if chunked:
-            # chunk_local rewrites the tables into new tensors each step, which a compiled or
-            # captured step, reading fixed addresses, would not see.
-            raise NotImplementedError(
-                f"compiled and graph-captured steps do not serve chunked local attention "
-                f"(layers {sorted(l for ls in chunked for l in ls)}); run this model eagerly "
-                "(PagedCache, or the engine without compile_decode)")
         self.block_size = kv_cache.block_size
         self.pad_block = pad_block
         self.block_tables = [torch.full((max_seqs, width), pad_block, dtype=torch.int32, device=device)
@@ -65,6 +58,10 @@ class StepBuffers:
         self._cascade = ([None if group.sliding_window is not None else
                           CascadeBuffers(max_seqs, max_seqs, width, device) for group in groups]
                          if cascade_min_saved_tokens is not None else [])
+        # A chunked group's chunk-local metadata (chunk_local's rewrite), in buffers of its own.
+        self._chunks = [None if group.chunk_size is None else
+                        _ChunkBuffers(group.chunk_size, max_seqs, max_tokens, width, pad_block,
+                                      device, decode) for group in groups]
         self._inputs: Dict[Tuple[int, int, bool], StepInputs] = {}
         self.cascade_steps = 0         # steps that took the split
         self.cascade_saved_tokens = 0  # key reads (per layer and KV head) it saved
@@ -89,8 +86,9 @@ class StepBuffers:
     def tensors(self) -> List[torch.Tensor]:
         """Every buffer (fixed addresses: a compiled forward may mark them static)."""
         cascade = [t for b in self._cascade if b is not None for t in b.tensors()]
+        chunks = [t for b in self._chunks if b is not None for t in b.tensors()]
         starts = [] if self.query_start_loc is None else [self.query_start_loc]
-        return [*self.block_tables, *self.slot_mappings, self.seq_lens, *starts, *cascade]
+        return [*self.block_tables, *self.slot_mappings, self.seq_lens, *starts, *cascade, *chunks]
 
     def fits(self, plan: StepPlan) -> bool:
         """Whether the step's sequences, tokens and tables fit the buffers."""
@@ -101,7 +99,11 @@ class StepBuffers:
         """Write the step into the buffers and return the inputs it reads: the same object
         for every step of its shape (a compiled forward's or a graph's fixed inputs)."""
         self._write(plan)
-        return self.inputs(len(plan.seq_lens), plan.num_tokens, self._stage_cascade(plan))
+        num_seqs, num_tokens = len(plan.seq_lens), plan.num_tokens
+        for group, chunks in enumerate(self._chunks):
+            if chunks is not None:
+                chunks.fill(plan, group, self.block_size, chunks.num_pieces(num_seqs, num_tokens))
+        return self.inputs(num_seqs, num_tokens, self._stage_cascade(plan))
 
     def fill_sized(self, plan: StepPlan,
                    cascades: Tuple[Optional[CascadePlan], ...] = ()) -> StepInputs:
@@ -118,7 +120,9 @@ class StepBuffers:
             seq_lens=self.seq_lens[:num_seqs],
             query_start_loc=(None if self.query_start_loc is None
                              else self.query_start_loc[:num_seqs + 1]),
-            cascades=cascades)
+            cascades=cascades,
+            chunk_sizes=tuple(None if b is None else b.chunk_size for b in self._chunks),
+            block_size=self.block_size)
 
     def _write(self, plan: StepPlan) -> None:
         if not self.fits(plan):
@@ -151,7 +155,10 @@ class StepBuffers:
             self._inputs[key] = StepInputs(
                 slot_mappings=tuple(b[:num_tokens] for b in self.slot_mappings),
                 block_tables=tuple(b[:num_seqs] for b in self.block_tables),
-                seq_lens=self.seq_lens[:num_seqs], query_start_loc=starts, cascades=plans)
+                seq_lens=self.seq_lens[:num_seqs], query_start_loc=starts, cascades=plans,
+                chunk_local=tuple(
+                    None if b is None else b.metadata(b.num_pieces(num_seqs, num_tokens))
+                    for b in self._chunks))
         return self._inputs[key]
 
     def stage_unsplit(self, num_seqs: int) -> None:
@@ -175,23 +182,80 @@ class StepBuffers:
         return True
 
     def _fill_tables(self, group: int, tables: Sequence[Sequence[int]]) -> None:
-        """Rewrite the rows whose table changed, as wide as the old or the new table (each
-        row stays its table followed by ``pad_block``)."""
-        held = self._held[group]
-        changed = [seq for seq, table in enumerate(tables) if held[seq] != table]
-        if not changed:
-            return
-        width = max(max(len(held[s]), len(tables[s])) for s in changed)
-        for seq in changed:
-            held[seq] = list(tables[seq])
-        flat: List[int] = []
-        for seq in changed:
-            flat += held[seq]
-            flat += [self.pad_block] * (width - len(held[seq]))
-        padded = host_tensor(flat, torch.int32).view(len(changed), width)
-        buffer = self.block_tables[group]
-        if changed[-1] == len(changed) - 1:  # the leading rows (a prefill's): one slice
-            buffer[:len(changed), :width].copy_(padded, non_blocking=True)
-            return
-        index = torch.tensor(changed).to(buffer.device)
-        buffer[:, :width].index_copy_(0, index, padded.to(buffer.device))
+        _write_rows(self.block_tables[group], self._held[group], tables, self.pad_block)
+
+
+def _write_rows(buffer: torch.Tensor, held: List[List[int]], tables: Sequence[Sequence[int]],
+                pad_block: int) -> None:
+    """Rewrite the leading rows of ``buffer`` whose table changed (``held``: what each row
+    holds now), as wide as the old or the new table (each row stays its table followed by
+    ``pad_block``)."""
+    changed = [seq for seq, table in enumerate(tables) if held[seq] != table]
+    if not changed:
+        return
+    width = max(max(len(held[s]), len(tables[s])) for s in changed)
+    for seq in changed:
+        held[seq] = list(tables[seq])
+    flat: List[int] = []
+    for seq in changed:
+        flat += held[seq]
+        flat += [pad_block] * (width - len(held[seq]))
+    padded = host_tensor(flat, torch.int32).view(len(changed), width)
+    if changed[-1] == len(changed) - 1:  # the leading rows (a prefill's): one slice
+        buffer[:len(changed), :width].copy_(padded, non_blocking=True)
+        return
+    index = torch.tensor(changed).to(buffer.device)
+    buffer[:, :width].index_copy_(0, index, padded.to(buffer.device))
+
+
+class _ChunkBuffers:
+    """One chunked group's :func:`~paged_attention_ext.chunked.chunk_local` metadata, computed
+    on the host from the step's plan and written in place: a step of a given shape reads the
+    same tensors every time. A multi-token step's sequences become pieces of one chunk each,
+    padded with empty pieces to :func:`~paged_attention_ext.chunked.max_chunk_pieces` (a
+    fixed count per shape); a decode step's are its sequences."""
+
+    def __init__(self, chunk_size: int, max_seqs: int, max_tokens: int, width: int,
+                 pad_block: int, device: torch.device, decode: bool) -> None:
+        self.chunk_size, self.pad_block, self.decode = chunk_size, pad_block, decode
+        rows = max_seqs if decode else max_chunk_pieces(max_seqs, max_tokens, chunk_size)
+        self.block_tables = torch.full((rows, width), pad_block, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.query_start_loc = (None if decode else
+                                torch.zeros(rows + 1, dtype=torch.int32, device=device))
+        self._held: List[List[int]] = [[] for _ in range(rows)]
+
+    def num_pieces(self, num_seqs: int, num_tokens: int) -> int:
+        return num_seqs if self.decode else max_chunk_pieces(num_seqs, num_tokens, self.chunk_size)
+
+    def tensors(self) -> List[torch.Tensor]:
+        starts = [] if self.query_start_loc is None else [self.query_start_loc]
+        return [self.block_tables, self.seq_lens, *starts]
+
+    def fill(self, plan: StepPlan, group: int, block_size: int, num_pieces: int) -> None:
+        chunk = self.chunk_size
+        if self.decode:  # each sequence's chunk is its last position's (padding: length 0)
+            pieces = [(seq, max(length - 1, 0) // chunk * chunk, length, 1)
+                      for seq, length in enumerate(plan.seq_lens)]
+            pieces = [(seq, start, length - start, rows) for seq, start, length, rows in pieces]
+        else:
+            pieces = chunk_pieces(plan.seq_lens, plan.query_lens, chunk)
+        tables = plan.tables[group]
+        rows = [list(tables[seq][start // block_size:]) if length else []
+                for seq, start, length, _ in pieces]
+        pad = num_pieces - len(pieces)
+        _write_rows(self.block_tables, self._held, rows + [[]] * pad, self.pad_block)
+        self.seq_lens[:num_pieces].copy_(
+            host_tensor([piece[2] for piece in pieces] + [0] * pad, torch.int32), non_blocking=True)
+        if self.query_start_loc is not None:
+            starts = [0]
+            for piece in pieces:
+                starts.append(starts[-1] + piece[3])
+            self.query_start_loc[:num_pieces + 1].copy_(
+                host_tensor(starts + starts[-1:] * pad, torch.int32), non_blocking=True)
+
+    def metadata(self, num_pieces: int) -> ChunkLocalMetadata:
+        """Views of the buffers for a step of ``num_pieces`` pieces."""
+        return ChunkLocalMetadata(
+            self.block_tables[:num_pieces], self.seq_lens[:num_pieces],
+            None if self.query_start_loc is None else self.query_start_loc[:num_pieces + 1])

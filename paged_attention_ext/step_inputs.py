@@ -30,7 +30,7 @@ import torch
 
 from .attention_metadata import AttentionMetadata
 from .cascade import CascadePlan, padded_rows, plan_cascade
-from .chunked import chunk_local
+from .chunked import ChunkLocalMetadata, chunk_local
 from .kv_cache import PagedKVCache
 
 
@@ -90,6 +90,9 @@ class StepInputs:
     # Per group, its chunk size (chunked local attention) or None; empty: no chunked group.
     chunk_sizes: Tuple[Optional[int], ...] = ()
     block_size: int = 0  # tokens per block; needed with chunk_sizes
+    # Per group, a chunked group's chunk-local metadata already rewritten (StepBuffers'
+    # fixed buffers) or None; empty: rewrite chunked groups here (chunk_sizes).
+    chunk_local: Tuple[Optional[ChunkLocalMetadata], ...] = ()
     # Per group, its attention metadata: derived and checked once, read by its layers.
     attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
 
@@ -98,6 +101,8 @@ class StepInputs:
                                for group, tables in enumerate(self.block_tables))
 
     def _metadata(self, group: int, tables: torch.Tensor) -> AttentionMetadata:
+        if self.chunk_local and self.chunk_local[group] is not None:
+            return AttentionMetadata(*self.chunk_local[group])
         chunk = self.chunk_sizes[group] if self.chunk_sizes else None
         if chunk is not None:  # never split: a cascade's shared prefix ignores chunks
             return AttentionMetadata(*chunk_local(tables, self.seq_lens, chunk, self.block_size,

@@ -4,16 +4,20 @@ Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-hybrid and Kimi-Linear (MLA full layer
 full-attention layers' K/V in paged blocks, the linear layers' conv and recurrent states in
 state pools, one slot per row. Tiny random fp32 models, eager ``generate`` with
 transformers' DynamicCache as the reference: token-equal for greedy, beam search and
-sampling (left padding included); the pools hold exactly the states DynamicCache holds; what
-the state pools cannot serve (assisted decoding, the compile mode, transformers' continuous
-batching) is refused.
+sampling (left padding included); the pools hold exactly the states DynamicCache holds;
+prompt-lookup decoding where transformers' linear layers restore their states (5.25); what
+is not served (assisted decoding on 5.18, a compiled first forward, transformers' continuous
+batching) is refused. Compile mode (CompiledPagedCache): decode steps in one graph.
 """
 
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from paged_attention_ext.hf import CB_ATTN_IMPLEMENTATION, CompiledPagedCache, PagedCache
+from paged_attention_ext.hf.linear_states import LinearStates
+from paged_attention_ext.hf.transformers_behaviour import LINEAR_LAYERS_ROLL_BACK
 from paged_attention_ext.testing import random_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,24 +177,145 @@ def qwen3_next():
     return random_pair(MODELS["qwen3_next"](), reference_attention="eager")
 
 
-def test_assisted_decoding_is_refused(qwen3_next):
+LOOKUP_PROMPT = torch.tensor([[5, 6, 7, 8] * 3 + [5, 6]])
+
+
+def prompt_lookup(model, cache=None, **kwargs):
+    extra = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad():
+        return model.generate(LOOKUP_PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                              prompt_lookup_num_tokens=3, **kwargs, **extra)
+
+
+@pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
+def test_prompt_lookup_decoding_token_equal_to_eager(pair, monkeypatch):
+    """Verification forwards of 3 candidates, rejected ones cropped: transformers' linear
+    layers record their states' past and restore it on crop, the slots take the restored
+    states, the blocks past the new end are freed; token-equal to eager prompt lookup."""
+    name, paged, reference = pair
+    removed = []
+    monkeypatch.setattr(PagedCache, "crop", lambda self, n, _crop=PagedCache.crop: (
+        removed.append(self._tokens_to_crop(n)), _crop(self, n))[1])
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert cache.is_croppable
+    assert torch.equal(prompt_lookup(paged, cache), prompt_lookup(reference)), name
+    assert max(removed) > 0, name  # candidates were rejected
+    assert all(cache.is_recording_past(i) for i in linear_layers(paged.config))
+    cache.manager.check_invariants()
+    # The slots hold what the layers restored (a recording window's last kernel columns).
+    states = cache._linear
+    for layer_idx in linear_layers(paged.config):
+        layer = cache.layers[layer_idx]
+        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in held.items():
+                if tensor is not None:
+                    pool = states.pools.device[(layer_idx, kind, state_idx)]
+                    want = tensor[..., -pool.shape[-1]:] if kind == "conv" else tensor
+                    assert torch.equal(pool.index_select(0, states._slots), want), (name, layer_idx)
+
+
+@pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
+def test_prompt_lookup_needs_the_restored_states(qwen3_next, monkeypatch):
+    """The test above can fail: linear states left after the rejected candidates generate
+    other tokens."""
+    paged, reference = qwen3_next
+    monkeypatch.setattr(LinearStates, "cropped", lambda self, tokens_to_remove: None)
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    assert not torch.equal(prompt_lookup(paged, cache), prompt_lookup(reference))
+
+
+@pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
+def test_crop_without_recording_is_refused_before_anything_changes(qwen3_next):
     paged, _ = qwen3_next
-    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
-    cache = PagedCache(paged.config)
-    with pytest.raises((NotImplementedError, ValueError), match="stateful models|linear-attention"):
-        paged.generate(ids, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=2,
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    with torch.no_grad():
+        paged.generate(LOOKUP_PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0,
                        past_key_values=cache)
-    with pytest.raises(NotImplementedError, match="cannot record past states .* linear-attention"):
+    length = cache.get_seq_length()
+    with pytest.raises(RuntimeError, match="layer 0 records no past states; call "
+                                           "cache.activate_past_recording\(\)"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == length
+    cache.manager.check_invariants()
+
+
+@pytest.mark.skipif(LINEAR_LAYERS_ROLL_BACK, reason="transformers restores recurrent states")
+def test_assisted_decoding_is_refused_where_states_cannot_roll_back(qwen3_next):
+    """Up to 5.18 transformers' linear layers cannot restore a recurrent state: its generate
+    refuses assisted decoding for these models, and the cache refuses recording and crops."""
+    paged, _ = qwen3_next
+    cache = PagedCache(paged.config)
+    with pytest.raises(ValueError, match="stateful models"):
+        prompt_lookup(paged, cache)
+    with pytest.raises(NotImplementedError, match="cannot record past states .* linear-attention "
+                                                  "layers on transformers 5.18"):
         PagedCache(paged.config).activate_past_recording()
     with pytest.raises(NotImplementedError, match="cannot crop for a model with linear-attention"):
         cache.crop(-1)
     assert not cache.is_croppable
 
 
-def test_compile_mode_is_refused(qwen3_next):
-    with pytest.raises(NotImplementedError, match="CompiledPagedCache does not serve models with "
-                                                  "linear-attention layers"):
-        CompiledPagedCache(qwen3_next[0].config, max_cache_len=32)
+GRAPHS = []  # one entry per graph dynamo hands to the backend
+
+
+def counting_backend(gm: torch.fx.GraphModule, example_inputs):
+    GRAPHS.append(len(example_inputs))
+    return gm.forward
+
+
+@pytest.mark.parametrize("decoding", sorted(DECODING))
+def test_compile_mode_token_equal_to_eager(pair, decoding):
+    """CompiledPagedCache through generate's compile_config path: the eager prefill places the
+    rows and creates the state pools; every decode step runs in one graph where transformers'
+    layers update their working states in place and the graph copies them into the rows'
+    slots (a fixed slot tensor). Beam search runs no compiled forward of transformers': its
+    reorders gather the working states from the slots in place."""
+    name, paged, reference = pair
+    config = transformers.CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    config._compile_all_devices = True  # generate compiles only on accelerators otherwise
+    torch._dynamo.reset()
+    counters.clear()
+    GRAPHS.clear()
+    cache = CompiledPagedCache(paged.config, max_cache_len=32, block_size=BLOCK_SIZE)
+    try:
+        expected, got = generate_both(paged, reference, cache, *prompts(), compile_config=config,
+                                      **DECODING[decoding])
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected), name
+    assert len(GRAPHS) == (0 if decoding == "beam" else 1), GRAPHS
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    cache.manager.check_invariants()
+    # The slots hold the working states (what the next reorder would gather).
+    states = cache._linear
+    for layer_idx in linear_layers(paged.config):
+        layer = cache.layers[layer_idx]
+        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in held.items():
+                if tensor is not None:
+                    pool = states.pools.device[(layer_idx, kind, state_idx)]
+                    assert torch.equal(pool.index_select(0, states._slots), tensor), (name, layer_idx)
+
+
+def test_a_compiled_first_forward_is_refused(qwen3_next):
+    """The state pools come from an eager first forward; a compiled prefill says so."""
+    paged, _ = qwen3_next
+    forward = paged.forward
+    torch._dynamo.reset()
+    paged.forward = torch.compile(forward, fullgraph=True, backend="eager")
+    try:
+        cache = CompiledPagedCache(paged.config, max_cache_len=32, block_size=BLOCK_SIZE)
+        with pytest.raises(Exception, match="run the prefill eagerly"), torch.no_grad():
+            paged.generate(*prompts()[:1], attention_mask=prompts()[1], max_new_tokens=2,
+                           pad_token_id=0, past_key_values=cache)
+    finally:
+        paged.forward = forward
+        torch._dynamo.reset()
+
+
+def test_compiled_cache_refuses_recording(qwen3_next):
+    with pytest.raises(NotImplementedError, match="CompiledPagedCache cannot record past states"):
+        CompiledPagedCache(qwen3_next[0].config, max_cache_len=32).activate_past_recording()
 
 
 def test_an_empty_first_row_is_refused_before_anything_changes(qwen3_next):

@@ -10,7 +10,7 @@ import torch
 from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
 from paged_attention_ext.kv_cache import PagedKVCache
-from paged_attention_ext.kv_groups import KVGroupLayout
+from paged_attention_ext.kv_groups import Chunked, KVGroupLayout
 from paged_attention_ext.step_buffers import StepBuffers
 from paged_attention_ext.step_inputs import StepInputs, StepPlan, plan_cascades
 from paged_attention_ext.testing import random_pair, tiny_config
@@ -104,3 +104,28 @@ def test_engine_steps_inside_and_outside_inference_mode():
     got.update(engine.generate([second]))
     for request in (first, second):
         assert got[request.request_id] == generate_reference(reference, request)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_fixed_chunk_local_buffers_attend_as_chunk_local(decode):
+    """A chunked group's chunk-local metadata in fixed buffers (pieces padded to a count fixed
+    per step shape, rows rewritten only when they change) attends as chunk_local's fresh
+    rewrite, step after step; a step of one shape reads the same tensors every time."""
+    chunk = 8
+    kv_cache = PagedKVCache(2, 1, 8, BLOCK, torch.float32, "cpu", num_blocks=64,
+                            kv_groups=KVGroupLayout.from_windows([None, Chunked(chunk)]))
+    keys, values = torch.randn(64, 1, BLOCK, 8), torch.randn(64, 1, BLOCK, 8)
+    buffers, rng = StepBuffers(kv_cache, 6, 6 if decode else 6 * 40, 10, decode=decode), random.Random(1)
+    seen = {}
+    for _ in range(150):
+        plan = _random_plan(rng)  # the chunked group: whole tables (no freed chunks)
+        query_lens = [1] * len(plan.seq_lens) if decode else plan.query_lens
+        plan = StepPlan([plan.tables[0]] * 2, [s[:sum(query_lens)] for s in plan.slots],
+                        plan.seq_lens, query_lens)
+        got, want = buffers.fill(plan), StepInputs.from_plan(plan, kv_cache)
+        meta = got.attention[1]
+        assert seen.setdefault(len(plan.seq_lens), meta.block_tables.data_ptr()) == \
+            meta.block_tables.data_ptr()
+        query = torch.randn(plan.num_tokens, 2, 8)
+        torch.testing.assert_close(meta.run(query, keys, values, 0.3),
+                                   want.attention[1].run(query, keys, values, 0.3))

@@ -187,9 +187,10 @@ class CompiledDecode:
             return rows
         return next(s for s in self.sizes if s >= rows)
 
-    def _forward(self, ids, positions, slots, tables, seq_lens, cascade=()) -> torch.Tensor:
+    def _forward(self, ids, positions, slots, tables, seq_lens, cascade=(), chunks=()) -> torch.Tensor:
         # query_start_loc None: one query token per sequence (the decode form of the op).
-        inputs = StepInputs(tuple(slots), tuple(tables), seq_lens, None, tuple(cascade))
+        inputs = StepInputs(tuple(slots), tuple(tables), seq_lens, None, tuple(cascade),
+                            chunk_local=tuple(chunks))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
         return self.model(input_ids=ids, position_ids=positions, use_cache=False, **masks,
                           **packed_arguments(self.kv_cache, inputs, self.latents)).logits[0]
@@ -199,11 +200,13 @@ class CompiledDecode:
         inputs = self.buffers.inputs(size, size, cascade)
         slots, tables = inputs.slot_mappings, inputs.block_tables
         args = (self.ids[:size].view(1, size), self.positions[:size].view(1, size), slots, tables,
-                inputs.seq_lens, inputs.cascades)
+                inputs.seq_lens, inputs.cascades, inputs.chunk_local)
         if size > 1:  # one graph for every size >= 2 (1 is specialized by torch anyway)
-            split_tensors = [t for plan in inputs.cascades if plan is not None for t in plan.tensors()]
-            for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *split_tensors),
-                                   (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(split_tensors))):
+            by_rows = [t for plan in inputs.cascades if plan is not None for t in plan.tensors()]
+            by_rows += [t for chunk in inputs.chunk_local if chunk is not None
+                        for t in chunk if t is not None]  # chunked groups: a row per sequence
+            for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *by_rows),
+                                   (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(by_rows))):
                 torch._dynamo.mark_dynamic(tensor, dim)
         if not self._options:
             return self._compiled(*args)

@@ -130,10 +130,16 @@ def paged_attention_forward(
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
                          f"{head_size_v}, the value pool {value_cache.shape[-1]}")
     if batch.q_len is not None and q_len != batch.q_len:
-        if batch.last_queries is None or batch.kv_cache.source(module.layer_idx) == module.layer_idx:
+        if batch.kv_cache.source(module.layer_idx) == module.layer_idx:
             raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has {q_len} queries per "
                              f"row, the forward {batch.q_len} (only a layer that reuses another's "
                              "K/V may run on the last positions alone)")
+        if batch.last_queries is None:
+            raise NotImplementedError(
+                f"paged_attention_ext: layer {module.layer_idx} reuses another layer's K/V on the "
+                f"last {q_len} of the forward's {batch.q_len} positions per row, which a compiled "
+                "forward does not serve: run forwards of more than one token per row eagerly "
+                "(generate's compile_config path compiles only the decode steps)")
         batch = batch.last_queries(q_len)
     q = flat_tokens(query)
     if latent:

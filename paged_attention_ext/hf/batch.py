@@ -70,6 +70,14 @@ class PagedBatch:
         return self.inputs.slot_mappings[self._group(layer)]
 
 
+def real_query_rows(counts: Sequence[int], q_len: int) -> Optional[List[int]]:
+    """The flattened ``[rows, q_len]`` query rows that are real tokens (row ``r``'s last
+    ``counts[r]``), None when every row is."""
+    if sum(counts) == len(counts) * q_len:
+        return None
+    return [row * q_len + i for row, count in enumerate(counts) for i in range(q_len - count, q_len)]
+
+
 def rows_as_sequences(tables: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
                       counts: Sequence[int], q_len: int, slots: Sequence[Sequence[int]],
                       scratch_block: int) -> StepPlan:

@@ -27,6 +27,7 @@ layers store no K/V; their states sit in state pools, one slot per row (:mod:`.l
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import transformers
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
@@ -36,15 +37,16 @@ from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..kv_groups import KVGroupLayout
 from ..quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from ..step_inputs import StepInputs, StepPlan
-from .batch import PagedBatch, flat_tokens
+from .batch import PagedBatch, flat_tokens, real_query_rows
 from .forward_state import ForwardState
 from .handoff import (ATTN_IMPLEMENTATION, LayerCall, drop_calls_of, pending_call, publish_layer_call,
                       publish_source_call, take_padding_mask)
+from .latent_attention import write_latent_rows
 from .linear_states import LINEAR_ATTENTION, LinearStates, state_pool_summary
 from .placement import RowLimit, RowPlacement, new_token_counts
-from .latent_attention import write_latent_rows
 from .support import (check_config, check_mla_storage, kv_head_shape, kv_readers, layer_shapes,
                       layer_windows, mla_latent_shape)
+from .transformers_behaviour import LINEAR_LAYERS_ROLL_BACK
 
 _POOL_GROWTH = 1.25  # a growing pool copies itself rarely and leaves at most a fifth unused
 
@@ -322,9 +324,13 @@ class PagedCache(Cache):
         """Drop the last tokens of every row (assisted and prompt-lookup decoding discard the
         candidates the model rejected): blocks past the new end are freed, the partial one
         is kept. ``tokens_to_remove <= 0`` removes that many; a positive value is
-        transformers' older form, the length to keep."""
-        self._refuse_linear("crop")
+        transformers' older form, the length to keep. A hybrid model's linear-attention
+        layers restore the states they recorded (:meth:`activate_past_recording`)."""
+        if self._linear is not None:
+            self._check_linear_recording("crop")
         remove = self._tokens_to_crop(tokens_to_remove)
+        if self._linear is not None:
+            self._linear.cropped(remove)  # crop(0) too: a recording window shrinks back
         if remove == 0:
             return
         self._placement.remove_last(remove)
@@ -343,24 +349,41 @@ class PagedCache(Cache):
         return remove
 
     # Assisted and multi-token-prediction decoding ask a cache to record past states so that
-    # crop() can restore them; paged K/V crops at any time. Linear-attention states would need
-    # their past kept per slot, which the state pools do not: refused.
+    # crop() can restore them; paged K/V crops at any time. A hybrid model's linear layers
+    # (transformers' own) record their states' past themselves.
     def activate_past_recording(self, **kwargs) -> None:
-        """Nothing to record: :meth:`crop` frees or keeps blocks at any time."""
-        self._refuse_linear("record past states (assisted or multi-token-prediction decoding)")
+        """K/V need nothing recorded (:meth:`crop` frees or keeps blocks at any time); a
+        hybrid model's linear-attention layers record their states' past (transformers >=
+        5.25, whose layers can restore a recurrent state)."""
+        if self._linear is None:
+            return
+        self._check_linear_recording("record past states (assisted or multi-token-prediction "
+                                     "decoding)")
+        for layer_idx in self._linear.layer_ids:
+            self.layers[layer_idx].activate_past_recording(**kwargs)
 
-    def _refuse_linear(self, action: str) -> None:
-        if self.is_hybrid_linear:
+    def _check_linear_recording(self, action: str) -> None:
+        if not LINEAR_LAYERS_ROLL_BACK:
             raise NotImplementedError(
-                f"PagedCache cannot {action} for a model with linear-attention layers: their "
-                "states are kept for the last token only, so rejected candidate tokens cannot be "
-                "undone. Generate without an assistant model or prompt lookup.")
+                f"PagedCache cannot {action} for a model with linear-attention layers on "
+                f"transformers {transformers.__version__}: its linear-attention layers keep no "
+                "past recurrent states, so rejected candidate tokens cannot be undone (its own "
+                "generate refuses assisted decoding for these models). Use transformers >= 5.25, "
+                "or generate without an assistant model or prompt lookup.")
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return False
+        """Whether linear-attention layer ``layer_idx`` records its states' past."""
+        layer = self.layers[layer_idx] if self._linear is not None else None
+        return bool(getattr(layer, "record_past", False))
 
     def get_recurrent_states_to_keep(self, layer_idx: Optional[int] = None) -> int:
-        return 0
+        """Recurrent states of a forward's last positions a recording layer keeps (the most
+        of any layer for None), as transformers' caches answer it."""
+        if self._linear is None:
+            return 0
+        layers = self._linear.layer_ids if layer_idx is None else [layer_idx]
+        return max([getattr(self.layers[i], "recurrent_states_to_keep", 0) or 0
+                    for i in layers if self.is_recording_past(i)], default=0)
 
     def early_initialization(self, *args, **kwargs) -> None:
         raise NotImplementedError("PagedCache allocates its pools on the first forward")
@@ -374,7 +397,9 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return not self.is_hybrid_linear
+        """Whether :meth:`crop` restores every layer: K/V always; linear-attention states
+        where transformers' layers restore them (they are asked to record first)."""
+        return not self.is_hybrid_linear or LINEAR_LAYERS_ROLL_BACK
 
     @property
     def is_initialized(self) -> bool:
@@ -524,11 +549,8 @@ class PagedCache(Cache):
         tables = self._placement.tables()
         self._reserve(max(1, self.manager.device_high_water_mark))
         self.kv.apply_copies(placed.copies)  # before any layer writes this step's tokens
-        query_rows = None
-        if sum(counts) != rows * q_len:
-            query_rows = [row * q_len + i for row, count in enumerate(counts)
-                          for i in range(q_len - count, q_len)]
-        step = StepPlan(tables, placed.slots, self._placement.seq_lens(), counts, query_rows)
+        step = StepPlan(tables, placed.slots, self._placement.seq_lens(), counts,
+                        real_query_rows(counts, q_len))
         inputs = StepInputs.from_plan(step, self.kv, self._cascade_min_saved_tokens)
         in_attention = self._storage.in_attention
         self._batch = PagedBatch(self.kv, inputs, write_kv=in_attention,

@@ -7,20 +7,22 @@ forward (``prepare``, called by the mask function when generate builds the masks
 so a compiled forward only writes K/V at the prepared slots and attends.
 """
 
+import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
 
 from ..block_table import blocks_needed
 from ..cascade import DEFAULT_MIN_SAVED_TOKENS
 from ..kv_cache import LayerScales, PagedKVCache, check_int
 from ..step_buffers import StepBuffers
-from ..step_inputs import StepInputs
-from .batch import PagedBatch, rows_as_sequences
+from ..step_inputs import StepInputs, StepPlan
+from .batch import PagedBatch, real_query_rows, rows_as_sequences
 from .cache import PagedCache, PoolSpec
-from .handoff import (LayerCall, cancel_preparation, publish_layer_call, request_preparation,
-                      take_padding_mask)
+from .handoff import (LayerCall, begin_traced_forward, cancel_preparation, publish_layer_call,
+                      publish_source_call, request_preparation, take_padding_mask)
 from .placement import RowLimit, RowPlacement
 
 
@@ -70,25 +72,6 @@ class CompiledPagedCache(PagedCache):
         super().__init__(config, block_size, num_blocks, enable_prefix_caching, None, kv_cache_dtype,
                          k_scale, v_scale, kv_scale_calibration,
                          cascade_min_saved_tokens=cascade_min_saved_tokens, mla_storage=mla_storage)
-        chunked = [layer for group in self.kv_groups.groups if group.chunk_size is not None
-                   for layer in group.layers]
-        if chunked:
-            # Its steps read fixed buffers; a chunked layer's tables are rewritten every step
-            # (chunk_local). transformers' compiled generate does not build Llama-4's masks either.
-            raise NotImplementedError(
-                f"CompiledPagedCache does not serve chunked local attention (layers "
-                f"{sorted(chunked)} of {type(config).__name__}); use PagedCache")
-        if self.is_hybrid_linear:
-            raise NotImplementedError(
-                "CompiledPagedCache does not serve models with linear-attention layers (their "
-                "states are gathered from and stored to the rows' slots in Python each forward); "
-                "use PagedCache(config) without torch.compile")
-        if self.kv_groups.readers:
-            # A reader's attention finds its batch through its source's call, which a
-            # traced forward does not publish.
-            raise NotImplementedError(
-                "CompiledPagedCache: layers that reuse another layer's K/V (num_kv_shared_layers) "
-                "run only eagerly: use PagedCache")
         self._static: Optional[_Static] = None
 
     def _clear(self) -> None:
@@ -99,8 +82,9 @@ class CompiledPagedCache(PagedCache):
         self._step: Optional[Tuple[List[int], int, List[List[int]]]] = None
         self._step_open = False
         self._unfingerprinted: List[int] = []
-        # A tensor for get_seq_length inside a compiled forward (an int would recompile).
-        self._length_tensor = torch.zeros((), dtype=torch.int64)
+        # get_seq_length inside a compiled forward: the columns before the prepared forward,
+        # as a tensor (an int would recompile).
+        self._past_length = torch.zeros((), dtype=torch.int64)
         # Set by a compiled forward (it runs no Python): the prepared step was consumed.
         self._consumed = torch.zeros((), dtype=torch.bool)
 
@@ -113,6 +97,26 @@ class CompiledPagedCache(PagedCache):
         cancel_preparation(self)  # left by a mask function that is not ours
         self._check_call(layer_idx)
         return self._store_layer(layer_idx, key_states, value_states)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """A linear-attention layer's last call: eagerly as :class:`PagedCache`'s; traced,
+        transformers' layer updates its working tensors in place and the graph copies them
+        into the rows' slots (no Python bookkeeping: it would run at trace time only)."""
+        if not torch.compiler.is_compiling():
+            return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        stored = Cache.update_recurrent_state(self, recurrent_states, layer_idx, state_idx, **kwargs)
+        self._linear.store_traced(layer_idx)
+        return stored
+
+    def activate_past_recording(self, **kwargs) -> None:
+        if self._linear is not None:
+            # Recording grows the convolution windows every forward (transformers' layers
+            # then stop being compileable).
+            raise NotImplementedError(
+                "CompiledPagedCache cannot record past states for a model with linear-attention "
+                "layers (assisted or prompt-lookup decoding): use PagedCache")
+        super().activate_past_recording(**kwargs)
 
     def _traced_update(self, keys: torch.Tensor, values: torch.Tensor,
                        layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +133,12 @@ class CompiledPagedCache(PagedCache):
             torch._assert_async(~self._consumed, "PagedCache: a compiled forward ran without "
                                 "cache.prepare(...) since the previous one")
             self._consumed.fill_(True)
+            begin_traced_forward()
         self._write_layer(layer_idx, keys, values)
-        publish_layer_call(LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch))
+        call = LayerCall(self, layer_idx, self._storage.handoff_key(keys), batch)
+        publish_layer_call(call)
+        if layer_idx in self._sources:
+            publish_source_call(call)  # its readers take the batch with its key tensor
         return keys, values
 
     def _begin_forward(self, keys: torch.Tensor, values: torch.Tensor, plan: None = None) -> None:
@@ -145,11 +153,26 @@ class CompiledPagedCache(PagedCache):
             self._fingerprint_started_rows(keys, values)
         self._step_open = False
         self._state.begin()
+        if self._sources:
+            # Readers may run on the last positions of each row alone (transformers 5.25
+            # runs them on the kept logits' positions): an eager forward narrows for them.
+            counts, _, slots = self._step
+            step = StepPlan(self._placement.tables(), slots, self._placement.seq_lens(), counts,
+                            real_query_rows(counts, q_len))
+            self._batch = dataclasses.replace(self._batch, q_len=q_len,
+                                              last_queries=self._last_queries(step))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """As :class:`PagedCache`'s: the columns a layer has stored. The forward's tokens are
+        placed before it runs, yet no layer has stored them until its update (Llama-4's NoPE
+        layers and a forward without position_ids read their positions from this first); a
+        compiled forward reads the columns before it for every layer (it calls this before
+        the layer's update)."""
         if torch.compiler.is_compiling():
-            return self._length_tensor  # set before the forward; an int would recompile
-        return self._length
+            return self._past_length
+        if self._step_open and not self._consumed.item():  # prepared, not run yet
+            return self._length - self._forward_len
+        return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
         if not torch.compiler.is_compiling():
@@ -222,8 +245,9 @@ class CompiledPagedCache(PagedCache):
                 self.reset()
             raise
         self.kv.apply_copies(copies)  # before any layer writes this step's tokens
+        self._past_length.fill_(self._length)
         self._length += q_len
-        self._length_tensor.fill_(self._length)
+        self._forward_len = q_len
         self._step = (counts, q_len, slots)
         self._unfingerprinted = started
         self._step_open = True
@@ -251,34 +275,43 @@ class CompiledPagedCache(PagedCache):
                                   pad_block=capacity,
                                   cascade_min_saved_tokens=self._cascade_min_saved_tokens)
             self._static = _Static(spec, pool, buffers, {})
+        # A beam step forks every row before it frees the old ones: twice the rows' slots.
+        state_slots = 2 * rows if self._linear is not None else None
         self._placement = RowPlacement(rows, capacity, self.block_size, self.enable_prefix_caching,
-                                       self.kv_groups)
+                                       self.kv_groups, state_slots)
+        if self._linear is not None:
+            self._linear.start(state_slots)
         self._pool_spec = spec
         self.kv = self._static.pool
         # On the pools' device, so the compiled graph touches no host tensor.
-        self._length_tensor = self._length_tensor.to(spec[4])
+        self._past_length = self._past_length.to(spec[4])
         self._consumed = self._consumed.to(spec[4])
         # Fixed addresses, as StaticCache marks its tensors: CUDA graph replay (mode=
         # "reduce-overhead") may then read and write them in place instead of copying them.
         for tensor in (*self.kv.key_caches, *self.kv.value_caches, *self._static.buffers.tensors(),
-                       self._length_tensor, self._consumed):
+                       self._past_length, self._consumed):
             torch._dynamo.mark_static_address(tensor)
 
-    def _fill_buffers(self) -> None:
+    def _fill_buffers(self, replaced: bool = False) -> None:
         counts, q_len, slots = self._step
         static = self._static
         plan = rows_as_sequences(self._placement.tables(), self._placement.seq_lens(), counts,
                                  q_len, slots, static.buffers.pad_block)
         inputs = static.buffers.fill(plan)
         self._batch = static.batches.get(id(inputs)) or self._new_batch(inputs)
+        if self._linear is not None:  # the rows' slots, before any linear layer runs
+            place = self._linear.replaced if replaced else self._linear.placed
+            place(self.manager.take_state_moves(), self._placement.state_slots())
         self.cascade_forwards += bool(inputs.cascades)
 
     def _new_batch(self, inputs: StepInputs) -> PagedBatch:
         """The batch over one shape's inputs, made once: a compiled forward reads the same
         object every step."""
         in_attention = self._storage.in_attention
+        rows = inputs.seq_lens.shape[0] // 2  # two sequences per row (rows_as_sequences)
         batch = PagedBatch(self.kv, inputs, write_kv=in_attention,
-                           on_stored=self._count_stored if in_attention else None)
+                           on_stored=self._count_stored if in_attention else None,
+                           q_len=inputs.num_tokens // rows)
         self._static.batches[id(inputs)] = batch
         return batch
 
@@ -288,4 +321,4 @@ class CompiledPagedCache(PagedCache):
         counts, q_len, slots = self._step
         self._placement.replace_rows(self._unfingerprinted, counts, q_len, keys, values, slots)
         self._unfingerprinted = []
-        self._fill_buffers()
+        self._fill_buffers(replaced=True)

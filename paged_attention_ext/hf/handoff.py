@@ -16,8 +16,11 @@ function, so three hand-offs go through context variables:
   publishes its call as a source (:func:`publish_source_call`); a reader's attention takes
   the batch when it gets that same key tensor, until the next forward's mask function.
 
-Inside a ``torch.compile`` trace dynamo cannot trace ``ContextVar.set``; the layer call then
-goes through an attribute of a plain object, which it can (and replays after the graph).
+Inside a ``torch.compile`` trace dynamo cannot trace ``ContextVar.set``; the layer call and
+the source calls then go through attributes of a plain object, which it can (and replays
+after the graph). A traced forward starts its source calls anew
+(:func:`begin_traced_forward`, from the first layer's update), so the trace never reads
+what an earlier run left there (which stays there, with that run's cache, until the next).
 """
 
 from contextvars import ContextVar
@@ -54,6 +57,7 @@ _preparing: ContextVar[Optional["CompiledPagedCache"]] = ContextVar("paged_mask_
 
 class _TracedCall:
     call: Optional[LayerCall] = None
+    sources: Tuple[LayerCall, ...] = ()
 
 
 _traced = _TracedCall()
@@ -113,8 +117,16 @@ def publish_layer_call(call: LayerCall) -> None:
 
 
 def publish_source_call(call: LayerCall) -> None:
-    """``call``'s layer has readers: they take its batch with its key tensor (eager only)."""
-    _source_calls.set(_source_calls.get() + (call,))
+    """``call``'s layer has readers: they take its batch with its key tensor."""
+    if torch.compiler.is_compiling():
+        _traced.sources = _traced.sources + (call,)
+    else:
+        _source_calls.set(_source_calls.get() + (call,))
+
+
+def begin_traced_forward() -> None:
+    """A traced forward's first update: no source call published yet in it."""
+    _traced.sources = ()
 
 
 def pending_call(cache: "PagedCache") -> Optional[LayerCall]:
@@ -134,11 +146,10 @@ def take_batch(module: torch.nn.Module, key: torch.Tensor) -> Optional[PagedBatc
     compiling = torch.compiler.is_compiling()
     call = _traced.call if compiling else _layer_call.get()
     layer_idx = getattr(module, "layer_idx", None)
-    if not compiling:
-        for source in _source_calls.get():
-            if (source.key is key and layer_idx is not None
-                    and source.batch.kv_cache.source(layer_idx) == source.layer_idx != layer_idx):
-                return source.batch  # a reader of that layer's K/V
+    for source in _traced.sources if compiling else _source_calls.get():
+        if (source.key is key and layer_idx is not None
+                and source.batch.kv_cache.source(layer_idx) == source.layer_idx != layer_idx):
+            return source.batch  # a reader of that layer's K/V
     if call is None:
         return None
     if call.key is None:

@@ -16,6 +16,14 @@ forward, so after it the layer's states are stored back into the rows' slots; a 
 first linear layers may run before the rows have slots (the first attention layer places
 the forward's tokens), so what they stored waits (``_unstored``) until the placement.
 When the rows' slots change (beam search's reorder), the working tensors are gathered anew.
+
+Assisted and prompt-lookup decoding verify candidate tokens in one forward and crop the
+rejected ones: transformers' layer, recording (``activate_past_recording``), keeps the
+convolution window of every new token and the recurrent states of the last positions, and
+its ``crop`` restores the state after the last accepted token. The slots hold the state
+after the forward's last token meanwhile (a recording layer's window, its last
+``conv_kernel_size`` columns), and after a crop the restored states are stored again
+(:meth:`LinearStates.cropped`).
 """
 
 from typing import Dict, List, Optional, Sequence, Set
@@ -68,21 +76,85 @@ class LinearStates:
         """The block manager placed the rows: apply its moves (new rows' slots zeroed),
         then store what the layers computed before (the first forward's early layers)."""
         self.pools.apply(moves)
-        self._slots = torch.tensor(list(slots), dtype=torch.int64)
+        self._set_slots(slots)
         self._store()
+
+    def replaced(self, moves: Sequence[StateMove], slots: Sequence[int]) -> None:
+        """The rows were placed again before their forward's first attention layer (a
+        compiled cache's eager first forward, with prefix fingerprints): the layers that ran
+        already store their states into the rows' new slots."""
+        self.pools.apply(moves)
+        self._set_slots(slots)
+        self._unstored.update(self.layer_ids)
+        self._store()
+
+    def _set_slots(self, slots: Sequence[int]) -> None:
+        """In place once allocated: a compiled forward reads the same tensor every step."""
+        new = torch.tensor(list(slots), dtype=torch.int64)
+        if self._slots is not None and self._slots.shape == new.shape:
+            self._slots.copy_(new)
+        else:
+            self._slots = new
 
     def reselect(self, moves: Sequence[StateMove], slots: Sequence[int]) -> None:
         """The rows now hold other sequences (beam search): apply the block manager's moves
-        (one copy per forked row) and gather every layer's working tensors anew."""
+        (one copy per forked row) and gather every layer's working tensors anew (in place
+        where the shape allows: a compiled forward reads transformers' tensors at fixed
+        addresses)."""
         self.pools.apply(moves)
-        self._slots = torch.tensor(list(slots), dtype=torch.int64)
+        self._set_slots(slots)
         for layer_idx in self.layer_ids:
             layer = self.layers[layer_idx]
             for kind, states in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
                 for state_idx, tensor in states.items():
                     if tensor is not None:
                         pool = self.pools.device[(layer_idx, kind, state_idx)]
-                        states[state_idx] = pool.index_select(0, self._slots.to(pool.device))
+                        gathered = pool.index_select(0, self._slots.to(pool.device))
+                        if tensor.shape == gathered.shape:
+                            tensor.copy_(gathered)
+                        else:
+                            states[state_idx] = gathered
+
+    def store_traced(self, layer_idx: int) -> None:
+        """A compiled forward's layer: its states into the rows' slots with tensor ops only
+        (the pools exist since the eager prefill; the slots are a fixed tensor)."""
+        layer = self.layers[layer_idx]
+        for kind, states in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in states.items():
+                if tensor is None:
+                    continue
+                pool = self.pools.device.get((layer_idx, kind, state_idx))
+                if pool is None:
+                    raise NotImplementedError(
+                        f"a compiled forward stores layer {layer_idx}'s linear-attention states "
+                        "into pools that an eager first forward creates: run the prefill "
+                        "eagerly (generate's compile_config path does; in a loop of one's own, "
+                        "call the uncompiled forward first)")
+                pool.index_copy_(0, self._slots.to(pool.device), tensor)
+
+    def cropped(self, tokens_to_remove: int) -> None:
+        """Assisted decoding rejected the last ``tokens_to_remove`` tokens (0: none): each
+        layer restores its states as they were after the last kept one (transformers' crop,
+        which also shrinks a recording window back to the kernel), stored into the slots.
+        Raises before any layer changes when a layer does not record or recorded fewer."""
+        for layer_idx in self.layer_ids:
+            layer = self.layers[layer_idx]
+            if not getattr(layer, "record_past", False):
+                raise RuntimeError(
+                    f"PagedCache.crop: linear-attention layer {layer_idx} records no past states; "
+                    "call cache.activate_past_recording() before the forwards to crop "
+                    "(generate does for assisted and prompt-lookup decoding)")
+            recorded = [len(layer.recurrent_states_history[i]) for i in range(layer.number_of_states)
+                        if layer.is_recurrent_states_initialized[i]]
+            if recorded and min(recorded) < tokens_to_remove:
+                raise ValueError(
+                    f"PagedCache.crop: cannot remove {tokens_to_remove} tokens: linear-attention "
+                    f"layer {layer_idx} recorded the states of the last {min(recorded)} only "
+                    "(activate_past_recording(recurrent_states_to_keep=...))")
+        for layer_idx in self.layer_ids:
+            self.layers[layer_idx].crop(-tokens_to_remove)
+            self._unstored.add(layer_idx)
+        self._store()
 
     def _store(self) -> None:
         for layer_idx in sorted(self._unstored):
@@ -91,6 +163,8 @@ class LinearStates:
                 for state_idx, tensor in states.items():
                     if tensor is None:
                         continue
+                    if kind == "conv" and getattr(layer, "record_past", False):
+                        tensor = _window(tensor, layer.conv_kernel_size[state_idx])
                     if tensor.shape[0] != len(self._slots):
                         raise ValueError(f"layer {layer_idx}'s {kind} state has {tensor.shape[0]} "
                                          f"rows, the cache holds {len(self._slots)}")
@@ -98,6 +172,14 @@ class LinearStates:
                                            tensor.dtype, tensor.device)
                     pool.index_copy_(0, self._slots.to(pool.device), tensor)
         self._unstored.clear()
+
+
+def _window(conv_states: torch.Tensor, kernel: int) -> torch.Tensor:
+    """A recording layer's convolution states (every new token's columns) as the window the
+    next token reads: the last ``kernel`` columns, zero-padded on the left if fewer."""
+    if conv_states.shape[-1] >= kernel:
+        return conv_states[..., -kernel:]
+    return torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
 
 
 def state_pool_summary(pools: Optional[StatePools], used_slots: int) -> Dict[str, int]:

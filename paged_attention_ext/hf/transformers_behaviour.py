@@ -3,12 +3,20 @@
 import inspect
 
 import transformers
+from transformers.cache_utils import LinearAttentionLayer
 
 from ..versions import release
 
 # 5.19 strips the ``paged|`` prefix from every implementation name but ``paged|eager``
 # (continuous batching included), so one name serves generate and continuous batching.
 STRIPS_PAGED_PREFIX: bool = release(transformers.__version__) >= (5, 19)
+
+# From 5.25 a recording linear-attention layer keeps the recurrent states of a multi-token
+# forward's last positions (``recurrent_states_to_keep``) and ``crop`` restores one of them;
+# up to 5.18 its ``crop`` trims the convolution window only (and generate refuses assisted
+# decoding for those models).
+LINEAR_LAYERS_ROLL_BACK: bool = "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionLayer.activate_past_recording).parameters
 
 
 def cache_keyword(model) -> str:
