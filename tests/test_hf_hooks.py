@@ -146,9 +146,9 @@ def llama4_model(**overrides):
 
 def test_llama4_temperature_reads_the_positions_the_hook_feeds():
     """Llama4TextAttention still computes its NoPE layers' query positions as the token's index
-    plus the cache's get_seq_length(layer_idx): inside real_positions, the queries reaching
+    plus the cache's get_seq_length(layer_idx): inside RealPositions.at, the queries reaching
     the attention function are scaled at position_ids' positions (the formula below is
-    transformers'), outside it at each token's index."""
+    transformers'), outside it at each token's index, before and after."""
     llama4_positions.check()
     model = llama4_model()
     queries = []
@@ -163,11 +163,15 @@ def test_llama4_temperature_reads_the_positions_the_hook_feeds():
     assert llama4_positions.tempered_layers(model) == [model.model.layers[3].self_attn]
     ids = torch.tensor([[5, 9, 3, 17, 2, 40]])
     positions = torch.tensor([[0, 1, 2, 30, 31, 9]])  # three sequences packed in one row
+    hook = llama4_positions.installed(model)
+    assert llama4_positions.installed(model) is hook  # installed once
     with torch.no_grad():
         model(input_ids=ids, position_ids=positions, use_cache=False)
-        with llama4_positions.real_positions(llama4_positions.tempered_layers(model), positions):
+        with hook.at(positions):
             model(input_ids=ids, position_ids=positions, use_cache=False)
-    plain, tempered = queries
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    plain, tempered, after = queries
+    torch.testing.assert_close(after, plain)
 
     def scale(p):
         return torch.log1p(torch.floor((p.float() + 1.0) / 4)) * 0.5 + 1.0
@@ -175,7 +179,7 @@ def test_llama4_temperature_reads_the_positions_the_hook_feeds():
     torch.testing.assert_close(tempered, plain / scale(index)[:, None] * scale(positions[0])[:, None],
                                rtol=1e-6, atol=1e-6)
     assert not torch.allclose(tempered, plain)
-    assert not model.model.layers[3].self_attn._forward_pre_hooks  # removed on exit
+    assert len(model.model.layers[3].self_attn._forward_pre_hooks) == 1
 
 
 def test_llama4_hook_refuses_a_changed_release(monkeypatch):
@@ -195,8 +199,11 @@ def cache_argument(model) -> str:
 def test_llama4_hook_refuses_a_layer_given_a_cache():
     """The hook stands in for an empty cache only: a forward with a real one is refused."""
     model = llama4_model()
-    layers = llama4_positions.tempered_layers(model)
+    hook = llama4_positions.installed(model)
     cache = {cache_argument(model): transformers.DynamicCache(config=model.config)}
     with pytest.raises(RuntimeError, match="layer 3: expected one empty cache argument"):
-        with torch.no_grad(), llama4_positions.real_positions(layers, torch.tensor([[4, 5, 6]])):
+        with torch.no_grad(), hook.at(torch.tensor([[4, 5, 6]])):
             model(input_ids=torch.tensor([[5, 9, 3]]), **cache)
+    fresh = {cache_argument(model): transformers.DynamicCache(config=model.config)}
+    with torch.no_grad():  # outside the engine's forwards the hook lets a cache through
+        model(input_ids=torch.tensor([[5, 9, 3]]), **fresh)

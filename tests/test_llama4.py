@@ -4,7 +4,6 @@ sampled n > 1, beams) over contexts several chunks long, eagerly and compiled (o
 every decode step); what is not served (transformers' continuous batching, the multimodal
 wrapper) is refused clearly."""
 
-import contextlib
 import copy
 import inspect
 
@@ -367,19 +366,23 @@ def test_without_real_positions_the_engine_differs(engine_models, monkeypatch):
     """The equality above can fail: with the temperature read from each token's index in the
     packed row (transformers' default without the hook), the engine's tokens differ."""
     paged, expected = engine_models
-    monkeypatch.setattr(llama4_positions, "real_positions",
-                        lambda layers, position_ids: contextlib.nullcontext())
+    monkeypatch.setattr(llama4_positions.RealPositions, "feed", lambda self, position_ids: None)
     _, got, _ = serve(paged)
+    assert got != expected
+    torch._dynamo.reset()  # the graphs traced by earlier tests inlined the real feed
+    _, got, _ = serve(paged, compile_decode=True, compile_backend="eager")
     assert got != expected
 
 
-def test_compiled_decode_is_refused_for_the_temperature_without_chunks():
-    """A Llama-4 config whose layers are all full attention has no chunked group to refuse,
-    but a compiled decode step would temper its rows by their index in the row."""
-    config = llama4(layer_types=["full_attention"] * 4, floor_scale=FLOOR)
-    paged, _ = random_pair(config)
-    base = dict(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=0)
-    LLMEngine(paged, EngineConfig(**base))  # eager steps serve it
-    with pytest.raises(NotImplementedError, match="compiled decode steps do not serve Llama-4's "
-                                                  "attention temperature tuning"):
-        LLMEngine(paged, EngineConfig(**base, compile_decode=True, compile_backend="eager"))
+def test_compiled_decode_tempers_a_config_without_chunks():
+    """A Llama-4 config whose layers are all full attention: its compiled decode steps, rows
+    packed in one, temper each query at its own position (the hook fed in the graph)."""
+    paged, reference = random_pair(llama4(layer_types=["full_attention"] * 4, floor_scale=FLOOR,
+                                          attn_scale=0.5), reference_attention="eager")
+    requests = REQUESTS[:1] + REQUESTS[2:3]
+    engine = LLMEngine(paged, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=64,
+                                           num_host_blocks=0, compile_decode=True,
+                                           compile_backend="eager"))
+    got = engine.generate(copy.deepcopy(requests))
+    assert got == {r.request_id: generate_reference(reference, r) for r in requests}
+    assert engine.runner.decode.calls >= 10

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..hf.hooks.llama4_positions import RealPositions
 from ..hf.packed_latents import PackedLatentCache, packed_arguments
 from ..kv_cache import PagedKVCache
 from ..step_buffers import StepBuffers
@@ -77,13 +78,16 @@ class CompiledDecode:
                  sizes: Optional[Sequence[int]] = None,
                  options: Optional[Mapping[str, Any]] = None,
                  cascade_min_saved_tokens: Optional[int] = None,
-                 latents: Optional[PackedLatentCache] = None) -> None:
+                 latents: Optional[PackedLatentCache] = None,
+                 positions: Optional[RealPositions] = None) -> None:
         device = kv_cache.device
         self.model, self.kv_cache, self.device = model, kv_cache, device
         # An MLA model's latent rows, stored through Cache.update. Whether the model stores
         # every layer's is checked by the eager prefills (engine/hf_runner.py), which precede
         # any decode; a replayed graph runs no Python to count them.
         self.latents = latents
+        # Llama-4's tempered layers: fed each step's positions inside the traced forward.
+        self.real_positions = positions
         self.cuda_graphs = device.type == "cuda"
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_decode_batch must be an integer >= 1, got {max_batch!r}")
@@ -192,8 +196,13 @@ class CompiledDecode:
         inputs = StepInputs(tuple(slots), tuple(tables), seq_lens, None, tuple(cascade),
                             chunk_local=tuple(chunks))
         masks = {} if self._masks is None else {"attention_mask": self._masks}
-        return self.model(input_ids=ids, position_ids=positions, use_cache=False, **masks,
-                          **packed_arguments(self.kv_cache, inputs, self.latents)).logits[0]
+        if self.real_positions is not None:
+            self.real_positions.feed(positions)
+        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **masks,
+                            **packed_arguments(self.kv_cache, inputs, self.latents)).logits[0]
+        if self.real_positions is not None:
+            self.real_positions.clear()
+        return logits
 
     def _call(self, size: int, cascade: bool = False) -> torch.Tensor:
         # Contiguous [1, size] views, so no guard relates the size to the buffer's length.
@@ -208,10 +217,14 @@ class CompiledDecode:
             for tensor, dim in zip((args[0], args[1], *slots, *tables, args[4], *by_rows),
                                    (1, 1, *[0] * (2 * len(slots)), 0, *[0] * len(by_rows))):
                 torch._dynamo.mark_dynamic(tensor, dim)
-        if not self._options:
-            return self._compiled(*args)
-        with torch._inductor.config.patch(self._options):  # ~30 us
-            return self._compiled(*args)
+        try:
+            if not self._options:
+                return self._compiled(*args)
+            with torch._inductor.config.patch(self._options):  # ~30 us
+                return self._compiled(*args)
+        finally:
+            if self.real_positions is not None:
+                self.real_positions.clear()  # also when the forward raised before its own clear
 
     @torch.no_grad()
     def _warm_up(self) -> None:

@@ -22,6 +22,7 @@ A step in which every sequence computes one token (a decode step) goes through t
 config asks for one; prefills and mixed steps run eager (docs/engine.md says why).
 """
 
+import contextlib
 from typing import Hashable, List, Optional, Tuple
 
 import torch
@@ -110,7 +111,7 @@ class HFModelRunner(ModelRunner):
             packed_linear_attention.install(model, list(self.spec.linear_layers))
         self._linear_step: Optional[LinearStep] = None  # the last forward's, until commit()
         # Llama-4's NoPE layers, told each packed token's real position (hf/hooks).
-        self._tempered_layers = llama4_positions.tempered_layers(model)
+        self._positions = llama4_positions.installed(model)
         self.decode: Optional[CompiledDecode] = None
         self._buffers: Optional[StepBuffers] = None  # the eager steps' inputs
         self.cascade_min_saved_tokens: Optional[int] = None
@@ -130,12 +131,6 @@ class HFModelRunner(ModelRunner):
         self._buffers = None
         self.cascade_min_saved_tokens = config.cascade_min_saved_tokens
         if config.compile_decode:
-            if self._tempered_layers:
-                # A compiled decode step packs its rows into one too, without the hook.
-                raise NotImplementedError(
-                    "compiled decode steps do not serve Llama-4's attention temperature tuning "
-                    "(its NoPE layers read each query's position from its index in the row): "
-                    "set compile_decode=False")
             # The longest table a sequence can have: the pool, or the model's positions.
             positions = getattr(self.model.config.get_text_config(), "max_position_embeddings",
                                 1 << 30)
@@ -143,7 +138,7 @@ class HFModelRunner(ModelRunner):
             self.decode = CompiledDecode(self.model, kv_cache, width, config.max_decode_batch,
                                          config.compile_backend, config.decode_batch_sizes,
                                          config.compile_options, config.cascade_min_saved_tokens,
-                                         self._latents)
+                                         self._latents, self._positions)
 
     def stats(self) -> RunnerStats:
         decode = self.decode
@@ -226,7 +221,9 @@ class HFModelRunner(ModelRunner):
         last_rows = (inputs.query_start_loc[1:] - 1).long()
         linear = self._linear(step) if self.spec.linear_layers else None
         position_ids = torch.tensor([positions]).to(device)
-        with llama4_positions.real_positions(self._tempered_layers, position_ids):
+        tempered = contextlib.nullcontext() if self._positions is None else self._positions.at(
+            position_ids)
+        with tempered:
             logits = self.model(input_ids=torch.tensor([ids]).to(device), position_ids=position_ids,
                                 use_cache=False, logits_to_keep=last_rows,
                                 **packed_arguments(self.kv_cache, inputs, self._latents,

@@ -8,9 +8,9 @@ its cache's ``get_seq_length(layer_idx)``::
     positions = torch.arange(hidden_states.shape[1], ...) + past_seen_tokens
 
 The engine packs every sequence's new tokens into one row and passes no cache, so a token's
-index is its place in the row, not its position. For the engine's packed forwards only,
-:func:`real_positions` hands each such layer, in its cache argument (``None`` there
-otherwise), a stand-in whose ``get_seq_length`` is each token's offset (its position minus
+index is its place in the row, not its position. For the engine's packed forwards only (eager
+and compiled), :class:`RealPositions` hands each such layer, in its cache argument (``None``
+there otherwise), a stand-in whose ``get_seq_length`` is each token's offset (its position minus
 its index) and whose ``update`` returns the K/V unchanged (the paged attention function
 writes them): transformers' own formula then sees the real positions.
 
@@ -21,7 +21,7 @@ change, never a wrong temperature.
 
 import contextlib
 import inspect
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 from transformers.models.llama4 import modeling_llama4
@@ -32,6 +32,7 @@ _POSITIONS = ("positions = torch.arange(hidden_states.shape[1], device=hidden_st
               " + past_seen_tokens")
 _SEEN = ".get_seq_length(self.layer_idx)"
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
+_INSTALLED = "_paged_attention_ext_real_positions"
 
 
 def tempered_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -73,31 +74,52 @@ class _Offsets:
         return key_states, value_states  # the paged attention function writes them
 
 
-def _hand_offsets(offsets: _Offsets):
-    def hook(module, args, kwargs):
+class RealPositions:
+    """Hooks on a model's tempered layers, installed once (:func:`installed`): a forward run
+    inside :meth:`at` (or between :meth:`feed` and :meth:`clear`, which a compiled forward
+    traces, while adding a hook it cannot) tempers each query at its position in
+    ``position_ids``; every other forward of the model, ``generate``'s with a cache
+    included, goes through unchanged."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        self._offsets: Optional[_Offsets] = None
+        for layer in layers:
+            layer.register_forward_pre_hook(self._hand_offsets, with_kwargs=True)
+            setattr(layer, _INSTALLED, self)
+
+    def feed(self, position_ids: torch.Tensor) -> None:
+        """The next forward is one row with ``position_ids`` ``[1, num_tokens]``."""
+        row = position_ids.reshape(-1)
+        self._offsets = _Offsets(row - torch.arange(row.numel(), device=row.device))
+
+    def clear(self) -> None:
+        self._offsets = None
+
+    @contextlib.contextmanager
+    def at(self, position_ids: torch.Tensor) -> Iterator[None]:
+        self.feed(position_ids)
+        try:
+            yield
+        finally:
+            self.clear()
+
+    def _hand_offsets(self, module, args, kwargs):
+        offsets = self._offsets
+        if offsets is None:
+            return None
         names = [name for name in _CACHE_ARGUMENTS if name in kwargs]
         if len(names) != 1 or kwargs[names[0]] is not None:
             raise RuntimeError(
                 f"Llama-4 layer {module.layer_idx}: expected one empty cache argument in a packed "
                 f"forward, got {[(n, type(kwargs[n]).__name__) for n in names]}")
         return args, {**kwargs, names[0]: offsets}
-    return hook
 
 
-@contextlib.contextmanager
-def real_positions(layers: Sequence[torch.nn.Module], position_ids: torch.Tensor) -> Iterator[None]:
-    """Within this context, a forward over one row with ``position_ids`` ``[1, num_tokens]``
-    tempers each query of ``layers`` (the model's :func:`tempered_layers`) by its position in
-    ``position_ids``."""
+def installed(model: torch.nn.Module) -> Optional[RealPositions]:
+    """The model's :class:`RealPositions` (installed on the first call; the same one after),
+    or None for a model without tempered layers."""
+    layers = tempered_layers(model)
     if not layers:
-        yield
-        return
-    row = position_ids.reshape(-1)
-    offsets = _Offsets(row - torch.arange(row.numel(), device=row.device))
-    handles = [layer.register_forward_pre_hook(_hand_offsets(offsets), with_kwargs=True)
-               for layer in layers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+        return None
+    hook = getattr(layers[0], _INSTALLED, None)
+    return hook if hook is not None else RealPositions(layers)
