@@ -21,7 +21,6 @@
 #include "convert.h"
 #include "fp8_tiles.h"
 #include "lane_kernel.h"
-#include "lane_pairs.h"
 #include "prefetch.h"
 #include "query_rows.h"
 #include "register_tiles.h"
@@ -379,12 +378,6 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
                                w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
   if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
-#if PAGED_ISA_AVX512_BF16
-    if (lane_pairs_apply<T>(P)) {
-      lane_pairs_work_item<T>(P, w, ws);
-      return;
-    }
-#endif
     lane_work_item<T>(P, w, ws);
     return;
   }

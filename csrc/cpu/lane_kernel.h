@@ -1,22 +1,19 @@
-// The CPU kernel for work items whose queries all see every key of the item and are many
-// per KV head (shared_prefix_attention: the queries of a group over its shared prefix).
-// Part of the CPU kernel, inside its ISA namespace (see vec.h).
+// The fp32 micro-kernel of the queries-in-lanes driver (lane_driver.h), and the choice of a
+// lane item's micro-kernel. Part of the CPU kernel, inside its ISA namespace (see vec.h).
 //
-// Queries sit in vector lanes. The item transposes its scaled queries once, qt[d][m], and
-// for each chunk of keys computes the scores s[t][m] as register tiles of KT keys by MT
-// query vectors (each key element broadcast, each query vector loaded once per KT keys),
-// so no score needs a horizontal sum; the online softmax runs down the lanes (one max,
-// exp and sum per query vector); the weighted values acc[m][d] accumulate in tiles of MR
-// queries by DV value vectors. Every K and V row is read once per item, as in the general
-// kernel, but each serves all the item's queries from registers.
+// The tiles hold the KV head's scaled queries transposed, qt[d][m], and compute a chunk's
+// scores s[t][m] as register tiles of KT keys by MT query vectors (each key element
+// broadcast, each query vector loaded once per KT keys), so no score needs a horizontal sum;
+// the weighted values acc[m][d] accumulate in tiles of MR queries by DV value vectors. The
+// cache format's conversion: keys widened to fp32 rows of an L1 scratch chunk, values too
+// unless they are fp32 rows of whole vectors (read in place).
 
 #pragma once
 
 #include "convert.h"
-#include "prefetch.h"
-#include "query_rows.h"
+#include "lane_driver.h"
+#include "lane_pairs.h"
 #include "vec.h"
-#include "vec_exp.h"
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
 // (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 or SSE ones; at least
@@ -25,66 +22,6 @@ constexpr int kLaneScoreKeys = VW == 16 ? 8 : 6;
 constexpr int kLaneScoreVecs = VW == 16 ? 3 : 2;
 constexpr int kLaneValueRows = VW == 16 ? 8 : 6;
 constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
-constexpr int kLaneChunk = 32;  // keys per step
-
-// The next chunk's stored key and value rows, fetched into L2 (into L1 they would evict the
-// queries and accumulators) by the score tiles, a few lines per step of their loop over the
-// head's elements (plan), so the misses go out at the pace of the arithmetic. Fetched a
-// tile's rows at a time, the bursts overflowed the miss buffers and stalled the core
-// (profiles showed the samples on the prefetches and on copying keys whose lines had not
-// arrived).
-template <typename T>
-class LaneAhead {
- public:
-  LaneAhead(const T* const* k, const T* const* v, int n, int k_bytes, int v_bytes)
-      : k_(k), v_(v), n_(n), k_bytes_(k_bytes), v_bytes_(v_bytes) {
-    start_row();
-  }
-
-  // Spreads the lines over `steps` calls of step().
-  void plan(int steps) {
-    const int lines = n_ * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
-    per_step_ = steps > 0 ? (lines + steps - 1) / steps : lines;
-  }
-
-  void step() {
-    for (int i = 0; i < per_step_ && line_ != nullptr; ++i) next_line();
-  }
-
-  // Every line not yet fetched.
-  void finish() {
-    while (line_ != nullptr) next_line();
-  }
-
- private:
-  // Rows 0 .. n - 1 are the keys', n .. 2n - 1 the values'.
-  void start_row() {
-    if (row_ >= 2 * n_) {
-      line_ = nullptr;
-      return;
-    }
-    const bool key = row_ < n_;
-    line_ = reinterpret_cast<const char*>(key ? k_[row_] : v_[row_ - n_]);
-    row_end_ = line_ + (key ? k_bytes_ : v_bytes_);
-  }
-  void next_line() {
-    prefetch(line_);
-    line_ += 64;
-    if (line_ >= row_end_) {
-      ++row_;
-      start_row();
-    }
-  }
-
-  const T* const* k_;
-  const T* const* v_;
-  int n_;
-  int k_bytes_, v_bytes_;
-  int per_step_ = 0;
-  int row_ = 0;
-  const char* line_ = nullptr;
-  const char* row_end_ = nullptr;
-};
 
 // s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors;
 // `ahead` (nullable) steps once per element.
@@ -201,144 +138,69 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }
 
-// The stored key and value rows of keys [j0, j0 + n) of the KV head at k_head / v_head.
 template <typename T>
-static inline void lane_locate(const AttentionParams& P, const int32_t* table, int64_t k_head,
-                               int64_t v_head, int j0, int n, const T** k_out, const T** v_out) {
-  const T* key_cache = static_cast<const T*>(P.key_cache);
-  const T* value_cache = static_cast<const T*>(P.value_cache);
-  for (int t = 0; t < n; ++t) {
-    const int j = j0 + t;
-    const int64_t block = table[j / P.block_size], slot = j % P.block_size;
-    k_out[t] = key_cache + block * P.k_block_stride + k_head + slot * P.k_token_stride;
-    v_out[t] = value_cache + block * P.v_block_stride + v_head + slot * P.v_token_stride;
-  }
-}
+class LaneFloatTiles {
+ public:
+  static constexpr float kValueUnit = StoredUnit<T>::value;
 
-// The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
-// the query vector at v0: one max, exp and sum per vector; the accumulator rows of queries
-// whose max moved (of the first m) are rescaled. kShortExp: the exp of exp_minus<kShortExp>.
-// Out of line: inlined into lane_pairs_work_item, GCC kept the running total on the stack
-// (a store and a reload per key; multi-token bf16 and fp8 measured faster out of line).
-template <bool kShortExp>
-__attribute__((noinline)) static void query_vector_softmax(float* s, int n, int mp, int v0, int m,
-                                                   float* run_max, float* run_sum,
-                                                   float* acc, int hspv) {
-  vfloat top = load(s + v0);
-  for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
-  const vfloat old = load(run_max + v0);
-  const vfloat now = vmax(old, top);
-  vfloat total{};
-  for (int t = 0; t < n; ++t) {
-    const vfloat p = exp_minus<kShortExp>(load(s + int64_t(t) * mp + v0), now);
-    store(s + int64_t(t) * mp + v0, p);
-    total += p;
+  LaneFloatTiles(const AttentionParams& P, const LaneWorkspace& ws, const LaneShape& shape)
+      : P_(P), qt_(ws.queries), kf_(ws.keys), vf_(ws.values), row_(ws.row), d_(shape) {
+    if (!values_in_place()) std::memset(vf_, 0, sizeof(float) * kLaneChunk * d_.hspv);
   }
-  float alpha[VW];
-  for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
-  rescale_rows(acc + int64_t(v0) * hspv, hspv, alpha, std::min(VW, m - v0));
-  vfloat alphas;
-  std::memcpy(&alphas, alpha, sizeof(alphas));
-  store(run_sum + v0, load(run_sum + v0) * alphas + total);
-  store(run_max + v0, now);
-}
 
-// One work item of shared_prefix_attention (every query sees keys [kv_begin, kv_end)),
-// KV head by KV head. Scratch: (m rounded up to VW) x (hsp + chunk + hspv + 2) plus a
-// chunk of widened keys and values and one query row, within kernel_workspace_floats of
-// m + kWorkspacePaddingQueries queries.
-template <typename T>
-void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  const int hs = P.head_size, hsv = P.head_size_v;
-  const int hsp = (hs + VW - 1) / VW * VW, hspv = (hsv + VW - 1) / VW * VW;
-  const int group = P.num_heads / P.num_kv_heads;
-  const int m = (w.row_end - w.row_begin) * group;  // queries of one KV head
-  const int mp = (m + VW - 1) / VW * VW;
-  float* qt = aligned_workspace(ws);             // [hs][mp] scaled queries, transposed
-  float* s = qt + int64_t(mp) * hsp;             // [chunk][mp] scores, then probabilities
-  float* acc = s + int64_t(mp) * kLaneChunk;     // [mp][hspv] unnormalised outputs
-  float* run_max = acc + int64_t(mp) * hspv;     // [mp]
-  float* run_sum = run_max + mp;                 // [mp]
-  float* kf = run_sum + mp;                      // [chunk][hsp] widened keys
-  float* vf = kf + int64_t(kLaneChunk) * hsp;    // [chunk][hspv] widened values, zero padded
-  float* row = vf + int64_t(kLaneChunk) * hspv;  // [hsp] one query row in fp32
+  // The queries scaled by the softmax scale (and k_scale with the keys' unit), zero padded.
+  void load_queries(const WorkItem& w, int kv, int m) {
+    const float q_scale =
+        P_.k_scale ? P_.scale * (P_.k_scale[kv * P_.k_scale_stride] * StoredUnit<T>::value) : P_.scale;
+    std::memset(qt_, 0, sizeof(float) * d_.mp * d_.hsp);
+    for (int i = 0; i < m; ++i) {
+      query_row_to_float(P_.query_kind, query_row(P_, lane_query(P_, w, kv, i)), row_, d_.hs);
+      for (int d = 0; d < d_.hs; ++d) qt_[int64_t(d) * d_.mp + i] = row_[d] * q_scale;
+    }
+  }
+
   // Keys are copied (widened) into an L1 scratch chunk: the score tiles broadcast their
   // elements from several rows at once, which measured slower from the cache's rows in
-  // place (fp32). fp32 values are read in place when their rows are whole
-  // vectors (one row at a time); other values are widened once per chunk.
-  constexpr bool kFloat = std::is_same_v<T, float>;
-  const bool values_in_place = kFloat && hsv == hspv;
-  if (!values_in_place) std::memset(vf, 0, sizeof(float) * kLaneChunk * hspv);
-  constexpr float kUnit = StoredUnit<T>::value;
-  const char* query = static_cast<const char*>(P.query);
-  const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
-  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
-  const bool soft_cap = P.soft_cap > 0.0f;
-  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
-  const bool short_exp = short_exp_output<T>(P.query_kind);  // the shorter exp (exp_minus)
-  auto softmax = [&](int v0, int n) {
-    if constexpr (sizeof(T) < sizeof(float))
-      if (short_exp) return query_vector_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
-    query_vector_softmax<false>(s, n, mp, v0, m, run_max, run_sum, acc, hspv);
-  };
-
-  for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
-    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * kUnit) : P.scale;
-    std::memset(qt, 0, sizeof(float) * mp * hsp);
-    for (int i = 0; i < m; ++i) {
-      const int token = w.row_begin + i / group, head = kv * group + i % group;
-      query_row_to_float(P.query_kind,
-                         query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem,
-                         row, hs);
-      for (int d = 0; d < hs; ++d) qt[int64_t(d) * mp + i] = row[d] * q_scale;
-    }
-    std::fill(run_max, run_max + mp, -__builtin_inff());
-    std::fill(run_sum, run_sum + mp, 0.0f);
-    std::memset(acc, 0, sizeof(float) * mp * hspv);
-    const int64_t k_head = kv * P.k_head_stride, v_head = kv * P.v_head_stride;
-    // The stored rows of keys [j0, j0 + n) of this head.
-    const T* k_src[2][kLaneChunk];
-    const T* v_src[2][kLaneChunk];
-    auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
-      lane_locate(P, table, k_head, v_head, j0, n, k_out, v_out);
-    };
-    const float* k_rows[kLaneChunk];
-    const float* v_rows[kLaneChunk];
-    int current = 0;
-    locate(w.kv_begin, std::min(kLaneChunk, w.kv_end - w.kv_begin), k_src[0], v_src[0]);
-    for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += kLaneChunk) {
-      const int n = std::min(kLaneChunk, w.kv_end - j0);
-      // The next chunk's rows are fetched while this one computes (LaneAhead).
-      const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
-      if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
-      LaneAhead<T> ahead(k_src[1 - current], v_src[1 - current], next_n, int(hs * sizeof(T)),
-                         int(hsv * sizeof(T)));
-      for (int t = 0; t < n; ++t) {
-        row_to_float(k_src[current][t], kf + int64_t(t) * hsp, hs);
-        k_rows[t] = kf + int64_t(t) * hsp;
-        if (values_in_place) {
-          v_rows[t] = reinterpret_cast<const float*>(v_src[current][t]);
-        } else {
-          row_to_float(v_src[current][t], vf + int64_t(t) * hspv, hsv);
-          v_rows[t] = vf + int64_t(t) * hspv;
-        }
+  // place (fp32). fp32 values are read in place when their rows are whole vectors (one row
+  // at a time); other values are widened once per chunk.
+  void load_chunk(const T* const* k, const T* const* v, int n) {
+    for (int t = 0; t < n; ++t) {
+      row_to_float(k[t], kf_ + int64_t(t) * d_.hsp, d_.hs);
+      k_rows_[t] = kf_ + int64_t(t) * d_.hsp;
+      if (values_in_place()) {
+        v_rows_[t] = reinterpret_cast<const float*>(v[t]);
+      } else {
+        row_to_float(v[t], vf_ + int64_t(t) * d_.hspv, d_.hsv);
+        v_rows_[t] = vf_ + int64_t(t) * d_.hspv;
       }
-      current = 1 - current;
-      lane_scores(qt, mp, k_rows, n, hs, s, ahead);
-      if (soft_cap)
-        for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      for (int v0 = 0; v0 < mp; v0 += VW) softmax(v0, n);
-      lane_values(acc, hspv, s, mp, v_rows, n, m);
-    }
-    // As the general kernel's epilogue: the sink (partition 0), the fp8 value scale, lse.
-    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * kUnit : 1.0f;
-    for (int i = 0; i < m; ++i) {
-      const int token = w.row_begin + i / group, head = kv * group + i % group;
-      const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
-      const float* am = acc + int64_t(i) * hspv;
-      write_output(P, w, token, head, [&](float* o) {
-        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
-      });
     }
   }
+
+  void scores(float* s, int n, LaneAhead<T>& ahead) { lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, s, ahead); }
+  void probabilities(float*, int, int) {}
+  void values(float* acc, const float* s, int n, int m) { lane_values(acc, d_.hspv, s, d_.mp, v_rows_, n, m); }
+  void output_row(const float* am, float* o, float inv) const {
+    for (int d = 0; d < d_.hsv; ++d) o[d] = am[d] * inv;
+  }
+
+ private:
+  bool values_in_place() const { return std::is_same_v<T, float> && d_.hsv == d_.hspv; }
+
+  const AttentionParams& P_;
+  float* qt_;   // [hsp][mp] scaled queries, transposed
+  float* kf_;   // [chunk][hsp] widened keys
+  float* vf_;   // [chunk][hspv] widened values, zero padded
+  float* row_;  // [hsp] one query row in fp32
+  LaneShape d_;
+  const float* k_rows_[kLaneChunk];
+  const float* v_rows_[kLaneChunk];
+};
+
+// A lane item: pair tiles (vdpbf16ps) where the compile has them and they take the item's
+// dtype and head sizes, else fp32 tiles.
+template <typename T>
+void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
+  if constexpr (LanePairTiles<T>::kAvailable)
+    if (LanePairTiles<T>::takes(P)) return lane_driver<T, LanePairTiles<T>>(P, w, ws);
+  lane_driver<T, LaneFloatTiles<T>>(P, w, ws);
 }

@@ -1,7 +1,8 @@
-// lane_work_item (lane_kernel.h) on AVX512_BF16 for bf16 and fp8 caches under a bf16
-// query: the same queries-in-lanes tiles, with vdpbf16ps (two products per lane, twice
-// the fp32 FMA's) instead of fp32 FMAs. Part of the CPU kernel, inside its ISA namespace
-// (see vec.h).
+// The pair micro-kernel of the queries-in-lanes driver (lane_driver.h) on AVX512_BF16, for
+// bf16 and fp8 caches under a bf16 query: the fp32 tiles' layout (lane_kernel.h), with
+// vdpbf16ps (two products per lane, twice the fp32 FMA's) instead of fp32 FMAs. Part of
+// the CPU kernel, inside its ISA namespace (see vec.h). Elsewhere LanePairTiles says it is
+// not available.
 //
 // Scores: the queries are transposed once into dim pairs, qp[i][m] = (q[m][2i], q[m][2i+1])
 // as two bf16 (exact: the query is bf16), and each key's pair (k[2i], k[2i+1]) is
@@ -14,8 +15,7 @@
 
 #include "bf16_tiles.h"
 #include "fp8_bf16_tables.h"
-#include "lane_kernel.h"
-#include "query_rows.h"
+#include "lane_driver.h"
 
 #if PAGED_ISA_AVX512_BF16
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors of 16
@@ -27,14 +27,6 @@ constexpr int kPairScoreKeys = 8;
 constexpr int kPairScoreVecs = 2;
 constexpr int kPairValueRows = 8;
 constexpr int kPairValueVecs = 2;
-
-// Whether lane_pairs_work_item takes the item's dtype and head sizes.
-template <typename T>
-static inline bool lane_pairs_apply(const AttentionParams& P) {
-  constexpr bool kPairsDtype = std::is_same_v<T, Bf16> || sizeof(T) == 1;
-  return kPairsDtype && P.query_kind == ScalarKind::kBFloat16 && P.head_size % 64 == 0 &&
-         P.head_size_v % 64 == 0;
-}
 
 // 64 elements of a row as bf16 in their order (fp8 converted exactly).
 template <typename T>
@@ -138,112 +130,111 @@ static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_
 }
 
 template <typename T>
-void lane_pairs_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  const int hs = P.head_size, hsv = P.head_size_v;  // multiples of 64 (lane_pairs_apply)
-  const int group = P.num_heads / P.num_kv_heads;
-  const int m = (w.row_end - w.row_begin) * group;  // queries of one KV head
-  const int mp = (m + 15) / 16 * 16;
-  // The fp32 lane kernel's workspace, its regions holding pairs: [hs/2][mp] query pairs in
-  // qt's, [chunk][mp] scores then [chunk/2][mp] probability pairs after them, bf16 keys in
-  // kf's and [chunk/2][hsv] value pairs in vf's.
-  float* qt = aligned_workspace(ws);
-  float* s = qt + int64_t(mp) * hs;
-  float* acc = s + int64_t(mp) * kLaneChunk;
-  float* run_max = acc + int64_t(mp) * hsv;
-  float* run_sum = run_max + mp;
-  float* kf = run_sum + mp;
-  float* vf = kf + int64_t(kLaneChunk) * hs;
-  float* row = vf + int64_t(kLaneChunk) * hsv;
-  uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
-  uint32_t* pp = reinterpret_cast<uint32_t*>(acc) - int64_t(mp) * (kLaneChunk / 2);  // scores' 2nd half
-  uint16_t* kb = reinterpret_cast<uint16_t*>(kf);
-  uint32_t* vp = reinterpret_cast<uint32_t*>(vf);
-  uint16_t* vb = reinterpret_cast<uint16_t*>(row);  // one value row as bf16 (two for a pair)
-  const char* query = static_cast<const char*>(P.query);
-  const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
-  const bool soft_cap = P.soft_cap > 0.0f;
-  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
+class LanePairTiles {
+ public:
+  static constexpr bool kAvailable = std::is_same_v<T, Bf16> || sizeof(T) == 1;
+  // Exact bf16 products (the fp8 conversion is exact): no unit.
+  static constexpr float kValueUnit = 1.0f;
 
-  for (int kv = w.kv_head_begin; kv < w.kv_head_end; ++kv) {
-    // Scores of exact bf16 products; k_scale (no unit: the fp8 conversion is exact) applies
-    // with the softmax scale.
-    const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
-    std::memset(qp, 0, sizeof(uint32_t) * mp * (hs / 2));
+  // Whether the tiles take the item's query dtype and head sizes.
+  static bool takes(const AttentionParams& P) {
+    return P.query_kind == ScalarKind::kBFloat16 && P.head_size % 64 == 0 && P.head_size_v % 64 == 0;
+  }
+
+  // The lane driver's regions hold pairs: [hs/2][mp] query pairs in the queries', [chunk][mp]
+  // scores then [chunk/2][mp] probability pairs after them, bf16 keys in the keys' and
+  // [chunk/2][hsv] value pairs in the values'. Head sizes are multiples of 64 (takes), so
+  // hsp = hs and hspv = hsv.
+  LanePairTiles(const AttentionParams& P, const LaneWorkspace& ws, const LaneShape& shape)
+      : P_(P),
+        qp_(reinterpret_cast<uint32_t*>(ws.queries)),
+        pp_(reinterpret_cast<uint32_t*>(ws.scores + int64_t(shape.mp) * (kLaneChunk / 2))),
+        kb_(reinterpret_cast<uint16_t*>(ws.keys)),
+        vp_(reinterpret_cast<uint32_t*>(ws.values)),
+        vb_(reinterpret_cast<uint16_t*>(ws.row)),
+        hs_(shape.hs),
+        hsv_(shape.hsv),
+        mp_(shape.mp) {}
+
+  // The queries as dim pairs (exact: the query is bf16), zero padded; the softmax scale and
+  // k_scale (no unit: the fp8 conversion is exact) multiply the scores.
+  void load_queries(const WorkItem& w, int kv, int m) {
+    score_scale_ = P_.k_scale ? P_.scale * P_.k_scale[kv * P_.k_scale_stride] : P_.scale;
+    std::memset(qp_, 0, sizeof(uint32_t) * mp_ * (hs_ / 2));
     for (int i = 0; i < m; ++i) {
-      const int token = w.row_begin + i / group, head = kv * group + i % group;
-      const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * 2;
-      for (int p = 0; p < hs / 2; ++p) std::memcpy(qp + int64_t(p) * mp + i, q_row + 4 * p, 4);
-    }
-    std::fill(run_max, run_max + mp, -__builtin_inff());
-    std::fill(run_sum, run_sum + mp, 0.0f);
-    std::memset(acc, 0, sizeof(float) * mp * hsv);
-    const int64_t k_head = kv * P.k_head_stride, v_head = kv * P.v_head_stride;
-    const T* k_src[2][kLaneChunk];
-    const T* v_src[2][kLaneChunk];
-    auto locate = [&](int j0, int n, const T** k_out, const T** v_out) {
-      lane_locate(P, table, k_head, v_head, j0, n, k_out, v_out);
-    };
-    const uint16_t* k_rows[kLaneChunk];
-    int current = 0;
-    locate(w.kv_begin, std::min(kLaneChunk, w.kv_end - w.kv_begin), k_src[0], v_src[0]);
-    for (int j0 = w.kv_begin; j0 < w.kv_end; j0 += kLaneChunk) {
-      const int n = std::min(kLaneChunk, w.kv_end - j0);
-      const int pairs = (n + 1) / 2;
-      const int next_n = std::max(0, std::min(kLaneChunk, w.kv_end - j0 - kLaneChunk));
-      if (next_n > 0) locate(j0 + kLaneChunk, next_n, k_src[1 - current], v_src[1 - current]);
-      LaneAhead<T> ahead(k_src[1 - current], v_src[1 - current], next_n, int(hs * sizeof(T)),
-                         int(hsv * sizeof(T)));
-      for (int t = 0; t < n; ++t) {
-        uint16_t* kt = kb + int64_t(t) * hs;
-        for (int d = 0; d < hs; d += 64) row_to_bf16x64(k_src[current][t] + d, kt + d);
-        k_rows[t] = kt;
-      }
-      // Keys t and t + 1 interleaved per 32-element step (the pair order); an odd last key
-      // is paired with zeros.
-      for (int u = 0; u < pairs; ++u) {
-        const int t = 2 * u;
-        for (int d = 0; d < hsv; d += 64) {
-          row_to_bf16x64(v_src[current][t] + d, vb);
-          if (t + 1 < n) row_to_bf16x64(v_src[current][t + 1] + d, vb + 64);
-          else std::memset(vb + 64, 0, 128);
-          for (int h = 0; h < 64; h += 32) {
-            const __m512i a = _mm512_loadu_si512(vb + h), b = _mm512_loadu_si512(vb + 64 + h);
-            uint32_t* out = vp + int64_t(u) * hsv + d + h;
-            _mm512_storeu_si512(out, _mm512_unpacklo_epi16(a, b));
-            _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(a, b));
-          }
-        }
-      }
-      current = 1 - current;
-      lane_pair_scores(qp, mp, k_rows, n, hs, score_scale, s, ahead);
-      if (soft_cap)
-        for (int64_t i = 0; i < int64_t(n) * mp; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
-      for (int v0 = 0; v0 < mp; v0 += 16) {
-        query_vector_softmax<true>(s, n, mp, v0, m, run_max, run_sum, acc, hsv);  // bf16 query: 16-bit output
-        // The probabilities as bf16 pairs of keys (2u, 2u + 1) into row kLaneChunk / 2 + u
-        // of the scores, last pair first, so no pair reads a row an earlier one overwrote
-        // (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
-        for (int u = pairs - 1; u >= 0; --u) {
-          const __m256bh lo = _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u) * mp + v0));
-          const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u + 1) * mp + v0))
-                                            : (__m256bh)_mm256_setzero_si256();
-          const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)lo),
-                                               _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-          _mm512_storeu_si512(pp + int64_t(u) * mp + v0, pair);
-        }
-      }
-      int r = 0;
-      for (; r + kPairValueRows <= m; r += kPairValueRows)
-        lane_pair_values_for_rows<kPairValueRows>(acc, hsv, pp, mp, vp, pairs, r);
-      for (; r + 2 <= m; r += 2) lane_pair_values_for_rows<2>(acc, hsv, pp, mp, vp, pairs, r);
-      for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv, pp, mp, vp, pairs, r);
-    }
-    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] : 1.0f;
-    for (int i = 0; i < m; ++i) {
-      const int token = w.row_begin + i / group, head = kv * group + i % group;
-      const float inv = finish_query(P, w, token, head, run_max[i], run_sum[i], v_factor);
-      write_output(P, w, token, head, [&](float* o) { unpermute_pairs(acc + int64_t(i) * hsv, o, hsv, inv); });
+      const char* q_row = query_row(P_, lane_query(P_, w, kv, i));
+      for (int p = 0; p < hs_ / 2; ++p) std::memcpy(qp_ + int64_t(p) * mp_ + i, q_row + 4 * p, 4);
     }
   }
-}
+
+  // Keys as bf16 rows; values interleaved, keys t and t + 1 per 32-element step (the pair
+  // order); an odd last key is paired with zeros.
+  void load_chunk(const T* const* k, const T* const* v, int n) {
+    pairs_ = (n + 1) / 2;
+    for (int t = 0; t < n; ++t) {
+      uint16_t* kt = kb_ + int64_t(t) * hs_;
+      for (int d = 0; d < hs_; d += 64) row_to_bf16x64(k[t] + d, kt + d);
+      k_rows_[t] = kt;
+    }
+    for (int u = 0; u < pairs_; ++u) {
+      const int t = 2 * u;
+      for (int d = 0; d < hsv_; d += 64) {
+        row_to_bf16x64(v[t] + d, vb_);
+        if (t + 1 < n) row_to_bf16x64(v[t + 1] + d, vb_ + 64);
+        else std::memset(vb_ + 64, 0, 128);
+        for (int h = 0; h < 64; h += 32) {
+          const __m512i a = _mm512_loadu_si512(vb_ + h), b = _mm512_loadu_si512(vb_ + 64 + h);
+          uint32_t* out = vp_ + int64_t(u) * hsv_ + d + h;
+          _mm512_storeu_si512(out, _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(a, b));
+        }
+      }
+    }
+  }
+
+  void scores(float* s, int n, LaneAhead<T>& ahead) {
+    lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, s, ahead);
+  }
+
+  // The probabilities of query vector v0 as bf16 pairs of keys (2u, 2u + 1) into row
+  // kLaneChunk / 2 + u of the scores, last pair first, so no pair reads a row an earlier one
+  // overwrote (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
+  void probabilities(const float* s, int n, int v0) {
+    for (int u = pairs_ - 1; u >= 0; --u) {
+      const __m256bh lo = _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u) * mp_ + v0));
+      const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u + 1) * mp_ + v0))
+                                        : (__m256bh)_mm256_setzero_si256();
+      const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)lo),
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+      _mm512_storeu_si512(pp_ + int64_t(u) * mp_ + v0, pair);
+    }
+  }
+
+  void values(float* acc, const float*, int, int m) {
+    int r = 0;
+    for (; r + kPairValueRows <= m; r += kPairValueRows)
+      lane_pair_values_for_rows<kPairValueRows>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
+    for (; r + 2 <= m; r += 2) lane_pair_values_for_rows<2>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
+    for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
+  }
+
+  void output_row(const float* am, float* o, float inv) const { unpermute_pairs(am, o, hsv_, inv); }
+
+ private:
+  const AttentionParams& P_;
+  uint32_t* qp_;  // [hs/2][mp] query pairs
+  uint32_t* pp_;  // [chunk/2][mp] probability pairs
+  uint16_t* kb_;  // [chunk][hs] bf16 keys
+  uint32_t* vp_;  // [chunk/2][hsv] value pairs
+  uint16_t* vb_;  // one value row as bf16 (two for a pair)
+  int hs_, hsv_, mp_;
+  float score_scale_ = 0.0f;
+  int pairs_ = 0;
+  const uint16_t* k_rows_[kLaneChunk];
+};
+#else
+template <typename T>
+struct LanePairTiles {
+  static constexpr bool kAvailable = false;
+};
 #endif  // PAGED_ISA_AVX512_BF16
