@@ -1,7 +1,7 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
 // extensions and compiled once per instruction set, inside its ISA namespace
 // (isa_kernel.h): the row driver, and the choice of the queries-in-lanes driver
-// (lane_kernel.h) for the items it serves better.
+// (lane_float_tiles.h) for the items it serves better.
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
 //   a range of KV heads. Its keys are taken in chunks (up to kKeyChunk) through the block
@@ -20,7 +20,7 @@
 #pragma once
 
 #include "convert.h"
-#include "lane_kernel.h"
+#include "lane_float_tiles.h"
 #include "prefetch.h"
 #include "query_rows.h"
 #include "row_tiles.h"

@@ -7,8 +7,8 @@
 // of kLaneChunk and owns everything but the products: the row lookup through the block table,
 // the next chunk's prefetch (LaneAhead), the soft cap, the online softmax down the lanes (one
 // max, exp and sum per query vector, query_vector_softmax), the accumulators' rescale and the
-// epilogue (sink, lse, value scale, output row). Its micro-kernel, `Tiles` (lane_kernel.h:
-// fp32 FMAs; lane_pairs.h: vdpbf16ps), supplies what differs by format and instruction set:
+// epilogue (sink, lse, value scale, output row). Its micro-kernel, `Tiles` (lane_float_tiles.h:
+// fp32 FMAs; lane_pair_tiles.h: vdpbf16ps), supplies what differs by format and instruction set:
 //   Tiles(P, LaneWorkspace, LaneShape)       its regions of the workspace
 //   load_queries(w, kv, m)     the KV head's m queries, transposed, scaled, in its order
 //   load_chunk(k, v, n)        the chunk's n stored key and value rows, converted from the

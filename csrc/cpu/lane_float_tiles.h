@@ -12,7 +12,7 @@
 
 #include "convert.h"
 #include "lane_driver.h"
-#include "lane_pairs.h"
+#include "lane_pair_tiles.h"
 #include "vec.h"
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors

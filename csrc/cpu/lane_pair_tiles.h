@@ -1,5 +1,5 @@
 // The pair micro-kernel of the queries-in-lanes driver (lane_driver.h) on AVX512_BF16, for
-// bf16 and fp8 caches under a bf16 query: the fp32 tiles' layout (lane_kernel.h), with
+// bf16 and fp8 caches under a bf16 query: the fp32 tiles' layout (lane_float_tiles.h), with
 // vdpbf16ps (two products per lane, twice the fp32 FMA's) instead of fp32 FMAs. Part of
 // the CPU kernel, inside its ISA namespace (see vec.h). Elsewhere LanePairTiles says it is
 // not available.
@@ -79,7 +79,7 @@ static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const u
   for (; m < mp; m += 16, ahead = nullptr) lane_pair_score_tile<KT, 1>(qp, mp, k, hs, scale, s, m, ahead);
 }
 
-// As lane_scores (lane_kernel.h).
+// As lane_scores (lane_float_tiles.h).
 template <typename T>
 static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
                                     float scale, float* s, LaneAhead<T>& ahead) {
