@@ -1,7 +1,7 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
 // extensions and compiled once per instruction set, inside its ISA namespace
-// (isa_kernel.h): the row driver, and the choice of the queries-in-lanes driver
-// (lane_float_tiles.h) for the items it serves better.
+// (isa_kernel.h): the row driver, which hands the items the queries-in-lanes driver serves
+// better to it (lane_driver.h; lane_work_item in lane_float_tiles.h picks its tiles).
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
 //   a range of KV heads. Its keys are taken in chunks (up to kKeyChunk) through the block

@@ -138,6 +138,8 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }
 
+// The fp32 tiles, for every cache dtype and head size (lane_driver.h lists what a lane
+// micro-kernel supplies).
 template <typename T>
 class LaneFloatTiles {
  public:

@@ -129,6 +129,8 @@ static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_
   for (; d < hspv; d += 16) lane_pair_value_tile<MR, 1>(acc, hspv, pp, mp, vp, pairs, m0, d);
 }
 
+// The pair tiles, for bf16 and fp8 caches (kAvailable) under a bf16 query with head sizes of
+// whole 64s (takes).
 template <typename T>
 class LanePairTiles {
  public:
