@@ -1,6 +1,7 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
 // extensions and compiled once per instruction set, inside its ISA namespace
-// (isa_kernel.h).
+// (isa_kernel.h): the row driver, which hands the items the queries-in-lanes driver serves
+// better to it (lane_driver.h; lane_work_item in lane_float_tiles.h picks its tiles).
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
 //   a range of KV heads. Its keys are taken in chunks (up to kKeyChunk) through the block
@@ -10,154 +11,21 @@
 //   GQA group; an online softmax keeps the running max / sum per query so each K and
 //   V byte is read exactly once. Software prefetches run one phase ahead into L1 and two
 //   phases ahead into L2 (prefetch.h).
-
-// Its layers: vector primitives, element conversions, exp, prefetches, one-query products,
-// register tiles, the AVX512_VBMI fp8 tiles and the AVX512_BF16 tiles (empty elsewhere),
-// the query rows in and out that every kernel shares, and the queries-in-lanes kernels that
-// take some of its items. Each header includes the ones it uses.
+//
+// The driver owns the walk over blocks and chunks, the prefetches, the masks, ALiBi, soft
+// cap and windows, the online softmax (running max and sum, the lazy rescale), the
+// partitions' sinks and lse and the output rows; its micro-kernel RowTiles (row_tiles.h)
+// supplies the products by instruction set and cache format, and it holds no
+// instruction-set conditional of its own.
 #pragma once
 
-#include "bf16_tiles.h"
 #include "convert.h"
-#include "fp8_tiles.h"
-#include "lane_kernel.h"
-#include "lane_pairs.h"
+#include "lane_float_tiles.h"
 #include "prefetch.h"
 #include "query_rows.h"
-#include "register_tiles.h"
-#include "single_query.h"
+#include "row_tiles.h"
 #include "vec.h"
 #include "vec_exp.h"
-
-// The most keys a chunk of rows R takes (CH in attention_work_item_for): loops over a
-// chunk's keys that run to this constant rather than to the chunk's n are unrolled.
-template <typename R>
-constexpr int kMaxChunk = sizeof(R) == 1 ? 64 : 32;
-static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
-
-// One KV head's queries and online-softmax state within a work item.
-struct ItemState {
-  int kv_head;
-  int num_queries;  // query rows x GQA group
-  int group;
-  int hsp;   // padded key head size
-  int hspv;  // padded value head size
-  float* q;        // [num_queries, hsp] scaled queries, zero padded
-  const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
-  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile)
-  float scale;     // applied to the scores of the bf16 dot path (softmax scale x key scale)
-  float* acc;      // [num_queries, hspv] unnormalised outputs
-  float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
-  float* run_max;  // [num_queries]
-  float* run_sum;  // [num_queries]
-};
-
-// Scores of G queries from query m on (a tile) with the chunk's n keys: K at a time, the
-// last n % K one by one. `ahead` is prefetched by the tile of query 0 (see
-// prefetch_same_line). Forced inline on the AVX kernels: out of line GCC kept the head size
-// a run-time loop bound in the head-size-128 compile, which measured slower (fp8 and bf16;
-// the baseline's compile, in turn, lost on fp16 MHA with it; see docs/performance.md).
-#if PAGED_ISA_F16C || PAGED_ISA_AVX512
-#define PAGED_AVX_INLINE __attribute__((always_inline))
-#else
-#define PAGED_AVX_INLINE
-#endif
-// The same for AVX-512 only (16-register AVX2 loses by it, see chunk_scores).
-#if PAGED_ISA_AVX512
-#define PAGED_AVX512_INLINE __attribute__((always_inline))
-#else
-#define PAGED_AVX512_INLINE
-#endif
-template <int G, int K, typename Q, typename R>
-PAGED_AVX_INLINE static inline void tile_scores(const ItemState& st, const Q* q, int m,
-                                                const R* const* k_rows, int n,
-                                                const R* const* ahead) {
-  const int hsp = st.hsp;
-  const Q* qm = q + int64_t(m) * hsp;
-  float* s = st.scores + int64_t(m) * kKeyChunk;
-  auto ahead_at = [&](int t) { return m == 0 && ahead ? ahead + t : nullptr; };
-  const int full_keys = n / K * K;
-  for (int t = 0; t < full_keys; t += K) dot_tile<G, K>(qm, hsp, k_rows + t, s + t, ahead_at(t));
-  for (int g = 0; g < G; ++g)
-    for (int t = full_keys; t < n; ++t)
-      s[g * kKeyChunk + t] = dot1(qm + int64_t(g) * hsp, k_rows[t], hsp, g == 0 ? ahead_at(t) : nullptr);
-}
-
-#if PAGED_ISA_AVX512_BF16
-// Scores of 4 queries from query m with the chunk's n fp8 keys by quad tiles; the last
-// tile's missing rows repeat row n - 1 (their scores land past n, unused).
-template <typename R>
-PAGED_AVX_INLINE static inline void quad_scores(const ItemState& st, int m, const R* const* k_rows,
-                                                int n, const R* const* ahead) {
-  const uint16_t* qm = st.q_quad + int64_t(m) * 4 * st.hsp;
-  float* s = st.scores + int64_t(m) * kKeyChunk;
-  const R* const* tile_ahead = m == 0 ? ahead : nullptr;
-  int t = 0;
-  for (; t + kQuadKeys <= n; t += kQuadKeys)
-    quad_tile(qm, st.hsp, k_rows + t, s + t, tile_ahead ? tile_ahead + t : nullptr);
-  if (t < n) {
-    const R* rows[kQuadKeys];
-    for (int i = 0; i < kQuadKeys; ++i) rows[i] = k_rows[std::min(t + i, n - 1)];
-    if (tile_ahead)
-      for (int i = t; i < n; ++i) prefetch_same_line_row(tile_ahead, i, st.hsp);
-    quad_tile(qm, st.hsp, rows, s + t, static_cast<const R* const*>(nullptr));
-  }
-}
-#endif
-
-// Scores of every query with the chunk's n keys: register tiles (kTileQueries; a pair
-// tile for 2 left over where tiles hold 4 queries of 8 lanes), then single queries.
-// Forced inline on the AVX-512 kernels: out of line it is one copy for every head size, so
-// the head-size-128 compile runs its tiles with a run-time head size, measured slower. Not
-// on AVX2: with 16 registers, inlining measured slower on GQA.
-template <typename Q, typename R>
-PAGED_AVX512_INLINE static inline void chunk_scores(const ItemState& st, const Q* q,
-                                                 const R* const* k_rows, int n,
-                                                 const R* const* ahead) {
-  constexpr int G = kTileQueries<R>;
-  const int hsp = st.hsp;
-  int m = 0;
-#if PAGED_ISA_AVX512_BF16
-  if constexpr (sizeof(R) == 1 && std::is_same_v<Q, uint16_t>)
-    for (; m + 4 <= st.num_queries; m += 4) quad_scores(st, m, k_rows, n, ahead);
-#endif
-  for (; m + G <= st.num_queries; m += G) tile_scores<G, VW / G>(st, q, m, k_rows, n, ahead);
-  if constexpr (G == 4 && VW == 8)
-    for (; m + 2 <= st.num_queries; m += 2) tile_scores<2, 4>(st, q, m, k_rows, n, ahead);
-  for (; m < st.num_queries; ++m) {
-    const Q* qm = q + int64_t(m) * hsp;
-    float* s = st.scores + int64_t(m) * kKeyChunk;
-    const R* const* row_ahead = m == 0 ? ahead : nullptr;
-    int t = 0;
-    for (; t + 4 <= n; t += 4) dot4(qm, k_rows + t, hsp, s + t, row_ahead ? row_ahead + t : nullptr);
-    for (; t < n; ++t) s[t] = dot1(qm, k_rows[t], hsp, row_ahead ? row_ahead + t : nullptr);
-  }
-  if constexpr (std::is_same_v<Q, uint16_t>) {  // unscaled bf16 queries
-    const vfloat scale = splat(st.scale);
-    for (int i = 0; i < st.num_queries; ++i) {
-      float* s = st.scores + int64_t(i) * kKeyChunk;
-      for (int t = 0; t < kMaxChunk<R>; t += VW) store(s + t, load(s + t) * scale);  // keys >= n: unused
-    }
-  }
-}
-
-// The chunk's scores by the item's key path: vdpbf16ps on bf16 queries (bf16_dot), fp8
-// looked up into fp32 (lookup_keys), or rows widened to fp32 in registers.
-template <typename T>
-__attribute__((always_inline)) static inline void item_chunk_scores(
-    const ItemState& st, bool bf16_dot, bool lookup_keys, const T* const* k_rows, int n,
-    const T* const* ahead) {
-#if PAGED_ISA_AVX512_BF16
-  if constexpr (std::is_same_v<T, Bf16> || sizeof(T) == 1)
-    if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
-#endif
-#if PAGED_ISA_AVX512_VBMI
-  if constexpr (sizeof(T) == 1)
-    if (lookup_keys)
-      return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
-#endif
-  chunk_scores(st, st.q, k_rows, n, ahead);
-}
 
 // How far a chunk's max may pass the running max before the accumulators are rescaled to it.
 constexpr float kRescaleMargin = 8.0f;
@@ -278,88 +146,6 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   }
 }
 
-// Probability-weighted values of G queries from query m on (a tile).
-template <int G, int V, typename R>
-static inline void tile_values(const ItemState& st, int m, const R* const* v_rows, int n,
-                               const R* const* ahead) {
-  accumulate_tile<G, V>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                        v_rows, n, m == 0 ? ahead : nullptr);
-}
-
-// Probability-weighted values of the chunk, in the register tiles of chunk_scores; `ahead`
-// as there.
-template <typename R>
-static inline void chunk_values(const ItemState& st, const R* const* v_rows, int n,
-                                const R* const* ahead) {
-  constexpr int G = kTileQueries<R>;
-  int m = 0;
-  for (; m + G <= st.num_queries; m += G) tile_values<G, VW / G>(st, m, v_rows, n, ahead);
-  if constexpr (G == 4 && VW == 8)
-    for (; m + 2 <= st.num_queries; m += 2) tile_values<2, 4>(st, m, v_rows, n, ahead);
-  for (; m < st.num_queries; ++m)
-    accumulate_values(st.acc + int64_t(m) * st.hspv, st.scores + int64_t(m) * kKeyChunk, v_rows, n,
-                      st.hspv, m == 0 ? ahead : nullptr);
-}
-
-#if PAGED_ISA_AVX512_BF16
-// chunk_values for bf16 and fp8 rows with pair dot products (accumulators permuted). Forced
-// inline: GCC kept it out of line, so the head-size-128 compile lost its constant trip
-// counts here (measured slower, bf16 decode from L2).
-template <typename R>
-__attribute__((always_inline)) static inline void chunk_values_pairs(const ItemState& st,
-                                                                     const R* const* v_rows, int n,
-                                                                     const R* const* ahead) {
-  constexpr int G = kTileQueries<R>;
-  uint32_t pairs[G * kKeyChunk / 2];
-  const int full_queries = st.num_queries / G * G;
-  for (int m = 0; m < full_queries; m += G) {
-    probability_pairs<G, kMaxChunk<R>>(st.scores + int64_t(m) * kKeyChunk, pairs);
-    accumulate_pairs<G>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
-                         m == 0 ? ahead : nullptr);
-  }
-  for (int m = full_queries; m < st.num_queries; ++m) {
-    probability_pairs<1, kMaxChunk<R>>(st.scores + int64_t(m) * kKeyChunk, pairs);
-    accumulate_pairs<1>(st.acc + int64_t(m) * st.hspv, st.hspv, pairs, v_rows, n,
-                        m == 0 ? ahead : nullptr);
-  }
-}
-#endif  // PAGED_ISA_AVX512_BF16
-
-#if PAGED_ISA_AVX512_VBMI
-// chunk_values for fp8 rows of whole 64-element steps converted by lookups, accumulators
-// permuted: with probabilities rounded to bf16 pairs (`pairs`, AVX512_BF16 only:
-// chunk_values_pairs, the fp8 pair order) or in fp32 (fp8_value_slot).
-template <typename T>
-static inline void chunk_values_fp8(const ItemState& st, const T* const* v_rows, int n,
-                                    const T* const* ahead, bool pairs) {
-#if PAGED_ISA_AVX512_BF16
-  if (pairs) {
-    chunk_values_pairs(st, v_rows, n, ahead);
-    return;
-  }
-#endif
-  constexpr int G = kTileQueries<T>;
-  const int full_queries = st.num_queries / G * G;
-  for (int m = 0; m < full_queries; m += G)
-    accumulate_fp8<G>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                       v_rows, n, m == 0 ? ahead : nullptr);
-  for (int m = full_queries; m < st.num_queries; ++m)
-    accumulate_fp8<1>(st.acc + int64_t(m) * st.hspv, st.hspv, st.scores + int64_t(m) * kKeyChunk,
-                      v_rows, n, m == 0 ? ahead : nullptr);
-}
-#endif  // PAGED_ISA_AVX512_VBMI
-
-// Each STEP-element step of row x (n elements, whole steps) in a reader's order: element i
-// of a step to slot slot(i) (split rows, fp8 lookups).
-template <int STEP, typename Slot>
-static inline void to_slot_order(float* x, int n, Slot slot) {
-  float step[STEP];
-  for (int d = 0; d < n; d += STEP) {
-    std::memcpy(step, x + d, sizeof(step));
-    for (int i = 0; i < STEP; ++i) x[d + slot(i)] = step[i];
-  }
-}
-
 // Queries per KV head from which rows that are not cheap to widen are converted once per
 // chunk: two register tiles or more, each of which would widen every row again. Multi-token
 // on AVX2 measured fp8 faster converted (from below the fp32 rate to above it); fp16 with
@@ -379,12 +165,6 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
                                w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
   if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
-#if PAGED_ISA_AVX512_BF16
-    if (lane_pairs_apply<T>(P)) {
-      lane_pairs_work_item<T>(P, w, ws);
-      return;
-    }
-#endif
     lane_work_item<T>(P, w, ws);
     return;
   }
@@ -432,9 +212,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
   const bool in_place = hsp == hs && hspv == hsv && !widen_once;
-  // Split rows (convert.h): queries and value accumulators in split order too.
-  const bool split = kSplitRows<T> && in_place;
-  [[maybe_unused]] constexpr bool kFp8 = sizeof(T) == 1;  // read only by the AVX-512 kernels
+  // The item's products: their paths by dtype, head sizes and query dtype.
+  const RowTiles<T> tiles(P, hs, hsv, in_place);
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -442,49 +221,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       if (short_exp) return chunk_softmax<true>(P, w, st, j0, n, CH);
     chunk_softmax<false>(P, w, st, j0, n, CH);
   };
-#if PAGED_ISA_AVX512_BF16
-  // bf16 keys and values read in place take vdpbf16ps when their rows are whole
-  // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
-  // 64-element steps): keys (a wider query rounded to bf16 would lose its exactness) and
-  // values (probabilities rounded to bf16 as for bf16 caches; a wider query's output is
-  // held to fp32 rounding: its values take fp32 FMAs). Measured faster than fp32 FMAs on
-  // the widened rows, for e4m3 and e5m2 (docs/performance.md).
-  constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
-  constexpr bool kBf16Dot = kBf16Pairs || kFp8;
-  const bool bf16_dot =
-      kBf16Dot && in_place &&
-      (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0);
-  const bool bf16_pairs = kBf16Pairs && in_place && hsv % 32 == 0;
-#else
-  constexpr bool kBf16Pairs = false;
-  constexpr bool bf16_dot = false;
-  constexpr bool bf16_pairs = false;
-#endif
-#if PAGED_ISA_AVX512_VBMI
-  // Other fp8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
-  // whole 64-element steps, keys and values each: the query or the value accumulators are
-  // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
-  constexpr bool kLookupRows = kFp8;
-  const bool lookup_keys = kFp8 && in_place && hs % 64 == 0 && !bf16_dot;
-  const bool fp8_values = kFp8 && in_place && hsv % 64 == 0;
-#else
-  constexpr bool kLookupRows = false;
-  constexpr bool lookup_keys = false;
-  constexpr bool fp8_values = false;
-#endif
-#if PAGED_ISA_AVX512_BF16
-  const bool fp8_pairs = fp8_values && P.query_kind == ScalarKind::kBFloat16;
-#else
-  constexpr bool fp8_pairs = false;
-#endif
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
   // key scale (and e4m3's unit, see StoredUnit, unless the rows are looked up exactly) is
   // folded in: q.(k s) = (q s).k.
   const char* query = static_cast<const char*>(P.query);
   const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
-  constexpr float kUnit = StoredUnit<T>::value;
-  const float k_unit = lookup_keys ? 1.0f : kUnit;
+  const float k_unit = tiles.key_unit();
   for (int m = 0; m < num_queries; ++m) {
     const int kv = w.kv_head_begin + m / per_head;
     const int token = w.row_begin + (m % per_head) / group;
@@ -495,22 +238,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     query_row_to_float(P.query_kind, q_row, qm, hs);
     const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * k_unit) : P.scale;
     for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
-    if (split) to_slot_order<2 * VW>(qm, hs, split_slot);
-#if PAGED_ISA_AVX512_VBMI
-    if (lookup_keys) to_slot_order<64>(qm, hs, fp8_value_slot);
-#endif
-    if (bf16_dot) {
-      uint16_t* qb = q_bits + int64_t(m) * hsp;
-#if PAGED_ISA_AVX512_BF16
-      if constexpr (sizeof(T) == 1) {  // in the order fp8_to_bf16_lanes leaves a key's elements
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row);
-        for (int d = 0; d < hs; d += 64)
-          for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_lane_element(i)];
-        if (per_head >= 4) quad_query_order(src, hs, q_quad + int64_t(m) * 4 * hsp);
-      } else
-#endif
-        std::memcpy(qb, q_row, 2 * hs);
-    }
+    tiles.order_query(q_row, qm, q_bits + int64_t(m) * hsp, q_quad + int64_t(m) * 4 * hsp, hs, per_head);
     run_max[m] = -__builtin_inff();
     run_sum[m] = 0.0f;
   }
@@ -643,17 +371,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
       const T* const* scores_ahead = v_rows;
       const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
-      item_chunk_scores(st, bf16_dot, lookup_keys, k_rows, c.n, scores_ahead);
+      tiles.scores(st, k_rows, c.n, scores_ahead);
       softmax(st, c.j0, c.n);
-      if constexpr (kBf16Pairs) {
-        if (bf16_pairs) chunk_values_pairs(st, v_rows, c.n, keys_ahead);
-        else chunk_values(st, v_rows, c.n, keys_ahead);
-      } else if constexpr (kLookupRows) {
-        if (fp8_values) chunk_values_fp8(st, v_rows, c.n, keys_ahead, fp8_pairs);
-        else chunk_values(st, v_rows, c.n, keys_ahead);
-      } else {
-        chunk_values(st, v_rows, c.n, keys_ahead);
-      }
+      tiles.values(st, v_rows, c.n, keys_ahead);
       if (r == 0) {
         r = 2;
       } else {
@@ -710,24 +430,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const float* am = acc + int64_t(m) * hspv;
     // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
     // applies to the weighted sum once.
-    const float v_unit = fp8_values ? 1.0f : kUnit;
-    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * v_unit : 1.0f;
+    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * tiles.value_unit() : 1.0f;
     const float inv = finish_query(P, w, token, head, run_max[m], run_sum[m], v_factor);
-    write_output(P, w, token, head, [&](float* o) {
-#if PAGED_ISA_AVX512_BF16
-      if (bf16_pairs) unpermute_pairs(am, o, hspv, inv);
-      else if (fp8_pairs) unpermute_fp8_pairs(am, o, hspv, inv);
-      else
-#endif
-#if PAGED_ISA_AVX512_VBMI
-      if (fp8_values) unpermute_fp8_values(am, o, hspv, inv);
-      else
-#endif
-      if (split)
-        for (int d = 0; d < hsv; ++d) o[d] = am[split_slot(d)] * inv;
-      else
-        for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
-    });
+    write_output(P, w, token, head, [&](float* o) { tiles.output_row(am, o, hsv, inv); });
   }
 }
 

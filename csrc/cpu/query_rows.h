@@ -1,7 +1,7 @@
-// A work item's query rows in and out, shared by every CPU kernel (attention_kernel.h,
-// lane_kernel.h, lane_pairs.h, amx_kernel.h): a query row to fp32, the online-softmax
-// rescale of accumulator rows, a query's epilogue (sink, lse, normalisation) and its output
-// row. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+// A work item's query rows in and out, shared by every CPU kernel (the row and lane drivers,
+// attention_kernel.h and lane_driver.h, and amx_kernel.h): a query row to fp32, the
+// online-softmax rescale of accumulator rows, a query's epilogue (sink, lse, normalisation)
+// and its output row. Part of the CPU kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
 #include "convert.h"

@@ -15,6 +15,20 @@
 #pragma once
 
 constexpr int VW = PAGED_VEC_WIDTH;
+// Forced inlining where it measured faster, by instruction set (the kernel headers' hot
+// functions say why): PAGED_AVX_INLINE on AVX2 and AVX-512, PAGED_AVX512_INLINE on AVX-512
+// only (16-register AVX2 loses by it).
+#if PAGED_ISA_F16C || PAGED_ISA_AVX512
+#define PAGED_AVX_INLINE __attribute__((always_inline))
+#else
+#define PAGED_AVX_INLINE
+#endif
+#if PAGED_ISA_AVX512
+#define PAGED_AVX512_INLINE __attribute__((always_inline))
+#else
+#define PAGED_AVX512_INLINE
+#endif
+
 typedef float vfloat __attribute__((vector_size(VW * 4)));
 typedef int32_t vint __attribute__((vector_size(VW * 4)));
 typedef uint32_t vuint __attribute__((vector_size(VW * 4)));
