@@ -6,7 +6,8 @@ import pytest
 import transformers
 
 from paged_attention_ext.engine import EngineConfig, LLMEngine
-from paged_attention_ext.hf.support import KVHeadShape, kv_head_shape
+from paged_attention_ext.engine.hf_runner import HFModelRunner
+from paged_attention_ext.hf.support import KVHeadShape, kv_head_shape, mla_latent_shape
 from paged_attention_ext.testing import TINY, random_pair
 
 # DeepSeek-V3 multi-head latent attention: key head 16 + 8 = 24, value head 16. Its
@@ -53,14 +54,28 @@ def test_bad_tp_size_is_refused(tp_size, match):
         kv_head_shape(transformers.LlamaConfig(**TINY), tp_size=tp_size)
 
 
-@pytest.mark.parametrize("config", [
-    transformers.LlamaConfig(**TINY),
-    transformers.DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, **MLA),
-], ids=["llama", "deepseek_v3"])
-def test_engine_pools_have_this_shape(config):
+@pytest.mark.parametrize("config, mla_storage", [
+    (transformers.LlamaConfig(**TINY), "latent"),
+    (transformers.DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, **MLA), "expanded"),
+], ids=["llama", "deepseek_v3_expanded"])
+def test_engine_pools_have_this_shape(config, mla_storage):
     paged, _ = random_pair(config)
-    kv = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=2)).kv_cache
+    runner = HFModelRunner(paged, mla_storage=mla_storage)
+    kv = LLMEngine(runner, EngineConfig(block_size=4, num_device_blocks=2)).kv_cache
     shape = kv_head_shape(config)
     assert (kv.num_kv_heads, kv.head_size, kv.head_size_v) == shape
     assert kv.key_caches[0].shape[1:] == (shape.num_kv_heads, 4, shape.head_size)
     assert kv.value_caches[0].shape[-1] == shape.head_size_v
+
+
+def test_engine_pools_of_an_mla_model_hold_latent_rows():
+    config = transformers.DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, **MLA)
+    paged, _ = random_pair(config)
+    kv = LLMEngine(paged, EngineConfig(block_size=4, num_device_blocks=2)).kv_cache
+    latent = mla_latent_shape(config)
+    assert tuple(latent) == (1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank)
+    assert (kv.num_kv_heads, kv.head_size, kv.head_size_v) == latent
+    assert kv.key_caches[0].shape[1:] == (1, 4, latent.head_size)
+    # The values are the rows' leading columns, the same memory.
+    assert kv.value_caches[0].data_ptr() == kv.key_caches[0].data_ptr()
+    assert kv.value_caches[0].shape[-1] == latent.head_size_v
