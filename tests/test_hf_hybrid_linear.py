@@ -233,9 +233,30 @@ def test_crop_without_recording_is_refused_before_anything_changes(qwen3_next):
                        past_key_values=cache)
     length = cache.get_seq_length()
     with pytest.raises(RuntimeError, match="layer 0 records no past states; call "
-                                           "cache.activate_past_recording\(\)"):
+                                           r"cache.activate_past_recording\(\)"):
         cache.crop(-1)
     assert cache.get_seq_length() == length
+    cache.manager.check_invariants()
+
+
+@pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
+def test_crop_past_what_was_recorded_is_refused_before_anything_changes(qwen3_next):
+    paged, _ = qwen3_next
+    cache = PagedCache(paged.config, block_size=BLOCK_SIZE)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        paged.generate(LOOKUP_PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       past_key_values=cache)
+    layer = cache.layers[0]
+    recorded = min(len(h) for h in layer.recurrent_states_history.values())
+    states = {k: v.clone() for k, v in layer.recurrent_states.items()}
+    length = cache.get_seq_length()
+    assert 0 < recorded < length
+    with pytest.raises(ValueError, match=f"cannot remove {recorded + 1} tokens: linear-attention "
+                                         f"layer 0 recorded the states of the last {recorded} only"):
+        cache.crop(-(recorded + 1))
+    assert cache.get_seq_length() == length
+    assert all(torch.equal(layer.recurrent_states[k], v) for k, v in states.items())
     cache.manager.check_invariants()
 
 
