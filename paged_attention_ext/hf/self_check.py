@@ -26,6 +26,7 @@ import torch
 import transformers
 
 from ..versions import TRANSFORMERS_TESTED, UntestedReleaseWarning, is_untested
+from .transformers_behaviour import cache_keyword
 
 # Sizes of the twin: small enough to build and run in a fraction of a second, with more
 # than one KV head per group and a window shorter than the prompt, so that a dropped
@@ -93,7 +94,8 @@ def _generate(model, cache=None) -> torch.Tensor:
     ids = torch.randint(1, 128, (2, _PROMPT_LENGTH), generator=generator)
     mask = torch.ones_like(ids)
     ids[1, :_PADDING], mask[1, :_PADDING] = 0, 0
-    extra = {} if cache is None else {"past_key_values": cache}
+    # By the name the release takes without a deprecation warning (transformers 6 drops the old).
+    extra = {} if cache is None else {cache_keyword(model): cache}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=_NEW_TOKENS, do_sample=False,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
