@@ -20,7 +20,7 @@ from paged_attention_ext.block_table import NULL_BLOCK
 from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.testing import TINY, random_pair
 
-from hf_prompts import left_padded
+from hf_prompts import greedy_compiled_loop, left_padded
 
 BLOCK_SIZE = 4  # small: tables grow by a block every 4 decode steps
 MAX_CACHE_LEN = 48
@@ -138,22 +138,13 @@ def test_own_loop_with_prepare(models):
     want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
     cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=MAX_CACHE_LEN)
     step = torch.compile(paged.forward, fullgraph=True, backend=counting_backend)
-    tokens, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = paged(ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=cache).logits  # eager prefill
-        for _ in range(10):
-            next_token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
-            mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
-            positions = positions[:, -1:] + 1
-            cache.prepare(2, 1, mask, dtype=paged.dtype, device=paged.device)
-            logits = step(next_token, position_ids=positions, past_key_values=cache).logits
+    tokens = greedy_compiled_loop(paged, cache, step, ids, mask, 10)
     assert torch.equal(tokens[:, :-1], want[:, :-1])
     assert len(GRAPHS) == 1
     assert_no_graph_breaks()
     with pytest.raises(RuntimeError, match="without cache.prepare"), torch.no_grad():
-        step(next_token, position_ids=positions + 1, past_key_values=cache)  # not prepared
+        # The last token again, one position on: no prepare() since the loop's last step.
+        step(tokens[:, -1:], position_ids=mask.sum(-1, keepdim=True) + 10, past_key_values=cache)
 
 
 @pytest.mark.integration  # inductor's C++ compile takes a minute on a shared machine

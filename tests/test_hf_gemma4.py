@@ -17,6 +17,7 @@ compile mode, prefix caching and a fixed pool. The engine's tests are in
 ``tests/test_engine_gemma4.py``.
 """
 
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -237,6 +238,19 @@ def test_compile_mode_kv_shared_layers(mode):
     cache.manager.check_invariants()
 
 
+@contextlib.contextmanager
+def compiled_forward(model):
+    """``model.forward`` compiled (fullgraph, eager backend) inside, restored after."""
+    forward = model.forward
+    torch._dynamo.reset()
+    model.forward = torch.compile(forward, fullgraph=True, backend="eager")
+    try:
+        yield
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+
+
 def test_compiled_prefill_of_kv_shared_layers():
     """A compiled multi-token forward: on 5.18 the readers run on every position and the
     prefill compiles too; on 5.25 they run on the kept positions alone, which a compiled
@@ -244,10 +258,7 @@ def test_compiled_prefill_of_kv_shared_layers():
     paged, reference = random_pair(CONFIGS["kv_shared"](), reference_attention="eager")
     ids, mask = left_padded([11, 6], seed=1, vocab_size=COMMON["vocab_size"])
     want = generate(reference, ids, mask, max_new_tokens=10, do_sample=False)
-    forward = paged.forward
-    torch._dynamo.reset()
-    paged.forward = torch.compile(forward, fullgraph=True, backend="eager")
-    try:
+    with compiled_forward(paged):
         cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=48)
         if SLICES_READERS:
             with pytest.raises(Exception, match="layer 5 reuses another layer's K/V on the last 1 "
@@ -255,9 +266,6 @@ def test_compiled_prefill_of_kv_shared_layers():
                 generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False)
             return
         got = generate(paged, ids, mask, cache, max_new_tokens=10, do_sample=False)
-    finally:
-        paged.forward = forward
-        torch._dynamo.reset()
     assert torch.equal(got, want)
 
 
@@ -266,15 +274,9 @@ def test_compile_mode():
     paged, reference = random_pair(CONFIGS["k_eq_v"](), reference_attention="eager")
     ids, mask = left_padded([11, 6], seed=1, vocab_size=COMMON["vocab_size"])
     want = generate(reference, ids, mask, max_new_tokens=12, do_sample=False)
-    forward = paged.forward
-    torch._dynamo.reset()
-    paged.forward = torch.compile(forward, fullgraph=True, backend="eager")
-    try:
+    with compiled_forward(paged):
         cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=48)
         got = generate(paged, ids, mask, cache, max_new_tokens=12, do_sample=False)
-    finally:
-        paged.forward = forward
-        torch._dynamo.reset()
     assert torch.equal(got, want)
 
 

@@ -187,6 +187,20 @@ def prompt_lookup(model, cache=None, **kwargs):
                               prompt_lookup_num_tokens=3, **kwargs, **extra)
 
 
+def assert_slots_hold_the_states(cache, config, name, recording=False):
+    """Each row's slot holds its linear layers' states (while recording past states, a
+    conv state's last kernel columns: the recording keeps more)."""
+    states = cache._linear
+    for layer_idx in linear_layers(config):
+        layer = cache.layers[layer_idx]
+        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            for state_idx, tensor in held.items():
+                if tensor is not None:
+                    pool = states.pools.device[(layer_idx, kind, state_idx)]
+                    want = tensor[..., -pool.shape[-1]:] if recording and kind == "conv" else tensor
+                    assert torch.equal(pool.index_select(0, states._slots), want), (name, layer_idx)
+
+
 @pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
 def test_prompt_lookup_decoding_token_equal_to_eager(pair, monkeypatch):
     """Verification forwards of 3 candidates, rejected ones cropped: transformers' linear
@@ -203,15 +217,7 @@ def test_prompt_lookup_decoding_token_equal_to_eager(pair, monkeypatch):
     assert all(cache.is_recording_past(i) for i in linear_layers(paged.config))
     cache.manager.check_invariants()
     # The slots hold what the layers restored (a recording window's last kernel columns).
-    states = cache._linear
-    for layer_idx in linear_layers(paged.config):
-        layer = cache.layers[layer_idx]
-        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
-            for state_idx, tensor in held.items():
-                if tensor is not None:
-                    pool = states.pools.device[(layer_idx, kind, state_idx)]
-                    want = tensor[..., -pool.shape[-1]:] if kind == "conv" else tensor
-                    assert torch.equal(pool.index_select(0, states._slots), want), (name, layer_idx)
+    assert_slots_hold_the_states(cache, paged.config, name, recording=True)
 
 
 @pytest.mark.skipif(not LINEAR_LAYERS_ROLL_BACK, reason="transformers refuses these models")
@@ -308,14 +314,7 @@ def test_compile_mode_token_equal_to_eager(pair, decoding):
     assert not counters["graph_break"], dict(counters["graph_break"])
     cache.manager.check_invariants()
     # The slots hold the working states (what the next reorder would gather).
-    states = cache._linear
-    for layer_idx in linear_layers(paged.config):
-        layer = cache.layers[layer_idx]
-        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
-            for state_idx, tensor in held.items():
-                if tensor is not None:
-                    pool = states.pools.device[(layer_idx, kind, state_idx)]
-                    assert torch.equal(pool.index_select(0, states._slots), tensor), (name, layer_idx)
+    assert_slots_hold_the_states(cache, paged.config, name)
 
 
 def test_a_compiled_first_forward_is_refused(qwen3_next):

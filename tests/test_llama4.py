@@ -254,19 +254,13 @@ def test_own_compiled_loop(models):
                                   do_sample=False)
     cache = CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, max_cache_len=48)
     step = torch.compile(paged.forward, fullgraph=True, backend=counting_backend)
-    tokens, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = paged(ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=cache).logits  # eager prefill
-        for _ in range(20):
-            next_token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
-            mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
-            positions = positions[:, -1:] + 1
-            cache.prepare(2, 1, mask, dtype=paged.dtype, device=paged.device)
-            assert cache.get_seq_length() == tokens.shape[1] - 1  # prepared, not run yet
-            logits = step(next_token, position_ids=positions, past_key_values=cache).logits
-            assert cache.get_seq_length() == tokens.shape[1]  # the compiled step ran
+
+    def prepared(tokens):
+        assert cache.get_seq_length() == tokens.shape[1] - 1  # prepared, not run yet
+
+    def stepped(tokens):
+        assert cache.get_seq_length() == tokens.shape[1]  # the compiled step ran
+    tokens = hf_prompts.greedy_compiled_loop(paged, cache, step, ids, mask, 20, prepared, stepped)
     assert torch.equal(tokens, want)
     assert len(GRAPHS) == 1, GRAPHS
     assert not counters["graph_break"], dict(counters["graph_break"])
