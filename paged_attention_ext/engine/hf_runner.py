@@ -194,10 +194,6 @@ class HFModelRunner(ModelRunner):
     def _inputs(self, plan: StepPlan) -> StepInputs:
         """The eager step's inputs, written into persistent buffers (grown, by doubling,
         to the first step they cannot hold: a prompt may exceed max_num_batched_tokens)."""
-        if any(group.chunk_size is not None for group in self.kv_cache.kv_groups.groups):
-            # chunk_local rewrites chunked groups' tables into new tensors every step, so fixed
-            # buffers would save nothing (StepBuffers serves fixed-address steps only).
-            return StepInputs.from_plan(plan, self.kv_cache, self.cascade_min_saved_tokens)
         buffers = self._buffers
         if buffers is None or not buffers.fits(plan):
             old = (0, 0, 0) if buffers is None else (buffers.max_seqs, buffers.max_tokens,
