@@ -12,13 +12,18 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import token_quantization
 from .quantization import FP8_DTYPES
 
 
 def dequantize(cache: torch.Tensor, scale: Optional[torch.Tensor],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values an fp8 cache holds: ``cache.float() * scale`` per KV head (``scale`` of
-    shape [], [1] or [num_kv_heads]); a float cache (``scale`` None) as it is, in ``dtype``."""
+    shape [], [1] or [num_kv_heads]); a per-token cache (int8, packed int4) with its scale
+    tensor as :mod:`~paged_attention_ext.token_quantization` defines it (int4: unrotated,
+    ``head_size`` wide); a float cache (``scale`` None) as it is, in ``dtype``."""
+    if token_quantization.is_per_token(cache.dtype):
+        return token_quantization.dequantize(cache, scale, dtype)
     if cache.dtype not in FP8_DTYPES:
         return cache.to(dtype)
     return cache.to(dtype) * scale.to(dtype).view(1, -1, 1, 1)
@@ -197,8 +202,13 @@ def merge_attention_states(outputs: List[torch.Tensor],
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+    """Per-token caches also store each row's scales into ``k_scale`` / ``v_scale``."""
     block_size = key_cache.shape[2]
-    if key_cache.dtype in FP8_DTYPES:
+    per_token = token_quantization.is_per_token(key_cache.dtype)
+    if per_token:
+        (key, key_scales), (value, value_scales) = (token_quantization.quantize(key, key_cache.dtype),
+                                                    token_quantization.quantize(value, value_cache.dtype))
+    elif key_cache.dtype in FP8_DTYPES:
         key, value = quantize(key, k_scale, key_cache.dtype), quantize(value, v_scale, key_cache.dtype)
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -206,6 +216,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         block, offset = divmod(slot, block_size)
         key_cache[block, :, offset] = key[token]
         value_cache[block, :, offset] = value[token]
+        if per_token:
+            k_scale[block, :, offset] = key_scales[token]
+            v_scale[block, :, offset] = value_scales[token]
 
 
 def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],

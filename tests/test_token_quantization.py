@@ -84,3 +84,31 @@ def test_format_shapes_and_bytes():
         tq.stored_head_size(torch.uint8, 65)
     with pytest.raises(ValueError, match="not a per-token"):
         tq.scale_shape(torch.float8_e4m3fn, 1, 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_reference_ops_over_a_per_token_cache_equal_attention_over_its_values(dtype):
+    from paged_attention_ext import reference
+    torch.manual_seed(0)
+    num_blocks, heads, kv_heads, block_size, head_size = 6, 4, 2, 4, 64
+    stored = tq.stored_head_size(dtype, head_size)
+    k_cache = torch.zeros(num_blocks, kv_heads, block_size, stored, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.zeros(tq.scale_shape(dtype, num_blocks, kv_heads, block_size))
+    v_scale = torch.zeros_like(k_scale)
+    key, value = torch.randn(9, kv_heads, head_size), torch.randn(9, kv_heads, head_size)
+    slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 7, 20])  # positions 0..8 in blocks 3, 1, 5
+    reference.write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    block_tables = torch.tensor([[3, 1, 5, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([9], dtype=torch.int32)
+    query = torch.randn(1, heads, head_size)
+    out = reference.attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125,
+                              k_scale=k_scale, v_scale=v_scale)
+    # The same attention over the dequantized rows.
+    keys, values = tq.dequantize(*tq.quantize(key, dtype)), tq.dequantize(*tq.quantize(value, dtype))
+    scores = torch.einsum("hd,thd->ht", query[0], keys.repeat_interleave(2, dim=1)) * 0.125
+    want = torch.einsum("ht,thd->hd", scores.softmax(-1), values.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
+    exact = torch.einsum("ht,thd->hd", (torch.einsum("hd,thd->ht", query[0], key.repeat_interleave(2, 1))
+                                        * 0.125).softmax(-1), value.repeat_interleave(2, 1))
+    assert (out[0] - exact).abs().max() < (0.05 if dtype == torch.int8 else 0.5)
