@@ -16,6 +16,10 @@ Anchors:
   ``max`` the value of largest magnitude, ``q = min(15, trunc(x / d + 8.5))``, value
   ``(q - 8) * d``: the levels -8..7 times d. q4_1 (asymmetric): ``d = (max - min) / 15``,
   ``q = min(15, trunc((x - min) / d + 0.5))``, value ``q * d + min``.
+* llama.cpp ``q4_0`` rotated: q4_0 of the rows rotated as the int4 format rotates them.
+  llama.cpp rotates Q/K/V with a Hadamard transform when its cache is quantized
+  (https://github.com/ggml-org/llama.cpp/pull/21038); this stands for it with this
+  library's rotation, not a copy of llama.cpp's.
 * KIVI 4-bit (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
   Cache"): asymmetric (min and scale), keys per channel over groups of 32 tokens, values
   per token over groups of 32 channels; the newest tokens that do not fill a key group yet
@@ -94,6 +98,10 @@ def q4_0_rows(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Te
     return ((q - 8) * _fp16(d)).reshape(x.shape)
 
 
+def q4_0_rotated_rows(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return tq.unrotate(q4_0_rows(tq.rotate(x)))
+
+
 def q4_1_rows(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     b = _blocks(x, LLAMA_CPP_BLOCK)
     low = b.amin(-1, keepdim=True)
@@ -145,6 +153,7 @@ FORMATS: Dict[str, Format] = {
     "fp8_e4m3 per tensor": Format(fp8_rows, fp8_rows, lambda d: 8.0, calibrated=True),
     "llama.cpp q8_0": Format(q8_0_rows, q8_0_rows, lambda d: 8.5),
     "llama.cpp q4_0": Format(q4_0_rows, q4_0_rows, lambda d: 4.5),
+    "llama.cpp q4_0, rotated": Format(q4_0_rotated_rows, q4_0_rotated_rows, lambda d: 4.5),
     "llama.cpp q4_1": Format(q4_1_rows, q4_1_rows, lambda d: 5.0),
     "KIVI 4-bit": Format(kivi_key_rows, kivi_value_rows, lambda d: 5.0, key_token_group=KIVI_GROUP),
 }
