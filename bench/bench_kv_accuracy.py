@@ -7,7 +7,8 @@ the kernels reproduce them: int8 bit for bit, int4 up to rounding ties), so the 
 are the formats', not a kernel's. Formats and anchors: ``bench/common/kv_formats.py``
 (the per-token int8 / int4 formats; int4 without the rotation and with the keys' rotation
 only, to measure what the rotation buys; fp8 e4m3 with one calibrated scale per tensor;
-llama.cpp's q8_0 / q4_0 / q4_1 and KIVI's 4-bit, from their published definitions).
+llama.cpp's q8_0 / q4_0 / q4_1, q4_0 over rotated rows, and KIVI's 4-bit, from their
+published definitions).
 
 Method
 ------
