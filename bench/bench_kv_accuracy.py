@@ -51,6 +51,7 @@ from transformers import DynamicCache
 from common.environment import machine_info
 from common.kv_activations import KINDS, activations, attention, effective_tokens, output_error
 from common.kv_formats import BF16, FORMATS, Format, fp8_scale
+from paged_attention_ext.hf.transformers_behaviour import cache_keyword
 from paged_attention_ext.testing import ARCHS, TINY, random_pair
 
 MARGIN_QUANTILES = (0.01, 0.05, 0.1, 0.5)
@@ -130,9 +131,10 @@ def model_configs() -> Dict[str, transformers.PretrainedConfig]:
 def teacher_forced(model, tokens: torch.Tensor, prompt_len: int, cache) -> torch.Tensor:
     """Logits ``[rows, new tokens, vocab]``: the prompt's last position, then each later
     token fed one at a time through ``cache``."""
-    logits = [model(tokens[:, :prompt_len], past_key_values=cache).logits[:, -1]]
+    key = cache_keyword(model)
+    logits = [model(tokens[:, :prompt_len], **{key: cache}).logits[:, -1]]
     for i in range(prompt_len, tokens.shape[1] - 1):
-        logits.append(model(tokens[:, i:i + 1], past_key_values=cache).logits[:, -1])
+        logits.append(model(tokens[:, i:i + 1], **{key: cache}).logits[:, -1])
     return torch.stack(logits, dim=1).float()
 
 
@@ -142,7 +144,8 @@ def model_accuracy(config: transformers.PretrainedConfig, prompts: int, prompt_l
     ids = torch.randint(1, TINY["vocab_size"], (prompts, prompt_len),
                         generator=torch.Generator().manual_seed(1))
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    base = model.generate(ids, past_key_values=DynamicCache(config=model.config), **greedy)
+    key = cache_keyword(model)
+    base = model.generate(ids, **{key: DynamicCache(config=model.config)}, **greedy)
     base_logits = teacher_forced(model, base, prompt_len, DynamicCache(config=model.config))
     top2 = base_logits.topk(2, dim=-1).values
     margins = (top2[..., 0] - top2[..., 1]).flatten()
@@ -153,7 +156,7 @@ def model_accuracy(config: transformers.PretrainedConfig, prompts: int, prompt_l
                               for q in MARGIN_QUANTILES},
               "formats": {}}
     for name, fmt in {**FORMATS, "bf16 (control)": BF16}.items():
-        run = model.generate(ids, past_key_values=RoundingCache(model.config, fmt), **greedy)
+        run = model.generate(ids, **{key: RoundingCache(model.config, fmt)}, **greedy)
         same = run[:, prompt_len:] == base[:, prompt_len:]
         prefix = [int(row.logical_not().nonzero()[0]) if not row.all() else new_tokens for row in same]
         logits = teacher_forced(model, base, prompt_len, RoundingCache(model.config, fmt))

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_kv_accuracy as bench  # noqa: E402
+from paged_attention_ext.hf.transformers_behaviour import cache_keyword  # noqa: E402
 from common import kv_formats as kf  # noqa: E402
 from common.kv_activations import activations, attention  # noqa: E402
 
@@ -100,7 +101,7 @@ def test_rounding_cache_rounds_every_token_once():
     fmt = kf.Format(counting("keys", kf.int8_rows), counting("values", kf.int8_rows), lambda d: 8.0)
     ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=bench.RoundingCache(model.config, fmt),
+        out = model.generate(ids, **{cache_keyword(model): bench.RoundingCache(model.config, fmt)},
                              max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0)
     fed = out.shape[1] - 1  # the last token is never fed back
     rows = fed * 2 * config.num_key_value_heads * config.num_hidden_layers
@@ -113,7 +114,7 @@ def test_rounding_cache_rounds_kivi_key_groups_once_complete():
     ids = torch.randint(1, 100, (1, 20), generator=torch.Generator().manual_seed(0))
     cache = bench.RoundingCache(model.config, kf.FORMATS["KIVI 4-bit"])
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=50, min_new_tokens=50,
+        model.generate(ids, **{cache_keyword(model): cache}, max_new_tokens=50, min_new_tokens=50,
                        do_sample=False, pad_token_id=0)
     keys = cache.layers[0].keys  # 69 tokens: two complete groups, 5 newest exact
     assert keys.shape[-2] == 69 and cache.pending[0] == 5
