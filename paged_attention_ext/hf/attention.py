@@ -29,7 +29,7 @@ import torch
 from .batch import PagedBatch, flat_tokens
 from .continuous_batching import continuous_batching_attention_forward
 from .handoff import take_batch
-from .latent_attention import absorb_query, latent_weights, project_output
+from .latent_attention import absorb_query, absorbed_weights, project_output
 from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.
@@ -112,8 +112,6 @@ def paged_attention_forward(
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
     latent = batch.kv_cache.values_in_keys
-    if latent:
-        key_weight, value_weight = latent_weights(module, heads, value_cache.shape[-1])
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
     # A KV-shared layer (a reader) gets its source's K/V, which the source stored.
     if batch.write_kv and batch.kv_cache.source(module.layer_idx) == module.layer_idx:
@@ -143,7 +141,7 @@ def paged_attention_forward(
         batch = batch.last_queries(q_len)
     q = flat_tokens(query)
     if latent:
-        q = absorb_query(q, key_weight)
+        q = absorb_query(q, absorbed_weights(module, heads, value_cache.shape[-1], q.dtype))
     q = batch.kv_cache.as_query(q)
     query_rows = batch.inputs.query_rows
     if query_rows is not None:
@@ -153,7 +151,7 @@ def paged_attention_forward(
         q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
         soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if latent:
-        out = project_output(out, value_weight)
+        out = project_output(out, absorbed_weights(module, heads, value_cache.shape[-1], out.dtype))
     if query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, query_rows, out)
