@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from paged_attention_ext.hf import CompiledPagedCache, PagedCache
+from paged_attention_ext.hf import latent_prefill
 from paged_attention_ext.hf.latent_attention import absorbed_weights
 from paged_attention_ext.testing import random_pair
 
@@ -174,3 +175,21 @@ def test_generate_after_reloading_kv_b_proj_uses_the_new_weights(pair):
     want = generate(reference)
     assert not torch.equal(want, before)  # the stale weights would give the old tokens
     assert torch.equal(generate(paged, PagedCache(paged.config, block_size=BLOCK_SIZE)), want)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(num_beams=3, num_return_sequences=2)])
+def test_prefill_through_expanded_rows_equals_eager(pair, monkeypatch, kwargs):
+    """Prompts of 9 and 5 tokens past a threshold of 4 query rows: the prefill's sequences
+    are expanded, every decode step absorbed."""
+    reference, paged = pair
+    monkeypatch.setattr(latent_prefill, "EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(latent_prefill, "EXPANSION_COST", 0.0)
+    queries = []
+    run = latent_prefill._run_expanded
+    monkeypatch.setattr(latent_prefill, "_run_expanded",
+                        lambda module, metadata, query, *args: queries.append(query.shape[0])
+                        or run(module, metadata, query, *args))
+    got = generate(paged, PagedCache(paged.config, block_size=BLOCK_SIZE), **kwargs)
+    assert torch.equal(got, generate(reference, **kwargs))
+    rows = 3 if kwargs else 1  # beams: the prompts repeated
+    assert queries == [rows * (9 + 5)] * paged.config.num_hidden_layers

@@ -29,7 +29,7 @@ import torch
 from .batch import PagedBatch, flat_tokens
 from .continuous_batching import continuous_batching_attention_forward
 from .handoff import take_batch
-from .latent_attention import absorb_query, absorbed_weights, project_output
+from .latent_prefill import latent_attention
 from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.
@@ -140,18 +140,20 @@ def paged_attention_forward(
                 "(generate's compile_config path compiles only the decode steps)")
         batch = batch.last_queries(q_len)
     q = flat_tokens(query)
-    if latent:
-        q = absorb_query(q, absorbed_weights(module, heads, value_cache.shape[-1], q.dtype))
-    q = batch.kv_cache.as_query(q)
     query_rows = batch.inputs.query_rows
     if query_rows is not None:
         q = q.index_select(0, query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    out = batch.attention_of(module.layer_idx).run(
-        q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
-        soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
+    metadata = batch.attention_of(module.layer_idx)
+    op_kwargs = dict(sliding_window=sliding_window or -1, soft_cap=softcap or 0.0,
+                     sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if latent:
-        out = project_output(out, absorbed_weights(module, heads, value_cache.shape[-1], out.dtype))
+        # Long query runs expanded (float caches; a compiled graph keeps one form).
+        expand = not batch.kv_cache.is_quantized and not torch.compiler.is_compiling()
+        out = latent_attention(module, metadata, q, key_cache, value_cache, scale,
+                               batch.kv_cache.as_query, expand, **op_kwargs)
+    else:
+        out = metadata.run(batch.kv_cache.as_query(q), key_cache, value_cache, scale, **op_kwargs)
     if query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, query_rows, out)
