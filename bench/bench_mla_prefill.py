@@ -13,8 +13,10 @@ call, ``latent_prefill.latent_attention``, in both forms:
 
 * ``absorbed``: queries through ``W_UK``, ``paged.attention`` over the 576-wide rows,
   outputs through ``W_UV``;
-* ``expanded``: the context's blocks through ``kv_b_proj`` into a temporary multi-head
-  cache (keys 192, values 128), ``paged.attention`` over it with the queries as they are.
+* ``expanded``: a temporary multi-head cache (keys 192, values 128) of the run's own keys
+  and values as transformers hands them over (computed before timing: the model computes
+  them in both forms) and the context before the run through ``kv_b_proj``,
+  ``paged.attention`` over it with the queries as they are.
 
 Both outputs are compared before timing. Reported: each form's median time, and the
 expanded form's speed relative to absorbed, the median of per-round ratios of one
@@ -56,11 +58,20 @@ def case(heads: int, queries: int, context: int, dtype: torch.dtype, reps: int) 
                                  torch.tensor([context], dtype=torch.int32),
                                  torch.tensor([0, queries], dtype=torch.int32))
     query = torch.randn(queries, heads, NOPE + ROPE).to(dtype)
+    # What transformers hands the attention call besides the queries (computed by the model
+    # in either form): the run's own keys and values, expanded from their latent rows.
+    rows = cache[metadata.block_tables[0].long()][:, 0].reshape(-1, LORA + ROPE)
+    rows = rows.index_select(0, torch.arange(context - queries, context))
+    with torch.no_grad():
+        per_head = module.kv_b_proj(rows[:, :LORA]).view(queries, heads, NOPE + V_HEAD)
+    key = torch.cat((per_head[..., :NOPE], rows[:, None, LORA:].expand(-1, heads, -1)), dim=-1)
+    value = per_head[..., NOPE:]
 
     def run(expand: bool):
+        new_kv = (key, value) if expand else (None, None)
         return lambda: latent_prefill.latent_attention(
-            module, metadata, query, cache, cache[..., :LORA], (NOPE + ROPE) ** -0.5,
-            lambda q: q, expand)
+            module, metadata, query, *new_kv, cache, cache[..., :LORA], (NOPE + ROPE) ** -0.5,
+            lambda q: q)
 
     forms = {"absorbed": run(False), "expanded": run(True)}
     with torch.no_grad():

@@ -43,10 +43,28 @@ def step(seq_lens, query_lens, tables, num_blocks, dtype):
     return cache, metadata, query
 
 
+def new_rows(module, cache, metadata):
+    """What transformers hands the attention function besides the queries: the expanded
+    keys and values of each sequence's last ``query_len`` tokens, in query order."""
+    keys, values = [], []
+    lens = metadata.seq_lens.tolist()
+    starts = (list(range(len(lens) + 1)) if metadata.query_start_loc is None
+              else metadata.query_start_loc.tolist())
+    for table, n, a, b in zip(metadata.block_tables.tolist(), lens, starts, starts[1:]):
+        for position in range(n - (b - a), n):
+            row = cache[table[position // BLOCK], 0, position % BLOCK].to(module.kv_b_proj.weight.dtype)
+            per_head = module.kv_b_proj(row[:LORA]).view(HEADS, NOPE + V_HEAD)
+            keys.append(torch.cat((per_head[:, :NOPE], row[LORA:].expand(HEADS, ROPE)), dim=-1))
+            values.append(per_head[:, NOPE:])
+    return torch.stack(keys), torch.stack(values)
+
+
 @torch.no_grad()
 def attend(module, cache, metadata, query, expand, **kwargs):
-    return latent_prefill.latent_attention(module, metadata, query, cache, cache[..., :LORA],
-                                           (NOPE + ROPE) ** -0.5, lambda q: q, expand, **kwargs)
+    key, value = new_rows(module, cache, metadata) if expand else (None, None)
+    return latent_prefill.latent_attention(module, metadata, query, key, value, cache,
+                                           cache[..., :LORA], (NOPE + ROPE) ** -0.5,
+                                           lambda q: q, **kwargs)
 
 
 def only_query_rows_count(monkeypatch, rows):
@@ -110,10 +128,28 @@ def test_the_expanded_form_refuses_what_cannot_be_absorbed_too(monkeypatch):
 
 
 def test_which_runs_are_expanded_at_deepseek_v3s_sizes():
-    """The measured break-evens (bench/bench_mla_prefill.py): a prompt's first run from 32
-    rows; after a prefix of 2048 tokens, from about 230; decode never."""
+    """A prompt's first run from 32 rows; after a prefix of 2048 tokens, from about 210
+    (bench/bench_mla_prefill.py); decode never."""
     config = types.SimpleNamespace(qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512)
     expands = lambda queries, context: latent_prefill.expands(queries, context, config)
     assert not expands(1, 8192) and not expands(16, 16) and not expands(31, 31)
     assert expands(32, 32) and expands(4096, 4096) and expands(512, 2560) and expands(256, 2304)
-    assert not expands(128, 2176) and not expands(64, 2112) and not expands(200, 8192)
+    assert not expands(128, 2176) and not expands(64, 2112) and not expands(200, 8392)
+
+
+def test_the_runs_own_tokens_come_from_transformers_and_the_context_before_from_the_rows(
+        monkeypatch):
+    only_query_rows_count(monkeypatch, 3)
+    module = layer()
+    # A prompt's first run, and a run after 6 tokens of context (its block 3 half context).
+    cache, metadata, query = step([7, 11], [7, 5], [[0, 1], [2, 3, 4]], 5, torch.float32)
+    want = attend(module, cache, metadata, query, expand=False)
+    key, value = new_rows(module, cache, metadata)
+    # The runs' own rows unreadable: the expanded form must take transformers' instead.
+    for table, n, q in zip(metadata.block_tables.tolist(), (7, 11), (7, 5)):
+        for position in range(n - q, n):
+            cache[table[position // BLOCK], 0, position % BLOCK] = float("nan")
+    with torch.no_grad():
+        got = latent_prefill.latent_attention(module, metadata, query, key, value, cache,
+                                              cache[..., :LORA], (NOPE + ROPE) ** -0.5, lambda q: q)
+    torch.testing.assert_close(got, want)

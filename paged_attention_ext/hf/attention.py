@@ -148,10 +148,15 @@ def paged_attention_forward(
     op_kwargs = dict(sliding_window=sliding_window or -1, soft_cap=softcap or 0.0,
                      sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if latent:
-        # Long query runs expanded (float caches; a compiled graph keeps one form).
-        expand = not batch.kv_cache.is_quantized and not torch.compiler.is_compiling()
-        out = latent_attention(module, metadata, q, key_cache, value_cache, scale,
-                               batch.kv_cache.as_query, expand, **op_kwargs)
+        # Long query runs attend over expanded K/V, transformers' for their own tokens (float
+        # caches; a compiled graph keeps one form).
+        new_kv = None, None
+        if not batch.kv_cache.is_quantized and not torch.compiler.is_compiling():
+            new_kv = flat_tokens(key), flat_tokens(value)
+            if query_rows is not None:
+                new_kv = tuple(t.index_select(0, query_rows) for t in new_kv)
+        out = latent_attention(module, metadata, q, *new_kv, key_cache, value_cache, scale,
+                               batch.kv_cache.as_query, **op_kwargs)
     else:
         out = metadata.run(batch.kv_cache.as_query(q), key_cache, value_cache, scale, **op_kwargs)
     if query_rows is not None:
