@@ -14,7 +14,7 @@ short runs stay absorbed. The scores are the same sums in another order: the out
 within rounding.
 
 The temporary cache holds ``heads x (nope + rope + v_head_dim)`` values per context token of
-the long sequences (671 MB for 8192 tokens at 128 heads in bf16), for one layer at a time.
+the long sequences, for one layer at a time.
 """
 
 from typing import Callable, List, Optional
@@ -32,9 +32,9 @@ from .latent_attention import absorb_query, absorbed_weights, latent_weights, pr
 # one, and E to map it in and out through W_UK and W_UV. So a run of q rows over a context of
 # n keys, b = n - q of them before it, is expanded when
 #   q x (EXPANSION_COST x E + n x A) >= b x EXPANSION_COST x E
-# and q >= EXPAND_MIN_QUERIES: a prompt's first run always, a run after a prefix of 2048
-# keys from about 210 rows. EXPANSION_COST weighs the expanding GEMM against the attention
-# kernels as measured.
+# and q >= EXPAND_MIN_QUERIES: a prompt's first run always, a run after a long prefix only
+# when it is a sizeable fraction of it. EXPANSION_COST weighs the expanding GEMM against the
+# attention kernels as measured.
 EXPAND_MIN_QUERIES = 32
 EXPANSION_COST = 1.5
 
