@@ -1,7 +1,7 @@
 """The engine on a DeepSeek-V3-shaped model: concurrent 8k-token requests a fixed pool holds
 with latent rows against expanded K/V, and tokens equal to ``generate`` on a short run.
 
-Usage: ``.venv/bin/python bench/bench_engine_mla.py [--quick] [--out PATH] [--threads N]``
+Usage: ``.venv/bin/python bench/bench_engine_mla.py [--quick] [--out PATH] [--threads N] [--rounds N] [--only-steps]``
 
 Method
 ------
@@ -22,8 +22,10 @@ one with 8 routed experts) of its hidden size 7168, random weights.
   beams), short prompts; the wall time of each engine run is recorded for information.
 * Step times (information, on a shared machine): that model in bf16 serves 4 requests of
   1024 prompt tokens and 12 new ones with each storage, alternating, twice: the prefill
-  step's seconds and the decode steps' median milliseconds. Prefill reads the latent rows
-  absorbed too (576 + 512 multiply-adds per head and key against 192 + 128 expanded).
+  step's seconds and the decode steps' median milliseconds, in paired rounds (a fresh order
+  each) with a third variant: latent rows whose prefill is read absorbed too (576 + 512
+  multiply-adds per head and key against 192 + 128 expanded) instead of expanded
+  (hf/latent_prefill.py); the prefill speedups are medians of per-round ratios.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import copy
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -43,7 +46,7 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, ModelRunner, Re
                                         SamplingParams, generate_reference)
 from paged_attention_ext.engine.hf_runner import HFModelRunner
 from paged_attention_ext.engine.scheduler import SchedulerOutput
-from paged_attention_ext.hf import ATTN_IMPLEMENTATION
+from paged_attention_ext.hf import ATTN_IMPLEMENTATION, latent_prefill
 from paged_attention_ext.testing import random_pair
 
 ATTENTION = dict(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
@@ -133,7 +136,13 @@ def token_equality(quick: bool) -> Dict[str, Dict]:
     return results
 
 
-def step_times(quick: bool) -> List[Dict]:
+# The step-time variants: storage, and whether long query runs over latent rows are expanded
+# (hf/latent_prefill.py; "absorbed prefill" reads them absorbed, as before that existed).
+VARIANTS = {"latent": ("latent", True), "latent, absorbed prefill": ("latent", False),
+            "expanded": ("expanded", True)}
+
+
+def step_times(quick: bool, rounds: int) -> Dict:
     config = transformers.DeepseekV3Config(**MODEL, **ATTENTION, hidden_size=512,
                                            intermediate_size=512, moe_intermediate_size=128,
                                            initializer_range=0.05)
@@ -143,38 +152,60 @@ def step_times(quick: bool) -> List[Dict]:
     requests = [Request(f"r{i}", [rng.randrange(2, 1024) for _ in range(prompt)],
                         SamplingParams(max_new_tokens=12)) for i in range(4)]
     rows = []
-    for storage in STORAGES * 2:
-        engine = LLMEngine(HFModelRunner(paged, mla_storage=storage), EngineConfig(
-            block_size=BLOCK_SIZE, num_device_blocks=400, num_host_blocks=0))
-        for request in copy.deepcopy(requests):
-            engine.add_request(request)
-        times = []
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        rows.append({"storage": storage, "prompt_tokens": prompt, "requests": len(requests),
-                     "prefill_step_s": times[0],
-                     "decode_step_ms_median": 1e3 * statistics.median(times[1:])})
-        print(f"{storage}: prefill step {times[0]:.1f} s, decode step median "
-              f"{rows[-1]['decode_step_ms_median']:.0f} ms")
-    return rows
+    order = random.Random(0)
+    min_queries = latent_prefill.EXPAND_MIN_QUERIES
+    for round_ in range(rounds):
+        names = list(VARIANTS)
+        order.shuffle(names)  # paired rounds in a fresh order: the machine is shared
+        for name in names:
+            storage, expand = VARIANTS[name]
+            latent_prefill.EXPAND_MIN_QUERIES = min_queries if expand else sys.maxsize
+            engine = LLMEngine(HFModelRunner(paged, mla_storage=storage), EngineConfig(
+                block_size=BLOCK_SIZE, num_device_blocks=400, num_host_blocks=0))
+            for request in copy.deepcopy(requests):
+                engine.add_request(request)
+            times = []
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            rows.append({"variant": name, "round": round_, "prompt_tokens": prompt,
+                         "requests": len(requests), "prefill_step_s": times[0],
+                         "decode_step_ms_median": 1e3 * statistics.median(times[1:])})
+            print(f"{name}: prefill step {times[0]:.1f} s, decode step median "
+                  f"{rows[-1]['decode_step_ms_median']:.0f} ms", flush=True)
+    latent_prefill.EXPAND_MIN_QUERIES = min_queries
+    prefill = {name: [r["prefill_step_s"] for r in rows if r["variant"] == name] for name in VARIANTS}
+    speedups = {f"latent over {name}": statistics.median(
+        b / a for a, b in zip(prefill["latent"], prefill[name]))
+        for name in ("latent, absorbed prefill", "expanded")}
+    print(f"prefill step, median of per-round ratios: {speedups}")
+    return {"rows": rows, "prefill_speedups": speedups}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller budget, fewer requests")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of step times")
+    parser.add_argument("--only-steps", action="store_true",
+                        help="the step times alone (no admission count, no token check)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "engine_mla.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    steps = step_times(args.quick, args.rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only_steps:
+        args.out.write_text(json.dumps({"machine": machine_info(), "attention": ATTENTION,
+                                        "step_times_bf16": steps}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     budget_gib, prompt, new_tokens = (2.0 if args.quick else 8.0), 8192, 16
     counts = admission(budget_gib, prompt, new_tokens)
     ratio = counts["latent"]["most_running"] / max(1, counts["expanded"]["most_running"])
     print(f"latent / expanded concurrent 8k requests: {ratio:.1f}x")
     tokens = token_equality(args.quick)
-    steps = step_times(args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": machine_info(),

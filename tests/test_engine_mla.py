@@ -18,6 +18,7 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, Sampli
                                         generate_reference)
 from paged_attention_ext.engine.hf_runner import HFModelRunner
 from paged_attention_ext.engine.sequence import GroupStatus
+from paged_attention_ext.hf import latent_prefill
 from paged_attention_ext.testing import random_pair
 from paged_attention_ext.tools.memory import PRESETS, kv_report
 
@@ -104,6 +105,26 @@ def test_latent_rows_equal_eager_through_prefix_hits_and_preemption(pair, mode):
     assert rows.shape == (14, 1, BLOCK, 40) and values.shape == (14, 1, BLOCK, 32)
     assert values.data_ptr() == rows.data_ptr()
     assert engine.kv_cache.block_bytes == 2 * BLOCK * 40 * 4 == report["kv_bytes_per_block"]
+
+
+def test_long_query_runs_expanded_equal_eager_beside_absorbed_decodes(pair, monkeypatch):
+    """With a threshold of 3 query rows, prefills and the rest of a prompt after a prefix hit
+    are expanded, in steps that pack decodes (absorbed) beside them."""
+    name, paged, reference = pair
+    monkeypatch.setattr(latent_prefill, "EXPAND_MIN_QUERIES", 3)
+    monkeypatch.setattr(latent_prefill, "EXPANSION_COST", 0.0)  # any context
+    forms = []
+    expanded, absorbed = latent_prefill._run_expanded, latent_prefill._run_absorbed
+    monkeypatch.setattr(latent_prefill, "_run_expanded",
+                        lambda *args: forms.append("expanded") or expanded(*args))
+    monkeypatch.setattr(latent_prefill, "_run_absorbed",
+                        lambda *args: forms.append("absorbed") or absorbed(*args))
+    reqs = requests()
+    engine, outputs = serve(paged, copy.deepcopy(reqs), num_device_blocks=14, num_host_blocks=64,
+                            preemption_mode="recompute")
+    assert outputs == expected(reference, reqs)
+    assert engine.report()["prefix_cache_hit_rate"] > 0
+    assert {"expanded", "absorbed"} <= set(forms)
 
 
 def test_expanded_storage_keeps_per_head_keys_and_values(pair):

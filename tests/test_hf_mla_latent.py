@@ -10,6 +10,8 @@ import torch
 import transformers
 
 from paged_attention_ext.hf import CompiledPagedCache, PagedCache
+from paged_attention_ext.hf import latent_prefill
+from paged_attention_ext.hf.latent_attention import absorbed_weights
 from paged_attention_ext.testing import random_pair
 
 from hf_prompts import left_padded
@@ -120,3 +122,74 @@ def test_latent_rows_refuse_a_kv_b_proj_they_cannot_absorb(pair):
 def test_unknown_mla_storage_is_refused(pair):
     with pytest.raises(ValueError, match="mla_storage must be one of"):
         PagedCache(pair[1].config, mla_storage="compressed")
+
+
+def test_absorbed_weights_are_derived_once_and_again_when_the_weight_changes(pair):
+    reference, paged = pair
+    model = copy.deepcopy(paged)
+    attention = model.model.layers[1].self_attn
+    heads, latent = model.config.num_attention_heads, model.config.kv_lora_rank
+    nope = model.config.qk_nope_head_dim
+
+    def derived(dtype=torch.float32):
+        return absorbed_weights(attention, heads, latent, dtype)
+
+    def expected(weight):
+        per_head = weight.view(heads, -1, latent)
+        return per_head[:, :nope], per_head[:, nope:].transpose(1, 2)
+
+    first = derived()
+    assert derived() is first  # reused, not copied again
+    assert first.key.is_contiguous() and first.value_t.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(first, expected(attention.kv_b_proj.weight)))
+    # Written in place (a reload through load_state_dict copies into the same tensor).
+    with torch.no_grad():
+        attention.kv_b_proj.weight.mul_(-1)
+    changed = derived()
+    assert changed is not first
+    assert all(torch.equal(a, b) for a, b in zip(changed, expected(attention.kv_b_proj.weight)))
+    # Replaced by another tensor of the same contents, then cast: derived again each time.
+    attention.kv_b_proj.weight = torch.nn.Parameter(attention.kv_b_proj.weight.detach().clone())
+    replaced = derived()
+    assert replaced is not changed
+    bf16 = derived(torch.bfloat16)
+    assert bf16.key.dtype == torch.bfloat16 and derived() is replaced
+    attention.kv_b_proj.to(torch.float64)  # the same Parameter, its data cast
+    assert derived().key.dtype == torch.float32 and derived() is not replaced
+    with torch.inference_mode():  # an inference tensor: no version counter to read
+        weight = torch.randn_like(attention.kv_b_proj.weight)
+    attention.kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert all(torch.equal(a, b.float()) for a, b in zip(derived(), expected(weight)))
+
+
+def test_generate_after_reloading_kv_b_proj_uses_the_new_weights(pair):
+    reference, paged = pair
+    reference, paged = copy.deepcopy(reference), copy.deepcopy(paged)
+    before = generate(paged, PagedCache(paged.config, block_size=BLOCK_SIZE))
+    assert torch.equal(before, generate(reference))
+    torch.manual_seed(5)
+    state = {name: torch.randn_like(tensor) * 0.2 for name, tensor in paged.state_dict().items()
+             if name.endswith("kv_b_proj.weight")}
+    for model in (reference, paged):
+        model.load_state_dict(state, strict=False)
+    want = generate(reference)
+    assert not torch.equal(want, before)  # the stale weights would give the old tokens
+    assert torch.equal(generate(paged, PagedCache(paged.config, block_size=BLOCK_SIZE)), want)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(num_beams=3, num_return_sequences=2)])
+def test_prefill_through_expanded_rows_equals_eager(pair, monkeypatch, kwargs):
+    """Prompts of 9 and 5 tokens past a threshold of 4 query rows: the prefill's sequences
+    are expanded, every decode step absorbed."""
+    reference, paged = pair
+    monkeypatch.setattr(latent_prefill, "EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(latent_prefill, "EXPANSION_COST", 0.0)
+    queries = []
+    run = latent_prefill._run_expanded
+    monkeypatch.setattr(latent_prefill, "_run_expanded",
+                        lambda module, metadata, query, *args: queries.append(query.shape[0])
+                        or run(module, metadata, query, *args))
+    got = generate(paged, PagedCache(paged.config, block_size=BLOCK_SIZE), **kwargs)
+    assert torch.equal(got, generate(reference, **kwargs))
+    rows = 3 if kwargs else 1  # beams: the prompts repeated
+    assert queries == [rows * (9 + 5)] * paged.config.num_hidden_layers

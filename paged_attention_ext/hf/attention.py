@@ -29,7 +29,7 @@ import torch
 from .batch import PagedBatch, flat_tokens
 from .continuous_batching import continuous_batching_attention_forward
 from .handoff import take_batch
-from .latent_attention import absorb_query, latent_weights, project_output
+from .latent_prefill import latent_attention
 from .support import refuse_unapplied_kwargs, sink_logits_of
 
 # Keyword arguments that reach attention functions and do not change what they compute.
@@ -112,8 +112,6 @@ def paged_attention_forward(
     rows, heads, q_len, head_size = query.shape
     head_size_v = value.shape[-1]
     latent = batch.kv_cache.values_in_keys
-    if latent:
-        key_weight, value_weight = latent_weights(module, heads, value_cache.shape[-1])
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
     # A KV-shared layer (a reader) gets its source's K/V, which the source stored.
     if batch.write_kv and batch.kv_cache.source(module.layer_idx) == module.layer_idx:
@@ -142,18 +140,25 @@ def paged_attention_forward(
                 "(generate's compile_config path compiles only the decode steps)")
         batch = batch.last_queries(q_len)
     q = flat_tokens(query)
-    if latent:
-        q = absorb_query(q, key_weight)
-    q = batch.kv_cache.as_query(q)
     query_rows = batch.inputs.query_rows
     if query_rows is not None:
         q = q.index_select(0, query_rows)
     scale = scaling if scaling is not None else head_size ** -0.5
-    out = batch.attention_of(module.layer_idx).run(
-        q, key_cache, value_cache, scale, sliding_window=sliding_window or -1,
-        soft_cap=softcap or 0.0, sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
+    metadata = batch.attention_of(module.layer_idx)
+    op_kwargs = dict(sliding_window=sliding_window or -1, soft_cap=softcap or 0.0,
+                     sinks=sink_logits, **batch.kv_cache.scales(module.layer_idx))
     if latent:
-        out = project_output(out, value_weight)
+        # Long query runs attend over expanded K/V, transformers' for their own tokens (float
+        # caches; a compiled graph keeps one form).
+        new_kv = None, None
+        if not batch.kv_cache.is_quantized and not torch.compiler.is_compiling():
+            new_kv = flat_tokens(key), flat_tokens(value)
+            if query_rows is not None:
+                new_kv = tuple(t.index_select(0, query_rows) for t in new_kv)
+        out = latent_attention(module, metadata, q, *new_kv, key_cache, value_cache, scale,
+                               batch.kv_cache.as_query, **op_kwargs)
+    else:
+        out = metadata.run(batch.kv_cache.as_query(q), key_cache, value_cache, scale, **op_kwargs)
     if query_rows is not None:
         # Padding positions get zeros; nothing reads them (they are never keys).
         out = out.new_zeros(rows * q_len, heads, head_size_v).index_copy_(0, query_rows, out)

@@ -10,9 +10,17 @@ key ``k_rot`` that all heads share. Since
 attention can read the stored rows ``(c, k_rot)`` directly: every query head attends over
 one shared KV head with its query absorbed into the latent space, and its latent output is
 projected by ``W_UV[h]``. The scores, and so the softmax, are the expanded attention's.
+
+The two matmuls want ``W_UK`` as ``[heads, nope, latent]`` and ``W_UV`` transposed,
+``[heads, latent, v_head_dim]``, each contiguous; a strided view of ``kv_b_proj``'s weight
+makes the batched matmul copy it on every call (docs/performance.md, "MLA: decode over
+latent rows"). :func:`absorbed_weights` derives them once
+per layer and dtype and keeps them while the weight is the same tensor with the same
+contents, place and dtype (a reloaded or moved weight is derived again).
 """
 
-from typing import Tuple
+import weakref
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 
@@ -71,14 +79,60 @@ def latent_weights(module: torch.nn.Module, heads: int, latent_size: int) -> Tup
     return per_head[:, :nope], per_head[:, nope:]
 
 
-def absorb_query(query: torch.Tensor, key_weight: torch.Tensor) -> torch.Tensor:
+class AbsorbedWeights(NamedTuple):
+    """A layer's ``W_UK`` ``[heads, nope, latent]`` and ``W_UV^T`` ``[heads, latent,
+    v_head_dim]``, contiguous, in the dtype of the queries they multiply."""
+    key: torch.Tensor
+    value_t: torch.Tensor
+
+
+class _Derived(NamedTuple):
+    weight: "weakref.ref[torch.Tensor]"  # the very tensor they came from
+    stamp: Tuple  # its storage, version (in-place writes), dtype, device and shape
+    weights: AbsorbedWeights
+
+
+# Per module and query dtype; a module that is collected takes its entries with it.
+_DERIVED: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[torch.dtype, _Derived]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _stamp(weight: torch.Tensor) -> Tuple:
+    # An inference-mode tensor keeps no version counter; it cannot be written in place
+    # outside inference mode, and its storage, dtype and device still tell a replacement.
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape)
+
+
+def absorbed_weights(module: torch.nn.Module, heads: int, latent_size: int,
+                     dtype: torch.dtype) -> AbsorbedWeights:
+    """The layer's absorbed weights in ``dtype``, derived from ``kv_b_proj`` on the first call
+    and again only when its weight changed (replaced, reloaded in place, moved, cast).
+    Inside ``torch.compile`` they are derived in the graph (which keeps no Python state)."""
+    key_weight, value_weight = latent_weights(module, heads, latent_size)
+    if torch.compiler.is_compiling():
+        return AbsorbedWeights(key_weight.to(dtype), value_weight.to(dtype).transpose(1, 2))
+    weight = module.kv_b_proj.weight
+    stamp = _stamp(weight)
+    per_dtype = _DERIVED.setdefault(module, {})
+    derived = per_dtype.get(dtype)
+    if derived is None or derived.weight() is not weight or derived.stamp != stamp:
+        with torch.no_grad():
+            weights = AbsorbedWeights(
+                key_weight.to(dtype).contiguous(),
+                value_weight.to(dtype).transpose(1, 2).contiguous())
+        derived = per_dtype[dtype] = _Derived(weakref.ref(weight), stamp, weights)
+    return derived.weights
+
+
+def absorb_query(query: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
     """``[tokens, heads, nope + rope]`` queries as latent-row queries ``[tokens, heads,
     latent + rope]``: the non-rotary part mapped through ``W_UK[h]^T``, the rotary part kept."""
-    nope = key_weight.shape[1]
-    absorbed = torch.einsum("thn,hnl->thl", query[..., :nope], key_weight.to(query.dtype))
+    nope = weights.key.shape[1]
+    absorbed = torch.bmm(query[..., :nope].transpose(0, 1), weights.key).transpose(0, 1)
     return torch.cat((absorbed, query[..., nope:]), dim=-1)
 
 
-def project_output(latent_out: torch.Tensor, value_weight: torch.Tensor) -> torch.Tensor:
+def project_output(latent_out: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
     """``[tokens, heads, latent]`` attention outputs as ``[tokens, heads, v_head_dim]``."""
-    return torch.einsum("thl,hvl->thv", latent_out, value_weight.to(latent_out.dtype))
+    return torch.bmm(latent_out.transpose(0, 1), weights.value_t).transpose(0, 1)

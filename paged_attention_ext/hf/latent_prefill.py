@@ -1,0 +1,172 @@
+"""Long query runs over MLA latent rows: expand the rows they read, attend as multi-head.
+
+Absorbed attention (:mod:`.latent_attention`) spends ``latent + rope + latent`` multiply-adds
+per query head and key (576 + 512 for DeepSeek-V3) against ``nope + rope + v_head_dim``
+(192 + 128) for the expanded heads; expanding costs ``kv_b_proj`` once per key, ``heads x
+(nope + v_head_dim) x latent`` multiply-adds. A sequence with many query rows (a prefill, a
+chunked prefill's chunk, the rest of a prompt after a prefix hit) is cheaper expanded, as
+vLLM's MLA prefill does: the blocks its context occupies make a temporary multi-head cache,
+the run's own tokens as transformers expanded them for the attention call (``kv_b_proj``
+on their latents, the shared rotary key appended to every head), the context before the
+run (a prefix hit, earlier chunks) expanded here the same way from the latent rows, and
+the ordinary attention op runs over it with the un-absorbed queries. Decode rows and
+short runs stay absorbed. The scores are the same sums in another order: the outputs agree
+within rounding.
+
+The temporary cache holds ``heads x (nope + rope + v_head_dim)`` values per context token of
+the long sequences, for one layer at a time.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+
+from ..attention_metadata import AttentionMetadata
+from .latent_attention import absorb_query, absorbed_weights, latent_weights, project_output
+
+# Which sequences are expanded, measured with bench/bench_mla_prefill.py (docs/performance.md,
+# "MLA: prefill over latent rows"). Per head (both forms scale with the heads alike) and key
+# of the context before a run, expanding costs E = (nope + v_head_dim) x latent multiply-adds
+# once (the run's own keys transformers has expanded already), while each query row the
+# absorbed form runs costs A = 2 x latent - nope - v_head_dim more per key than an expanded
+# one, and E to map it in and out through W_UK and W_UV. So a run of q rows over a context of
+# n keys, b = n - q of them before it, is expanded when
+#   q x (EXPANSION_COST x E + n x A) >= b x EXPANSION_COST x E
+# and q >= EXPAND_MIN_QUERIES: a prompt's first run always, a run after a long prefix only
+# when it is a sizeable fraction of it. EXPANSION_COST weighs the expanding GEMM against the
+# attention kernels as measured.
+EXPAND_MIN_QUERIES = 32
+EXPANSION_COST = 1.5
+
+
+def expands(queries: int, context: int, config) -> bool:
+    """Whether a run of ``queries`` rows over ``context`` keys (its own included) is cheaper
+    expanded, for a layer of ``config`` (``kv_lora_rank``-wide latents)."""
+    nope, value, latent = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    expand = EXPANSION_COST * (nope + value) * latent
+    extra = 2 * latent - nope - value
+    return (queries >= EXPAND_MIN_QUERIES
+            and queries * (expand + context * extra) >= (context - queries) * expand)
+
+
+def _expand_blocks(module: torch.nn.Module, key_cache: torch.Tensor, blocks: torch.Tensor,
+                   latent_size: int, dtype: torch.dtype):
+    """The latent pool's ``blocks`` expanded, token-major (NHD, as ``kv_b_proj``'s output
+    is): keys ``[blocks, block_size, heads, nope + rope]``, values ``[..., v_head_dim]``."""
+    weight = module.kv_b_proj.weight
+    # [blocks, block_size, latent + rope], in the model's dtype as transformers expands them
+    rows = key_cache.index_select(0, blocks)[:, 0].to(weight.dtype)
+    count, block_size, _ = rows.shape
+    per_head = torch.nn.functional.linear(rows[..., :latent_size], weight).to(dtype)
+    nope, value = module.config.qk_nope_head_dim, module.config.v_head_dim
+    per_head = per_head.view(count, block_size, -1, nope + value)
+    rope = rows[..., latent_size:].to(dtype)
+    keys = torch.cat((per_head[..., :nope],
+                      rope.unsqueeze(2).expand(-1, -1, per_head.shape[2], -1)), dim=-1)
+    return keys, per_head[..., nope:]
+
+
+def _subset(metadata: AttentionMetadata, sequences: torch.Tensor,
+            query_lens: List[int]) -> AttentionMetadata:
+    """``metadata`` of only ``sequences`` (their query rows packed in order)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        metadata.block_tables.index_select(0, sequences),
+        metadata.seq_lens.index_select(0, sequences),
+        torch.tensor(starts, dtype=torch.int32, device=metadata.seq_lens.device))
+
+
+def _run_expanded(module: torch.nn.Module, metadata: AttentionMetadata, query: torch.Tensor,
+                  new_keys: torch.Tensor, new_values: torch.Tensor, key_cache: torch.Tensor,
+                  latent_size: int, scale: float, op_kwargs) -> torch.Tensor:
+    """Attention of every sequence of ``metadata`` (its query rows ``query``, un-absorbed)
+    over its blocks expanded: the run's own tokens are ``new_keys`` and ``new_values`` (what
+    transformers expanded for the attention call, one row per query row), the context
+    before the run is expanded from the latent rows here."""
+    dtype, device = query.dtype, query.device
+    block_size = key_cache.shape[2]
+    seq_lens = metadata.seq_lens.to(torch.int64)
+    starts = metadata.query_start_loc.to(torch.int64)
+    query_lens = starts[1:] - starts[:-1]
+    width = int((seq_lens.max() + block_size - 1) // block_size)
+    tables = metadata.block_tables[:, :width].to(torch.int64)
+    columns = torch.arange(width, device=device)
+    live = columns < ((seq_lens + block_size - 1) // block_size).unsqueeze(1)
+    blocks, local = torch.unique(tables[live], return_inverse=True)
+    remapped = torch.zeros_like(tables)
+    remapped[live] = local
+    count, heads = blocks.shape[0], query.shape[1]
+    keys = torch.empty(count, block_size, heads, new_keys.shape[-1], dtype=dtype, device=device)
+    values = torch.empty(count, block_size, heads, new_values.shape[-1], dtype=dtype,
+                         device=device)
+    # The blocks that hold context before a run (a prefix hit, earlier chunks) are expanded
+    # whole; the run's own positions are then overwritten with transformers' rows.
+    before = seq_lens - query_lens
+    earlier = torch.unique(remapped[columns < ((before + block_size - 1) // block_size).unsqueeze(1)])
+    if earlier.numel():
+        expanded_keys, expanded_values = _expand_blocks(module, key_cache, blocks[earlier],
+                                                        latent_size, dtype)
+        keys.index_copy_(0, earlier, expanded_keys)
+        values.index_copy_(0, earlier, expanded_values)
+    sequence = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=device), query_lens)
+    position = before[sequence] + torch.arange(query.shape[0], device=device) - starts[:-1][sequence]
+    slots = remapped[sequence, position // block_size] * block_size + position % block_size
+    keys.view(-1, heads, keys.shape[-1]).index_copy_(0, slots, new_keys.to(dtype))
+    values.view(-1, heads, values.shape[-1]).index_copy_(0, slots, new_values.to(dtype))
+    expanded = AttentionMetadata(remapped.to(torch.int32), metadata.seq_lens,
+                                 metadata.query_start_loc)
+    return expanded.run(query, keys.transpose(1, 2), values.transpose(1, 2), scale, **op_kwargs)
+
+
+def _run_absorbed(module: torch.nn.Module, metadata: AttentionMetadata, query: torch.Tensor,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor, heads: int,
+                  scale: float, op_kwargs, as_query) -> torch.Tensor:
+    latent_size = value_cache.shape[-1]
+    q = as_query(absorb_query(query, absorbed_weights(module, heads, latent_size, query.dtype)))
+    out = metadata.run(q, key_cache, value_cache, scale, **op_kwargs)
+    return project_output(out, absorbed_weights(module, heads, latent_size, out.dtype))
+
+
+def latent_attention(module: torch.nn.Module, metadata: AttentionMetadata, query: torch.Tensor,
+                     key: Optional[torch.Tensor], value: Optional[torch.Tensor],
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                     as_query: Callable[[torch.Tensor], torch.Tensor], **op_kwargs) -> torch.Tensor:
+    """The attention of ``query`` (``[tokens, heads, nope + rope]``, the layer's queries as
+    transformers computed them) over latent rows, ``[tokens, heads, v_head_dim]``: the
+    sequences whose runs :func:`expands` expanded, the others absorbed. ``key`` and
+    ``value``: transformers' expanded keys and values of the query tokens (the same rows),
+    or None to read every sequence absorbed (quantized caches, compiled graphs).
+    ``as_query``: the cache's query cast."""
+    heads = query.shape[1]
+    latent_weights(module, heads, value_cache.shape[-1])  # refuse what cannot be absorbed
+    absorbed = lambda meta, rows: _run_absorbed(
+        module, meta, query if rows is None else query.index_select(0, rows), key_cache,
+        value_cache, heads, scale, op_kwargs, as_query)
+    if key is None or value is None or metadata.query_start_loc is None:
+        return absorbed(metadata, None)
+    starts = metadata.query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    long = [expands(n, context, module.config)
+            for n, context in zip(query_lens, metadata.seq_lens.tolist())]
+    if not any(long):
+        return absorbed(metadata, None)
+    latent_size = value_cache.shape[-1]
+    expanded = lambda meta, rows: _run_expanded(
+        module, meta, *(as_query(t if rows is None else t.index_select(0, rows))
+                        for t in (query, key, value)),
+        key_cache, latent_size, scale, op_kwargs)
+    if all(long):
+        return expanded(metadata, None)
+    # A mixed step (the engine packs decodes beside a prefill): each part with its own form.
+    out = query.new_empty(query.shape[0], heads, module.config.v_head_dim)
+    device = metadata.seq_lens.device
+    for form, wanted in ((expanded, True), (absorbed, False)):
+        sequences = [i for i, is_long in enumerate(long) if is_long == wanted]
+        rows = torch.tensor([r for i in sequences for r in range(starts[i], starts[i + 1])],
+                            dtype=torch.int64, device=query.device)
+        part = _subset(metadata, torch.tensor(sequences, dtype=torch.int64, device=device),
+                       [query_lens[i] for i in sequences])
+        out.index_copy_(0, rows, form(part, rows).to(out.dtype))
+    return out
