@@ -35,7 +35,7 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_si
     differs); a per-token format's scales included."""
     head_size_v = head_size if head_size_v is None else head_size_v
     if token_quantization.is_per_token(dtype):
-        return num_layers * sum(_slot_bytes(dtype, num_kv_heads, size, block_size)
+        return num_layers * sum(token_slot_bytes(dtype, num_kv_heads, size, block_size)
                                 for size in (head_size, head_size_v))
     element = torch.empty((), dtype=dtype).element_size()
     return num_layers * num_kv_heads * block_size * (head_size + head_size_v) * element
@@ -45,12 +45,27 @@ def _aligned(n: int) -> int:
     return -(-n // _SCALE_ALIGN) * _SCALE_ALIGN
 
 
-def _slot_bytes(dtype: torch.dtype, heads: int, head_size: int, block_size: int) -> int:
-    """One layer's K (or V) rows of a block in a per-token format, then their scales."""
+def token_slot_bytes(dtype: torch.dtype, heads: int, head_size: int, block_size: int) -> int:
+    """Bytes of one layer's K (or V) of a block in a per-token format: its rows, then their
+    scales (from a float32 boundary)."""
     rows = heads * block_size * token_quantization.stored_head_size(dtype, head_size)
     scales = token_quantization.bytes_per_token_head(dtype, head_size) - (
         token_quantization.stored_head_size(dtype, head_size))
     return _aligned(rows) + heads * block_size * scales
+
+
+def token_slot_views(slots: torch.Tensor, heads: int, head_size: int,
+                     block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``[num_blocks, heads, block_size, stored head size]`` and float32 scales
+    (``token_quantization.scale_shape``) of per-token slots ``[num_blocks,
+    token_slot_bytes(...)]`` (cache dtype, one byte an element; views, any block stride
+    that keeps the scales on float32 boundaries)."""
+    stored = token_quantization.stored_head_size(slots.dtype, head_size)
+    rows = heads * block_size * stored
+    num_blocks = slots.shape[0]
+    shape = token_quantization.scale_shape(slots.dtype, num_blocks, heads, block_size)
+    return (slots[:, :rows].view(num_blocks, heads, block_size, stored),
+            slots[:, _aligned(rows):].view(torch.float32).view(shape))
 
 
 def check_int(name: str, value, minimum: Optional[int], optional: bool = False,
@@ -218,7 +233,7 @@ class PagedKVCache:
         """Elements of one layer's keys (``part`` 1) or values (2) in a page."""
         heads, size = shape[0], shape[part]
         if self.per_token:
-            return _slot_bytes(self.dtype, heads, size, self.block_size)
+            return token_slot_bytes(self.dtype, heads, size, self.block_size)
         return heads * size * self.block_size
 
     def _paged_pools(self, pin: bool) -> None:
@@ -253,12 +268,7 @@ class PagedKVCache:
         slot = pages.view(self.num_blocks, -1)[:, j * n:(j + 1) * n]
         if not self.per_token:
             return slot.view(self.num_blocks, heads, self.block_size, size), None
-        stored = token_quantization.stored_head_size(self.dtype, size)
-        rows = heads * self.block_size * stored
-        scale_shape = token_quantization.scale_shape(self.dtype, self.num_blocks, heads,
-                                                     self.block_size)
-        return (slot[:, :rows].view(self.num_blocks, heads, self.block_size, stored),
-                slot[:, _aligned(rows):].view(torch.float32).view(scale_shape))
+        return token_slot_views(slot, heads, size, self.block_size)
 
     def _device_pool(self, shape: Tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
