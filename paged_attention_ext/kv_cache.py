@@ -107,7 +107,8 @@ class PagedKVCache:
     block's bytes (:attr:`block_bytes`) count its scales and copies and swaps move them with
     their rows. :meth:`layer` returns the rows (int4: ``head_size // 2`` bytes a row),
     :meth:`scales` the scale tensors. Latent rows (``values_in_keys``) are refused: their
-    values are a column view of the key rows, which one int4 row (rotated) cannot give.
+    values are a column view of the key rows, and ``write_kv`` quantizes keys and values
+    as rows of their own.
 
     Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
     one byte per value; the scales' few bytes per layer are not counted).

@@ -24,7 +24,7 @@ from paged_attention_ext import reference
 from paged_attention_ext import token_quantization as tq
 from paged_attention_ext.attention_metadata import AttentionMetadata
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams, generate_reference
-from paged_attention_ext.hf import PagedCache
+from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.kv_cache import PagedKVCache
 from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
@@ -153,6 +153,22 @@ def test_paged_cache_equals_fake_quantizing_reference(pair, fake_format, decodin
                                           **DECODING[decoding], **extra))
     assert torch.equal(outputs[0], outputs[1])
     cache.manager.check_invariants()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_fixed_pool_cache_equals_paged_cache(pair, fmt):
+    """CompiledPagedCache's fixed pool (run eagerly here) holds the same per-token pages."""
+    paged, _ = pair
+    ids, mask = left_padded_prompts()
+    outputs = []
+    for cache in (PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt),
+                  CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt,
+                                     max_cache_len=32)):
+        with torch.no_grad():
+            outputs.append(paged.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                          pad_token_id=0, past_key_values=cache))
+        assert cache.kv.per_token and cache.kv.dtype == FORMATS[fmt]
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.fixture(scope="module")
