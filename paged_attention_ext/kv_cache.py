@@ -18,7 +18,7 @@ from .block_table import BlockPair
 from .host_memory import zeros_huge_pages
 from .kv_groups import KVGroupLayout
 from .quantization import (CACHE_DTYPES, CALIBRATIONS, ScaleLike, calibrate, check_scale,
-                           format_name, is_fp8)
+                           dtype_label, is_fp8)
 
 
 SUPPORTED_DTYPES = CACHE_DTYPES
@@ -158,7 +158,7 @@ class PagedKVCache:
         if not isinstance(values_in_keys, bool):
             raise TypeError(f"values_in_keys must be a bool, got {type(values_in_keys).__name__}")
         if values_in_keys and token_quantization.is_per_token(dtype):
-            raise ValueError(f"kv_cache_dtype {format_name(dtype)} is not supported for latent rows "
+            raise ValueError(f"kv_cache_dtype {dtype_label(dtype)} is not supported for latent rows "
                              "(values_in_keys: MLA models): the values are a column view of the key "
                              "rows, which a per-token row's scales do not serve; use 'auto' or an "
                              "fp8 format")
@@ -287,7 +287,7 @@ class PagedKVCache:
                 fix = ("its scales are computed per token as it is written: pass none"
                        if self.per_token else "pass no scales, or an fp8 dtype")
                 raise ValueError(f"{' and '.join(given)} {verb} to fp8 caches only; this cache is "
-                                 f"{format_name(self.dtype)} ({fix})")
+                                 f"{dtype_label(self.dtype)} ({fix})")
             return [None] * self.num_layers, [None] * self.num_layers, None
         if len(given) == 1:
             raise ValueError(f"an fp8 cache needs both k_scale and v_scale, or neither (to "
@@ -491,7 +491,7 @@ class PagedKVCache:
     def usage(self, used_blocks: int, used_host_blocks: int = 0) -> Dict[str, float]:
         """Bytes reserved and in use, given the block manager's counts."""
         return {
-            "dtype": format_name(self.dtype),
+            "dtype": dtype_label(self.dtype),
             "device_tokens": self.num_blocks * self.block_size,
             "device_bytes": self.num_blocks * self.block_bytes,
             "device_bytes_used": used_blocks * self.block_bytes,

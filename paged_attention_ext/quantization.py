@@ -68,9 +68,10 @@ def kv_cache_dtype(name: "Optional[str | torch.dtype]", model_dtype: torch.dtype
     return FORMATS[name]
 
 
-def format_name(dtype: torch.dtype) -> str:
-    """The ``kv_cache_dtype`` name of a cache dtype (a float dtype: its torch name)."""
-    names = {d: n for n, d in FORMATS.items()}
+def dtype_label(dtype: torch.dtype) -> str:
+    """A cache dtype as reports and errors name it: its torch name (``float8_e4m3fn``), or a
+    per-token format's ``kv_cache_dtype`` name (its torch dtype, int8 or uint8, says less)."""
+    names = {d: n for n, d in TOKEN_FORMATS.items()}
     return names.get(dtype, str(dtype).replace("torch.", ""))
 
 

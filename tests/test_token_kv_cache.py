@@ -35,8 +35,8 @@ def slot_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def test_kv_cache_dtype_names_the_per_token_formats(name, dtype):
     assert q.kv_cache_dtype(name, torch.bfloat16) == dtype
     assert q.kv_cache_dtype(dtype, torch.bfloat16) == dtype  # the torch dtype as it is
-    assert q.format_name(dtype) == name
-    assert q.format_name(torch.float8_e4m3fn) == "fp8_e4m3" and q.format_name(torch.bfloat16) == "bfloat16"
+    assert q.dtype_label(dtype) == name
+    assert q.dtype_label(torch.float8_e4m3fn) == "float8_e4m3fn" and q.dtype_label(torch.bfloat16) == "bfloat16"
 
 
 def test_unknown_names_list_every_choice():
@@ -88,7 +88,7 @@ def test_memory_budget_counts_the_scales(dtype):
     ratio = {torch.int8: 256 / 132, torch.uint8: 256 / 72}[dtype]
     assert cache.num_blocks == int(bf16.num_blocks * ratio)
     usage = cache.usage(used_blocks=1)
-    assert usage["dtype"] == q.format_name(dtype) and usage["device_bytes_used"] == cache.block_bytes
+    assert usage["dtype"] == q.dtype_label(dtype) and usage["device_bytes_used"] == cache.block_bytes
 
 
 @pytest.mark.parametrize("dtype", FORMATS.values())
@@ -108,7 +108,7 @@ def test_bad_per_token_options_raise_at_construction():
     with pytest.raises(ValueError, match="head_size 7 must be even"):
         PagedKVCache(1, 1, 8, 4, torch.uint8, num_blocks=2, head_size_v=7)
     for dtype in FORMATS.values():
-        with pytest.raises(ValueError, match=f"kv_cache_dtype {q.format_name(dtype)} is not "
+        with pytest.raises(ValueError, match=f"kv_cache_dtype {q.dtype_label(dtype)} is not "
                                              r"supported for latent rows \(values_in_keys"):
             PagedKVCache(1, 1, 40, 4, dtype, num_blocks=2, head_size_v=32, values_in_keys=True)
 

@@ -172,11 +172,11 @@ def _block_bytes(model, dtype) -> int:
 
 def _pool_report(model, kv) -> Dict:
     """Tokens the engine's pool holds, and what its bytes would hold in the model's dtype."""
-    from ..quantization import format_name
+    from ..quantization import dtype_label
 
     pool_bytes = kv.num_blocks * kv.block_bytes
     model_dtype_tokens = pool_bytes // _block_bytes(model, model.dtype) * BLOCK_SIZE
-    return {"dtype": format_name(kv.dtype),
+    return {"dtype": dtype_label(kv.dtype),
             "model_dtype": str(model.dtype).replace("torch.", ""),
             "bytes": pool_bytes, "blocks": kv.num_blocks, "tokens": kv.num_blocks * kv.block_size,
             "model_dtype_tokens": model_dtype_tokens,
