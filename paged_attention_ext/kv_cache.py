@@ -4,22 +4,26 @@ Sizes the device pool from a block count or a memory budget and applies the bloc
 manager's copy-on-write and swap mappings with the paged ops, all layers at once.
 An fp8 cache also holds each layer's ``k_scale``/``v_scale`` (given, or calibrated from the
 first keys and values the layer stores) and passes them to every op call
-(:meth:`PagedKVCache.write`, :meth:`PagedKVCache.scales`).
+(:meth:`PagedKVCache.write`, :meth:`PagedKVCache.scales`). A per-token cache (int8, packed
+int4: :mod:`paged_attention_ext.token_quantization`) holds a scale tensor per layer and K or V
+inside its blocks' pages, which ``write_kv`` fills and the attention ops read.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import ops
+from . import ops, token_quantization
 from .block_table import BlockPair
 from .host_memory import zeros_huge_pages
 from .kv_groups import KVGroupLayout
-from .quantization import (CALIBRATIONS, FLOAT_DTYPES, FP8_DTYPES, ScaleLike, calibrate,
-                           check_scale, is_fp8)
+from .quantization import (CACHE_DTYPES, CALIBRATIONS, ScaleLike, calibrate, check_scale,
+                           dtype_label, is_fp8)
 
 
-SUPPORTED_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+SUPPORTED_DTYPES = CACHE_DTYPES
+# Scale tensors start on a float32 boundary of the page.
+_SCALE_ALIGN = 4
 # Scales for every layer: one ScaleLike for all layers, a sequence of one per layer, or a
 # float tensor [num_layers, 1 or num_kv_heads].
 LayerScales = Union[ScaleLike, Sequence[ScaleLike]]
@@ -27,10 +31,41 @@ LayerScales = Union[ScaleLike, Sequence[ScaleLike]]
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                     dtype: torch.dtype, head_size_v: Optional[int] = None) -> int:
-    """K and V of one block across all layers (``head_size_v``: the value head size, if it differs)."""
-    element = torch.empty((), dtype=dtype).element_size()
+    """K and V of one block across all layers (``head_size_v``: the value head size, if it
+    differs); a per-token format's scales included."""
     head_size_v = head_size if head_size_v is None else head_size_v
+    if token_quantization.is_per_token(dtype):
+        return num_layers * sum(token_slot_bytes(dtype, num_kv_heads, size, block_size)
+                                for size in (head_size, head_size_v))
+    element = torch.empty((), dtype=dtype).element_size()
     return num_layers * num_kv_heads * block_size * (head_size + head_size_v) * element
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _SCALE_ALIGN) * _SCALE_ALIGN
+
+
+def token_slot_bytes(dtype: torch.dtype, heads: int, head_size: int, block_size: int) -> int:
+    """Bytes of one layer's K (or V) of a block in a per-token format: its rows, then their
+    scales (from a float32 boundary)."""
+    rows = heads * block_size * token_quantization.stored_head_size(dtype, head_size)
+    scales = token_quantization.bytes_per_token_head(dtype, head_size) - (
+        token_quantization.stored_head_size(dtype, head_size))
+    return _aligned(rows) + heads * block_size * scales
+
+
+def token_slot_views(slots: torch.Tensor, heads: int, head_size: int,
+                     block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``[num_blocks, heads, block_size, stored head size]`` and float32 scales
+    (``token_quantization.scale_shape``) of per-token slots ``[num_blocks,
+    token_slot_bytes(...)]`` (cache dtype, one byte an element; views, any block stride
+    that keeps the scales on float32 boundaries)."""
+    stored = token_quantization.stored_head_size(slots.dtype, head_size)
+    rows = heads * block_size * stored
+    num_blocks = slots.shape[0]
+    shape = token_quantization.scale_shape(slots.dtype, num_blocks, heads, block_size)
+    return (slots[:, :rows].view(num_blocks, heads, block_size, stored),
+            slots[:, _aligned(rows):].view(torch.float32).view(shape))
 
 
 def check_int(name: str, value, minimum: Optional[int], optional: bool = False,
@@ -64,6 +99,16 @@ class PagedKVCache:
       the absolute maxima of the keys and values it stores (``amax / fmax``), one per layer
       (``calibration="per_layer"``) or per KV head (``"per_head"``). Later values beyond
       that range saturate. ``calibration=None`` makes missing scales an error.
+
+    Per-token caches (``torch.int8``: ``int8_per_token_head``, ``torch.uint8``:
+    ``int4_per_token_head``, head size even) take no scales: ``write_kv`` computes each
+    token's scales from its own row and stores them in the layer's scale tensors
+    (``token_quantization.scale_shape``), views of the same page as the layer's rows, so a
+    block's bytes (:attr:`block_bytes`) count its scales and copies and swaps move them with
+    their rows. :meth:`layer` returns the rows (int4: ``head_size // 2`` bytes a row),
+    :meth:`scales` the scale tensors. Latent rows (``values_in_keys``) are refused: their
+    values are a column view of the key rows, and ``write_kv`` quantizes keys and values
+    as rows of their own.
 
     Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
     one byte per value; the scales' few bytes per layer are not counted).
@@ -112,6 +157,11 @@ class PagedKVCache:
             raise ValueError("give exactly one of num_blocks and memory_bytes")
         if not isinstance(values_in_keys, bool):
             raise TypeError(f"values_in_keys must be a bool, got {type(values_in_keys).__name__}")
+        if values_in_keys and token_quantization.is_per_token(dtype):
+            raise ValueError(f"kv_cache_dtype {dtype_label(dtype)} is not supported for latent rows "
+                             "(values_in_keys: MLA models): the values are a column view of the key "
+                             "rows, which a per-token row's scales do not serve; use 'auto' or an "
+                             "fp8 format")
         if values_in_keys and not (head_size_v is not None and head_size_v < head_size):
             raise ValueError(f"values_in_keys needs head_size_v < head_size (the values are the "
                              f"rows' first head_size_v columns), got head_size={head_size}, "
@@ -130,15 +180,18 @@ class PagedKVCache:
         self.head_size_v = head_size if head_size_v is None else head_size_v
         self.values_in_keys = values_in_keys
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.per_token = token_quantization.is_per_token(dtype)
         one_shape = (num_kv_heads, head_size, self.head_size_v)
         self._shapes = [kv_groups.groups[self._place[layer][0]].shape or one_shape
                         if layer in self._place else one_shape for layer in range(num_layers)]
-        if kv_groups.is_shaped:
+        # Layers in page slices: groups of several shapes, and per-token rows beside their scales.
+        self._paged = kv_groups.is_shaped or self.per_token
+        if self._paged:
             if values_in_keys:
                 raise ValueError("values_in_keys needs one shape for every layer; these "
                                  "kv_groups have layers of several")
             # Key and value elements of the largest group's page.
-            self._page = tuple(max(len(g.layers) * g.shape[0] * g.shape[part] * block_size
+            self._page = tuple(max(len(g.layers) * self._slot(g.shape or one_shape, part)
                                    for g in kv_groups.groups) for part in (1, 2))
             element = torch.empty((), dtype=dtype).element_size()
             self.block_bytes = sum(self._page) * element
@@ -160,8 +213,8 @@ class PagedKVCache:
         host_shape_v = (num_host_blocks,) + shape_v[1:]
         # Pinned host memory lets device <-> host swaps run asynchronously.
         pin = self.device.type == "cuda"
-        if kv_groups.is_shaped:
-            self._shaped_pools(pin)
+        if self._paged:
+            self._paged_pools(pin)
             return
         self.key_caches: List[torch.Tensor] = []
         self.value_caches: List[torch.Tensor] = []
@@ -177,9 +230,17 @@ class PagedKVCache:
                 self.value_caches.append(self._device_pool(shape_v))
                 self.host_value_caches.append(torch.zeros(host_shape_v, dtype=dtype, pin_memory=pin))
 
-    def _shaped_pools(self, pin: bool) -> None:
-        """One key and one value page buffer; each stored layer's pools are views of its
-        slice of every page (layer ``j`` of a group at ``j`` layers' elements in)."""
+    def _slot(self, shape: Tuple[int, int, int], part: int) -> int:
+        """Elements of one layer's keys (``part`` 1) or values (2) in a page."""
+        heads, size = shape[0], shape[part]
+        if self.per_token:
+            return token_slot_bytes(self.dtype, heads, size, self.block_size)
+        return heads * size * self.block_size
+
+    def _paged_pools(self, pin: bool) -> None:
+        """One key and one value page buffer; each stored layer's pools (and a per-token
+        layer's scales) are views of its slice of every page (layer ``j`` of a group at
+        ``j`` slots in)."""
         keys, values = ((self.num_blocks, 1, 1, n) for n in self._page)
         self.key_caches, self.value_caches = [self._device_pool(keys)], [self._device_pool(values)]
         self.host_key_caches = [torch.zeros((self.num_host_blocks,) + keys[1:], dtype=self.dtype,
@@ -187,17 +248,28 @@ class PagedKVCache:
         self.host_value_caches = [torch.zeros((self.num_host_blocks,) + values[1:], dtype=self.dtype,
                                               pin_memory=pin)]
         self._views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scale_views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        one_shape = (self.num_kv_heads, self.head_size, self.head_size_v)
         for group in self.kv_groups.groups:
-            heads, size, size_v = group.shape
+            shape = group.shape or one_shape
             for j, layer in enumerate(group.layers):
-                self._views[layer] = (self._page_slice(self.key_caches[0], j, heads, size),
-                                      self._page_slice(self.value_caches[0], j, heads, size_v))
+                (key, k_scale), (value, v_scale) = (
+                    self._page_slice(pages[0], j, shape, part)
+                    for pages, part in ((self.key_caches, 1), (self.value_caches, 2)))
+                self._views[layer] = (key, value)
+                if self.per_token:
+                    self._scale_views[layer] = (k_scale, v_scale)
 
-    def _page_slice(self, pages: torch.Tensor, j: int, heads: int, size: int) -> torch.Tensor:
-        """``[num_blocks, heads, block_size, size]``: the ``j``-th layer slot of every page."""
-        n = heads * self.block_size * size
-        return pages.view(self.num_blocks, -1)[:, j * n:(j + 1) * n].view(
-            self.num_blocks, heads, self.block_size, size)
+    def _page_slice(self, pages: torch.Tensor, j: int, shape: Tuple[int, int, int],
+                    part: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The ``j``-th layer slot of every page: its rows ``[num_blocks, heads, block_size,
+        size]`` and, per-token, their float32 scales after them."""
+        heads, size = shape[0], shape[part]
+        n = self._slot(shape, part)
+        slot = pages.view(self.num_blocks, -1)[:, j * n:(j + 1) * n]
+        if not self.per_token:
+            return slot.view(self.num_blocks, heads, self.block_size, size), None
+        return token_slot_views(slot, heads, size, self.block_size)
 
     def _device_pool(self, shape: Tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -209,11 +281,13 @@ class PagedKVCache:
         if calibration is not None and calibration not in CALIBRATIONS:
             raise ValueError(f"calibration must be one of {CALIBRATIONS} or None, got {calibration!r}")
         given = [name for name, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
-        if not self.is_quantized:
+        if not self.is_fp8:
             if given:
                 verb = "apply" if len(given) == 2 else "applies"
+                fix = ("its scales are computed per token as it is written: pass none"
+                       if self.per_token else "pass no scales, or an fp8 dtype")
                 raise ValueError(f"{' and '.join(given)} {verb} to fp8 caches only; this cache is "
-                                 f"{self.dtype} (pass no scales, or an fp8 dtype)")
+                                 f"{dtype_label(self.dtype)} ({fix})")
             return [None] * self.num_layers, [None] * self.num_layers, None
         if len(given) == 1:
             raise ValueError(f"an fp8 cache needs both k_scale and v_scale, or neither (to "
@@ -245,16 +319,21 @@ class PagedKVCache:
 
     @property
     def is_quantized(self) -> bool:
+        """An fp8 or per-token cache: not the model's values exactly."""
+        return self.is_fp8 or self.per_token
+
+    @property
+    def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
     @property
     def calibrated(self) -> bool:
-        """Every layer has its scales (always true for float caches)."""
-        return not self.is_quantized or all(s is not None for s in self.k_scales)
+        """Every layer has its scales (always true for float and per-token caches)."""
+        return not self.is_fp8 or all(s is not None for s in self.k_scales)
 
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s key and value pools (shared by one layer of each KV group)."""
-        if self.kv_groups.is_shaped:
+        if self._paged:
             return self._views[self._source[index]]
         pool = self._place[index][1]
         return self.key_caches[pool], self.value_caches[pool]
@@ -273,10 +352,14 @@ class PagedKVCache:
 
     def scales(self, index: int) -> Dict[str, torch.Tensor]:
         """Layer ``index``'s ``k_scale``/``v_scale`` keywords for the paged ops: empty for a
-        float cache (the ops' default, None). Every op call on the pools passes them."""
+        float cache (the ops' default, None); a per-token layer's scale tensors (views of its
+        pages). Every op call on the pools passes them."""
         if not self.is_quantized:
             return {}
         index = self._source[index]
+        if self.per_token:
+            k_scale, v_scale = self._scale_views[index]
+            return {"k_scale": k_scale, "v_scale": v_scale}
         if self.k_scales[index] is None:
             raise RuntimeError(f"layer {index} of the {self.dtype} cache has no scales yet: they "
                                "are calibrated by the layer's first write(), or give k_scale/v_scale")
@@ -288,7 +371,8 @@ class PagedKVCache:
 
         An fp8 layer without scales first calibrates them from the tokens that have a slot
         (``slot_mapping >= 0``); keys and values go to the op in the model dtype, which
-        quantizes. Float caches get them converted to the cache dtype.
+        quantizes (a per-token layer: with each row's scales, which the op stores). Float
+        caches get them converted to the cache dtype.
         """
         if self.values_in_keys:
             raise ValueError("this cache keeps the values in the keys' rows: store them with "
@@ -299,7 +383,7 @@ class PagedKVCache:
         key_cache, value_cache = self.layer(index)
         if not self.is_quantized:
             key, value = key.to(self.dtype), value.to(self.dtype)
-        elif not self._calibrated(index, key, value, slot_mapping, one_scale=False):
+        elif self.is_fp8 and not self._calibrated(index, key, value, slot_mapping, one_scale=False):
             return
         ops.write_kv(key, value, key_cache, value_cache, slot_mapping, **self.scales(index))
 
@@ -407,7 +491,7 @@ class PagedKVCache:
     def usage(self, used_blocks: int, used_host_blocks: int = 0) -> Dict[str, float]:
         """Bytes reserved and in use, given the block manager's counts."""
         return {
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": dtype_label(self.dtype),
             "device_tokens": self.num_blocks * self.block_size,
             "device_bytes": self.num_blocks * self.block_bytes,
             "device_bytes_used": used_blocks * self.block_bytes,

@@ -18,16 +18,25 @@ fp8_e5m2   ``torch.float8_e5m2``    57344        2 mantissa bits: relative step 
 ========== ====================== ============= ==================================
 
 ``"fp8"`` is ``"fp8_e4m3"`` (as in vLLM); ``"auto"`` or None is the model's dtype.
+``"int8_per_token_head"`` (``torch.int8``) and ``"int4_per_token_head"`` (``torch.uint8``,
+two values a byte) scale each token's row of each KV head on its own when it is written
+(:mod:`paged_attention_ext.token_quantization`): they take no scales and nothing is
+calibrated.
 """
 
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .token_quantization import TOKEN_DTYPES, TOKEN_FORMATS
+
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_DTYPES = tuple(FP8_FORMATS.values())
 _ALIASES = {"fp8": "fp8_e4m3"}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Every format by name, and every cache dtype the pools take.
+FORMATS = {**FP8_FORMATS, **TOKEN_FORMATS}
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES + TOKEN_DTYPES
 CALIBRATIONS = ("per_layer", "per_head")
 
 # A layer scale as callers may give it: a number, or a float tensor of one or
@@ -39,23 +48,31 @@ def kv_cache_dtype(name: "Optional[str | torch.dtype]", model_dtype: torch.dtype
     """The cache dtype a ``kv_cache_dtype`` argument names.
 
     ``None`` or ``"auto"``: ``model_dtype``; ``"fp8_e4m3"`` / ``"fp8"`` / ``"fp8_e5m2"``:
-    the fp8 dtype; a torch dtype of the supported ones is returned as is.
+    the fp8 dtype; ``"int8_per_token_head"`` / ``"int4_per_token_head"``: ``torch.int8`` /
+    ``torch.uint8`` (packed int4); a torch dtype of the supported ones is returned as is.
     """
     if name is None or name == "auto":
         return model_dtype
     if isinstance(name, torch.dtype):
-        if name not in FLOAT_DTYPES + FP8_DTYPES:
+        if name not in CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {name} is not a supported cache dtype "
-                             f"({', '.join(map(str, FLOAT_DTYPES + FP8_DTYPES))})")
+                             f"({', '.join(map(str, CACHE_DTYPES))})")
         return name
     if not isinstance(name, str):
         raise TypeError(f"kv_cache_dtype must be a str, a torch.dtype or None, got "
                         f"{type(name).__name__} {name!r}")
     name = _ALIASES.get(name, name)
-    if name not in FP8_FORMATS:
-        choices = ["auto"] + sorted(FP8_FORMATS) + sorted(_ALIASES)
+    if name not in FORMATS:
+        choices = ["auto"] + sorted(FP8_FORMATS) + sorted(_ALIASES) + list(TOKEN_FORMATS)
         raise ValueError(f"unknown kv_cache_dtype {name!r}; choose from {choices}")
-    return FP8_FORMATS[name]
+    return FORMATS[name]
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """A cache dtype as reports and errors name it: its torch name (``float8_e4m3fn``), or a
+    per-token format's ``kv_cache_dtype`` name (its torch dtype, int8 or uint8, says less)."""
+    names = {d: n for n, d in TOKEN_FORMATS.items()}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -119,6 +119,21 @@ def test_fp8_cache_compiles_after_calibration(model):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
+@pytest.mark.parametrize("fmt", ["int8_per_token_head", "int4_per_token_head"])
+def test_per_token_cache_compiles_at_creation(model, fmt):
+    """Per-token scales need no calibration: the decode compiles with the engine, write_kv
+    storing each row's scales inside the compiled step, through swap preemption."""
+    requests = make_requests(6, seed=2)
+    _, expected, _ = serve(model, requests, num_device_blocks=20, num_host_blocks=64,
+                           kv_cache_dtype=fmt)
+    engine, outputs, _ = serve(model, requests, num_device_blocks=20, num_host_blocks=64,
+                               kv_cache_dtype=fmt, compile_decode=True, compile_backend="eager")
+    assert outputs == expected and engine.runner.decode.calls > 0
+    report = engine.report()
+    assert report["compiled_decode"]["compile_and_warmup_s"] is not None
+    assert report["preemptions"]["swap"] > 0
+
+
 def test_bad_max_decode_batch_raises(model):
     with pytest.raises(ValueError, match="max_decode_batch"):
         LLMEngine(model, EngineConfig(compile_decode=True, compile_backend="eager", max_decode_batch=0))

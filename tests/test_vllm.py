@@ -275,6 +275,18 @@ def test_fp8_cache_runs(model_dirs):
     assert [len(t) for t in ours["tokens"][0]] == [12] * len(batch)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "int4_per_token_head"])
+def test_per_token_caches_run(model_dirs, kv_cache_dtype):
+    """vLLM's per-token names through its engine: the pages hold each block's rows and
+    scales as the backend lays them out (values checked against the reference ops in
+    test_vllm_backend.py; vLLM's CPU backend serves no per-token cache to compare with)."""
+    batch = prompts(seed=4, count=6, shared_prefix=24)
+    ours = run_vllm(dict(model=model_dirs["llama"], batches=[batch], max_tokens=12,
+                         kv_cache_dtype=kv_cache_dtype, prefix_caching=True), plugin=True)
+    assert ours["attention"] == [["PagedAttentionImpl"]]
+    assert [len(t) for t in ours["tokens"][0]] == [12] * len(batch)
+
+
 # Qwen3-Next-shaped: gated-DeltaNet layers beside full attention. vLLM's CPU gated-DeltaNet
 # kernel takes bf16 only, and linear-attention heads of 128.
 HYBRID_LINEAR_MODEL = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",

@@ -21,11 +21,14 @@ pytestmark = [
 
 if vllm is not None:
     from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
     from paged_attention_ext import reference
+    from paged_attention_ext import token_quantization as tq
+    from paged_attention_ext.kv_cache import token_slot_bytes
     from paged_attention_ext.vllm.backend import (PagedAttentionBackend, PagedAttentionImpl,
-                                                  PagedAttentionMetadata, split_kv_cache)
+                                                  PagedAttentionMetadata, split_kv_cache,
+                                                  split_token_kv_cache)
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 16, 12
 
@@ -151,13 +154,59 @@ def test_profiling_run_without_metadata_returns_output():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(attn_type=AttentionType.ENCODER_ONLY) if vllm else {}, "decoder attention only"),
-    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype"),
-], ids=["encoder", "int8-cache"])
+    (dict(kv_cache_dtype="fp8_per_token_head"), "kv_cache_dtype"),
+], ids=["encoder", "fp8-per-token-cache"])
 def test_unsupported_configurations_raise(kwargs, match):
     args = dict(num_heads=HEADS, head_size=HEAD_SIZE, scale=0.1, num_kv_heads=KV_HEADS,
                 alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
     with pytest.raises(NotImplementedError, match=match):
         PagedAttentionImpl(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "int4_per_token_head"])
+def test_per_token_mixed_step_equals_reference(name):
+    """vLLM's per-token names: each head slot's state is the block's rows then their
+    scales; a mixed step's writes and attention equal the reference ops'."""
+    torch.manual_seed(0)
+    dtype = tq.TOKEN_FORMATS[name]
+    spec = PagedAttentionBackend.customize_spec(FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype,
+        kv_quant_mode=KVQuantMode[name.upper()]))
+    slot = token_slot_bytes(dtype, KV_HEADS, HEAD_SIZE, BLOCK_SIZE)
+    assert (spec.num_heads, spec.num_states, spec.state_content_size_bytes) == (2, 1, slot)
+    assert spec.page_size_bytes == 2 * KV_HEADS * BLOCK_SIZE * tq.bytes_per_token_head(dtype, HEAD_SIZE)
+    kv = torch.zeros(2, NUM_BLOCKS, 1, slot, dtype=dtype).permute(1, 0, 2, 3)  # LHBNC
+    impl = PagedAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, name)
+    stored = tq.stored_head_size(dtype, HEAD_SIZE)
+    want_k = torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, stored, dtype=dtype)
+    want_v = torch.zeros_like(want_k)
+    scale_shape = tq.scale_shape(dtype, NUM_BLOCKS, KV_HEADS, BLOCK_SIZE)
+    scales = dict(k_scale=torch.zeros(scale_shape), v_scale=torch.zeros(scale_shape))
+    block_table = torch.randperm(NUM_BLOCKS).to(torch.int32)[:4].view(2, 2)
+    seq_lens = torch.tensor([21, 9], dtype=torch.int32)
+    slots = [int(block_table[seq, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
+             for seq in range(2) for t in range(int(seq_lens[seq]))] + [-1]
+    key, value = torch.randn(len(slots), KV_HEADS, HEAD_SIZE), torch.randn(len(slots), KV_HEADS, HEAD_SIZE)
+    mapping = torch.tensor(slots)
+    impl.do_kv_cache_update(None, key, value, kv, mapping)
+    reference.write_kv(key, value, want_k, want_v, mapping, **scales)
+    key_cache, value_cache, k_scale, v_scale = split_token_kv_cache(kv, KV_HEADS, HEAD_SIZE, dtype)
+    torch.testing.assert_close(k_scale, scales["k_scale"])
+    torch.testing.assert_close(v_scale, scales["v_scale"])
+    if dtype == torch.int8:
+        assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+    query = torch.randn(len(slots), HEADS, HEAD_SIZE)
+    query_start_loc = torch.tensor([0, 21, 30], dtype=torch.int32)
+    metadata = PagedAttentionMetadata(num_actual_tokens=30, query_start_loc=query_start_loc,
+                                      seq_lens=seq_lens, block_table=block_table, slot_mapping=mapping)
+    output = torch.full((len(slots), HEADS, HEAD_SIZE), 7.0)
+    impl.forward(None, query, key, value, kv, metadata, output)
+    want = reference.attention(query[:30], key_cache, value_cache, block_table, seq_lens,
+                               HEAD_SIZE ** -0.5, query_start_loc, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(output[:30], want, rtol=1e-4, atol=1e-5)
+    assert (output[30] == 7.0).all()
+    with pytest.raises(ValueError, match="unexpected torch.int8 KV cache shape"):
+        split_token_kv_cache(kv[..., :-4], KV_HEADS, HEAD_SIZE, torch.int8)
 
 
 def test_unequal_key_and_value_head_sizes_raise():

@@ -43,7 +43,9 @@ class EngineConfig:
     # Padded batch sizes; None: every size on CPU (dynamic shapes), vLLM's 1, 2, 4, 8, 16,
     # ... (multiples of 8) up to max_decode_batch on CUDA, one CUDA graph each.
     decode_batch_sizes: Optional[Tuple[int, ...]] = None
-    # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md).
+    # "auto" (the model's dtype), "fp8_e4m3" (or "fp8") or "fp8_e5m2" (docs/fp8.md), or a
+    # per-token format, "int8_per_token_head" or "int4_per_token_head" (scales per token,
+    # computed as each token is written: no k_scale, v_scale or calibration).
     kv_cache_dtype: str = "auto"
     # fp8: fixed scales (numbers: one for every layer, or one entry per layer, each a number
     # or a list of one per KV head). None: calibrated from the first forward's absolute maxima,

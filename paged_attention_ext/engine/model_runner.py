@@ -35,7 +35,7 @@ class ModelSpec:
     num_kv_heads: int
     head_size: int                   # of the keys
     head_size_v: Optional[int]       # of the values; None: head_size (MLA's differ)
-    dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype is fp8
+    dtype: torch.dtype               # the activations': the cache's unless kv_cache_dtype quantizes
     device: torch.device
     vocab_size: int                  # prompts' tokens must be below it
     # Per layer (kv heads, key size, value size) where layers differ (Gemma-4); None: the

@@ -115,18 +115,21 @@ def paged_attention_forward(
     sink_logits = sink_logits_of(module, s_aux, sinks, heads, key_cache.device)
     # A KV-shared layer (a reader) gets its source's K/V, which the source stored.
     if batch.write_kv and batch.kv_cache.source(module.layer_idx) == module.layer_idx:
-        if (key.shape[1] != key_cache.shape[1] or key.shape[-1] != key_cache.shape[-1]
-                or value.shape[1] != value_cache.shape[1] or head_size_v != value_cache.shape[-1]):
+        # The pools' rows as values (a packed int4 row is half as many bytes).
+        kv_heads, key_size, value_size = batch.kv_cache.layer_shape(module.layer_idx)
+        if (key.shape[1] != kv_heads or key.shape[-1] != key_size
+                or value.shape[1] != kv_heads or head_size_v != value_size):
             raise ValueError(
                 f"paged_attention_ext: layer {module.layer_idx} stores keys {tuple(key.shape)} and "
-                f"values {tuple(value.shape)} in pools of key shape {tuple(key_cache.shape)} and "
-                f"value shape {tuple(value_cache.shape)} ([blocks, kv_heads, block_size, head_size])")
+                f"values {tuple(value.shape)} in pools of {kv_heads} KV heads, key head size "
+                f"{key_size} and value head size {value_size}")
         batch.kv_cache.write(module.layer_idx, flat_tokens(key), flat_tokens(value), slot_mapping)
         if batch.on_stored is not None and not torch.compiler.is_compiling():
             batch.on_stored(module.layer_idx)  # eager bookkeeping; a compiled step has none
-    elif head_size_v != value_cache.shape[-1] and not latent:
+    elif head_size_v != batch.kv_cache.layer_shape(module.layer_idx)[2] and not latent:
         raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has value head size "
-                         f"{head_size_v}, the value pool {value_cache.shape[-1]}")
+                         f"{head_size_v}, the value pool "
+                         f"{batch.kv_cache.layer_shape(module.layer_idx)[2]}")
     if batch.q_len is not None and q_len != batch.q_len:
         if batch.kv_cache.source(module.layer_idx) == module.layer_idx:
             raise ValueError(f"paged_attention_ext: layer {module.layer_idx} has {q_len} queries per "

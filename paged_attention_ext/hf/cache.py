@@ -193,8 +193,9 @@ class PagedCache(Cache):
         self._kv_options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
                                 calibration=kv_scale_calibration)
         self._storage = LayerStorage.of(text_config, tp_size, mla_storage)
-        # Bad fp8 options (format, scale shapes, calibration) raise here: a one-block pool.
-        self._new_pool(1, (self._storage.config_shape[0], 2, 1, torch.float32, torch.device("cpu")))
+        # Bad cache options (format, scale shapes, calibration, an int4 cache of odd head
+        # size, a per-token format for latent rows) raise here: a one-block pool.
+        self._new_pool(1, self._storage.config_shape + (torch.float32, torch.device("cpu")))
         self._clear()
 
     def _clear(self) -> None:

@@ -86,7 +86,7 @@ def add_memory_command(sub: argparse._SubParsersAction) -> None:
     cmd = add_command(sub, "memory",
                       "KV-cache bytes per token, sequence and block for a model shape")
     add_shape_arguments(cmd)
-    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16",
+    cmd.add_argument("--dtype", choices=memory.DTYPES, default="float16",
                      help="dtype of the cached keys and values (default %(default)s)")
     cmd.add_argument("--max-len", type=positive_int, default=2048, metavar="TOKENS",
                      help="tokens per sequence (default %(default)s)")
@@ -218,8 +218,11 @@ def run_memory(args: argparse.Namespace) -> Dict:
         heads += f" (full layers: {full_heads} KV heads, head size {full_size})"
     if shape.kv_shared_layers:
         heads += f", the last {shape.kv_shared_layers} reusing earlier layers' K/V"
-    print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({report['dtype_bytes']} "
-          f"byte{'s' if report['dtype_bytes'] != 1 else ''} per value){pattern}")
+    element = report["dtype_bytes"]
+    values = (f"{element} byte{'s' if element != 1 else ''} per value" if element is not None
+              else f"{memory.row_bytes(args.dtype, shape.head_size)} bytes per row of "
+                   f"{shape.head_size} values, scales included")
+    print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({values}){pattern}")
     width = max(len(label) for label, _ in rows) + 1
     for label, value in rows:
         print(f"  {label + ':':<{width}} {value}")
@@ -257,7 +260,7 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      help="per step, chance that a beam is replaced by a child of the top beam "
                           "(default %(default)s)")
     add_shape_arguments(cmd)  # optional: a model whose sliding layers get KV groups
-    cmd.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="float16",
+    cmd.add_argument("--dtype", choices=memory.DTYPES, default="float16",
                      help="with a model shape: bytes per token of each KV group (default "
                           "%(default)s)")
     cmd.set_defaults(run=run_simulate)
@@ -355,7 +358,7 @@ def simulate_kv_groups(args: argparse.Namespace, trace) -> Dict:
     stats = simulator.replay(trace, strategy)
     paged = simulator.replay(trace, simulator.make_strategy("paged", args.pool_tokens, args.max_len,
                                                             args.block_size))
-    layer_bytes = shape.expanded_layer_values() * memory.DTYPE_BYTES[args.dtype]
+    layer_bytes = shape.expanded_layer_bytes(args.dtype)
     groups = [{"layers": len(g.layers), "sliding_window": None if g.chunk_size else g.sliding_window,
                "chunk_size": g.chunk_size, "kind": memory.window_label(g.sliding_window),
                "bytes_per_token": layout.layers_per_group * layer_bytes, "utilisation": u,

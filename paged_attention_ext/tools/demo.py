@@ -43,9 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off the engine's prefix caching (reuse of the shared system "
                              "prompt's blocks)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2",
+                                                     "int8_per_token_head", "int4_per_token_head"),
+                        default="auto",
                         help="auto: the model's dtype; fp8: 8-bit K/V in the same bytes as --blocks "
-                             "model-dtype blocks, scales calibrated from the first step (docs/fp8.md)")
+                             "model-dtype blocks, scales calibrated from the first step (docs/fp8.md); "
+                             "int8/int4 per token: scales per token and KV head, in the blocks")
     parser.add_argument("--compile-decode", nargs="?", const="inductor", metavar="BACKEND",
                         help="decode steps through torch.compile with BACKEND (default inductor; "
                              "compiled before serving, docs/engine.md)")
@@ -169,9 +172,11 @@ def _block_bytes(model, dtype) -> int:
 
 def _pool_report(model, kv) -> Dict:
     """Tokens the engine's pool holds, and what its bytes would hold in the model's dtype."""
+    from ..quantization import dtype_label
+
     pool_bytes = kv.num_blocks * kv.block_bytes
     model_dtype_tokens = pool_bytes // _block_bytes(model, model.dtype) * BLOCK_SIZE
-    return {"dtype": str(kv.dtype).replace("torch.", ""),
+    return {"dtype": dtype_label(kv.dtype),
             "model_dtype": str(model.dtype).replace("torch.", ""),
             "bytes": pool_bytes, "blocks": kv.num_blocks, "tokens": kv.num_blocks * kv.block_size,
             "model_dtype_tokens": model_dtype_tokens,

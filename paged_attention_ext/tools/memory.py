@@ -25,12 +25,18 @@ Gemma-4 shapes add full-attention layers of another shape (``full_kv_heads``,
 that reuse an earlier layer's K/V (``kv_shared_layers``) and store nothing. Their groups hold
 layers of one shape each and are sized by bytes; the report compares them with one pool
 shape for every layer (each layer stored as large as the largest, one table).
+
+The per-token formats (``int8_per_token_head``, ``int4_per_token_head``) store each row of
+``head_size`` values with its scales: ``head_size + 4`` and ``head_size / 2 + 8`` bytes
+(:func:`paged_attention_ext.token_quantization.bytes_per_token_head`), counted wherever a
+row's bytes are.
 """
 
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..block_manager import BlockSpaceManager
+from ..token_quantization import TOKEN_FORMATS, bytes_per_token_head
 from ..kv_groups import (Chunked, KVGroupLayout, LayerShape, Window, first_visible_position,
                          trailing_readers)
 
@@ -61,10 +67,10 @@ class ModelShape:
     full_head_size: Optional[int] = None
     kv_shared_layers: int = 0
 
-    def expanded_layer_values(self) -> int:
-        """Values one layer stores per token as K/V per head (the largest layer's, where
+    def expanded_layer_bytes(self, dtype: str) -> int:
+        """Bytes one layer stores per token as K/V per head (the largest layer's, where
         layers differ)."""
-        return max(heads * (size + size_v) for heads, size, size_v in self.layer_shapes())
+        return max(layer_bytes(dtype, shape) for shape in self.layer_shapes())
 
     def layer_shapes(self) -> List[LayerShape]:
         """Each layer's (KV heads, key head size, value head size)."""
@@ -83,11 +89,11 @@ class ModelShape:
         """Layers that store nothing -> the layer whose K/V they read."""
         return trailing_readers(self.windows(), self.kv_shared_layers)
 
-    def stored_values(self) -> int:
-        """Values all layers store per token (K/V per head; readers store none)."""
+    def stored_bytes(self, dtype: str) -> int:
+        """Bytes all layers store per token (K/V per head; readers store none)."""
         readers = self.readers()
-        return sum(heads * (size + size_v) for layer, (heads, size, size_v)
-                   in enumerate(self.layer_shapes()) if layer not in readers)
+        return sum(layer_bytes(dtype, shape) for layer, shape in enumerate(self.layer_shapes())
+                   if layer not in readers)
 
     def windows(self) -> List[Window]:
         """Each layer's window (None: full attention; Chunked: chunked local attention)."""
@@ -159,6 +165,9 @@ PRESETS: Dict[str, ModelShape] = {
 # fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
 DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                                "fp8_e5m2": 1, "int8": 1}
+# Every dtype the calculator takes: the above, and the per-token formats (a row's bytes:
+# row_bytes).
+DTYPES: List[str] = sorted(DTYPE_BYTES) + list(TOKEN_FORMATS)
 
 
 def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,
@@ -201,30 +210,48 @@ def resolve_shape(preset: Optional[str] = None, layers: Optional[int] = None,
 
 def _dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
     return DTYPE_BYTES[dtype]
+
+
+def row_bytes(dtype: str, size: int) -> int:
+    """Bytes of one token's row of ``size`` values of one KV head (a per-token format's
+    scales included)."""
+    if dtype in TOKEN_FORMATS:
+        return bytes_per_token_head(TOKEN_FORMATS[dtype], size)
+    return size * _dtype_bytes(dtype)
+
+
+def layer_bytes(dtype: str, shape: LayerShape) -> int:
+    """Bytes one layer of ``shape`` (KV heads, key and value head size) stores per token."""
+    heads, size, size_v = shape
+    return heads * (row_bytes(dtype, size) + row_bytes(dtype, size_v))
 
 
 def bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """The cache's bytes per token: latent rows for an MLA shape, else K/V per head."""
     if shape.latent_size is not None:
+        if dtype in TOKEN_FORMATS:
+            raise ValueError(f"dtype {dtype} is not supported for latent rows (MLA): the values "
+                             "are a column view of the key rows, which a per-token row's scales "
+                             "do not serve")
         return shape.layers * shape.latent_size * _dtype_bytes(dtype)
     if shape.is_heterogeneous:
-        return shape.stored_values() * _dtype_bytes(dtype)
+        return shape.stored_bytes(dtype)
     return expanded_bytes_per_token(shape, dtype)
 
 
 def expanded_bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """Bytes per token with every layer's K/V stored per head (MLA models as transformers
     runs them)."""
-    return shape.layers * shape.expanded_layer_values() * _dtype_bytes(dtype)
+    return shape.layers * shape.expanded_layer_bytes(dtype)
 
 
 def kv_report(shape: ModelShape, dtype: str, max_len: int, block_size: Optional[int] = None,
               memory_gib: Optional[float] = None) -> Dict:
     """Sizes per token, per max_len sequence and per block, and what fits in memory_gib."""
     per_token = bytes_per_token(shape, dtype)
-    report = {**asdict(shape), "dtype": dtype, "dtype_bytes": DTYPE_BYTES[dtype],
+    report = {**asdict(shape), "dtype": dtype, "dtype_bytes": DTYPE_BYTES.get(dtype),
               "bytes_per_token": per_token, "max_len": max_len,
               "bytes_per_sequence": per_token * max_len}
     if shape.latent_size is not None:
@@ -251,7 +278,8 @@ def linear_state_report(shape: ModelShape, dtype: str, max_len: int,
     and the fixed state of the linear layers (states are not quantized: at least 2 bytes
     a value), against K/V in every layer."""
     kv = bytes_per_token(shape, dtype) * max_len
-    state = shape.linear_layers * shape.linear_state_values * max(2, _dtype_bytes(dtype))
+    state_bytes = 2 if dtype in TOKEN_FORMATS else max(2, _dtype_bytes(dtype))
+    state = shape.linear_layers * shape.linear_state_values * state_bytes
     every_layer = kv * (shape.layers + shape.linear_layers) // shape.layers
     report = {"linear_layers": shape.linear_layers, "kv_bytes_per_sequence": kv,
               "state_bytes_per_sequence": state, "bytes_per_sequence": kv + state,
@@ -286,16 +314,15 @@ def kv_group_report(shape: ModelShape, dtype: str, max_len: int, block_size: int
     slots, or ``padded_bytes`` per block where shapes differ) is counted in its
     ``bytes_held``. With layers of several shapes, "one table" stores every layer in the
     largest shape (one pool shape for every layer)."""
-    element = DTYPE_BYTES[dtype]
     shaped = shape.is_heterogeneous
     layout = KVGroupLayout.from_windows(shape.windows(), shape.layer_shapes() if shaped else None,
                                         shape.readers())
-    layer_block = shape.expanded_layer_values() * element * block_size  # the largest layer's
+    layer_block = shape.expanded_layer_bytes(dtype) * block_size  # the largest layer's
 
     def own_block(group) -> int:  # bytes a block of the group's layers fills
         if group.shape is None:
             return len(group.layers) * layer_block
-        return layout.page_elements(layout.groups.index(group), block_size) * element
+        return len(group.layers) * block_size * layer_bytes(dtype, group.shape)
     page = (max(own_block(g) for g in layout.groups) if layout.is_shaped
             else layout.layers_per_group * layer_block)
     held = held_blocks(layout.windows, max_len, block_size)

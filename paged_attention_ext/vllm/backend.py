@@ -18,6 +18,11 @@ state each (the whole block's tile) and the ``LHBNC`` order (the slot outside th
 or ``LBHNC`` (each block's key tile, then its value tile: the page-compact order vLLM's
 hybrid manager needs when linear-attention states share the pages); the ops read either
 through the block stride.
+
+Per-token caches (``int8_per_token_head``, ``int4_per_token_head``: vLLM's names, the ops'
+formats, :mod:`paged_attention_ext.token_quantization`): each head slot's state is the
+block's key (value) rows followed by their float32 scales, the layout of the engine's pages
+(``kv_cache.token_slot_views``), so a block's scales live and move with its rows.
 """
 
 import os
@@ -28,6 +33,8 @@ import torch
 
 from paged_attention_ext import ops, quantization
 from paged_attention_ext.cascade import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
+from paged_attention_ext.kv_cache import token_slot_bytes, token_slot_views
+from paged_attention_ext.token_quantization import TOKEN_FORMATS
 from paged_attention_ext.vllm.compat import VLLMInterfaceError, need, need_fields, need_member
 
 # What the backend takes from vLLM, each looked up through compat: a vLLM release that
@@ -48,8 +55,14 @@ AttentionSpec, KVCacheLayout = need(
     "the KV cache page description the backend customizes")
 need_fields(AttentionSpec,
             ["block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
-             "num_head_slots", "tokens_per_state", "state_content_bytes"],
+             "num_head_slots", "tokens_per_state", "state_content_bytes", "kv_quant_mode"],
             "customize_spec's page: key and value tiles as two head slots of one state")
+(KVQuantMode,) = need("vllm.v1.kv_cache_interface", ["KVQuantMode"],
+                      "which per-token format a page holds")
+# vLLM's per-token modes -> the cache dtype the ops read (int4 packed in uint8).
+TOKEN_MODES = {need_member(KVQuantMode, mode, "the per-token KV cache formats"): dtype
+               for mode, dtype in (("INT8_PER_TOKEN_HEAD", torch.int8),
+                                   ("INT4_PER_TOKEN_HEAD", torch.uint8))}
 # Head slot (key/value) outside the block: all key tiles, then all value tiles.
 KEYS_THEN_VALUES = need_member(KVCacheLayout, "LHBNC", "the KV cache order the ops read")
 # Each block's key tile then its value tile: one contiguous page, which vLLM's hybrid
@@ -79,8 +92,9 @@ class PagedAttentionBackend(AttentionBackend):
     # vLLM calls do_kv_cache_update (write_kv) before forward.
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = list(quantization.FLOAT_DTYPES)
-    # "auto": the model's dtype; "fp8" is e4m3. fp8 caches use vLLM's per-layer scales.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_FORMATS]
+    # "auto": the model's dtype; "fp8" is e4m3. fp8 caches use vLLM's per-layer scales;
+    # per-token caches keep their scales in their pages.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_FORMATS, *TOKEN_FORMATS]
 
     @staticmethod
     def get_name() -> str:
@@ -121,14 +135,19 @@ class PagedAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Two head slots (key, value), one state per block: the block's HND tile."""
+        """Two head slots (key, value), one state per block: the block's HND tile (a
+        per-token format: then its scales)."""
         if spec.num_head_slots is not None or spec.state_content_bytes is not None:
             return spec
         if spec.head_size != spec.head_size_v:
             raise NotImplementedError(
                 "paged_attention_ext's vLLM backend needs equal key and value head sizes, got "
                 f"{spec.head_size} and {spec.head_size_v}")
-        tile = spec.num_kv_heads * spec.block_size * spec.head_size * spec.dtype.itemsize
+        token_dtype = TOKEN_MODES.get(spec.kv_quant_mode)
+        if token_dtype is not None:
+            tile = token_slot_bytes(token_dtype, spec.num_kv_heads, spec.head_size, spec.block_size)
+        else:
+            tile = spec.num_kv_heads * spec.block_size * spec.head_size * spec.dtype.itemsize
         return replace(spec, num_head_slots=2, tokens_per_state=spec.block_size,
                        state_content_bytes=tile)
 
@@ -152,6 +171,28 @@ def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
             f"cache laid out by another backend?")
     shape = (num_blocks, num_kv_heads, tile // (num_kv_heads * head_size), head_size)
     return kv_cache[:, 0, 0].view(shape), kv_cache[:, 1, 0].view(shape)
+
+
+def split_token_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A per-token layer's ``[num_blocks, 2, 1, slot bytes]`` page view as the ops' key and
+    value caches of ``dtype`` (int8, or uint8 for packed int4) and their ``k_scale`` and
+    ``v_scale`` tensors (views into it)."""
+    kv_cache = kv_cache.view(dtype)
+    num_blocks, slots, states, tile = kv_cache.shape
+    per_token = token_slot_bytes(dtype, num_kv_heads, head_size, 1)
+    block_size = tile // per_token
+    if (slots != 2 or states != 1 or not block_size
+            or token_slot_bytes(dtype, num_kv_heads, head_size, block_size) != tile):
+        raise ValueError(
+            f"paged_attention_ext's vLLM backend: unexpected {dtype} KV cache shape "
+            f"{tuple(kv_cache.shape)} (want [num_blocks, 2, 1, block_size * num_kv_heads * "
+            f"{per_token} bytes]: rows and their scales); was the cache laid out by another "
+            "backend?")
+    (key_cache, k_scale), (value_cache, v_scale) = (
+        token_slot_views(kv_cache[:, part, 0], num_kv_heads, head_size, block_size)
+        for part in (0, 1))
+    return key_cache, value_cache, k_scale, v_scale
 
 
 @dataclass
@@ -254,6 +295,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = FP8_FORMATS.get(kv_cache_dtype)  # None: the cache has the model's dtype
+        self.per_token = TOKEN_FORMATS.get(kv_cache_dtype)  # int8, or uint8 (packed int4)
         self._checked_scales: set = set()  # id() of the layers whose fp8 scales were checked
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.alibi_slopes = (None if alibi_slopes is None
@@ -270,11 +312,9 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size,
-                                                self.fp8)
+        key_cache, value_cache, scales = self._caches(layer, kv_cache)
         n = slot_mapping.shape[0]
-        ops.write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping,
-                     **self._scales(layer))
+        ops.write_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping, **scales)
 
     def forward(
         self,
@@ -297,19 +337,27 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         n = m.num_actual_tokens
         if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
             self.alibi_slopes = self.alibi_slopes.to(query.device)  # built on the host
-        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size,
-                                                self.fp8)
+        key_cache, value_cache, scales = self._caches(layer, kv_cache)
         plan = m.cascade
         if (plan is not None and plan.applies_to(self.sliding_window, self.alibi_slopes)
                 and key_cache.shape[2] == m.cascade_block_size):
             output[:n] = plan.run(query[:n], key_cache, value_cache, self.scale, self.soft_cap,
-                                  self.sinks, **self._scales(layer))
+                                  self.sinks, **scales)
             return output
         ops.attention_out(output[:n], query[:n], key_cache, value_cache, m.block_table,
                           m.seq_lens, self.scale, m.query_start_loc, self.alibi_slopes,
-                          self.sliding_window, self.soft_cap, sinks=self.sinks,
-                          **self._scales(layer))
+                          self.sliding_window, self.soft_cap, sinks=self.sinks, **scales)
         return output
+
+    def _caches(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The layer's key and value caches in the ops' dtype, and the scales the ops take
+        with them (a per-token cache's are in its pages)."""
+        if self.per_token is not None:
+            key_cache, value_cache, k_scale, v_scale = split_token_kv_cache(
+                kv_cache, self.num_kv_heads, self.head_size, self.per_token)
+            return key_cache, value_cache, dict(k_scale=k_scale, v_scale=v_scale)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size, self.fp8)
+        return key_cache, value_cache, self._scales(layer)
 
     def _scales(self, layer) -> dict:
         """vLLM's per-layer fp32 scales (shape [] or [1]) for an fp8 cache, else none.

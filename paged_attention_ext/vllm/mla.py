@@ -50,8 +50,9 @@ class PagedMLAImpl(CPUMLAImpl):
         rows = latent_rows(kv_cache)
         if rows.dtype.itemsize == 1:
             raise NotImplementedError(
-                f"PagedMLABackend: kv_cache_dtype={kv_cache_dtype!r} (an fp8 latent cache) is not "
-                "supported by the vLLM MLA backend yet; use kv_cache_dtype='auto'")
+                f"PagedMLABackend: kv_cache_dtype={kv_cache_dtype!r} (a quantized latent cache: "
+                "fp8 or per-token) is not supported by the vLLM MLA backend yet; use "
+                "kv_cache_dtype='auto'")
         tokens = slot_mapping.shape[0]
         ops.write_kv(kv_c_normed[:tokens].reshape(tokens, 1, -1).to(rows.dtype),
                      k_pe[:tokens].reshape(tokens, 1, -1).to(rows.dtype),
