@@ -11,7 +11,7 @@ import transformers
 
 from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.hf import latent_prefill
-from paged_attention_ext.hf.latent_attention import absorbed_weights
+from paged_attention_ext.hf.latent_attention import absorbed_weights, forget_absorbed_weights
 from paged_attention_ext.testing import random_pair
 
 from hf_prompts import left_padded
@@ -160,6 +160,18 @@ def test_absorbed_weights_are_derived_once_and_again_when_the_weight_changes(pai
         weight = torch.randn_like(attention.kv_b_proj.weight)
     attention.kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
     assert all(torch.equal(a, b.float()) for a, b in zip(derived(), expected(weight)))
+    # Writes the stamp cannot see (through .data; in place on an inference tensor) take
+    # forget_absorbed_weights.
+    for write in ("data", "inference"):
+        before = derived()
+        if write == "data":
+            attention.kv_b_proj.weight.data.mul_(-1)
+        else:
+            with torch.inference_mode():
+                attention.kv_b_proj.weight.mul_(-1)
+        forget_absorbed_weights(model)
+        assert derived() is not before
+        assert all(torch.equal(a, b.float()) for a, b in zip(derived(), expected(attention.kv_b_proj.weight)))
 
 
 def test_generate_after_reloading_kv_b_proj_uses_the_new_weights(pair):

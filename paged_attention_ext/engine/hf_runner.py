@@ -30,7 +30,7 @@ import torch
 from ..block_table import blocks_needed
 from ..hf import ATTN_IMPLEMENTATION
 from ..hf.hooks import llama4_positions, packed_linear_attention
-from ..hf.latent_attention import check_absorbable
+from ..hf.latent_attention import check_absorbable, forget_absorbed_weights
 from ..hf.linear_states import LINEAR_ATTENTION
 from ..hf.linear_step import LinearStep, probe_states
 from ..hf.packed_latents import PackedLatentCache, packed_arguments
@@ -63,6 +63,7 @@ def model_spec(model: torch.nn.Module, mla_storage: str = "latent") -> ModelSpec
     if latent is not None:
         # Read with kv_b_proj absorbed: a projection that cannot be is refused now.
         check_absorbable(model, text.num_attention_heads, latent.head_size_v)
+        forget_absorbed_weights(model)  # a runner derives them from the weights it is given
         shape = latent
     else:  # expanded MLA: K/V per query head, key and value sizes differ
         shape = shapes[0] if shapes is not None else kv_head_shape(text)

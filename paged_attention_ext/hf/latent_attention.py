@@ -98,8 +98,8 @@ _DERIVED: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[torch.dtype, _Derived
 
 
 def _stamp(weight: torch.Tensor) -> Tuple:
-    # An inference-mode tensor keeps no version counter; it cannot be written in place
-    # outside inference mode, and its storage, dtype and device still tell a replacement.
+    # An inference-mode tensor keeps no version counter: its storage, dtype and device still
+    # tell a replacement, not a write in place (forget_absorbed_weights is for those).
     version = None if weight.is_inference() else weight._version
     return weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape)
 
@@ -123,6 +123,14 @@ def absorbed_weights(module: torch.nn.Module, heads: int, latent_size: int,
                 value_weight.to(dtype).transpose(1, 2).contiguous())
         derived = per_dtype[dtype] = _Derived(weakref.ref(weight), stamp, weights)
     return derived.weights
+
+
+def forget_absorbed_weights(model: torch.nn.Module) -> None:
+    """Drop every layer's derived weights, so the next call derives them from ``kv_b_proj``
+    as it is. Needed after writes the version stamp cannot see: through ``weight.data``
+    (``weight.data.copy_(new)``) or in place on an inference-mode weight."""
+    for module in model.modules():
+        _DERIVED.pop(module, None)
 
 
 def absorb_query(query: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
