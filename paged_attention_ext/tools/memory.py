@@ -164,7 +164,7 @@ PRESETS: Dict[str, ModelShape] = {
 
 # fp8 names as the caches' kv_cache_dtype takes them (docs/fp8.md); "fp8" is fp8_e4m3.
 DTYPE_BYTES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
-                               "fp8_e5m2": 1, "int8": 1}
+                               "fp8_e5m2": 1}
 # Every dtype the calculator takes: the above, and the per-token formats (a row's bytes:
 # row_bytes).
 DTYPES: List[str] = sorted(DTYPE_BYTES) + list(TOKEN_FORMATS)
