@@ -30,7 +30,9 @@ struct AttentionArgs {
   int64_t sliding_window;                            // -1: disabled
   double soft_cap;                                   // 0: disabled
   const std::optional<Tensor>& sinks;            // fp32 [num_heads]
-  const std::optional<Tensor>& k_scale;          // fp8 caches: fp32 [], [1] or [num_kv_heads]
+  // fp8 caches: fp32 [], [1] or [num_kv_heads]; per-token caches: fp32 [num_blocks,
+  // num_kv_heads, block_size] (int8) or [..., 2] (int4: scale, low), paged like the cache.
+  const std::optional<Tensor>& k_scale;
   const std::optional<Tensor>& v_scale;
   QueryPlacement placement;
 };
@@ -39,7 +41,7 @@ struct AttentionArgs {
 struct AttentionShape {
   int64_t num_tokens;
   int64_t num_heads;
-  int64_t head_size;    // of query and key_cache
+  int64_t head_size;    // of query and key_cache (values a row holds: int4 packs two a byte)
   int64_t head_size_v;  // of value_cache and out
   int64_t num_blocks;
   int64_t num_kv_heads;

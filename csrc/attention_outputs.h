@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention_args.h"
+#include "dtypes.h"
 
 namespace paged {
 
@@ -16,11 +17,12 @@ using AttentionIntoFn = void (*)(const char* op, const AttentionArgs& args, Tens
                                  const std::optional<Tensor>& lse);
 
 // [num_tokens, num_heads, head_size_v]: the query's rows and heads, the value cache's head
-// size. A malformed query or cache is rejected by Into before the result is used; until
+// size (an int4 cache's: twice its last dimension). A malformed query or cache is rejected by Into before the result is used; until
 // then the empty output only needs some valid shape.
 inline Tensor empty_out(const Tensor& query, const Tensor& value_cache) {
   std::vector<int64_t> sizes(query.sizes().begin(), query.sizes().end());
-  if (sizes.size() == 3 && value_cache.dim() == 4) sizes[2] = value_cache.size(3);
+  if (sizes.size() == 3 && value_cache.dim() == 4)
+    sizes[2] = value_cache.size(3) * values_per_element(value_cache.scalar_type());
   return empty(sizes, query.scalar_type(), query);
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -19,7 +20,10 @@ bool is_supported_float(ScalarType t) {
   return t == kFloat || t == kHalf || t == kBFloat16;
 }
 
-bool is_cache_dtype(ScalarType t) { return is_supported_float(t) || is_fp8(t); }
+bool is_cache_dtype(ScalarType t) { return is_supported_float(t) || is_fp8(t) || is_per_token(t); }
+
+// Caches that are quantized on the way in take inputs (query, key, value) of any float dtype.
+bool is_quantized(ScalarType t) { return is_fp8(t) || is_per_token(t); }
 
 void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank,
                 const char* layout) {
@@ -54,6 +58,8 @@ std::string dtype_name(ScalarType t) {
     case ScalarType::Double: return "float64";
     case kFloat8_e4m3fn: return "float8_e4m3fn";
     case kFloat8_e5m2: return "float8_e5m2";
+    case kChar: return "int8";
+    case kByte: return "uint8";
     default: return detail::concat(t);
   }
 }
@@ -65,7 +71,8 @@ void check_input_dtype(const char* op, const char* name, const Tensor& input,
   PAGED_CHECK_TYPE(input.scalar_type() == cache.scalar_type(), op, ": ", name, " is ",
                    dtype_name(input.scalar_type()), " but ", cache_name, " is ",
                    dtype_name(cache.scalar_type()), ": ", inputs, " and the caches must have the "
-                   "same dtype (or the caches are fp8, with k_scale and v_scale); cast with ",
+                   "same dtype (or the caches are fp8 or per-token, with k_scale and v_scale); "
+                   "cast with ",
                    name, ".to(", cache_name, ".dtype) or allocate the caches in ",
                    dtype_name(input.scalar_type()));
 }
@@ -98,7 +105,8 @@ int32_t read_i32(const Tensor& t, int64_t i) { return t.mutable_data_ptr<int32_t
 void check_cache_tensor(const char* op, const char* name, const Tensor& cache) {
   check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]");
   PAGED_CHECK_TYPE(is_cache_dtype(cache.scalar_type()), op, ": argument '", name,
-                   "' must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
+                   "' must be float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8 "
+                   "(int8_per_token_head) or uint8 (int4_per_token_head), got ",
                    cache.scalar_type());
   PAGED_CHECK_VALUE(cache.stride(3) == 1 || cache.size(3) <= 1, op, ": argument '", name,
                     "' must be contiguous in its last dimension (head_size), got strides ",
@@ -108,25 +116,60 @@ void check_cache_tensor(const char* op, const char* name, const Tensor& cache) {
                     cache.sizes(), "); two cache slots would share memory");
 }
 
-void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_heads,
+namespace {
+
+// A per-token cache's scale tensor: fp32 [num_blocks, num_kv_heads, block_size] (int8) or
+// [..., 2] (int4: scale, low; the pair contiguous), any strides otherwise, not overlapping
+// itself (write_kv writes it).
+void check_token_scales(const char* op, const char* name, const Tensor& t, const Tensor& cache) {
+  const bool int4 = cache.scalar_type() == kByte;
+  std::vector<int64_t> want{cache.size(0), cache.size(1), cache.size(2)};
+  if (int4) want.push_back(2);
+  PAGED_CHECK_VALUE(t.sizes().equals(Sizes(want.data(), want.size())), op, ": argument '", name,
+                    "' must have shape ",
+                    int4 ? "[num_blocks, num_kv_heads, block_size, 2] (scale, low)"
+                         : "[num_blocks, num_kv_heads, block_size]",
+                    " = ", want, ", one per slot of the ", dtype_name(cache.scalar_type()),
+                    " cache, got ", t.sizes());
+  PAGED_CHECK_VALUE(!int4 || t.stride(3) == 1, op, ": argument '", name,
+                    "' must be contiguous in its last dimension (scale, low), got strides ",
+                    t.strides());
+  PAGED_CHECK_VALUE(!overlaps_itself(t), op, ": argument '", name, "' is a view that overlaps "
+                    "itself (strides ", t.strides(), " for shape ", t.sizes(),
+                    "); two slots would share a scale");
+}
+
+}  // namespace
+
+void check_kv_scales(const char* op, const Tensor& key_cache, const Tensor& value_cache,
                      const std::optional<Tensor>& k_scale,
                      const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name) {
-  const std::pair<const char*, const std::optional<Tensor>*> scales[] = {
-      {"k_scale", &k_scale}, {"v_scale", &v_scale}};
-  for (const auto& [name, scale] : scales) {
-    if (!is_fp8(cache_dtype)) {
+  const ScalarType cache_dtype = key_cache.scalar_type();
+  const int64_t num_kv_heads = key_cache.size(1);
+  const std::tuple<const char*, const std::optional<Tensor>*, const Tensor*> scales[] = {
+      {"k_scale", &k_scale, &key_cache}, {"v_scale", &v_scale, &value_cache}};
+  for (const auto& [name, scale, cache] : scales) {
+    if (!is_quantized(cache_dtype)) {
       PAGED_CHECK_VALUE(!scale->has_value(), op, ": argument '", name, "' is only for fp8 "
-                        "caches (float8_e4m3fn, float8_e5m2), but the caches are ", cache_dtype,
-                        "; pass None");
+                        "(float8_e4m3fn, float8_e5m2) and per-token (int8, uint8) caches, but "
+                        "the caches are ", cache_dtype, "; pass None");
       continue;
     }
+    const bool per_token = is_per_token(cache_dtype);
     PAGED_CHECK_VALUE(scale->has_value(), op, ": the caches are ", cache_dtype,
-                      ", which needs argument '", name, "' (a float32 tensor of shape [], [1] "
-                      "or [num_kv_heads]); got None");
+                      ", which needs argument '", name, "' (a float32 tensor of shape ",
+                      !per_token ? "[], [1] or [num_kv_heads]"
+                      : cache_dtype == kByte ? "[num_blocks, num_kv_heads, block_size, 2]"
+                                             : "[num_blocks, num_kv_heads, block_size]",
+                      "); got None");
     const Tensor& t = **scale;
     check_dtype(op, name, t, kFloat);
     check_same_device(op, name, t, reference, reference_name);
+    if (per_token) {
+      check_token_scales(op, name, t, *cache);
+      continue;
+    }
     const bool per_layer = t.numel() == 1 && t.dim() <= 1;
     const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
     PAGED_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
@@ -140,9 +183,20 @@ void check_layer_caches(const char* op, const TensorList& key_caches,
                     ": arguments 'key_caches' and 'value_caches' must list the same number of "
                     "layers, got ", key_caches.size(), " and ", value_caches.size());
   for (size_t l = 0; l < key_caches.size(); ++l) {
-    check_cache_tensor(op, "key_caches", key_caches[l]);
-    check_cache_tensor(op, "value_caches", value_caches[l]);
-    PAGED_CHECK_VALUE(same_block_layout(key_caches[l], value_caches[l]) &&
+    // A per-token cache's scales move with it: int8's are 3-D fp32 [num_blocks,
+    // num_kv_heads, block_size] (int4's are 4-D fp32 and pass as a cache).
+    const auto check_paged = [&](const char* name, const Tensor& t) {
+      if (t.dim() == 3 && t.scalar_type() == kFloat)
+        PAGED_CHECK_VALUE(!overlaps_itself(t), op, ": argument '", name,
+                          "' is a view that overlaps itself (strides ", t.strides(),
+                          " for shape ", t.sizes(), ")");
+      else
+        check_cache_tensor(op, name, t);
+    };
+    check_paged("key_caches", key_caches[l]);
+    check_paged("value_caches", value_caches[l]);
+    PAGED_CHECK_VALUE(key_caches[l].dim() == value_caches[l].dim() &&
+                          same_block_layout(key_caches[l], value_caches[l]) &&
                           key_caches[l].scalar_type() == value_caches[l].scalar_type(),
                       op, ": key_caches[", l, "] and value_caches[", l,
                       "] must have the same dtype and shape (the head size may differ), got ",
@@ -183,8 +237,9 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                    args.query.scalar_type());
   check_cache_tensor(op, "key_cache", args.key_cache);
   check_cache_tensor(op, "value_cache", args.value_cache);
-  // A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
-  if (!is_fp8(args.key_cache.scalar_type()))
+  // A float cache has the query's dtype; an fp8 or per-token cache takes a query of any
+  // float dtype.
+  if (!is_quantized(args.key_cache.scalar_type()))
     check_input_dtype(op, "query", args.query, "key_cache", args.key_cache, "the query");
   check_dtype(op, "value_cache", args.value_cache, args.key_cache.scalar_type());
   PAGED_CHECK_VALUE(same_block_layout(args.value_cache, args.key_cache), op,
@@ -194,21 +249,30 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                     swapped_layout_hint(args.key_cache, args.value_cache));
   check_same_device(op, "key_cache", args.key_cache, args.query);
   check_same_device(op, "value_cache", args.value_cache, args.query);
-  check_kv_scales(op, args.key_cache.scalar_type(), args.key_cache.size(1), args.k_scale,
-                  args.v_scale, args.query, "query");
+  check_kv_scales(op, args.key_cache, args.value_cache, args.k_scale, args.v_scale, args.query,
+                  "query");
 
   AttentionShape s{};
   s.num_tokens = args.query.size(0);
   s.num_heads = args.query.size(1);
   s.head_size = args.query.size(2);
-  s.head_size_v = args.value_cache.size(3);
+  const int64_t packing = values_per_element(args.key_cache.scalar_type());
+  s.head_size_v = args.value_cache.size(3) * packing;
   s.num_blocks = args.key_cache.size(0);
   s.num_kv_heads = args.key_cache.size(1);
   s.block_size = args.key_cache.size(2);
 
-  PAGED_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
-                    ": argument 'key_cache' has head_size ", args.key_cache.size(3),
-                    " but 'query' has head_size ", s.head_size);
+  if (packing == 2) {
+    PAGED_CHECK_VALUE(args.key_cache.size(3) * 2 == s.head_size, op,
+                      ": argument 'key_cache' holds int4 rows of head_size ",
+                      args.key_cache.size(3) * 2, " (", args.key_cache.size(3),
+                      " bytes, two values a byte) but 'query' has head_size ", s.head_size,
+                      "; an int4 cache's last dimension is head_size // 2");
+  } else {
+    PAGED_CHECK_VALUE(args.key_cache.size(3) == s.head_size, op,
+                      ": argument 'key_cache' has head_size ", args.key_cache.size(3),
+                      " but 'query' has head_size ", s.head_size);
+  }
   check_head_size(op, "query", s.head_size, kMaxKeyHeadSize);
   check_head_size(op, "value_cache", s.head_size_v, kMaxValueHeadSize);
   PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
@@ -388,7 +452,7 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
                     "block_size of 'key_cache' ", key_cache.sizes(), ", got ", value_cache.sizes(),
                     swapped_layout_hint(key_cache, value_cache));
   check_dtype(op, "value_cache", value_cache, key_cache.scalar_type());
-  if (is_fp8(key_cache.scalar_type())) {  // quantized on the way in: any float input
+  if (is_quantized(key_cache.scalar_type())) {  // quantized on the way in: any float input
     PAGED_CHECK_TYPE(is_supported_float(key.scalar_type()), op,
                      ": argument 'key' must be float32, float16 or bfloat16, got ",
                      key.scalar_type());
@@ -397,16 +461,23 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
     check_input_dtype(op, "key", key, "key_cache", key_cache, "key, value");
     check_input_dtype(op, "value", value, "value_cache", value_cache, "key, value");
   }
-  const auto want_k = std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3)};
+  // An int4 cache packs two values a byte: key and value rows of twice its last dimension.
+  const int64_t packing = values_per_element(key_cache.scalar_type());
+  PAGED_CHECK_VALUE(packing == 1 || (key.size(2) % 2 == 0 && value.size(2) % 2 == 0), op,
+                    ": an int4 cache packs two values a byte: head_size ", key.size(2),
+                    " (key) and ", value.size(2), " (value) must be even");
+  const auto want_k =
+      std::vector<int64_t>{key.size(0), key_cache.size(1), key_cache.size(3) * packing};
   PAGED_CHECK_VALUE(key.sizes().equals(Sizes(want_k.data(), want_k.size())), op,
                     ": argument 'key' must be [num_tokens, num_kv_heads=", key_cache.size(1),
-                    ", head_size=", key_cache.size(3), "], got ", key.sizes(),
+                    ", head_size=", key_cache.size(3) * packing, "], got ", key.sizes(),
                     key_cache.size(1) != key.size(1) && key_cache.size(2) == key.size(1)
                         ? nhd_hint("key_cache") : std::string());
-  const auto want_v = std::vector<int64_t>{key.size(0), value_cache.size(1), value_cache.size(3)};
+  const auto want_v =
+      std::vector<int64_t>{key.size(0), value_cache.size(1), value_cache.size(3) * packing};
   PAGED_CHECK_VALUE(value.sizes().equals(Sizes(want_v.data(), want_v.size())), op,
                     ": argument 'value' must be [num_tokens=", key.size(0), ", num_kv_heads=",
-                    value_cache.size(1), ", head_size_v=", value_cache.size(3), "], got ",
+                    value_cache.size(1), ", head_size_v=", value_cache.size(3) * packing, "], got ",
                     value.sizes());
   PAGED_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
                     ": arguments 'key' and 'value' must be contiguous in their last dimension");
@@ -418,7 +489,7 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
       {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
       {"slot_mapping", &slot_mapping}};
   for (const auto& [name, t] : others) check_same_device(op, name, *t, key, "key");
-  check_kv_scales(op, key_cache.scalar_type(), key_cache.size(1), k_scale, v_scale, key, "key");
+  check_kv_scales(op, key_cache, value_cache, k_scale, v_scale, key, "key");
 }
 
 void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots) {

@@ -35,8 +35,8 @@ void check_merge_args(const char* op, const TensorList& outputs, const TensorLis
 
 // key [num_tokens, num_kv_heads, head_size] and value [num_tokens, num_kv_heads,
 // head_size_v] against their caches, which differ at most in head size.
-// With an fp8 cache, key and value may be any float dtype (one for both) and the scales
-// are required.
+// With an fp8 or per-token cache, key and value may be any float dtype (one for both) and
+// the scales are required; an int4 cache's rows hold head_size // 2 bytes.
 void check_write_kv_args(const Tensor& key, const Tensor& value,
                          const Tensor& key_cache, const Tensor& value_cache,
                          const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
@@ -59,16 +59,18 @@ void check_block_mapping_values(const char* op, const Tensor& block_mapping,
 // a joint K/V tensor pass; write_kv into an overlapping view would corrupt it).
 void check_cache_tensor(const char* op, const char* name, const Tensor& cache);
 
-// k_scale / v_scale: required for fp8 caches, refused for float ones; fp32, shape [],
-// [1] or [num_kv_heads], on the device of `reference`.
-void check_kv_scales(const char* op, ScalarType cache_dtype, int64_t num_kv_heads,
+// k_scale / v_scale: required for fp8 and per-token caches, refused for float ones; fp32
+// on the device of `reference`: fp8, shape [], [1] or [num_kv_heads]; per-token, one scale
+// (int8) or (scale, low) pair (int4) per slot of its cache, [num_blocks, num_kv_heads,
+// block_size(, 2)], any strides but the pair's, not overlapping itself.
+void check_kv_scales(const char* op, const Tensor& key_cache, const Tensor& value_cache,
                      const std::optional<Tensor>& k_scale,
                      const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name);
 
 // copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
 // and one shape but for the head size, every layer with the same num_blocks, all on
-// one device.
+// one device. A per-token cache's scale tensors (fp32, 3-D or 4-D) are layers too.
 void check_layer_caches(const char* op, const TensorList& key_caches,
                         const TensorList& value_caches);
 

@@ -39,9 +39,10 @@ STABLE_TORCH_LIBRARY(paged, m) {
       "float soft_cap=0.0, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) "
       "-> (Tensor, Tensor)");
   m.def("merge_attention_states(Tensor[] outputs, Tensor[] lses) -> (Tensor, Tensor)");
+  // Per-token caches (int8, uint8) get each written row's scales in k_scale / v_scale.
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");

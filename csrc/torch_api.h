@@ -36,6 +36,8 @@ constexpr ScalarType kHalf = ScalarType::Half;
 constexpr ScalarType kBFloat16 = ScalarType::BFloat16;
 constexpr ScalarType kFloat8_e4m3fn = ScalarType::Float8_e4m3fn;
 constexpr ScalarType kFloat8_e5m2 = ScalarType::Float8_e5m2;
+constexpr ScalarType kChar = ScalarType::Char;  // int8
+constexpr ScalarType kByte = ScalarType::Byte;  // uint8
 constexpr ScalarType kInt = ScalarType::Int;
 constexpr ScalarType kLong = ScalarType::Long;
 

@@ -3,8 +3,8 @@
 They let the ops trace under ``torch.compile`` and ``FakeTensorMode``. Shape
 checks live in the real kernels; here only what the output metadata needs, the device
 checks (a meta tensor among CPU ones sends the call here instead of to a kernel, so
-mixed devices must raise here as they do there), and the checks of the fp8 and layout
-arguments (cache dtypes, scales, strides), which a compiled graph must refuse at trace
+mixed devices must raise here as they do there), and the checks of the fp8, per-token
+and layout arguments (cache dtypes, scales, strides), which a compiled graph must refuse at trace
 time exactly as the kernels do. Those checks are :mod:`paged_attention_ext.op_checks`,
 the Python mirror of csrc/checks.cpp.
 """
@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .token_quantization import head_size_of
 from .op_checks import (check_attention_args, check_layer_caches_devices, check_merge_args,
                         check_swap_devices, check_write_kv_args)
 
@@ -27,10 +28,11 @@ def _checked_output(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                     out: Optional[torch.Tensor] = None,
                     lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention arguments in the op schema's order, checked; a new output
-    ``[num_tokens, num_heads, head_size_v]`` (the value cache's head size)."""
+    ``[num_tokens, num_heads, head_size_v]`` (the value cache's head size: twice its last
+    dimension for a packed int4 cache)."""
     check_attention_args(op, query, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, alibi_slopes, sinks, k_scale, v_scale, out, lse)
-    return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[-1]))
+    return query.new_empty((query.shape[0], query.shape[1], head_size_of(value_cache)))
 
 
 def _lse_of(out: torch.Tensor) -> torch.Tensor:

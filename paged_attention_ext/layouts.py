@@ -9,6 +9,9 @@ helpers build such views from the layouts vLLM, FlashInfer and transformers use:
   continuous batching): :func:`from_nhd`.
 * One joint tensor for K and V, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
   (vLLM) or ``[2, num_blocks, num_kv_heads, block_size, head_size]``: :func:`split_kv`.
+* A per-token cache's scale tensor laid out like its NHD cache, ``[num_blocks,
+  block_size, num_kv_heads(, 2)]``: :func:`scales_from_nhd` (a joint scale tensor:
+  ``scales.unbind(0)``, each through it).
 
 Writes through the views (:func:`paged_attention_ext.ops.write_kv`,
 :func:`~paged_attention_ext.ops.copy_blocks`) land in the original tensor. HND stays the
@@ -35,7 +38,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["from_nhd", "split_kv"]
+__all__ = ["from_nhd", "scales_from_nhd", "split_kv"]
 
 
 def from_nhd(cache: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,26 @@ def from_nhd(cache: torch.Tensor) -> torch.Tensor:
         raise ValueError("from_nhd: argument 'cache' must be 4-D [num_blocks, block_size, "
                          f"num_kv_heads, head_size], got shape {tuple(cache.shape)}")
     return cache.transpose(1, 2)
+
+
+def scales_from_nhd(scales: torch.Tensor) -> torch.Tensor:
+    """The HND-shaped view of a per-token cache's NHD scale tensor ``[num_blocks, block_size,
+    num_kv_heads]`` (int8) or ``[num_blocks, block_size, num_kv_heads, 2]`` (int4), laid
+    out like its NHD cache: ``scales.transpose(1, 2)``, the same memory.
+
+    Example::
+
+        >>> import torch
+        >>> from paged_attention_ext.layouts import scales_from_nhd
+        >>> view = scales_from_nhd(torch.zeros(8, 16, 2))
+        >>> view.shape, view.stride()
+        (torch.Size([8, 2, 16]), (32, 1, 2))
+    """
+    if scales.dim() not in (3, 4):
+        raise ValueError("scales_from_nhd: argument 'scales' must be 3-D [num_blocks, block_size, "
+                         "num_kv_heads] or 4-D [num_blocks, block_size, num_kv_heads, 2], got shape "
+                         f"{tuple(scales.shape)}")
+    return scales.transpose(1, 2)
 
 
 def split_kv(kv_cache: torch.Tensor, layout: str = "NHD") -> Tuple[torch.Tensor, torch.Tensor]:

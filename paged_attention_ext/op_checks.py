@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from .quantization import FLOAT_DTYPES, FP8_DTYPES
+from .token_quantization import TOKEN_DTYPES
 
 
 def scalar_type_name(dtype: torch.dtype) -> str:
@@ -29,7 +30,7 @@ def scalar_type_name(dtype: torch.dtype) -> str:
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn",
-                torch.float8_e5m2: "float8_e5m2"}
+                torch.float8_e5m2: "float8_e5m2", torch.int8: "int8", torch.uint8: "uint8"}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -50,7 +51,8 @@ def check_input_dtype(op: str, name: str, tensor: torch.Tensor, cache_name: str,
     if tensor.dtype != cache.dtype:
         raise TypeError(f"{op}: {name} is {dtype_name(tensor.dtype)} but {cache_name} is "
                         f"{dtype_name(cache.dtype)}: {inputs} and the caches must have the same "
-                        "dtype (or the caches are fp8, with k_scale and v_scale); cast with "
+                        "dtype (or the caches are fp8 or per-token, with k_scale and v_scale); "
+                        "cast with "
                         f"{name}.to({cache_name}.dtype) or allocate the caches in "
                         f"{dtype_name(tensor.dtype)}")
 
@@ -130,9 +132,10 @@ def check_cache_tensor(op: str, name: str, cache: torch.Tensor) -> None:
     """``check_cache_tensor``: a 4-D cache of a cache dtype, head dim contiguous, not
     overlapping itself."""
     check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
-    if cache.dtype not in FLOAT_DTYPES + FP8_DTYPES:
+    if cache.dtype not in FLOAT_DTYPES + FP8_DTYPES + TOKEN_DTYPES:
         raise TypeError(f"{op}: argument '{name}' must be float32, float16, bfloat16, "
-                        f"float8_e4m3fn or float8_e5m2, got {scalar_type_name(cache.dtype)}")
+                        "float8_e4m3fn, float8_e5m2, int8 (int8_per_token_head) or uint8 "
+                        f"(int4_per_token_head), got {scalar_type_name(cache.dtype)}")
     if cache.stride(3) != 1 and cache.size(3) > 1:
         raise ValueError(f"{op}: argument '{name}' must be contiguous in its last dimension "
                          f"(head_size), got strides {list(cache.stride())}")
@@ -142,24 +145,57 @@ def check_cache_tensor(op: str, name: str, cache: torch.Tensor) -> None:
                          "would share memory")
 
 
-def check_kv_scales(op: str, cache_dtype: torch.dtype, num_kv_heads: int,
+def is_quantized(dtype: torch.dtype) -> bool:
+    """``is_quantized``: a cache quantized on the way in (fp8, per-token), which takes inputs
+    of any float dtype."""
+    return dtype in FP8_DTYPES + TOKEN_DTYPES
+
+
+def check_token_scales(op: str, name: str, scale: torch.Tensor, cache: torch.Tensor) -> None:
+    """``check_token_scales``: a per-token cache's scales, one (int8) or a (scale, low) pair
+    (int4) per slot of the cache, the pair contiguous, not overlapping itself."""
+    int4 = cache.dtype == torch.uint8
+    want = [*cache.shape[:3], 2] if int4 else list(cache.shape[:3])
+    if static(*scale.shape, *want) and list(scale.shape) != want:
+        layout = ("[num_blocks, num_kv_heads, block_size, 2] (scale, low)" if int4
+                  else "[num_blocks, num_kv_heads, block_size]")
+        raise ValueError(f"{op}: argument '{name}' must have shape {layout} = {want}, one per "
+                         f"slot of the {dtype_name(cache.dtype)} cache, got {list(scale.shape)}")
+    if int4 and scale.dim() == 4 and scale.stride(3) != 1:
+        raise ValueError(f"{op}: argument '{name}' must be contiguous in its last dimension "
+                         f"(scale, low), got strides {list(scale.stride())}")
+    if overlaps_itself(scale):
+        raise ValueError(f"{op}: argument '{name}' is a view that overlaps itself (strides "
+                         f"{list(scale.stride())} for shape {list(scale.shape)}); two slots would "
+                         "share a scale")
+
+
+def check_kv_scales(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                     reference: torch.Tensor, reference_name: str) -> None:
-    """``check_kv_scales``: scales are required for fp8 caches and refused for float ones:
-    fp32, shape [], [1] or [num_kv_heads], on the device of ``reference``."""
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if cache_dtype not in FP8_DTYPES:
+    """``check_kv_scales``: scales are required for fp8 and per-token caches and refused for
+    float ones: fp32 on the device of ``reference``; fp8: shape [], [1] or [num_kv_heads];
+    per-token: one per slot of its cache (``check_token_scales``)."""
+    cache_dtype, num_kv_heads = key_cache.dtype, key_cache.shape[1]
+    for name, scale, cache in (("k_scale", k_scale, key_cache), ("v_scale", v_scale, value_cache)):
+        if not is_quantized(cache_dtype):
             if scale is not None:
-                raise ValueError(f"{op}: argument '{name}' is only for fp8 caches (float8_e4m3fn, "
-                                 f"float8_e5m2), but the caches are "
-                                 f"{scalar_type_name(cache_dtype)}; pass None")
+                raise ValueError(f"{op}: argument '{name}' is only for fp8 (float8_e4m3fn, "
+                                 "float8_e5m2) and per-token (int8, uint8) caches, but the caches "
+                                 f"are {scalar_type_name(cache_dtype)}; pass None")
             continue
+        per_token = cache_dtype in TOKEN_DTYPES
         if scale is None:
+            shape = ("[], [1] or [num_kv_heads]" if not per_token
+                     else "[num_blocks, num_kv_heads, block_size, 2]" if cache_dtype == torch.uint8
+                     else "[num_blocks, num_kv_heads, block_size]")
             raise ValueError(f"{op}: the caches are {scalar_type_name(cache_dtype)}, which needs "
-                             f"argument '{name}' (a float32 tensor of shape [], [1] or "
-                             "[num_kv_heads]); got None")
+                             f"argument '{name}' (a float32 tensor of shape {shape}); got None")
         check_dtype(op, name, scale, torch.float32)
         check_same_device(op, reference_name, reference, **{name: scale})
+        if per_token:
+            check_token_scales(op, name, scale, cache)
+            continue
         per_layer = scale.numel() == 1 and scale.dim() <= 1
         per_head = scale.dim() == 1 and scale.shape[0] == num_kv_heads
         if not (per_layer or per_head):
@@ -184,12 +220,13 @@ def check_attention_args(op: str, query: torch.Tensor, key_cache: torch.Tensor,
     check_float(op, "query", query)
     check_cache_tensor(op, "key_cache", key_cache)
     check_cache_tensor(op, "value_cache", value_cache)
-    # A float cache has the query's dtype; an fp8 cache takes a query of any float dtype.
-    if key_cache.dtype not in FP8_DTYPES:
+    # A float cache has the query's dtype; an fp8 or per-token cache takes a query of any
+    # float dtype.
+    if not is_quantized(key_cache.dtype):
         check_input_dtype(op, "query", query, "key_cache", key_cache, "the query")
     check_dtype(op, "value_cache", value_cache, key_cache.dtype)
     check_same_block_layout(op, key_cache, value_cache)
-    check_kv_scales(op, key_cache.dtype, key_cache.shape[1], k_scale, v_scale, query, "query")
+    check_kv_scales(op, key_cache, value_cache, k_scale, v_scale, query, "query")
     num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
     if static(num_heads, num_kv_heads, block_size) and not (
             num_kv_heads > 0 and num_heads % num_kv_heads == 0):
@@ -212,22 +249,28 @@ def check_write_kv_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch
     check_cache_tensor(op, "value_cache", value_cache)
     check_same_block_layout(op, key_cache, value_cache)
     check_dtype(op, "value_cache", value_cache, key_cache.dtype)
-    if key_cache.dtype in FP8_DTYPES:  # quantized on the way in: any float input
+    if is_quantized(key_cache.dtype):  # quantized on the way in: any float input
         check_float(op, "key", key)
         check_dtype(op, "value", value, key.dtype)
     else:
         check_input_dtype(op, "key", key, "key_cache", key_cache, "key, value")
         check_input_dtype(op, "value", value, "value_cache", value_cache, "key, value")
+    # An int4 cache packs two values a byte: rows of twice its last dimension.
+    packing = 2 if key_cache.dtype == torch.uint8 else 1
+    if packing == 2 and static(key.shape[2], value.shape[2]) and (key.shape[2] % 2
+                                                                   or value.shape[2] % 2):
+        raise ValueError(f"{op}: an int4 cache packs two values a byte: head_size "
+                         f"{key.shape[2]} (key) and {value.shape[2]} (value) must be even")
     # num_tokens is the key's own (the kernel compares it with itself): left out, so a
     # dynamic token count leaves the check in place.
-    want_k = (key_cache.shape[1], key_cache.shape[3])
+    want_k = (key_cache.shape[1], key_cache.shape[3] * packing)
     if static(*key.shape[1:], *want_k) and tuple(key.shape[1:]) != want_k:
         hint = (nhd_hint("key_cache") if key_cache.shape[1] != key.shape[1]
                 and key_cache.shape[2] == key.shape[1] else "")
         raise ValueError(f"{op}: argument 'key' must be [num_tokens, num_kv_heads="
-                         f"{key_cache.shape[1]}, head_size={key_cache.shape[3]}], got "
+                         f"{key_cache.shape[1]}, head_size={want_k[1]}], got "
                          f"{list(key.shape)}{hint}")
-    check_kv_scales(op, key_cache.dtype, key_cache.shape[1], k_scale, v_scale, key, "key")
+    check_kv_scales(op, key_cache, value_cache, k_scale, v_scale, key, "key")
 
 
 def check_merge_args(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> None:

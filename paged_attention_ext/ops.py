@@ -9,7 +9,9 @@ Layouts
 -------
 * Per layer, a key cache ``[num_blocks, num_kv_heads, block_size, head_size]`` and a
   value cache ``[num_blocks, num_kv_heads, block_size, head_size_v]`` (HND), of dtype
-  fp32/fp16/bf16 or fp8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, see below).
+  fp32/fp16/bf16, fp8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) or per-token
+  int8 / int4 (``torch.int8``; ``torch.uint8``, two values a byte: its last dim is
+  ``head_size // 2``), see below.
   ``head_size_v`` is usually ``head_size``; MLA models as transformers runs them
   (DeepSeek-V2/V3) use key 192 and value 128. Otherwise the two caches match:
   ``num_blocks``, ``num_kv_heads``, ``block_size``, dtype and device. Head sizes are
@@ -33,6 +35,15 @@ Layouts
   even, finite values and infinities beyond the format's largest finite value saturate to
   it, NaN stays NaN. The attention ops read ``float(stored) * scale[h]`` and compute in
   fp32 as with float caches; their query (and output) may be fp32, fp16 or bf16.
+* Per-token caches (:mod:`paged_attention_ext.token_quantization`, vLLM's
+  ``int8_per_token_head`` and ``int4_per_token_head``) keep one fp32 scale per (token, KV
+  head) row in a tensor beside each cache, passed as ``k_scale`` / ``v_scale`` and paged
+  like it (same block ids): ``[num_blocks, num_kv_heads, block_size]`` for int8 (``x = q *
+  scale``), ``[num_blocks, num_kv_heads, block_size, 2]`` (scale, low) for int4, whose rows
+  are rotated by a fixed random Hadamard transform (``r = q * scale + low``, ``x =
+  unrotate(r)``); any strides but the pair's. :func:`write_kv` quantizes each row from its
+  own values and writes its scales; the attention ops take a query of any float dtype
+  (int4: rotated per head, the output rotated back). Both scale tensors are required.
 * Token ``t`` of sequence ``i`` lives in block ``block_tables[i, t // block_size]`` at
   offset ``t % block_size``; its slot is ``block * block_size + offset`` (int64).
 * ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, row ``i`` the physical blocks
@@ -48,8 +59,9 @@ Messages name the op and the argument (``paged.attention: block_tables[1, 0] = 9
 a block of the cache (num_blocks = 8)``):
 
 * ``ValueError``: a wrong rank or shape, a cache whose head dimension is not contiguous or
-  that overlaps itself, a missing scale with an fp8 cache or a scale with a float one, a
-  scale of a wrong shape, head counts that do not
+  that overlaps itself, a missing scale with an fp8 or per-token cache or a scale with a
+  float one, a scale of a wrong shape (per-token: not one per slot of its cache), an int4
+  cache whose rows are not half the query's (or key's) head size, head counts that do not
   divide (with a hint when the cache looks like NHD: ``layouts.from_nhd(cache)``), an
   unsupported head size, lengths beyond the block table, inconsistent
   ``query_start_loc``, bad ``scale``/``soft_cap``/``sliding_window``, tensors on mixed
@@ -109,9 +121,10 @@ def attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``, dtype of the caches (fp32, fp16 or
-            bf16 with fp8 caches), last dim contiguous (token and head strides are free: a
-            view into a fused QKV works).
-        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, any strides with
+            bf16 with fp8 and per-token caches), last dim contiguous (token and head strides
+            are free: a view into a fused QKV works).
+        key_cache: ``[num_blocks, num_kv_heads, block_size, head_size]`` (int4:
+            ``head_size // 2`` bytes), any strides with
             ``stride(3) == 1`` (see Layouts); ``num_heads % num_kv_heads == 0`` (MHA, GQA,
             MQA): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
         value_cache: ``[num_blocks, num_kv_heads, block_size, head_size_v]``, dtype of
@@ -139,7 +152,8 @@ def attention(
             attention. None: no sink.
         k_scale, v_scale: fp32 ``[]``, ``[1]`` or ``[num_kv_heads]``, required with fp8
             caches, None otherwise: key (value) ``x`` stored for KV head ``h`` means
-            ``float(x) * k_scale[h]`` (``v_scale[h]``).
+            ``float(x) * k_scale[h]`` (``v_scale[h]``). Per-token caches: their scale
+            tensors, one per slot (see Layouts), as :func:`write_kv` wrote them.
 
     Scores, softmax and accumulation are fp32; the result is rounded once to the output
     dtype.
@@ -179,6 +193,21 @@ def attention(
         >>> torch.testing.assert_close(out8, want8)
         >>> (out8 - out).abs().max().item() < 0.1  # 3 mantissa bits: close to the float cache
         True
+
+    With an int4 cache (per-token scales, written by :func:`write_kv`)::
+
+        >>> from paged_attention_ext.token_quantization import scale_shape
+        >>> k4 = torch.empty(4, 2, 16, 32, dtype=torch.uint8)     # 64 values in 32 bytes
+        >>> v4 = torch.empty_like(k4)
+        >>> k_scales = torch.empty(scale_shape(torch.uint8, 4, 2, 16))   # [4, 2, 16, 2]
+        >>> v_scales = torch.empty_like(k_scales)
+        >>> pa.write_kv(key_cache.transpose(1, 2).reshape(64, 2, 64),
+        ...             value_cache.transpose(1, 2).reshape(64, 2, 64), k4, v4, slots, k_scales, v_scales)
+        >>> out4 = pa.attention(query, k4, v4, block_tables, seq_lens, 64 ** -0.5,
+        ...                     k_scale=k_scales, v_scale=v_scales)
+        >>> want4 = reference.attention(query.double(), k4, v4, block_tables, seq_lens, 64 ** -0.5,
+        ...                             k_scale=k_scales, v_scale=v_scales)
+        >>> torch.testing.assert_close(out4, want4.float())
     """
     try:
         return torch.ops.paged.attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -418,7 +447,7 @@ def write_kv(
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_size]``, dtype of the caches (fp32, fp16 or
-            bf16 with fp8 caches), last dim contiguous (e.g. a view into a fused QKV
+            bf16 with fp8 and per-token caches), last dim contiguous (e.g. a view into a fused QKV
             projection).
         value: ``[num_tokens, num_kv_heads, head_size_v]``, dtype of ``key``.
         key_cache, value_cache: the layer's caches (any view of the Layouts), modified in
@@ -430,7 +459,9 @@ def write_kv(
             caches, None otherwise: the cache stores ``fp8(saturate(key / k_scale[h]))``
             per KV head ``h`` (round to nearest even; beyond the largest finite value,
             infinities included, the largest finite value; NaN stays NaN), the same for
-            values.
+            values. Per-token caches: their scale tensors (see Layouts), written in place:
+            each row's scale (int8: ``amax / 127``; int4: ``(scale, low)`` of the rotated
+            row) at the row's block, head and offset.
 
     Example::
 
@@ -455,6 +486,15 @@ def write_kv(
         [2.0, 6.0, 448.0, nan]
         >>> k8[1, 2, 1, :4].float().tolist()   # head 1: x / 2.0
         [0.5, 1.5, 448.0, nan]
+
+    Quantizing into an int8 cache, one scale per row, written beside it::
+
+        >>> k_int8, v_int8 = torch.zeros(2, 2, 4, 8, dtype=torch.int8), torch.zeros(2, 2, 4, 8, dtype=torch.int8)
+        >>> k_s, v_s = torch.zeros(2, 2, 4), torch.zeros(2, 2, 4)
+        >>> key = torch.tensor([1.0, -2.0, 0.5, 254.0, 0.0, 0.0, 0.0, 0.0]).repeat(1, 2, 1)   # [1, 2, 8]
+        >>> pa.write_kv(key, key, k_int8, v_int8, torch.tensor([6]), k_s, v_s)
+        >>> k_s[1, 0, 2].item(), k_int8[1, 0, 2, :4].tolist()   # scale 254 / 127 = 2
+        (2.0, [0, -1, 0, 127])
     """
     try:
         torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
@@ -472,7 +512,8 @@ def copy_blocks(
 
     One call serves the copy-on-write and fork copies of all layers. Layer ``l``'s
     ``key_caches[l]`` and ``value_caches[l]`` have one dtype (fp8 included: blocks move as
-    bytes, their scales are the layer's) and block layout but may differ in head size and
+    bytes, their scales are the layer's; a per-token cache's scale tensors, fp32 3-D or
+    4-D, are passed as layers of their own beside it) and block layout but may differ in head size and
     strides (any view of the Layouts); every layer has the same ``num_blocks``. ``block_mapping`` is int64
     ``[num_pairs, 2]``; the copies are independent, so a destination appears once and is
     not also a source (checked).
@@ -496,7 +537,8 @@ def copy_blocks(
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """``dst[d] = src[s]`` for each row ``(s, d)`` of int64 ``block_mapping`` ``[num_pairs, 2]``.
 
-    ``src`` and ``dst`` are pools of one dtype (fp8 included) and block shape and any
+    ``src`` and ``dst`` are pools of one dtype (fp8 and per-token included: call it for
+    a per-token cache's scale tensors too, with the same mapping) and block shape and any
     number of blocks, e.g. a device cache and its (pinned) host swap space; call it once
     per K and V pool. Either may be a strided view (see Layouts; ``dst`` must not overlap
     itself); blocks that are one dense chunk of the same layout in both move as one copy.

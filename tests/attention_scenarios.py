@@ -6,10 +6,11 @@ Plain functions and parameter grids (no pytest), so test_cuda.py can also run th
 script on a machine without pytest.
 
 KV formats: :class:`KVFormat` names a cache dtype (fp8 with per-layer or
-per-head scales) and a layout (HND, NHD, a view into a joint K/V tensor, padded rows);
-:func:`with_format` turns a float HND case into it. The kv_format_* scenarios sample the
-formats across the adversarial cases; fp8 results are checked against a float64
-reference computed from the dequantized cache.
+per-head scales; the per-token int8 and int4 formats with their scale tensors) and a layout
+(HND, NHD, a view into a joint K/V tensor, padded rows; the per-token scales in the same
+layout); :func:`with_format` turns a float HND case into it. The kv_format_* and
+token_format_* scenarios sample the formats across the adversarial cases; quantized
+results are checked against a float64 reference computed from the dequantized cache.
 """
 
 import dataclasses
@@ -21,7 +22,9 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext import token_quantization
 from paged_attention_ext.quantization import FP8_DTYPES
+from paged_attention_ext.token_quantization import TOKEN_DTYPES
 from paged_case import (DTYPES, TOLERANCES, PagedCase, free_out_of_window, make_case, query_start_loc,
                         random_query)
 
@@ -98,16 +101,22 @@ def assert_matches_reference(device: str, query: torch.Tensor, case: PagedCase, 
     k_scale / v_scale) float64 from the dequantized cache, which the op must match to fp32
     rounding (then the output dtype's)."""
     out, lse = attention_with_lse(device, query, case, scale, **kwargs)
-    oracle_query = query.double() if case.key_cache.dtype in FP8_DTYPES else query
+    oracle_query = query.double() if quantized(case.key_cache.dtype) else query
     want, want_lse = ref.attention_with_lse(oracle_query, case.key_cache, case.value_cache,
                                             case.block_tables, case.seq_lens, scale, **kwargs)
     want, want_lse = want.to(query.dtype), want_lse.float()
     assert out.dtype == query.dtype
-    assert out.shape == query.shape[:2] + case.value_cache.shape[3:], "out has the value head size"
+    head_size_v = token_quantization.head_size_of(case.value_cache)
+    assert out.shape == query.shape[:2] + (head_size_v,), "out has the value head size"
     assert not out.isnan().any(), "NaN in output"
     torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[query.dtype])
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
     return out
+
+
+def quantized(dtype: torch.dtype) -> bool:
+    """fp8 and per-token caches: checked against the float64 reference."""
+    return dtype in FP8_DTYPES + TOKEN_DTYPES
 
 
 def edge_lengths(block_size: int) -> List[int]:
@@ -145,6 +154,8 @@ class KVFormat:
     def __str__(self) -> str:
         if self.cache_dtype is None:
             return self.layout
+        if self.cache_dtype in TOKEN_DTYPES:
+            return f"{'int8' if self.cache_dtype == torch.int8 else 'int4'}-token-{self.layout}"
         fmt = str(self.cache_dtype).replace("torch.float8_", "")
         return f"{fmt}-{'head' if self.per_head_scales else 'layer'}-{self.layout}"
 
@@ -154,6 +165,8 @@ HND = KVFormat()
 FP8_FORMATS = [KVFormat(d, per_head, layout) for layout in LAYOUTS[:4] for d in FP8_DTYPES
                for per_head in (False, True)]
 FLOAT_LAYOUTS = [KVFormat(layout=layout) for layout in LAYOUTS[1:4]]
+# The per-token formats (int8; uint8: int4) in every shared layout, scales laid out alike.
+TOKEN_FORMATS = [KVFormat(d, layout=layout) for layout in LAYOUTS[:4] for d in TOKEN_DTYPES]
 
 
 def fp8_scales(cache: torch.Tensor, used: torch.Tensor, dtype: torch.dtype,
@@ -169,10 +182,34 @@ def fp8_scales(cache: torch.Tensor, used: torch.Tensor, dtype: torch.dtype,
 
 
 def _filled(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A NaN-filled buffer (the padding of strided layouts must never be read)."""
+    """A NaN-filled buffer (the padding of strided layouts must never be read; per-token
+    rows: the largest code, their scales NaN)."""
     if dtype in FP8_DTYPES:
         return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)  # NaN in both formats
+    if dtype in TOKEN_DTYPES:
+        return torch.full(shape, 127, dtype=dtype)
     return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def relayout_scales(k_scale: torch.Tensor, v_scale: torch.Tensor,
+                    layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token scales [blocks, heads, block_size(, 2)] in the layout of their caches
+    (relayout): NHD, one joint tensor, a spare NaN row per block."""
+    if layout == "HND":
+        return k_scale, v_scale
+    if layout == "joint":
+        both = torch.stack((k_scale, v_scale)).transpose(2, 3).contiguous()
+        return both[0].transpose(1, 2), both[1].transpose(1, 2)
+
+    def one(scale: torch.Tensor) -> torch.Tensor:
+        if layout == "NHD":
+            return scale.transpose(1, 2).contiguous().transpose(1, 2)
+        nb, kvh, bs = scale.shape[:3]
+        buf = torch.full((nb, kvh, bs + 1) + scale.shape[3:], float("nan"))
+        buf[:, :, :bs] = scale
+        return buf[:, :, :bs]
+
+    return one(k_scale), one(v_scale)
 
 
 def relayout(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -205,7 +242,13 @@ def with_format(case: PagedCase, fmt: KVFormat) -> Tuple[PagedCase, Dict[str, to
     Poisoned unused slots stay poisoned: NaN quantizes to NaN, huge values saturate."""
     key_cache, value_cache = case.key_cache, case.value_cache
     extra: Dict[str, torch.Tensor] = {}
-    if fmt.cache_dtype is not None:
+    if fmt.cache_dtype in TOKEN_DTYPES:
+        # Each row quantized from its own values: NaN rows get NaN scales, huge ones huge.
+        key_cache, k_scale = token_quantization.quantize(key_cache.float(), fmt.cache_dtype)
+        value_cache, v_scale = token_quantization.quantize(value_cache.float(), fmt.cache_dtype)
+        k_scale, v_scale = relayout_scales(k_scale, v_scale, fmt.layout)
+        extra = {"k_scale": k_scale, "v_scale": v_scale}
+    elif fmt.cache_dtype is not None:
         k_scale = fp8_scales(key_cache, case.used_slots, fmt.cache_dtype, fmt.per_head_scales)
         v_scale = fp8_scales(value_cache, case.used_slots, fmt.cache_dtype, fmt.per_head_scales)
         key_cache = ref.quantize(key_cache.transpose(1, 2), k_scale, fmt.cache_dtype).transpose(1, 2)
@@ -216,10 +259,17 @@ def with_format(case: PagedCase, fmt: KVFormat) -> Tuple[PagedCase, Dict[str, to
     return dataclasses.replace(case, key_cache=key_cache, value_cache=value_cache), extra
 
 
-def poison_unused(case: PagedCase, value: float) -> None:
-    """PagedCase.poison_unused for any cache dtype and layout (fp8: ``value`` saturated)."""
+def poison_unused(case: PagedCase, value: float,
+                  extra: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """PagedCase.poison_unused for any cache dtype and layout (fp8: ``value`` saturated;
+    per-token: the largest codes, and ``value`` in their scales, ``extra``'s)."""
+    if case.key_cache.dtype in TOKEN_DTYPES:
+        for scale in extra.values():
+            scale.transpose(1, 2)[~case.used_slots] = value
     for cache in (case.key_cache, case.value_cache):
-        if cache.dtype in FP8_DTYPES:
+        if cache.dtype in TOKEN_DTYPES:
+            cache.permute(0, 2, 1, 3)[~case.used_slots] = 127
+        elif cache.dtype in FP8_DTYPES:
             limit = torch.finfo(cache.dtype).max
             byte = torch.tensor(value).clamp(-limit, limit).to(cache.dtype).view(torch.uint8)
             cache.view(torch.uint8).permute(0, 2, 1, 3)[~case.used_slots] = byte
@@ -493,10 +543,20 @@ def latent_case(lens: Sequence[int], block_size: int, cache_dtype: torch.dtype,
                 fp8: Optional[torch.dtype] = None, seed: int = 0) -> Tuple[PagedCase, Dict[str, torch.Tensor]]:
     """An MLA latent cache: one 576-wide row per token on one KV head, the keys the whole
     row and the values its leading 512 columns, a view of the same memory (never a copy);
-    with ``fp8``, quantized with one scale (the op's k_scale and v_scale)."""
+    with ``fp8``, quantized with one scale (the op's k_scale and v_scale). Per-token: int8
+    rows and their scales serve as both too; int4 rows are rotated whole, so the values
+    are rows of their own (the leading 512 columns quantized apart)."""
     case = make_case(lens, 1, 576, block_size, torch.float32, head_size_v=8, seed=seed)
     key, extra = case.key_cache.to(cache_dtype), {}
-    if fp8 is not None:
+    if fp8 == torch.uint8:
+        key, k_scale = token_quantization.quantize(case.key_cache, fp8)
+        value, v_scale = token_quantization.quantize(case.key_cache[..., :512], fp8)
+        case.key_cache, case.value_cache = key, value
+        return case, {"k_scale": k_scale, "v_scale": v_scale}
+    if fp8 == torch.int8:
+        key, scale = token_quantization.quantize(case.key_cache, fp8)
+        extra = {"k_scale": scale, "v_scale": scale}
+    elif fp8 is not None:
         scale = fp8_scales(case.key_cache, case.used_slots, fp8, per_head=False)
         key = ref.quantize(case.key_cache.transpose(1, 2), scale, fp8).transpose(1, 2).contiguous()
         extra = {"k_scale": scale, "v_scale": scale}
@@ -666,6 +726,64 @@ def kv_format_unused_slots_do_not_change_output(device, kv, poison):
     assert torch.equal(before, after)
 
 
+# ---- per-token int8 / int4 caches across the adversarial cases ------------------------------
+
+@scenario(kv=TOKEN_FORMATS, block_size=[1, 16, 32, 256])
+def token_format_edge_lengths(device, kv, block_size):
+    # Random block order, lengths 1, bs-1, bs, bs+1, a padded row, NaN rows (so NaN scales)
+    # in unused slots; a query of each float dtype in turn.
+    lens = edge_lengths(block_size) + [0]
+    dtype = DTYPES[(TOKEN_FORMATS.index(kv) + block_size) % 3]
+    case, extra = with_format(make_case(lens, 2, 64, block_size, torch.float32), kv)
+    out = assert_matches_reference(device, random_query(len(lens), 8, 64, dtype), case, 0.125, **extra)
+    assert (out[-1] == 0).all(), "a padded row must yield zeros"
+
+
+@scenario(feature=list(KV_FEATURES), sample=range(4))
+def token_format_features(device, feature, sample):
+    # Each feature in 4 per-token formats (int8 and int4 in each), the query dtype rotating.
+    offset = 4 * list(KV_FEATURES).index(feature) + sample
+    kv = sample_formats(TOKEN_FORMATS, 1, offset)[0]
+    KV_FEATURES[feature](device, lambda case: with_format(case, kv), DTYPES[offset % 3])
+
+
+@scenario(cache_dtype=TOKEN_DTYPES, head_size=[96, 256, 512], multi_token=[False, True])
+def token_format_head_sizes(device, cache_dtype, head_size, multi_token):
+    # Head sizes up to Gemma-4's 512 (int4: rotation blocks of 32, 256 and 512 channels),
+    # GQA 4:1, sinks and soft cap.
+    lens, q_lens = [1, 15, 16, 17, 100, 0], [1, 3, 16, 17, 40, 0]
+    case, extra = with_format(make_case(lens, 2, head_size, 16, torch.float32),
+                              KVFormat(cache_dtype, layout="NHD" if multi_token else "HND"))
+    qsl = query_start_loc(q_lens) if multi_token else None
+    dtype = DTYPES[head_size % 3]
+    query = random_query(sum(q_lens) if multi_token else len(lens), 8, head_size, dtype)
+    assert_matches_reference(device, query, case, head_size ** -0.5, query_start_loc=qsl,
+                             soft_cap=30.0, sinks=random_sinks(8), **extra)
+
+
+@scenario(cache_dtype=TOKEN_DTYPES, multi_token=[False, True])
+def token_format_mla_latent_rows(device, cache_dtype, multi_token):
+    lens = [1, 15, 17, 300, 0]
+    q_lens = [1, 3, 17, 20, 0] if multi_token else None
+    case, extra = latent_case(lens, 16, torch.float32, cache_dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    query = random_query(sum(q_lens) if multi_token else len(lens), 16, 576, torch.bfloat16)
+    assert_matches_reference(device, query, case, 192 ** -0.5, query_start_loc=qsl,
+                             sinks=random_sinks(16), **extra)
+
+
+@scenario(kv=TOKEN_FORMATS, poison=[float("nan"), 1e30])
+def token_format_unused_slots_do_not_change_output(device, kv, poison):
+    # Unused slots' rows at the largest code and their scales NaN or huge.
+    lens = [1, 15, 16, 17, 0, 40]
+    case, extra = with_format(make_case(lens, 2, 64, 16, torch.float32, poison=None), kv)
+    query = random_query(len(lens), 4, 64, torch.float32)
+    before, _ = attention_with_lse(device, query, case, 0.125, **extra)
+    poison_unused(case, poison, extra)
+    after, _ = attention_with_lse(device, query, case, 0.125, **extra)
+    assert torch.equal(before, after)
+
+
 # ---- shared prefixes (cascade attention) ------------------------------------------------------
 
 @dataclasses.dataclass
@@ -736,7 +854,7 @@ def shared_prefix_attention(device: str, query: torch.Tensor, case: PagedCase,
 def assert_prefix_matches_reference(device: str, query: torch.Tensor, case: PagedCase,
                                     group_starts: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
     out, lse = shared_prefix_attention(device, query, case, group_starts, scale, **kwargs)
-    oracle_query = query.double() if case.key_cache.dtype in FP8_DTYPES else query
+    oracle_query = query.double() if quantized(case.key_cache.dtype) else query
     want, want_lse = ref.shared_prefix_attention(oracle_query, case.key_cache, case.value_cache,
                                                  case.block_tables, case.seq_lens, group_starts,
                                                  scale, **kwargs)
@@ -785,9 +903,9 @@ def shared_prefix_sinks_soft_cap_and_long_prefix(device, dtype):
                                     sinks=sinks, soft_cap=3.0)
 
 
-@scenario(fmt=FP8_FORMATS[:4] + FLOAT_LAYOUTS)
+@scenario(fmt=FP8_FORMATS[:4] + FLOAT_LAYOUTS + TOKEN_FORMATS)
 def shared_prefix_kv_formats(device, fmt):
-    # fp8 caches (per-layer and per-head scales) and strided layouts.
+    # fp8 caches (per-layer and per-head scales), per-token caches and strided layouts.
     case = shared_prefix_case([17, 33, 64], [2, 4, 1], [1] * 7, 2, 64, 16, torch.float32)
     prefixes, extra = with_format(case.prefixes, fmt)
     query = random_query(7, 8, 64, torch.bfloat16 if fmt.cache_dtype else torch.float32)

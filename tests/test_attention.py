@@ -59,11 +59,13 @@ def test_every_instruction_set(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
-@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["float", "e4m3"])
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn, torch.int8, torch.uint8],
+                         ids=["float", "e4m3", "int8", "int4"])
 def test_head_sizes_past_256(isa, fp8):
     """Gemma-4's global layers (head 512, GQA 4:1) and MLA's latent rows (keys 576 wide,
     values their leading 512 columns, 16 query heads on the one latent head), decode and
-    multi-token, with sinks and soft cap, on each ISA and query dtype."""
+    multi-token, with sinks and soft cap, on each ISA and query dtype; float, fp8 and
+    per-token caches."""
     select_isa(isa)
     lens = [1, 15, 16, 17, 100, 0]
     for i, dtype in enumerate(DTYPES):
@@ -110,9 +112,10 @@ def test_output_rows_at_their_strides(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
+@pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES + scenarios.TOKEN_DTYPES, ids=str)
 def test_every_instruction_set_fp8(isa, fp8):
-    """fp8 caches on each ISA's conversion (F16C / AVX-512 / scalar), with each query dtype,
+    """fp8 (and per-token int8 / int4) caches on each ISA's conversion (F16C / AVX-512 /
+    scalar; per-token rows widened with their scales), with each query dtype,
     per-layer and per-head scales, whole-vector, ragged and mixed head sizes, and
     special stored values (NaN in a visible row must reach the output, as in the
     reference; subnormals and the largest values convert exactly). Lengths around the
@@ -179,7 +182,7 @@ TILE_HEADS = [(3, 3), (6, 3), (6, 2), (8, 2), (12, 2), (8, 1)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", DTYPES + list(scenarios.FP8_DTYPES), ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + list(scenarios.FP8_DTYPES + scenarios.TOKEN_DTYPES), ids=str)
 def test_register_tiles_on_every_instruction_set(isa, dtype):
     select_isa(isa)
     lens = [1, 31, 32, 33, 70]
@@ -218,7 +221,8 @@ def test_fp16_conversion_of_every_bit_pattern(isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_layouts_on_every_instruction_set(layout, dtype):
     """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
-    each ISA: float caches of each dtype and an fp8 cache per layout."""
+    each ISA: float caches of each dtype, an fp8 and a per-token cache (scales alike) per
+    layout."""
     lens = [1, 15, 16, 17, 100, 0]
     for isa in supported_isas():
         select_isa(isa)
@@ -231,6 +235,10 @@ def test_strided_layouts_on_every_instruction_set(layout, dtype):
         fp8 = scenarios.FP8_DTYPES[DTYPES.index(dtype) % 2]
         case, extra = scenarios.with_format(make_case(lens, 2, 64, 16, torch.float32),
                                             scenarios.KVFormat(fp8, True, layout))
+        assert_matches_reference(random_query(len(lens), 4, 64, dtype), case, 0.125, **extra)
+        token = scenarios.TOKEN_DTYPES[DTYPES.index(dtype) % 2]
+        case, extra = scenarios.with_format(make_case(lens, 2, 64, 16, torch.float32),
+                                            scenarios.KVFormat(token, layout=layout))
         assert_matches_reference(random_query(len(lens), 4, 64, dtype), case, 0.125, **extra)
 
 
@@ -349,10 +357,11 @@ def test_work_splits(dtype, num_kv_heads, group, lens):
                              sinks=scenarios.random_sinks(num_kv_heads * group))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16] + list(scenarios.FP8_DTYPES), ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16] + list(scenarios.FP8_DTYPES + scenarios.TOKEN_DTYPES),
+                         ids=str)
 @pytest.mark.parametrize("block_size", [16, 32, 64, 8])
 def test_amx_tiles(cache_dtype, block_size):
-    """The amx kernel's own edges: query tiles of 2 to 16 queries and KV heads of more
+    """The amx kernel's own edges (per-token caches: handed to the vector kernel): query tiles of 2 to 16 queries and KV heads of more
     (balanced tiles with padding; one query per KV head, MHA decode, is the vector kernel's
     fallback, its multi-token rows take the tiles), decode tiles of 2, 4 and 8 queries with
     compact score rows, key groups of 16 inside blocks of 16-64 (8: the fallback), chunks

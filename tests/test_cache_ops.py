@@ -5,8 +5,10 @@ import torch
 
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext import token_quantization
 from paged_attention_ext.layouts import from_nhd, split_kv
 from paged_attention_ext.quantization import FP8_DTYPES
+from paged_attention_ext.token_quantization import TOKEN_DTYPES
 from paged_case import DTYPES
 
 
@@ -271,3 +273,117 @@ def test_copy_and_swap_blocks_fp8_and_strided_views(dtype, layout):
     pa.swap_blocks(host, keys[0], torch.tensor([[0, 4]]))
     after = bits(keys[0])
     assert torch.equal(after[4], bits(host[0])) and torch.equal(after[:4], before[:4])
+
+
+# ---- per-token int8 / int4 caches ------------------------------------------------------------
+
+
+def token_rows(num_tokens: int, head_size: int, seed: int = 0) -> torch.Tensor:
+    """[num_tokens, 2, head_size] rows of every kind a row quantizes differently: random of
+    many magnitudes, exact rounding ties, zero and constant rows, one outlier, NaN, inf,
+    huge, subnormal."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(num_tokens, 2, head_size, generator=gen)
+    rows *= torch.logspace(-3, 3, num_tokens)[:, None, None]
+    rows[0, 0] = (torch.arange(head_size) - head_size // 2) * 0.5  # ties at every step
+    rows[1, 0], rows[1, 1] = 0.0, 3.25  # zero row; constant row (int4: scale 0)
+    rows[2, 0, 5] = 1e4  # one outlier channel
+    rows[3, 0, 7], rows[3, 1, 2] = float("nan"), float("inf")
+    rows[4, 0], rows[4, 1] = 3e38, 1e-42
+    return rows
+
+
+def assert_token_rows_match(cache, scales, want_cache, want_scales):
+    """int8: rows and scales bit-exact (NaN scales of NaN rows as NaN). int4: scales to fp32 rounding (the rotation's
+    order), and each value within one step of the reference's."""
+    if cache.dtype == torch.int8:
+        assert torch.equal(cache, want_cache)
+        torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
+        return
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0, equal_nan=True)
+    got = token_quantization.dequantize_int4(cache, scales, rotated=False)
+    want = token_quantization.dequantize_int4(want_cache, want_scales, rotated=False)
+    step = want_scales[..., 0, None].abs().expand_as(want)  # rows not written: -5, unchanged
+    finite = want.isfinite() & step.isfinite()
+    assert ((got - want).abs()[finite] <= step[finite] * 1.0001 + 1e-30).all()
+    assert torch.equal(got.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize("cache_dtype", TOKEN_DTYPES, ids=["int8", "int4"])
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("head_size,head_size_v", [(64, 64), (128, 96), (576, 512)])
+def test_write_kv_per_token_matches_the_reference(cache_dtype, in_dtype, head_size, head_size_v):
+    num_tokens, block_size = 40, 16
+    key = token_rows(num_tokens, head_size).to(in_dtype)
+    value = token_rows(num_tokens, head_size_v, seed=1).to(in_dtype)
+    num_blocks = -(-num_tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[9] = -1  # padding: nothing written
+    caches, scales = [], []
+    for _ in range(2):  # the kernel's and the reference's
+        caches.append(tuple(torch.full((num_blocks, 2, block_size,
+                                        token_quantization.stored_head_size(cache_dtype, hs)),
+                                       7, dtype=cache_dtype) for hs in (head_size, head_size_v)))
+        scales.append(tuple(torch.full(token_quantization.scale_shape(cache_dtype, num_blocks, 2,
+                                                                      block_size), -5.0)
+                            for _ in range(2)))
+    pa.write_kv(key, value, *caches[0], slots, *scales[0])
+    ref.write_kv(key, value, *caches[1], slots, *scales[1])
+    for got, got_scale, want, want_scale in zip(caches[0], scales[0], caches[1], scales[1]):
+        assert_token_rows_match(got, got_scale, want, want_scale)
+
+
+@pytest.mark.parametrize("cache_dtype", TOKEN_DTYPES, ids=["int8", "int4"])
+@pytest.mark.parametrize("layout", ["NHD", "joint", "padded"])
+def test_write_kv_per_token_into_strided_views(cache_dtype, layout):
+    """Caches and scales as strided views (NHD; one joint tensor for K and V; spare rows)."""
+    nb, bs, hs = 6, 16, 64
+    stored = token_quantization.stored_head_size(cache_dtype, hs)
+    key_cache = torch.zeros(nb, 2, bs, stored, dtype=cache_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    k_scale = torch.zeros(token_quantization.scale_shape(cache_dtype, nb, 2, bs))
+    v_scale = torch.zeros_like(k_scale)
+    if layout == "NHD":
+        views = [nhd_view(t) for t in (key_cache, value_cache)] + [
+            s.transpose(1, 2).contiguous().transpose(1, 2) for s in (k_scale, v_scale)]
+    elif layout == "joint":
+        kv = torch.zeros(2, nb, bs, 2, stored, dtype=cache_dtype)
+        scales = torch.zeros((2, nb, bs, 2) + k_scale.shape[3:])
+        views = list(split_kv(kv)) + [scales[0].transpose(1, 2), scales[1].transpose(1, 2)]
+    else:
+        views = [padded_view(t) for t in (key_cache, value_cache)]
+        for s in (k_scale, v_scale):
+            buf = torch.full((nb, 3, bs + 2) + s.shape[3:], float("nan"))  # NaN around the view
+            views.append(buf[:, 1:, 1:bs + 1].zero_())
+    key, value = token_rows(9, hs).bfloat16(), token_rows(9, hs, seed=2).bfloat16()
+    slots = torch.tensor([0, 5, 17, 33, -1, 90, 95, 64, 48])
+    ref.write_kv(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+    pa.write_kv(key, value, views[0], views[1], slots, views[2], views[3])
+    assert_token_rows_match(views[0], views[2], key_cache, k_scale)
+    assert_token_rows_match(views[1], views[3], value_cache, v_scale)
+
+
+@pytest.mark.parametrize("cache_dtype", TOKEN_DTYPES, ids=["int8", "int4"])
+def test_copy_and_swap_blocks_move_per_token_caches_and_their_scales(cache_dtype):
+    """copy_blocks takes the scale tensors as layers of their own (the same mapping);
+    swap_blocks moves each tensor, caches and scales, to the host pool and back."""
+    nb, bs, hs = 8, 16, 64
+    tensors = []
+    for seed in range(2):
+        rows = torch.randint(0, 255, (nb, 2, bs, token_quantization.stored_head_size(cache_dtype, hs)),
+                             generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+        tensors.append(rows.view(cache_dtype) if cache_dtype == torch.int8 else rows)
+        tensors.append(torch.randn(token_quantization.scale_shape(cache_dtype, nb, 2, bs)))
+    keys, values = [tensors[0], tensors[1]], [tensors[2], tensors[3]]
+    mapping = torch.tensor([[0, 5], [3, 1], [7, 2]])
+    want = [t.clone() for t in keys + values]
+    ref.copy_blocks(want[:2], want[2:], mapping)
+    pa.copy_blocks(keys, values, mapping)
+    for got, expected in zip(keys + values, want):
+        assert torch.equal(bits(got), bits(expected))
+    for t in keys + values:
+        host = torch.zeros((4,) + t.shape[1:], dtype=t.dtype)
+        pa.swap_blocks(t, host, torch.tensor([[7, 0], [2, 3]]))
+        assert torch.equal(bits(host[0]), bits(t[7])) and torch.equal(bits(host[3]), bits(t[2]))
+        pa.swap_blocks(host, t, torch.tensor([[0, 4]]))
+        assert torch.equal(bits(t[4]), bits(t[7]))

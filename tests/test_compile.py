@@ -184,3 +184,72 @@ def test_compile_fullgraph_fp8_write_then_attend_matches_eager(per_head):
     assert torch.equal(got_k.view(torch.uint8), eager_k.view(torch.uint8))
     explanation = torch._dynamo.explain(fp8_decode_step)(query, key, value, *fresh(), slots, *args)
     assert explanation.graph_break_count == 0
+
+
+# ---- per-token int8 / int4 caches: scale tensors beside the caches, written by write_kv --------
+
+@pytest.mark.parametrize("cache_dtype,layout", [(torch.int8, "HND"), (torch.uint8, "NHD"),
+                                                (torch.int8, "joint"), (torch.uint8, "padded")],
+                         ids=str)
+def test_opcheck_per_token_caches(cache_dtype, layout):
+    # int caches compare with allclose, so the full opcheck runs (test_schema included: write_kv
+    # declares k_scale / v_scale mutable, and the attention ops mutate nothing).
+    lens = [5, 17, 0, 33]
+    case = make_case(lens, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
+                     poison=None)
+    case, extra = scenarios.with_format(case, scenarios.KVFormat(cache_dtype, layout=layout))
+    query = random_query(len(lens), 4, 64, torch.bfloat16)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, None,
+            None, -1, 0.0, torch.randn(4), extra["k_scale"], extra["v_scale"])
+    torch.library.opcheck(torch.ops.paged.attention.default, args)
+    torch.library.opcheck(torch.ops.paged.attention_with_lse.default, args)
+    torch.library.opcheck(torch.ops.paged.attention_out.default,
+                          (query.new_empty(query.shape), torch.empty(4, 4)) + args)
+    torch.library.opcheck(torch.ops.paged.write_kv.default,
+                          (torch.randn(3, 2, 64), torch.randn(3, 2, 64), case.key_cache,
+                           case.value_cache, torch.tensor([5, -1, 40]), extra["k_scale"],
+                           extra["v_scale"]))
+    torch.library.opcheck(torch.ops.paged.copy_blocks.default,
+                          ([case.key_cache, extra["k_scale"]], [case.value_cache, extra["v_scale"]],
+                           torch.tensor([[0, 5]])))
+    torch.library.opcheck(torch.ops.paged.swap_blocks.default,
+                          (extra["k_scale"], torch.zeros((2,) + extra["k_scale"].shape[1:]),
+                           torch.tensor([[3, 0]])))
+
+
+def token_decode_step(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
+                      seq_lens, k_scale, v_scale):
+    pa.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return pa.attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125,
+                        k_scale=k_scale, v_scale=v_scale) * 2.0
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8], ids=["int8", "int4"])
+def test_compile_fullgraph_per_token_write_then_attend_matches_eager(cache_dtype):
+    lens = [9, 16, 1]
+    base = make_case(lens, num_kv_heads=2, head_size=64, block_size=8, dtype=torch.float32,
+                     poison=None)
+    case, extra = scenarios.with_format(base, scenarios.KVFormat(cache_dtype))
+    slots = torch.tensor([int(case.block_tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8
+                          for i, n in enumerate(lens)])
+    query = random_query(3, 4, 64, torch.float16)
+    key, value = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+
+    def fresh():  # copies of the caches and the scales (write_kv writes both)
+        return [t.clone() for t in (case.key_cache, case.value_cache, extra["k_scale"], extra["v_scale"])]
+
+    def run(step, tensors):
+        k, v, ks, vs = tensors
+        return step(query, key, value, k, v, slots, case.block_tables, case.seq_lens, ks, vs)
+
+    eager = fresh()
+    want = run(token_decode_step, eager)
+    torch._dynamo.reset()
+    got_tensors = fresh()
+    got = run(torch.compile(token_decode_step, fullgraph=True), got_tensors)
+    torch.testing.assert_close(got, want)
+    for g, e in zip(got_tensors, eager):
+        assert torch.equal(g, e), "the compiled step stores the rows and scales eager does"
+    explanation = torch._dynamo.explain(token_decode_step)(
+        query, key, value, *fresh()[:2], slots, case.block_tables, case.seq_lens, *fresh()[2:])
+    assert explanation.graph_break_count == 0

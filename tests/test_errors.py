@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import paged_attention_ext as pa
+from paged_attention_ext import token_quantization
 from paged_case import make_case, query_start_loc, random_query
 
 
@@ -197,9 +198,10 @@ def fp8_case(case):
     ("caches of two dtypes", lambda s: dict(value_cache=torch.zeros(8, 2, 16, 64,
                                                                     dtype=torch.float8_e5m2)),
      TypeError, "'value_cache' must have dtype"),
-    ("int8 cache", lambda s: dict(key_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int8),
-                                  value_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int8)),
-     TypeError, "'key_cache' must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"),
+    ("int16 cache", lambda s: dict(key_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int16),
+                                   value_cache=torch.zeros(8, 2, 16, 64, dtype=torch.int16)),
+     TypeError, r"'key_cache' must be float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+     r"int8 \(int8_per_token_head\) or uint8 \(int4_per_token_head\)"),
     ("fp8 query", lambda s: dict(query=torch.zeros(2, 4, 64, dtype=FP8)), TypeError, "'query'"),
 ])
 def test_attention_rejects_fp8_arguments(name, make, error, match, query, case):
@@ -213,12 +215,88 @@ def test_attention_rejects_fp8_arguments(name, make, error, match, query, case):
 
 @pytest.mark.parametrize("name", ["k_scale", "v_scale"])
 def test_scale_with_a_float_cache_is_refused(name, query, case):
-    with pytest.raises(ValueError, match=f"argument '{name}' is only for fp8 caches"):
+    with pytest.raises(ValueError, match=f"argument '{name}' is only for fp8 "):
         call(query, case, {name: torch.tensor(1.0)})
     key_cache, value_cache = caches()
     with pytest.raises(ValueError, match=f"paged.write_kv: argument '{name}' is only for fp8"):
         pa.write_kv(torch.ones(2, 2, 64), torch.ones(2, 2, 64), key_cache, value_cache,
                     torch.tensor([3, 9]), **{name: torch.tensor(1.0)})
+
+
+def token_case(case, dtype):
+    """The case's caches in a per-token format (int8; uint8: int4) and their scales."""
+    (key, k_scale), (value, v_scale) = (token_quantization.quantize(case.key_cache, dtype),
+                                        token_quantization.quantize(case.value_cache, dtype))
+    return dict(key_cache=key, value_cache=value, k_scale=k_scale, v_scale=v_scale)
+
+
+TOKEN_SHAPE = r"\[num_blocks, num_kv_heads, block_size\]"
+INT4_SHAPE = r"\[num_blocks, num_kv_heads, block_size, 2\] \(scale, low\)"
+
+
+@pytest.mark.parametrize("dtype,make,error,match", [
+    (torch.int8, lambda a: dict(k_scale=None), ValueError,
+     r"the caches are Char, which needs argument 'k_scale' \(a float32 tensor of shape "
+     + TOKEN_SHAPE),
+    (torch.uint8, lambda a: dict(v_scale=None), ValueError,
+     r"the caches are Byte, which needs argument 'v_scale' \(a float32 tensor of shape "
+     r"\[num_blocks, num_kv_heads, block_size, 2\]\)"),
+    (torch.int8, lambda a: dict(k_scale=a["k_scale"].half()), TypeError,
+     "'k_scale' must have dtype Float, got Half"),
+    (torch.int8, lambda a: dict(k_scale=torch.ones(2)), ValueError,
+     "'k_scale' must have shape " + TOKEN_SHAPE + r" = \[{nb}, 2, 16\], one per slot of the int8 "
+     r"cache, got \[2\]"),
+    (torch.uint8, lambda a: dict(v_scale=a["v_scale"][:, :, :8]), ValueError,
+     "'v_scale' must have shape " + INT4_SHAPE + r" = \[{nb}, 2, 16, 2\], one per slot of the uint8 "
+     r"cache, got \[{nb}, 2, 8, 2\]"),
+    (torch.uint8, lambda a: dict(k_scale=a["k_scale"][..., 0]), ValueError,
+     "'k_scale' must have shape " + INT4_SHAPE),
+    (torch.int8, lambda a: dict(v_scale=a["v_scale"][:2]), ValueError,
+     r"'v_scale' must have shape .* = \[{nb}, 2, 16\]"),  # paged over other blocks
+    (torch.int8, lambda a: dict(k_scale=a["k_scale"][:, :1].expand(a["k_scale"].shape)), ValueError,
+     "'k_scale' is a view that overlaps itself"),
+    (torch.uint8, lambda a: dict(k_scale=a["k_scale"].transpose(2, 3).contiguous().transpose(2, 3)),
+     ValueError, r"'k_scale' must be contiguous in its last dimension \(scale, low\)"),
+    (torch.uint8, lambda a: dict(query=torch.zeros(2, 4, 32)), ValueError,
+     r"'key_cache' holds int4 rows of head_size 64 \(32 bytes, two values a byte\) but 'query' "
+     r"has head_size 32; an int4 cache's last dimension is head_size // 2"),
+    (torch.uint8, lambda a: dict(value_cache=a["value_cache"].view(torch.int8)), TypeError,
+     "'value_cache' must have dtype Byte, got Char"),
+    (torch.int8, lambda a: dict(k_scale=a["k_scale"].to("meta")), ValueError,
+     "argument 'k_scale' must be on the same device"),
+])
+def test_attention_rejects_bad_per_token_scales(dtype, make, error, match, query, case):
+    args = token_case(case, dtype)
+    args.update(make(args))
+    with pytest.raises(error, match=match.replace("{nb}", str(case.key_cache.shape[0]))):
+        call(query, case, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8], ids=["int8", "int4"])
+@pytest.mark.parametrize("make,error,match", [
+    (lambda a: dict(k_scale=None), ValueError, "needs argument 'k_scale'"),
+    (lambda a: dict(v_scale=a["v_scale"].double()), TypeError, "'v_scale' must have dtype Float"),
+    (lambda a: dict(k_scale=a["k_scale"][:, :, :4]), ValueError, "'k_scale' must have shape"),
+    (lambda a: dict(key=torch.ones(2, 2, 63), value=torch.ones(2, 2, 63)), ValueError, None),
+])
+def test_write_kv_rejects_bad_per_token_arguments_before_writing(dtype, make, error, match):
+    stored = token_quantization.stored_head_size(dtype, 64)
+    args = dict(key=torch.ones(2, 2, 64), value=torch.ones(2, 2, 64),
+                key_cache=torch.zeros(4, 2, 8, stored, dtype=dtype),
+                value_cache=torch.zeros(4, 2, 8, stored, dtype=dtype),
+                slot_mapping=torch.tensor([3, 9]),
+                k_scale=torch.zeros(token_quantization.scale_shape(dtype, 4, 2, 8)),
+                v_scale=torch.zeros(token_quantization.scale_shape(dtype, 4, 2, 8)))
+    args.update(make(args))
+    if match is None:  # an odd head size: int4 needs it even; int8 rows of 64 are not 63
+        match = ("an int4 cache packs two values a byte: head_size 63 (key) and 63 (value) must "
+                 "be even" if dtype == torch.uint8 else "'key' must be .*head_size=64")
+        match = re.escape(match) if dtype == torch.uint8 else match
+    with pytest.raises(error, match=match):
+        pa.write_kv(**args)
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        if args[name] is not None:
+            assert (args[name] == 0).all(), f"{name} changed before the refusal"
 
 
 @pytest.mark.parametrize("make,error,match", [
@@ -408,8 +486,8 @@ def test_query_of_another_dtype_names_the_query_the_cache_and_the_fix(
     message = refusal(lambda: call_query_op(op, args), TypeError)
     assert message == (
         f"paged.{op.__name__}: query is {q} but key_cache is {c}: the query and the caches must "
-        "have the same dtype (or the caches are fp8, with k_scale and v_scale); cast with "
-        f"query.to(key_cache.dtype) or allocate the caches in {q}")
+        "have the same dtype (or the caches are fp8 or per-token, with k_scale and v_scale); "
+        f"cast with query.to(key_cache.dtype) or allocate the caches in {q}")
 
 
 def test_query_of_another_dtype_is_refused_as_such_under_torch_compile():
@@ -434,8 +512,8 @@ def test_write_kv_input_of_another_dtype_names_both_sides(path, name):
     message = refusal(lambda: pa.write_kv(**args), TypeError)
     assert message == (
         f"paged.write_kv: {name} is float16 but {name}_cache is float32: key, value and the "
-        "caches must have the same dtype (or the caches are fp8, with k_scale and v_scale); "
-        f"cast with {name}.to({name}_cache.dtype) or allocate the caches in float16")
+        "caches must have the same dtype (or the caches are fp8 or per-token, with k_scale and "
+        f"v_scale); cast with {name}.to({name}_cache.dtype) or allocate the caches in float16")
     assert (key_cache == 0).all() and (value_cache == 0).all()
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import paged_attention_ext as pa
+from paged_attention_ext.token_quantization import scale_shape, stored_head_size
 
 FP8, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, BLOCKS = 4, 2, 64, 16, 4
@@ -48,7 +49,7 @@ def fp8_caches():
 
 
 CACHE_FAULTS = {
-    "cache dtype": dict(key_cache=cache(torch.int8), value_cache=cache(torch.int8)),
+    "cache dtype": dict(key_cache=cache(torch.int16), value_cache=cache(torch.int16)),
     "cache rank": dict(value_cache=cache()[0]),
     "head dim not contiguous": dict(key_cache=cache().transpose(2, 3).contiguous().transpose(2, 3)),
     "overlapping view": dict(value_cache=torch.as_strided(cache(), cache().shape, (64, 64, 64, 1))),
@@ -64,6 +65,52 @@ FP8_FAULTS = {
     "scale rank": dict(k_scale=torch.ones(2, 1)),
     "fp8 caches of two dtypes": dict(value_cache=cache(E5M2)),
 }
+
+
+def token_scales(dtype, **sizes):
+    shape = dict(zip(("num_blocks", "num_kv_heads", "block_size"), (BLOCKS, KV_HEADS, BLOCK_SIZE)))
+    return torch.ones(scale_shape(dtype, **{**shape, **sizes}))
+
+
+def token_caches(dtype):
+    """Per-token caches (int8; uint8: packed int4) and their scales."""
+    stored = stored_head_size(dtype, HEAD_SIZE)
+    return dict(key_cache=cache(dtype, stored), value_cache=cache(dtype, stored),
+                k_scale=token_scales(dtype), v_scale=token_scales(dtype))
+
+
+def caches(kind: str) -> dict:
+    return {"float": float_caches, "fp8": fp8_caches}.get(kind, lambda: token_caches(kind))()
+
+
+INT8, INT4 = torch.int8, torch.uint8
+TOKEN_FAULTS = {
+    "missing k_scale": dict(k_scale=None),
+    "missing v_scale": dict(v_scale=None),
+    "per-head scale": dict(k_scale=torch.ones(KV_HEADS)),
+    "scales of another block size": lambda dtype: dict(v_scale=token_scales(dtype, block_size=8)),
+    "scales of other blocks": lambda dtype: dict(k_scale=token_scales(dtype, num_blocks=2)),
+    "scale dtype": lambda dtype: dict(k_scale=token_scales(dtype).double()),
+    "overlapping scales": lambda dtype: dict(
+        v_scale=token_scales(dtype).as_strided(scale_shape(dtype, BLOCKS, KV_HEADS, BLOCK_SIZE),
+                                               token_scales(dtype).stride()[:2] + (0,)
+                                               + token_scales(dtype).stride()[3:])),
+    "per-token caches of two dtypes": lambda dtype: dict(
+        value_cache=cache(INT4 if dtype == INT8 else INT8)),
+}
+INT4_FAULTS = {
+    "int4 pairs not contiguous": dict(
+        k_scale=torch.ones(BLOCKS, KV_HEADS, 2, BLOCK_SIZE).transpose(2, 3)),
+    "int8 scales for an int4 cache": dict(v_scale=token_scales(INT8)),
+}
+
+
+def token_faults(dtype) -> list:
+    faults = {**TOKEN_FAULTS, **(INT4_FAULTS if dtype == INT4 else {})}
+    return [(f"{name} ({dtype})", dtype, change(dtype) if callable(change) else change)
+            for name, change in faults.items()]
+
+
 def nhd_cache(dtype=torch.float32):
     """vLLM's layout [num_blocks, block_size, num_kv_heads, head_size], passed as it is."""
     return torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, dtype=dtype)
@@ -96,25 +143,26 @@ def attention_call(op):
     return op
 
 
-def attention_args(fp8: bool, change: dict) -> dict:
+def attention_args(kind, change: dict) -> dict:
     args = dict(query=torch.zeros(2, HEADS, HEAD_SIZE),
                 block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 seq_lens=torch.tensor([5, 20], dtype=torch.int32),
                 query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), scale=0.125,
-                **(fp8_caches() if fp8 else float_caches()))
+                **caches(kind))
     args.update(change)
     return args
 
 
-ATTENTION_CASES = ([(name, False, change) for name, change in {**CACHE_FAULTS, **QUERY_FAULTS}.items()]
-                   + [(name, True, change) for name, change in FP8_FAULTS.items()])
+ATTENTION_CASES = ([(name, "float", change) for name, change in {**CACHE_FAULTS, **QUERY_FAULTS}.items()]
+                   + [(name, "fp8", change) for name, change in FP8_FAULTS.items()]
+                   + token_faults(INT8) + token_faults(INT4))
 
 
 @pytest.mark.parametrize("op", [pa.attention, pa.attention_with_lse, pa.attention_out,
                                 pa.shared_prefix_attention], ids=lambda op: op.__name__)
-@pytest.mark.parametrize("name,fp8,change", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
-def test_attention_checks_match_the_kernel(op, name, fp8, change):
-    assert_same_refusal(attention_call(op), attention_args(fp8, change))
+@pytest.mark.parametrize("name,kind,change", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_attention_checks_match_the_kernel(op, name, kind, change):
+    assert_same_refusal(attention_call(op), attention_args(kind, change))
 
 
 WRITE_KV_FAULTS = {
@@ -131,14 +179,20 @@ WRITE_KV_FP8_FAULTS = {
     "key dtype": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.float64)),
     "value dtype": dict(value=torch.ones(2, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16)),
 }
-WRITE_KV_CASES = ([(name, False, change) for name, change in WRITE_KV_FAULTS.items()]
-                  + [(name, True, change) for name, change in WRITE_KV_FP8_FAULTS.items()])
+WRITE_KV_INT4_FAULTS = {
+    "odd int4 head size": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE - 1)),
+    "int4 key of stored width": dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE // 2)),
+}
+WRITE_KV_CASES = ([(name, "float", change) for name, change in WRITE_KV_FAULTS.items()]
+                  + [(name, "fp8", change) for name, change in WRITE_KV_FP8_FAULTS.items()]
+                  + token_faults(INT8) + token_faults(INT4)
+                  + [(name, INT4, change) for name, change in WRITE_KV_INT4_FAULTS.items()])
 
 
-@pytest.mark.parametrize("name,fp8,change", WRITE_KV_CASES, ids=[c[0] for c in WRITE_KV_CASES])
-def test_write_kv_checks_match_the_kernel(name, fp8, change):
+@pytest.mark.parametrize("name,kind,change", WRITE_KV_CASES, ids=[c[0] for c in WRITE_KV_CASES])
+def test_write_kv_checks_match_the_kernel(name, kind, change):
     args = dict(key=torch.ones(2, KV_HEADS, HEAD_SIZE), value=torch.ones(2, KV_HEADS, HEAD_SIZE),
-                slot_mapping=torch.tensor([3, 9]), **(fp8_caches() if fp8 else float_caches()))
+                slot_mapping=torch.tensor([3, 9]), **caches(kind))
     args.update(change)
     assert_same_refusal(pa.write_kv, args)
 

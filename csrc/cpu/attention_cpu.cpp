@@ -19,6 +19,7 @@
 #include "attention_params.h"
 #include "cpu_features.h"
 #include "output_rounding.h"
+#include "token_quantization.h"
 
 namespace paged::cpu {
 namespace {
@@ -243,12 +244,9 @@ void merge_partitions(const Tensor& part_out, const Tensor& part_lse, const Plan
   });
 }
 
-void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
-                    const std::optional<Tensor>& lse) {
-  const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
-  check_attention_metadata(op, s, args);
-  if (s.num_tokens == 0) return;
-
+// The checked call's attention into out / lse.
+void run_attention(const AttentionShape& s, const AttentionArgs& args, Tensor& out,
+                   const std::optional<Tensor>& lse) {
   const auto contiguous = [](const std::optional<Tensor>& t) {
     return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(*t)) : std::nullopt;
   };
@@ -259,8 +257,10 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
     if (!t.has_value()) return std::optional<Tensor>();
     return std::optional<Tensor>(torch::stable::contiguous(torch::stable::reshape(*t, {-1})));
   };
-  const std::optional<Tensor> k_scales = scale_row(args.k_scale);
-  const std::optional<Tensor> v_scales = scale_row(args.v_scale);
+  // Per-token scales are read in place, paged like their caches.
+  const bool per_token = is_per_token(args.key_cache.scalar_type());
+  const std::optional<Tensor> k_scales = per_token ? std::nullopt : scale_row(args.k_scale);
+  const std::optional<Tensor> v_scales = per_token ? std::nullopt : scale_row(args.v_scale);
   // The kernel's own OpenMP region: one thread when called inside another one.
   const int max_threads = omp_in_parallel() ? 1 : int(torch::stable::get_num_threads());
 
@@ -282,6 +282,14 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.v_scale = v_scales.has_value() ? v_scales->mutable_data_ptr<float>() : nullptr;
   p.k_scale_stride = k_scales.has_value() && k_scales->numel() > 1 ? 1 : 0;
   p.v_scale_stride = v_scales.has_value() && v_scales->numel() > 1 ? 1 : 0;
+  if (per_token) {
+    p.k_token_scale = args.k_scale->mutable_data_ptr<float>();
+    p.v_token_scale = args.v_scale->mutable_data_ptr<float>();
+    for (int d = 0; d < 3; ++d) {
+      p.k_token_scale_strides[d] = args.k_scale->stride(d);
+      p.v_token_scale_strides[d] = args.v_scale->stride(d);
+    }
+  }
   p.block_tables = args.block_tables.mutable_data_ptr<int32_t>();
   p.block_table_stride = args.block_tables.stride(0);
   p.seq_lens = args.seq_lens.mutable_data_ptr<int32_t>();
@@ -330,6 +338,61 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   dispatch_float(out.scalar_type(), [&]<typename scalar_t>() {
     merge_partitions<scalar_t>(*part_out, *part_lse, plan, out, lse_ptr, lse_stride);
   });
+}
+
+// The query rows in fp32, each head's row rotated as int4 rows are (token_quantization.h).
+Tensor rotated_queries(const Tensor& query) {
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), hs = query.size(2);
+  Tensor rotated = empty({num_tokens, num_heads, hs}, kFloat, query);
+  float* dst = rotated.mutable_data_ptr<float>();
+  dispatch_float(query.scalar_type(), [&]<typename scalar_t>() {
+    const scalar_t* src = query.mutable_data_ptr<scalar_t>();
+    torch::stable::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t th = begin; th < end; ++th) {
+        const scalar_t* row = src + (th / num_heads) * query.stride(0) + (th % num_heads) * query.stride(1);
+        float* r = dst + th * hs;
+        for (int64_t d = 0; d < hs; ++d) r[d] = float(row[d]);
+        rotate(r, int(hs));
+      }
+    });
+  });
+  return rotated;
+}
+
+// out = the rotated fp32 rows turned back (per head), in out's dtype.
+void unrotate_into(const Tensor& rotated, Tensor& out) {
+  const int64_t num_tokens = out.size(0), num_heads = out.size(1), hs = out.size(2);
+  const float* src = rotated.mutable_data_ptr<float>();
+  dispatch_float(out.scalar_type(), [&]<typename scalar_t>() {
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    torch::stable::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(hs);
+      for (int64_t th = begin; th < end; ++th) {
+        std::memcpy(row.data(), src + th * hs, sizeof(float) * hs);
+        unrotate(row.data(), int(hs));
+        store_row(row.data(), 1.0f, o + (th / num_heads) * out.stride(0) + (th % num_heads) * out.stride(1), hs);
+      }
+    });
+  });
+}
+
+void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
+                    const std::optional<Tensor>& lse) {
+  const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
+  check_attention_metadata(op, s, args);
+  if (s.num_tokens == 0) return;
+  if (args.key_cache.scalar_type() != kByte) return run_attention(s, args, out, lse);
+  // int4 rows are rotated: attention over them takes rotated queries and gives rotated
+  // outputs (in fp32, partitions merged there: the rotation is linear), turned back once;
+  // the lse is the rotation's too (q . k is unchanged).
+  const Tensor query = rotated_queries(args.query);
+  Tensor rotated_out = empty({s.num_tokens, s.num_heads, s.head_size_v}, kFloat, query);
+  const AttentionArgs rotated{query, args.key_cache, args.value_cache, args.block_tables,
+                              args.seq_lens, args.scale, args.query_start_loc, args.alibi_slopes,
+                              args.sliding_window, args.soft_cap, args.sinks, args.k_scale,
+                              args.v_scale, args.placement};
+  run_attention(s, rotated, rotated_out, lse);
+  unrotate_into(rotated_out, out);
 }
 
 }  // namespace

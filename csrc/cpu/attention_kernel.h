@@ -161,12 +161,15 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Items whose rows all see all their keys (a shared prefix; a causal tile's keys up to its
   // first row, without ALiBi or a window) with at least a vector of queries per KV head:
   // queries in lanes.
-  const bool all_visible =
-      P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
-                               w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
-  if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
-    lane_work_item<T>(P, w, ws);
-    return;
+  // Per-token rows always take the widened fp32 chunks below.
+  if constexpr (!kPerToken<T>) {
+    const bool all_visible =
+        P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
+                                 w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
+    if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+      lane_work_item<T>(P, w, ws);
+      return;
+    }
   }
   const int hs = kHeadSize > 0 ? kHeadSize : P.head_size;
   const int hsv = kHeadSize > 0 ? kHeadSize : P.head_size_v;
@@ -211,9 +214,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // are rows that serve many queries (multi-token items) and cost more to widen than a
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
-  const bool in_place = hsp == hs && hspv == hsv && !widen_once;
-  // The item's products: their paths by dtype, head sizes and query dtype.
-  const RowTiles<T> tiles(P, hs, hsv, in_place);
+  const bool in_place = !kPerToken<T> && hsp == hs && hspv == hsv && !widen_once;
+  // The item's products: their paths by dtype, head sizes and query dtype (per-token rows:
+  // the fp32 ones).
+  const RowTiles<std::conditional_t<kPerToken<T>, float, T>> tiles(P, hs, hsv, in_place);
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -248,8 +252,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const T* value_cache = static_cast<const T*>(P.value_cache);
   const int bs = P.block_size;
   const int32_t* table = P.block_tables + int64_t(w.seq) * P.block_table_stride;
-  const int k_row_bytes = hs * int(sizeof(T));
-  const int v_row_bytes = hsv * int(sizeof(T));
+  const int k_row_bytes = hs / kValuesPerElement<T> * int(sizeof(T));
+  const int v_row_bytes = hsv / kValuesPerElement<T> * int(sizeof(T));
   // Pointers to the key and value rows of keys [j0, j0 + n) of one KV head, by the caches'
   // strides: one division per chunk, then block by block through the table, each block's
   // run of rows a stride walk (GCC vectorises it; the walk with a multiply and a block test
@@ -270,6 +274,18 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         k[t] = k_row;
         v[t] = v_row;
       }
+    }
+  };
+
+  // Per-token rows: the scales of keys [j0, j0 + n) of one KV head, which follow the block
+  // table as the rows do.
+  auto walk_token_scales = [&](int j0, int n, int kv_head, const float** k, const float** v) {
+    const int64_t* ks = P.k_token_scale_strides;
+    const int64_t* vs = P.v_token_scale_strides;
+    for (int t = 0; t < n; ++t) {
+      const int64_t block = table[(j0 + t) / bs], slot = (j0 + t) % bs;
+      k[t] = P.k_token_scale + block * ks[0] + kv_head * ks[1] + slot * ks[2];
+      v[t] = P.v_token_scale + block * vs[0] + kv_head * vs[1] + slot * vs[2];
     }
   };
 
@@ -314,79 +330,85 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 
   // The chunk loop is written out in both branches below: a shared generic lambda for it
   // measured slower on bf16 GQA decode.
-  if (in_place) {
-    // Rows are whole vectors: read them in place. While a chunk's scores are computed
-    // its values are prefetched into L1 and the next chunk's keys into L2; while its
-    // values are accumulated, the next chunk's keys into L1 and its values into L2
-    // (prefetch_same_line). So one phase's arithmetic overlaps the misses of the next two.
-    // The row pointers live in a ring of chunk rows (one flat array, rows kKeyChunk apart):
-    // a chunk's keys, its values, the next chunk's keys and the next chunk's values are four
-    // consecutive rows, so [values; next keys] and [next keys; next values] are the `ahead`
-    // arrays of its two phases, filled by the table walk. Chunks alternate between rows 0-3
-    // and 2-5; every other chunk first copies its rows from 4-5 to 0-1.
-    const T* ring[6 * kKeyChunk];
-    auto row = [&](int i) { return ring + i * kKeyChunk; };
-    // GQA: a chunk of whole blocks whose keys every row of the item sees unmodified (a
-    // key's position then changes nothing) takes its rows interleaved across its blocks,
-    // row r of each block, then row r + 1, so the reads and prefetches of every phase
-    // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
-    // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
-    // measured). Measurements: docs/performance.md.
-    const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
-    auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
-      const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
-      if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
-      // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
-      const int first = f.j0 / bs;
-      for (int b = 0; b < chunk_blocks; ++b) {
-        auto [k_row, v_row] = block_rows(first + b, w.kv_head_begin + f.head, 0);
-        for (int r = 0; r < bs; ++r, k_row += k_token_stride, v_row += v_token_stride) {
-          k[r * chunk_blocks + b] = k_row;
-          v[r * chunk_blocks + b] = v_row;
+  bool widened = true;
+  if constexpr (!kPerToken<T>) {
+    if (in_place) {
+      widened = false;
+      // Rows are whole vectors: read them in place. While a chunk's scores are computed
+      // its values are prefetched into L1 and the next chunk's keys into L2; while its
+      // values are accumulated, the next chunk's keys into L1 and its values into L2
+      // (prefetch_same_line). So one phase's arithmetic overlaps the misses of the next two.
+      // The row pointers live in a ring of chunk rows (one flat array, rows kKeyChunk apart):
+      // a chunk's keys, its values, the next chunk's keys and the next chunk's values are four
+      // consecutive rows, so [values; next keys] and [next keys; next values] are the `ahead`
+      // arrays of its two phases, filled by the table walk. Chunks alternate between rows 0-3
+      // and 2-5; every other chunk first copies its rows from 4-5 to 0-1.
+      const T* ring[6 * kKeyChunk];
+      auto row = [&](int i) { return ring + i * kKeyChunk; };
+      // GQA: a chunk of whole blocks whose keys every row of the item sees unmodified (a
+      // key's position then changes nothing) takes its rows interleaved across its blocks,
+      // row r of each block, then row r + 1, so the reads and prefetches of every phase
+      // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
+      // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
+      // measured). Measurements: docs/performance.md.
+      const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
+        const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
+        if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
+        // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
+        const int first = f.j0 / bs;
+        for (int b = 0; b < chunk_blocks; ++b) {
+          auto [k_row, v_row] = block_rows(first + b, w.kv_head_begin + f.head, 0);
+          for (int r = 0; r < bs; ++r, k_row += k_token_stride, v_row += v_token_stride) {
+            k[r * chunk_blocks + b] = k_row;
+            v[r * chunk_blocks + b] = v_row;
+          }
         }
-      }
-    };
-    int r = 0;
-    Chunk c = first_chunk();
-    walk_chunk(c, row(0), row(1));
-    while (c.n > 0) {
-      const Chunk next = next_chunk(c);
-      const ItemState st = head_state(c.head);
-      const T** k_rows = row(r);
-      const T** v_rows = row(r + 1);
-      const T** next_k = row(r + 2);
-      const T** next_v = row(r + 3);
-      if (next.n > 0) {
-        walk_chunk(next, next_k, next_v);
-        const Chunk after = next_chunk(next);
-        if (touch_pages && after.n > 0) touch_blocks(after.j0, after.n, w.kv_head_begin + after.head);
-        // A shorter next chunk: its last row stands in for the missing ones.
-        for (int t = next.n; t < c.n; ++t) {
-          next_k[t] = next_k[next.n - 1];
-          next_v[t] = next_v[next.n - 1];
+      };
+      int r = 0;
+      Chunk c = first_chunk();
+      walk_chunk(c, row(0), row(1));
+      while (c.n > 0) {
+        const Chunk next = next_chunk(c);
+        const ItemState st = head_state(c.head);
+        const T** k_rows = row(r);
+        const T** v_rows = row(r + 1);
+        const T** next_k = row(r + 2);
+        const T** next_v = row(r + 3);
+        if (next.n > 0) {
+          walk_chunk(next, next_k, next_v);
+          const Chunk after = next_chunk(next);
+          if (touch_pages && after.n > 0) touch_blocks(after.j0, after.n, w.kv_head_begin + after.head);
+          // A shorter next chunk: its last row stands in for the missing ones.
+          for (int t = next.n; t < c.n; ++t) {
+            next_k[t] = next_k[next.n - 1];
+            next_v[t] = next_v[next.n - 1];
+          }
+        } else {
+          // After the last chunk the scores phase prefetches this chunk's values twice.
+          for (int t = 0; t < c.n; ++t) next_k[t] = v_rows[t];
         }
-      } else {
-        // After the last chunk the scores phase prefetches this chunk's values twice.
-        for (int t = 0; t < c.n; ++t) next_k[t] = v_rows[t];
+        const T* const* scores_ahead = v_rows;
+        const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
+        tiles.scores(st, k_rows, c.n, scores_ahead);
+        softmax(st, c.j0, c.n);
+        tiles.values(st, v_rows, c.n, keys_ahead);
+        if (r == 0) {
+          r = 2;
+        } else {
+          // Keys and values: as many pointers as T's chunks take at most, a constant size
+          // (one 1 KiB copy of both rows, or a run-time size, measured slower bf16 decode).
+          std::memcpy(row(0), row(4), sizeof(ring[0]) * kMaxChunk<T>);
+          std::memcpy(row(1), row(5), sizeof(ring[0]) * kMaxChunk<T>);
+          r = 0;
+        }
+        c = next;
       }
-      const T* const* scores_ahead = v_rows;
-      const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
-      tiles.scores(st, k_rows, c.n, scores_ahead);
-      softmax(st, c.j0, c.n);
-      tiles.values(st, v_rows, c.n, keys_ahead);
-      if (r == 0) {
-        r = 2;
-      } else {
-        // Keys and values: as many pointers as T's chunks take at most, a constant size
-        // (one 1 KiB copy of both rows, or a run-time size, measured slower bf16 decode).
-        std::memcpy(row(0), row(4), sizeof(ring[0]) * kMaxChunk<T>);
-        std::memcpy(row(1), row(5), sizeof(ring[0]) * kMaxChunk<T>);
-        r = 0;
-      }
-      c = next;
     }
-  } else {
-    // Ragged head sizes: convert each chunk into zero-padded fp32 rows first.
+  }
+  if (widened) {
+    // Ragged head sizes (and per-token rows): convert each chunk into zero-padded fp32
+    // rows first.
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hspv);
     const float* k_rows[kKeyChunk];
@@ -398,6 +420,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     const float* const* none = nullptr;
     // The cache rows of the current chunk ([0]: keys, [1]: values) and of the next one.
     const T* rows[2][2][kKeyChunk];
+    // Per-token rows: the scales of the current chunk's rows, [0] keys and [1] values.
+    const float* token_scales[2][kKeyChunk];
     int cur = 0;
     Chunk c = first_chunk();
     walk_rows(c.j0, c.n, w.kv_head_begin + c.head, rows[0][0], rows[0][1]);
@@ -407,9 +431,16 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       const T** next_k = rows[1 - cur][0];
       const T** next_v = rows[1 - cur][1];
       walk_rows(next.j0, next.n, w.kv_head_begin + next.head, next_k, next_v);
+      if constexpr (kPerToken<T>)
+        walk_token_scales(c.j0, c.n, w.kv_head_begin + c.head, token_scales[0], token_scales[1]);
       for (int t = 0; t < c.n; ++t) {
-        row_to_float(rows[cur][0][t], k_f + int64_t(t) * hsp, hs);
-        row_to_float(rows[cur][1][t], v_f + int64_t(t) * hspv, hsv);
+        if constexpr (kPerToken<T>) {
+          token_row_to_float(rows[cur][0][t], token_scales[0][t], k_f + int64_t(t) * hsp, hs);
+          token_row_to_float(rows[cur][1][t], token_scales[1][t], v_f + int64_t(t) * hspv, hsv);
+        } else {
+          row_to_float(rows[cur][0][t], k_f + int64_t(t) * hsp, hs);
+          row_to_float(rows[cur][1][t], v_f + int64_t(t) * hspv, hsv);
+        }
         if (t < next.n) {
           prefetch_row(next_k[t], k_row_bytes);
           prefetch_row(next_v[t], v_row_bytes);
@@ -460,6 +491,8 @@ inline AttentionKernelFn vector_kernel_for(ScalarKind kind) {
     case ScalarKind::kBFloat16: return &attention_work_item<Bf16>;
     case ScalarKind::kFloat8E4M3: return &attention_work_item<Fp8E4M3>;
     case ScalarKind::kFloat8E5M2: return &attention_work_item<Fp8E5M2>;
+    case ScalarKind::kInt8: return &attention_work_item<Int8Row>;
+    case ScalarKind::kInt4: return &attention_work_item<Int4Row>;
   }
   return nullptr;
 }

@@ -29,6 +29,13 @@ struct AttentionParams {
   const float* k_scale;
   const float* v_scale;
   int64_t k_scale_stride, v_scale_stride;
+  // Per-token caches (kInt8, kInt4): each row's fp32 scale (int8) or (scale, low) pair
+  // (int4) at token_scale + block * stride[0] + kv_head * stride[1] + slot * stride[2]
+  // (elements), k_scale and v_scale nullptr. int4: the query is rotated (rows of head_size
+  // values in head_size / 2 bytes), and so are the outputs.
+  const float* k_token_scale;
+  const float* v_token_scale;
+  int64_t k_token_scale_strides[3], v_token_scale_strides[3];
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int64_t block_table_stride;
   const int32_t* seq_lens;       // [num_seqs]

@@ -2,9 +2,11 @@
 // All validation happens before the first byte is written, so a rejected call
 // leaves the caches untouched.
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <utility>
+#include <vector>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -13,6 +15,7 @@
 #include "../dtypes.h"
 #include "../errors.h"
 #include "../layout.h"
+#include "token_quantization.h"
 
 namespace paged::cpu {
 namespace {
@@ -89,6 +92,52 @@ void write_kv_fp8(const Tensor& key, const Tensor& value, Tensor& key_cache,
   });
 }
 
+// Each (token, KV head) row quantized from its own values into an int8 / packed int4 cache
+// (token_quantization.h), its scale (int8) or (scale, low) pair (int4) written into the scale
+// tensor at the row's (block, head, offset).
+template <typename In>
+void write_kv_per_token(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                        Tensor& value_cache, const Tensor& slot_mapping, Tensor& k_scale,
+                        Tensor& v_scale) {
+  const bool int4 = key_cache.scalar_type() == kByte;
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t hs = key.size(2), hsv = value.size(2);
+  const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  const In* k_src = key.mutable_data_ptr<In>();
+  const In* v_src = value.mutable_data_ptr<In>();
+  uint8_t* k_dst = static_cast<uint8_t*>(key_cache.data_ptr());
+  uint8_t* v_dst = static_cast<uint8_t*>(value_cache.data_ptr());
+  float* ks = k_scale.mutable_data_ptr<float>();
+  float* vs = v_scale.mutable_data_ptr<float>();
+  torch::stable::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(std::max(hs, hsv));
+    // One row: widened to fp32 (rotated for int4), quantized into the cache and its scales.
+    const auto quantize = [&](const In* src, int64_t n, uint8_t* dst, float* scale) {
+      for (int64_t d = 0; d < n; ++d) row[d] = float(src[d]);
+      if (!int4) {
+        *scale = quantize_int8_row(row.data(), int(n), reinterpret_cast<int8_t*>(dst));
+        return;
+      }
+      rotate(row.data(), int(n));
+      quantize_int4_row(row.data(), int(n), dst, scale);
+    };
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        quantize(k_src + t * key.stride(0) + h * key.stride(1), hs,
+                 k_dst + row_offset(key_cache, block, h, offset),
+                 ks + row_offset(k_scale, block, h, offset));
+        quantize(v_src + t * value.stride(0) + h * value.stride(1), hsv,
+                 v_dst + row_offset(value_cache, block, h, offset),
+                 vs + row_offset(v_scale, block, h, offset));
+      }
+    }
+  });
+}
+
 void write_kv_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
                   Tensor& value_cache, const Tensor& slot_mapping,
                   const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
@@ -96,6 +145,14 @@ void write_kv_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   check_slots_in_range(slot_mapping, key_cache.size(0) * block_size);
 
+  if (is_per_token(key_cache.scalar_type())) {
+    Tensor k_scales = *k_scale, v_scales = *v_scale;  // handles to the caller's tensors
+    dispatch_float(key.scalar_type(), [&]<typename scalar_t>() {
+      write_kv_per_token<scalar_t>(key, value, key_cache, value_cache, slot_mapping, k_scales,
+                                   v_scales);
+    });
+    return;
+  }
   if (is_fp8(key_cache.scalar_type())) {
     dispatch_float(key.scalar_type(), [&]<typename scalar_t>() {
       if (key_cache.scalar_type() == kFloat8_e4m3fn) {

@@ -11,6 +11,17 @@ struct Bf16Split { uint16_t bits; };
 struct Fp16 { uint16_t bits; };
 struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
 struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
+// The per-token formats (token_quantization.py): each row with its own fp32 scale beside
+// the cache. int8 rows; int4 rows of two values a byte, even channel in the low nibble,
+// rotated. Rows are widened once per chunk with the scale (and low) folded in
+// (token_row_to_float), so they take the fp32 tiles.
+struct Int8Row { int8_t bits; };
+struct Int4Row { uint8_t bits; };
+template <typename T>
+constexpr bool kPerToken = std::is_same_v<T, Int8Row> || std::is_same_v<T, Int4Row>;
+// Values an element holds (a row of head_size values is head_size / this elements).
+template <typename T>
+constexpr int kValuesPerElement = std::is_same_v<T, Int4Row> ? 2 : 1;
 
 // The loaders below return a stored element divided by its type's unit: e4m3 is widened
 // to fp16 by moving its bits into place without rebiasing the exponent (bias 7 read as
@@ -375,6 +386,19 @@ static inline void row_to_float(const T* src, float* dst, int head_size) {
   }
   for (; d + VW <= head_size; d += VW) store(dst + d, load_as_float(src + d));
   for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+}
+// A per-token row of head_size values to fp32 with its scale: q * scale (int8),
+// q * scale + low (int4, still rotated; scale_low = (scale, low)).
+static inline void token_row_to_float(const Int8Row* src, const float* scale, float* dst, int head_size) {
+  const float s = *scale;
+  for (int d = 0; d < head_size; ++d) dst[d] = float(src[d].bits) * s;
+}
+static inline void token_row_to_float(const Int4Row* src, const float* scale_low, float* dst, int head_size) {
+  const float s = scale_low[0], low = scale_low[1];
+  for (int d = 0; d < head_size / 2; ++d) {
+    dst[2 * d] = float(src[d].bits & 15) * s + low;
+    dst[2 * d + 1] = float(src[d].bits >> 4) * s + low;
+  }
 }
 // A split row converted in element order (the ragged path and the lane kernel read fp32 rows).
 static inline void row_to_float(const Bf16Split* src, float* dst, int head_size) {
