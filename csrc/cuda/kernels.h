@@ -17,9 +17,12 @@ namespace paged::cuda {
 inline constexpr bool is_fp8_kind(ScalarKind k) { return k == ScalarKind::kFloat8E4M3 || k == ScalarKind::kFloat8E5M2; }
 
 // Bytes of the vectors the kernels read cache rows in: 16 for 32/16-bit caches, 8 for
-// fp8 (8 elements, like bf16, so every head size that is a multiple of 8 works). Cache
-// addresses and strides must be multiples of it (checked on the host).
-inline constexpr int cache_vector_bytes(ScalarKind cache_kind) { return is_fp8_kind(cache_kind) ? 8 : 16; }
+// fp8 and int8, 4 for packed int4 (8 values each, like bf16, so every head size that is a
+// multiple of 8 works). Cache addresses and strides must be multiples of it (checked on
+// the host).
+inline constexpr int cache_vector_bytes(ScalarKind cache_kind) {
+  return cache_kind == ScalarKind::kInt4 ? 4 : is_fp8_kind(cache_kind) || cache_kind == ScalarKind::kInt8 ? 8 : 16;
+}
 
 // One cache's layout: the logical shape is [num_blocks, num_kv_heads, block_size,
 // head_size] (HND), any strides on the first three dimensions (in elements), the head
