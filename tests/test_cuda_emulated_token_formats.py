@@ -183,10 +183,11 @@ def test_attention(fmt, query_dtype, multi_token):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("head_size,heads", [(128, (6, 2)), (256, (4, 4)), (512, (8, 2))])
+@pytest.mark.parametrize("head_size,heads", [(128, (6, 2)), (256, (4, 4)), (512, (8, 2)), (64, (20, 2))])
 def test_attention_head_sizes_and_groups(fmt, head_size, heads):
-    # Every equal-size bucket past 64, groups of 3 (one CTA), 1 (MHA) and 4 (cut at 4
-    # queries for 512-wide values); int4 rotation blocks of 128, 256 and 512.
+    # Every equal-size bucket past 64, groups of 3 (one CTA), 1 (MHA), 4 (cut at 4 queries
+    # for 512-wide values) and 10 (two CTAs, each rotating its own queries); int4 rotation
+    # blocks of 128, 256, 512 and 64.
     case = make_case([1, 33, 70], heads[1], head_size, 16, torch.float32)
     query = random_query(3, heads[0], head_size, torch.bfloat16)
     check_token(case, fmt, query, head_size ** -0.5)
@@ -237,6 +238,24 @@ def test_nan_scale_in_a_used_slot_reaches_the_output(fmt, which):
     out, _, _ = emulated_attention(query, qcase.key_cache, qcase.value_cache, qcase.block_tables, qcase.seq_lens,
                                    0.125, k_scale=k_scale, v_scale=v_scale)
     assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_shared_prefix_attention(fmt):
+    # Every query after all its group's keys (one rotated query tile per group and head
+    # chunk), prefixes of 1, bs+1 and a split's length, sinks.
+    case = scenarios.shared_prefix_case([1, 17, 600], [2, 1, 3], [1] * 6, 2, 64, 16, torch.float32)
+    prefixes, k_scale, v_scale = token_case(case.prefixes, fmt)
+    query = random_query(int(case.group_starts[-1]), 8, 64, torch.bfloat16)
+    sinks = scenarios.random_sinks(8)
+    out, lse, _ = emulated_attention(query, prefixes.key_cache, prefixes.value_cache, prefixes.block_tables,
+                                     prefixes.seq_lens, 0.125, query_start_loc=case.group_starts,
+                                     queries_after_keys=True, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    want, want_lse = ref.shared_prefix_attention(query, prefixes.key_cache, prefixes.value_cache,
+                                                 prefixes.block_tables, prefixes.seq_lens, case.group_starts,
+                                                 0.125, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
 
 
 # ---- copy_blocks ---------------------------------------------------------------------------
