@@ -524,6 +524,19 @@ def test_fp8_and_layout_errors_on_cuda():
             pa.attention(query, odd, odd, case.block_tables, case.seq_lens, 0.1, **scales)
     with raises(ValueError, "k_scale"):
         pa.attention(query, fp8, fp8, case.block_tables, case.seq_lens, 0.1)
+    # Per-token caches: int4 rows read in 4-byte vectors; write_kv quantizes rows of at most 576.
+    num_blocks = case.key_cache.shape[0]
+    int4 = torch.zeros(num_blocks, 2, 16, 33, dtype=torch.uint8, device=CUDA)[..., :32]
+    token_scales = torch.zeros(num_blocks, 2, 16, 2, device=CUDA)
+    with raises(ValueError, "multiples of 4 bytes"):
+        pa.attention(query, int4, int4, case.block_tables, case.seq_lens, 0.1, k_scale=token_scales,
+                     v_scale=token_scales)
+    wide = torch.zeros(4, 1, 16, 640, dtype=torch.int8, device=CUDA)
+    wide_scales = torch.full((4, 1, 16), float("nan"), device=CUDA)
+    with raises(ValueError, "at most 576"):
+        pa.write_kv(torch.ones(1, 1, 640, device=CUDA), torch.ones(1, 1, 640, device=CUDA), wide, wide.clone(),
+                    torch.tensor([3], device=CUDA), k_scale=wide_scales, v_scale=wide_scales.clone())
+    assert wide_scales.isnan().all(), "refused before anything is written"
 
 
 # ---- CUDA graphs -----------------------------------------------------------------

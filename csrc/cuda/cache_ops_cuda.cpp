@@ -22,6 +22,11 @@ void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
   check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   PAGED_CHECK_VALUE(key.is_cuda(), op, ": argument 'key' must be a CUDA tensor, got ", key.device());
   PAGED_CHECK_VALUE(key.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
+  PAGED_CHECK_VALUE(!is_per_token(key_cache.scalar_type()) ||
+                        (key.size(2) <= kMaxTokenRow && value.size(2) <= kMaxTokenRow),
+                    op, ": arguments 'key' and 'value' have rows of ", key.size(2), " and ", value.size(2),
+                    " values; the CUDA kernel quantizes rows of at most ", kMaxTokenRow,
+                    " values into a per-token cache");
   if (key.size(0) == 0 || key.size(1) == 0) return;
   const int32_t device = key.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);

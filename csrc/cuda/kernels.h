@@ -195,6 +195,10 @@ struct WriteKvParams {
   CacheLayout v_scale_layout;
 };
 
+// The longest row write_kv quantizes into a per-token cache (MLA's 576-wide latent keys
+// included): the kernel keeps one in shared memory per warp.
+constexpr int kMaxTokenRow = 576;
+
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
 
 // One cache of copy_blocks, as rows of bytes: block b, row (h, t) starts at

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cuda_utils.cuh"
+#include "kernels.h"
 
 namespace paged::cuda {
 
@@ -95,9 +96,6 @@ __device__ void hadamard_in_place(float* base, int stride, int rows, int width, 
 }
 
 // ---- quantizing one row (write_kv) ---------------------------------------------------------
-
-// Rows up to this many values (MLA's 576-wide latent keys included).
-constexpr int kMaxTokenRow = 576;
 
 // max and min that return NaN when either side is NaN (fmaxf would drop it), as torch's
 // amax / amin do: a row holding a NaN gets a NaN scale.
