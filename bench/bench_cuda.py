@@ -46,9 +46,10 @@ Method
   16, bf16 queries, on configurations of the fp8 target (batch >= 64, context >= 4k;
   32/8 and 32/32 heads): the bf16 cache (HND) against the same values quantized to
   float8_e4m3fn and float8_e5m2 with per-head scales (absmax / format max), and against
-  NHD views (``cache.transpose(1, 2)`` of an NHD tensor) of the bf16 and the e4m3 cache.
-  Each entry gives the median time, the effective bandwidth (bytes of the cache as
-  stored), ``speedup_vs_bf16`` (bf16 HND time over this time) and, for NHD,
+  NHD views (``cache.transpose(1, 2)`` of an NHD tensor) of the bf16 and the e4m3 cache,
+  and the per-token int8 and int4 caches of the same values (``int8_token_hnd``,
+  ``int4_token_hnd``). Each entry gives the median time, the effective bandwidth (bytes of
+  the cache as stored, per-token scales included), ``speedup_vs_bf16`` (bf16 HND time over this time) and, for NHD,
   ``time_vs_hnd`` (over the same format's HND time). ``fp8_target`` says whether every
   fp8 row reached the 1.7x target. fp8 outputs are compared with bf16's (the quantization
   error, for information).
@@ -71,6 +72,7 @@ import torch
 import torch.nn.functional as F
 
 import paged_attention_ext as pa
+from paged_attention_ext import token_quantization
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -270,13 +272,26 @@ def quantize_per_head(cache, dtype):
     return (cache.float() / scale.view(1, -1, 1, 1)).to(dtype), scale
 
 
+def quantize_per_token(cache, dtype, chunk=1024):
+    """(per-token int8 / int4 cache, its scales), quantized ``chunk`` blocks at a time so the
+    int4 rotation's fp32 temporaries stay small."""
+    num_blocks, kv_heads, block_size, head_size = cache.shape
+    rows = torch.empty((num_blocks, kv_heads, block_size, token_quantization.stored_head_size(dtype, head_size)),
+                       dtype=dtype, device=cache.device)
+    scales = torch.empty(token_quantization.scale_shape(dtype, num_blocks, kv_heads, block_size), device=cache.device)
+    for b in range(0, num_blocks, chunk):
+        rows[b:b + chunk], scales[b:b + chunk] = token_quantization.quantize(cache[b:b + chunk], dtype)
+    return rows, scales
+
+
 def nhd_view(cache):
     """The same values in an NHD tensor, as the HND-shaped view the ops take."""
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def bench_kv_formats(timer, device, copy_gbps, quick, reps, save, results):
-    """fp8 vs bf16 caches and NHD vs HND views on the same decode configurations."""
+    """fp8 and per-token int8 / int4 vs bf16 caches and NHD vs HND views on the same decode
+    configurations."""
     configs = [(8, 4, 1024), (32, 2, 1024)] if quick else FORMAT_CONFIGS
     for kv_heads, batch, context in configs:
         entry = {"num_heads": NUM_HEADS, "kv_heads": kv_heads, "batch": batch, "context": context}
@@ -293,7 +308,8 @@ def bench_kv_formats(timer, device, copy_gbps, quick, reps, save, results):
                 case.key_cache, case.value_cache = key, value
                 call = (lambda: pa.attention(case.query, key, value, case.block_tables, case.seq_lens, case.scale,
                                              k_scale=scales[0], v_scale=scales[1])) if scales else case.paged
-                nbytes = 2 * key.numel() * key.element_size()
+                per_token = token_quantization.is_per_token(key.dtype)
+                nbytes = 2 * (key.numel() * key.element_size() + (scales[0].numel() * 4 if per_token else 0))
                 seconds = timer(call, reps)
                 result = summary(seconds, nbytes, copy_gbps)
                 result["max_abs_diff_vs_bf16"] = max_diff(call(), want)
@@ -312,6 +328,10 @@ def bench_kv_formats(timer, device, copy_gbps, quick, reps, save, results):
                     run(f"{tag}_nhd", nhd_view(k8), nhd_view(v8), (ks, vs), base=f"{tag}_hnd")
                 del k8, v8
             run("bf16_nhd", nhd_view(k_bf16), nhd_view(v_bf16), base="bf16_hnd")
+            for dtype, tag in ((torch.int8, "int8_token"), (torch.uint8, "int4_token")):
+                (kq, ks), (vq, vs) = quantize_per_token(k_bf16, dtype), quantize_per_token(v_bf16, dtype)
+                run(f"{tag}_hnd", kq, vq, (ks, vs))
+                del kq, vq, ks, vs
             del case, want, k_bf16, v_bf16
         except Exception as e:  # noqa: BLE001 (a failing case is recorded; the run goes on)
             entry["error"] = error_text(e)
@@ -461,10 +481,11 @@ def bench_cache_ops(timer, device, copy_gbps, quick, reps):
 
 def print_table(report):
     print(f"device: {report['device']}, copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write)")
-    formats = ("bf16_hnd", "fp8_e4m3_hnd", "fp8_e5m2_hnd", "bf16_nhd", "fp8_e4m3_nhd")
+    formats = ("bf16_hnd", "fp8_e4m3_hnd", "fp8_e5m2_hnd", "bf16_nhd", "fp8_e4m3_nhd", "int8_token_hnd",
+               "int4_token_hnd")
     if report.get("kv_formats"):
         print(f"{'heads':>7} {'batch':>5} {'ctx':>6} | " + " | ".join(f"{f:>14}" for f in formats)
-              + "   (ms; fp8: x bf16; nhd: x hnd)")
+              + "   (ms; fp8, int8, int4: x bf16; nhd: x hnd)")
     for e in report.get("kv_formats", []):
         cells = []
         for f in formats:

@@ -136,7 +136,7 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   # The fp8 and layout tests first, so a slow run still reaches them.
-  KV_TESTS="fp8 or strided or kv_format"
+  KV_TESTS="fp8 or strided or kv_format or token_format or per_token"
   step tests_kv 120 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/test_cuda.py -k "$KV_TESTS" \
     --junitxml="$OUT/tests_kv.xml"
   step tests 170 "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests/test_cuda.py tests/test_cuda_plan.py \

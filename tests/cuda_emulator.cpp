@@ -6,7 +6,9 @@
 // __syncwarp are barriers, and warp shuffles exchange values through a per-warp
 // buffer between two barriers. Slow, but it executes the kernels' own code:
 // planner, key schedule, score and value phases, warp merge, sinks, the split
-// results and the merge kernel, merge_attention_states; write_kv (copying and fp8-quantizing) and copy_blocks;
+// results and the merge kernel, merge_attention_states; write_kv (copying, fp8-quantizing,
+// and quantizing into per-token int8 / int4 caches) and copy_blocks; the per-token formats'
+// attention (scales, the int4 rotation);
 // the fp8 conversions (fp8.cuh's software path, the one sm_80 runs: the hardware
 // conversion of sm_89+ is not emulated). Built and driven by tests/test_cuda_emulated.py
 // (ctypes); needs the CUDA headers (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h), not
@@ -95,6 +97,7 @@ inline float __uint_as_float(unsigned u) {
 }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
+inline float __fmul_rn(float a, float b) { return a * b; }  // x86-64 without -mfma: never fused
 using std::max;
 using std::min;
 
@@ -133,7 +136,8 @@ void run_attention(const AttentionParams& p) {
     const dim3 grid(p.num_tiles, p.num_kv_heads * p.head_chunks, p.num_partitions);
     run_grid(grid, [&] { attention_kernel<Q, C, decltype(k)::value, decltype(v)::value, decltype(q)::value>(p); });
     if (p.num_partitions > 1) {
-      run_grid(dim3(unsigned(int64_t(p.num_tokens) * p.num_heads)), [&] { merge_partitions_kernel<Q>(p); });
+      run_grid(dim3(unsigned(int64_t(p.num_tokens) * p.num_heads)),
+               [&] { merge_partitions_kernel<Q, kIsRotated<C>>(p); });
     }
     return cudaSuccess;
   });
@@ -141,6 +145,9 @@ void run_attention(const AttentionParams& p) {
 
 }  // namespace
 }  // namespace paged::cuda
+
+// Cache kinds past the float and fp8 ones: int8_per_token_head, int4_per_token_head.
+constexpr int64_t kEmuInt8 = 5, kEmuInt4 = 6;
 
 // Flat arguments, filled by ctypes (tests/test_cuda_emulated.py mirrors the layout).
 struct EmuArgs {
@@ -170,6 +177,7 @@ struct EmuArgs {
   int64_t multiprocessors, ctas_per_sm;
   int64_t num_partitions;  // out: the plan's split count
   int64_t queries_after_keys;  // shared_prefix_attention
+  int64_t k_scale_strides[3], v_scale_strides[3];  // per-token caches' scales (block, head, token)
 };
 
 extern "C" int emu_attention(EmuArgs* a) {
@@ -188,6 +196,8 @@ extern "C" int emu_attention(EmuArgs* a) {
   p.v_scale = a->v_scale;
   p.k_scale_stride = a->k_scale_stride;
   p.v_scale_stride = a->v_scale_stride;
+  p.k_scale_layout = {a->k_scale_strides[0], a->k_scale_strides[1], a->k_scale_strides[2]};
+  p.v_scale_layout = {a->v_scale_strides[0], a->v_scale_strides[1], a->v_scale_strides[2]};
   p.block_tables = a->block_tables;
   p.block_table_stride = a->block_table_stride;
   p.seq_lens = a->seq_lens;
@@ -237,12 +247,14 @@ extern "C" int emu_attention(EmuArgs* a) {
     p.part_out = part_out.data();
     p.part_lse = part_lse.data();
   }
-  switch (p.cache_kind) {
-    case paged::ScalarKind::kFloat32: run_attention<float, float>(p); break;
-    case paged::ScalarKind::kFloat16: run_attention<__half, __half>(p); break;
-    case paged::ScalarKind::kBFloat16: run_attention<__nv_bfloat16, __nv_bfloat16>(p); break;
-    case paged::ScalarKind::kFloat8E4M3: run_attention<AnyFloat, Fp8E4M3>(p); break;
-    case paged::ScalarKind::kFloat8E5M2: run_attention<AnyFloat, Fp8E5M2>(p); break;
+  switch (a->cache_kind) {
+    case 0: run_attention<float, float>(p); break;
+    case 1: run_attention<__half, __half>(p); break;
+    case 2: run_attention<__nv_bfloat16, __nv_bfloat16>(p); break;
+    case 3: run_attention<AnyFloat, Fp8E4M3>(p); break;
+    case 4: run_attention<AnyFloat, Fp8E5M2>(p); break;
+    case kEmuInt8: run_attention<AnyFloat, Int8>(p); break;
+    case kEmuInt4: run_attention<AnyFloat, Int4x2>(p); break;
   }
   return 0;
 }
@@ -274,6 +286,7 @@ struct EmuWriteKv {
   float* v_scale;
   int64_t k_scale_stride, v_scale_stride;
   int64_t wide;  // fp8: 8-byte stores (rows aligned) or byte stores
+  int64_t k_scale_strides[3], v_scale_strides[3];  // per-token caches' scales (block, head, token)
 };
 
 extern "C" int emu_write_kv(EmuWriteKv* a) {
@@ -303,13 +316,19 @@ extern "C" int emu_write_kv(EmuWriteKv* a) {
   p.v_scale = a->v_scale;
   p.k_scale_stride = a->k_scale_stride;
   p.v_scale_stride = a->v_scale_stride;
+  p.k_token_scale = a->k_scale;
+  p.v_token_scale = a->v_scale;
+  p.k_scale_layout = {a->k_scale_strides[0], a->k_scale_strides[1], a->k_scale_strides[2]};
+  p.v_scale_layout = {a->v_scale_strides[0], a->v_scale_strides[1], a->v_scale_strides[2]};
   const dim3 grid(unsigned(p.num_tokens));
-  switch (p.cache_kind) {
-    case paged::ScalarKind::kFloat8E4M3:
+  switch (a->cache_kind) {
+    case kEmuInt8: run_grid(grid, [&] { write_kv_token_kernel<false>(p); }); break;
+    case kEmuInt4: run_grid(grid, [&] { write_kv_token_kernel<true>(p); }); break;
+    case 3:
       if (a->wide) run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E4M3, true>(p); });
       else run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E4M3, false>(p); });
       break;
-    case paged::ScalarKind::kFloat8E5M2:
+    case 4:
       if (a->wide) run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E5M2, true>(p); });
       else run_grid(grid, [&] { write_kv_fp8_kernel<Fp8E5M2, false>(p); });
       break;

@@ -319,6 +319,77 @@ def test_write_kv_fp8_bit_identical(dtype, input_dtype, per_head, layout):
         assert torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
 
 
+@parametrize("cache_dtype", [torch.int8, torch.uint8])
+@parametrize("input_dtype", DTYPES)
+@parametrize("layout", ["HND", "NHD", "joint", "padded"])
+def test_write_kv_per_token(cache_dtype, input_dtype, layout):
+    # int8 bytes and every scale as the reference's (rounding ties, NaN and inf rows, a
+    # constant row); int4 nibbles too, but for a rounding tie the rotation reached in
+    # another fp32 order (then one step apart). Caches and scales in every layout.
+    from paged_attention_ext import token_quantization as tq
+    from attention_scenarios import relayout_scales
+
+    num_blocks, kv_heads, block_size, head_size = 6, 2, 16, 64
+    gen = torch.Generator().manual_seed(2)
+    stored = tq.stored_head_size(cache_dtype, head_size)
+    key_cache = torch.randint(0, 256, (num_blocks, kv_heads, block_size, stored), generator=gen,
+                              dtype=torch.uint8).view(cache_dtype)
+    value_cache = key_cache.flip(0).clone()
+    scale_shape = tq.scale_shape(cache_dtype, num_blocks, kv_heads, block_size)
+    k_scale, v_scale = torch.full(scale_shape, float("nan")), torch.full(scale_shape, 7.0)
+    key, value = fp8_write_inputs(input_dtype, 40, kv_heads, head_size)
+    key[2, 0] = 2.5  # a constant row: scale 0, stored exactly
+    ties = torch.arange(head_size) - 126.5  # int8: amax 127, scale 1, every other ratio k + 1/2
+    ties[0] = 127.0
+    value[3, 1] = ties.to(input_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:40]
+    slots[::7] = -1
+    want = [t.clone() for t in (key_cache, value_cache, k_scale, v_scale)]
+    ref.write_kv(key, value, *want[:2], slots, *want[2:])
+    got_k, got_v = (strided_to(c, CUDA) for c in relayout(key_cache, value_cache, layout))
+    got_ks, got_vs = (strided_to(s, CUDA) for s in relayout_scales(k_scale, v_scale, layout))
+    pa.write_kv(key.to(CUDA), value.to(CUDA), got_k, got_v, slots.to(CUDA), k_scale=got_ks, v_scale=got_vs)
+    for got, want_t in zip((got_ks, got_vs), want[2:]):
+        torch.testing.assert_close(got.cpu(), want_t, rtol=0, atol=0, equal_nan=True)
+    for got, want_t in zip((got_k, got_v), want[:2]):
+        got = got.cpu().contiguous()
+        if cache_dtype == torch.int8:
+            assert torch.equal(got, want_t)
+        else:
+            nibbles = [torch.stack((t & 15, t >> 4), -1).int() for t in (got, want_t)]
+            assert (nibbles[0] - nibbles[1]).abs().max() <= 1
+            assert (nibbles[0] != nibbles[1]).float().mean() < 1e-3
+
+
+@parametrize("cache_dtype", [torch.int8, torch.uint8])
+@parametrize("layout", ["HND", "NHD", "padded"])
+def test_copy_and_swap_blocks_per_token_caches_and_scales(cache_dtype, layout):
+    # A cache and its scale tensor (int8's 3-D, int4's 4-D) moved with one mapping: dense
+    # blocks as one chunk, padded ones (a spare row per block) row by row, scales included.
+    from paged_attention_ext import token_quantization as tq
+    from attention_scenarios import relayout_scales
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randint(0, 256, (6, 2, 16, tq.stored_head_size(cache_dtype, 64)), generator=gen,
+                          dtype=torch.uint8).view(cache_dtype)
+    scales = torch.randn(tq.scale_shape(cache_dtype, 6, 2, 16), generator=gen)
+    key, value = (strided_to(c, CUDA) for c in relayout(cache, cache.flip(0).clone(), layout))
+    k_scale, v_scale = (strided_to(t, CUDA) for t in relayout_scales(scales, scales.flip(0).clone(), layout))
+    mapping = torch.tensor([[0, 3], [5, 1]])
+    want = [t.cpu().clone() for t in (key, k_scale, value, v_scale)]
+    ref.copy_blocks(want[:2], want[2:], mapping)
+    pa.copy_blocks([key, k_scale], [value, v_scale], mapping.to(CUDA))
+    for got, expected in zip((key, k_scale, value, v_scale), want):
+        assert torch.equal(got.cpu().contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
+    for t in (key, k_scale):
+        host = torch.zeros((3,) + tuple(t.shape[1:]), dtype=t.dtype).pin_memory()
+        pa.swap_blocks(t, host, torch.tensor([[4, 0], [2, 2]]))
+        pa.swap_blocks(host, t, torch.tensor([[0, 5]]))
+        torch.cuda.synchronize()
+        assert torch.equal(host[2].view(torch.uint8), t[2].cpu().contiguous().view(torch.uint8))
+        assert torch.equal(t[5].cpu().contiguous().view(torch.uint8), t[4].cpu().contiguous().view(torch.uint8))
+
+
 @parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @parametrize("layout", ["NHD", "joint", "padded"])
 def test_write_kv_strided_caches(dtype, layout):
@@ -453,6 +524,19 @@ def test_fp8_and_layout_errors_on_cuda():
             pa.attention(query, odd, odd, case.block_tables, case.seq_lens, 0.1, **scales)
     with raises(ValueError, "k_scale"):
         pa.attention(query, fp8, fp8, case.block_tables, case.seq_lens, 0.1)
+    # Per-token caches: int4 rows read in 4-byte vectors; write_kv quantizes rows of at most 576.
+    num_blocks = case.key_cache.shape[0]
+    int4 = torch.zeros(num_blocks, 2, 16, 33, dtype=torch.uint8, device=CUDA)[..., :32]
+    token_scales = torch.zeros(num_blocks, 2, 16, 2, device=CUDA)
+    with raises(ValueError, "multiples of 4 bytes"):
+        pa.attention(query, int4, int4, case.block_tables, case.seq_lens, 0.1, k_scale=token_scales,
+                     v_scale=token_scales)
+    wide = torch.zeros(4, 1, 16, 640, dtype=torch.int8, device=CUDA)
+    wide_scales = torch.full((4, 1, 16), float("nan"), device=CUDA)
+    with raises(ValueError, "at most 576"):
+        pa.write_kv(torch.ones(1, 1, 640, device=CUDA), torch.ones(1, 1, 640, device=CUDA), wide, wide.clone(),
+                    torch.tensor([3], device=CUDA), k_scale=wide_scales, v_scale=wide_scales.clone())
+    assert wide_scales.isnan().all(), "refused before anything is written"
 
 
 # ---- CUDA graphs -----------------------------------------------------------------
@@ -712,6 +796,18 @@ def sanitizer_scenario():
     pa.write_kv(torch.randn(3, 2, 64, device=CUDA).to(dtype), torch.randn(3, 2, 64, device=CUDA).to(dtype),
                 gpu.key_cache, gpu.value_cache, torch.tensor([3, -1, 40], device=CUDA), **scales)
     pa.copy_blocks([gpu.key_cache], [gpu.value_cache], torch.tensor([[0, 2]], device=CUDA))
+    # per-token int8 and int4 caches: write_kv, attention with a split, copy_blocks of the scales
+    from paged_attention_ext import token_quantization as tq
+    for cache_dtype in (torch.int8, torch.uint8):
+        token = make_case([0, 3, 900], 2, 64, 16, torch.float32, poison=None)
+        (key, k_scale), (value, v_scale) = (tq.quantize(c, cache_dtype) for c in (token.key_cache, token.value_cache))
+        token = dataclasses.replace(token, key_cache=key, value_cache=value)
+        check_against_reference(token, random_query(3, 4, 64, dtype), 0.1, k_scale=k_scale, v_scale=v_scale)
+        gpu, k_scale, v_scale = on_cuda(token), k_scale.to(CUDA), v_scale.to(CUDA)
+        pa.write_kv(torch.randn(3, 2, 64, device=CUDA).to(dtype), torch.randn(3, 2, 64, device=CUDA).to(dtype),
+                    gpu.key_cache, gpu.value_cache, torch.tensor([3, -1, 40], device=CUDA), k_scale=k_scale,
+                    v_scale=v_scale)
+        pa.copy_blocks([gpu.key_cache, k_scale], [gpu.value_cache, v_scale], torch.tensor([[0, 2]], device=CUDA))
     # cascade: the shared-prefix op (with a split) and the merge of its result with a suffix
     import attention_scenarios as scenarios
     shared = scenarios.shared_prefix_case([700, 16, 0], [3, 2, 1], [1, 5, 17, 1, 2, 9], 2, 64, 16, dtype)

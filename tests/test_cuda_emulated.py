@@ -26,10 +26,12 @@ import torch
 import attention_scenarios as scenarios
 from paged_attention_ext import reference as ref
 from paged_attention_ext.layouts import from_nhd, split_kv
+from paged_attention_ext.token_quantization import head_size_of, is_per_token
 from paged_case import TOLERANCES, free_out_of_window, make_case, query_start_loc, random_query
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+         torch.int8: 5, torch.uint8: 6}  # the last two: per-token int8, packed int4
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 Strides = ctypes.c_int64 * 3
 
@@ -50,7 +52,7 @@ class EmuArgs(ctypes.Structure):
            ("out_token_stride", ctypes.c_int64), ("out_head_stride", ctypes.c_int64), ("lse", ctypes.c_void_p),
            ("lse_token_stride", ctypes.c_int64), ("multiprocessors", ctypes.c_int64),
            ("ctas_per_sm", ctypes.c_int64), ("num_partitions", ctypes.c_int64),
-           ("queries_after_keys", ctypes.c_int64)]
+           ("queries_after_keys", ctypes.c_int64), ("k_scale_strides", Strides), ("v_scale_strides", Strides)]
     )
 
 
@@ -82,7 +84,8 @@ class EmuWriteKv(ctypes.Structure):
         + [(n, ctypes.c_int64) for n in ("num_tokens", "num_slots", "num_kv_heads", "block_size", "key_row_bytes",
                                           "value_row_bytes")]
         + [("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("k_scale_stride", ctypes.c_int64),
-           ("v_scale_stride", ctypes.c_int64), ("wide", ctypes.c_int64)]
+           ("v_scale_stride", ctypes.c_int64), ("wide", ctypes.c_int64), ("k_scale_strides", Strides),
+           ("v_scale_strides", Strides)]
     )
 
 
@@ -124,7 +127,12 @@ def ptr(t):
 
 
 def scale_stride(scale):
-    return 0 if scale is None or scale.numel() == 1 else scale.stride(0)
+    return 0 if scale is None or scale.dim() != 1 or scale.numel() == 1 else scale.stride(0)
+
+
+def token_scale_strides(cache, scale):
+    """A per-token cache's scale tensor as the kernels address it (block, head, token strides)."""
+    return Strides(*scale.stride()[:3]) if is_per_token(cache.dtype) else Strides(0, 0, 0)
 
 
 def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, query_start_loc=None,
@@ -140,7 +148,7 @@ def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, sc
     keep = [t.contiguous() if t is not None else None
             for t in (block_tables, seq_lens, query_start_loc, alibi_slopes, sinks)]
     tables, lens, qsl, slopes, sink = keep
-    out = torch.full((num_tokens, num_heads, value_cache.shape[3]), float("nan"), dtype=query.dtype)
+    out = torch.full((num_tokens, num_heads, head_size_of(value_cache)), float("nan"), dtype=query.dtype)
     lse = torch.full((num_tokens, num_heads), float("nan"))
     a = EmuArgs(kind=KINDS[query.dtype], cache_kind=KINDS[key_cache.dtype], query=ptr(query),
                 query_token_stride=query.stride(0), query_head_stride=query.stride(1), key_cache=ptr(key_cache),
@@ -150,12 +158,15 @@ def emulated_attention(query, key_cache, value_cache, block_tables, seq_lens, sc
                 block_tables=ptr(tables), block_table_stride=tables.stride(0), seq_lens=ptr(lens),
                 query_start_loc=ptr(qsl), alibi_slopes=ptr(slopes), sinks=ptr(sink), num_tokens=num_tokens,
                 num_seqs=lens.shape[0], num_heads=num_heads, num_kv_heads=key_cache.shape[1],
-                head_size=key_cache.shape[3], head_size_v=value_cache.shape[3], block_size=key_cache.shape[2],
+                head_size=head_size_of(key_cache), head_size_v=head_size_of(value_cache),
+                block_size=key_cache.shape[2],
                 num_blocks=key_cache.shape[0], max_blocks_per_seq=tables.shape[1], sliding_window=sliding_window,
                 scale=scale, soft_cap=soft_cap, out=ptr(out), out_token_stride=out.stride(0),
                 out_head_stride=out.stride(1), lse=ptr(lse), lse_token_stride=lse.stride(0),
                 multiprocessors=multiprocessors, ctas_per_sm=ctas_per_sm,
-                queries_after_keys=int(queries_after_keys))
+                queries_after_keys=int(queries_after_keys),
+                k_scale_strides=token_scale_strides(key_cache, k_scale),
+                v_scale_strides=token_scale_strides(value_cache, v_scale))
     lib.emu_attention(ctypes.byref(a))
     return out, lse, a.num_partitions
 
@@ -466,7 +477,9 @@ def emulated_write_kv(key, value, key_cache, value_cache, slots, k_scale=None, v
                    num_slots=key_cache.shape[0] * key_cache.shape[2], num_kv_heads=key_cache.shape[1],
                    block_size=key_cache.shape[2], key_row_bytes=key_cache.shape[3] * cache_elem,
                    value_row_bytes=value_cache.shape[3] * cache_elem, k_scale=ptr(k_scale), v_scale=ptr(v_scale),
-                   k_scale_stride=scale_stride(k_scale), v_scale_stride=scale_stride(v_scale), wide=int(wide))
+                   k_scale_stride=scale_stride(k_scale), v_scale_stride=scale_stride(v_scale), wide=int(wide),
+                   k_scale_strides=token_scale_strides(key_cache, k_scale),
+                   v_scale_strides=token_scale_strides(value_cache, v_scale))
     lib.emu_write_kv(ctypes.byref(a))
 
 

@@ -161,7 +161,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // Items whose rows all see all their keys (a shared prefix; a causal tile's keys up to its
   // first row, without ALiBi or a window) with at least a vector of queries per KV head:
   // queries in lanes.
-  // Per-token rows always take the widened fp32 chunks below.
+  // Per-token rows take the row driver (in place or widened).
   if constexpr (!kPerToken<T>) {
     const bool all_visible =
         P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
@@ -214,10 +214,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // are rows that serve many queries (multi-token items) and cost more to widen than a
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
-  const bool in_place = !kPerToken<T> && hsp == hs && hspv == hsv && !widen_once;
-  // The item's products: their paths by dtype, head sizes and query dtype (per-token rows:
-  // the fp32 ones).
-  const RowTiles<std::conditional_t<kPerToken<T>, float, T>> tiles(P, hs, hsv, in_place);
+  constexpr bool kInPlace = !kPerToken<T> || kPerTokenInPlace<T>;
+  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once;
+  // The item's products: their paths by dtype, head sizes and query dtype (rows that are
+  // never read in place: the fp32 ones).
+  const RowTiles<std::conditional_t<kInPlace, T, float>> tiles(P, hs, hsv, in_place);
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -289,6 +290,26 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     }
   };
 
+  // Per-token rows read in place: the chunk's key and value scales in key order (1 past n),
+  // each key's multiplying its scores (q . k = s (q . q8)) and each value's its
+  // probabilities after the softmax (acc += (p s) q8), the running sums untouched.
+  float chunk_k_scale[kKeyChunk], chunk_v_scale[kKeyChunk];
+  auto gather_token_scales = [&](int j0, int n, int kv_head) {
+    const float* k[kKeyChunk];
+    const float* v[kKeyChunk];
+    walk_token_scales(j0, n, kv_head, k, v);
+    for (int t = 0; t < CH; ++t) {
+      chunk_k_scale[t] = t < n ? *k[t] : 1.0f;
+      chunk_v_scale[t] = t < n ? *v[t] : 1.0f;
+    }
+  };
+  auto scale_chunk = [&](const ItemState& st, const float* factor) {
+    for (int m = 0; m < st.num_queries; ++m) {
+      float* s = st.scores + int64_t(m) * kKeyChunk;
+      for (int t = 0; t < CH; t += VW) store(s + t, load(s + t) * load(factor + t));
+    }
+  };
+
   // One line of each block of keys [j0, j0 + n) of a KV head, keys and values: where pages
   // are 4 KiB a head's rows of a block are a page of their own, and this touch, a chunk
   // before the rows' prefetches, walks it early: the page walk no longer stalls the
@@ -331,7 +352,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // The chunk loop is written out in both branches below: a shared generic lambda for it
   // measured slower on bf16 GQA decode.
   bool widened = true;
-  if constexpr (!kPerToken<T>) {
+  if constexpr (kInPlace) {
     if (in_place) {
       widened = false;
       // Rows are whole vectors: read them in place. While a chunk's scores are computed
@@ -351,7 +372,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
       // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
       // measured). Measurements: docs/performance.md.
-      const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      // Not for per-token rows, whose scales are gathered in key order.
+      const int chunk_blocks = per_head > 1 && !kPerToken<T> && bs < CH && CH % bs == 0 ? CH / bs : 0;
       auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
         const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
         if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
@@ -390,8 +412,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         }
         const T* const* scores_ahead = v_rows;
         const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
+        if constexpr (kPerToken<T>) gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head);
         tiles.scores(st, k_rows, c.n, scores_ahead);
+        if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
         softmax(st, c.j0, c.n);
+        if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
         tiles.values(st, v_rows, c.n, keys_ahead);
         if (r == 0) {
           r = 2;

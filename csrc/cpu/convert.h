@@ -12,13 +12,18 @@ struct Fp16 { uint16_t bits; };
 struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
 struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
 // The per-token formats (token_quantization.py): each row with its own fp32 scale beside
-// the cache. int8 rows; int4 rows of two values a byte, even channel in the low nibble,
-// rotated. Rows are widened once per chunk with the scale (and low) folded in
-// (token_row_to_float), so they take the fp32 tiles.
+// the cache. int8 rows, read in place like fp8 ones (the driver applies each key's scale
+// to its scores and each value's to its probabilities), or widened once per chunk with
+// the scale folded in; int4 rows of two values a byte, even channel in the low nibble,
+// rotated, always widened with scale and low folded in (token_row_to_float) for the fp32
+// tiles.
 struct Int8Row { int8_t bits; };
 struct Int4Row { uint8_t bits; };
 template <typename T>
 constexpr bool kPerToken = std::is_same_v<T, Int8Row> || std::is_same_v<T, Int4Row>;
+// Per-token rows the row driver reads in place: int8's (int4's are always widened).
+template <typename T>
+constexpr bool kPerTokenInPlace = std::is_same_v<T, Int8Row>;
 // Values an element holds (a row of head_size values is head_size / this elements).
 template <typename T>
 constexpr int kValuesPerElement = std::is_same_v<T, Int4Row> ? 2 : 1;
@@ -81,6 +86,7 @@ static inline uint16_t half_bits(Fp8E4M3 x) {
 }
 static inline float to_float(Fp8E5M2 x) { return to_float(Fp16{half_bits(x)}); }
 static inline float to_float(Fp8E4M3 x) { return to_float(Fp16{half_bits(x)}); }
+static inline float to_float(Int8Row x) { return float(x.bits); }
 
 // ---- vector conversions: VW elements of the cache type -> VW floats ---------
 
@@ -274,6 +280,21 @@ __attribute__((always_inline)) static inline vfloat load_as_float(const Fp8E4M3*
   return a;
 }
 #endif
+
+// VW int8s sign-extended and converted (vpmovsxbd and vcvtdq2ps on AVX-512 / AVX2; a
+// one-step __builtin_convertvector from bytes measured element by element, 5x slower).
+__attribute__((always_inline)) static inline vfloat load_as_float(const Int8Row* p) {
+#if PAGED_ISA_AVX512 && PAGED_VEC_WIDTH == 16
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif PAGED_ISA_F16C && PAGED_VEC_WIDTH == 8
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t vint8 __attribute__((vector_size(VW)));
+  vint8 bytes;
+  std::memcpy(&bytes, p, VW);
+  return __builtin_convertvector(__builtin_convertvector(bytes, vint), vfloat);
+#endif
+}
 
 // Two vectors (elements [0, VW) and [VW, 2 VW)) at once. AVX-512 widens 32 fp8 bytes with
 // one zmm of 16-bit lanes: half the integer instructions per element of two single loads

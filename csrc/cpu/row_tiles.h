@@ -208,7 +208,7 @@ static inline void to_slot_order(float* x, int n, Slot slot) {
 template <typename T>
 class RowTiles {
  public:
-  static constexpr bool kFp8 = sizeof(T) == 1;
+  static constexpr bool kFp8 = sizeof(T) == 1 && !kPerToken<T>;
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole

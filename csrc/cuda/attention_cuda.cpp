@@ -94,6 +94,8 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   p.value_layout = layout_of(args.value_cache, 1);
   p.k_scale = scale_ptr(args.k_scale, &p.k_scale_stride);
   p.v_scale = scale_ptr(args.v_scale, &p.v_scale_stride);
+  p.k_scale_layout = token_scale_layout(args.key_cache, args.k_scale);
+  p.v_scale_layout = token_scale_layout(args.value_cache, args.v_scale);
   p.block_tables = args.block_tables.mutable_data_ptr<int32_t>();
   p.block_table_stride = args.block_tables.stride(0);
   p.seq_lens = lens.mutable_data_ptr<int32_t>();

@@ -1,5 +1,5 @@
 // Dispatch of the attention kernels by cache element type, and their occupancy (the
-// instances themselves are in attention_{f32,f16,bf16,fp8_e4m3,fp8_e5m2}.cu, the
+// instances themselves are in attention_{f32,f16,bf16,fp8_e4m3,fp8_e5m2,int8,int4}.cu, the
 // kernels in attention_kernels.cuh).
 #include <cuda_runtime.h>
 
@@ -17,9 +17,10 @@ int bucket_index(int head_size) {
 
 constexpr int kCachedDevices = 64;
 // Resident CTAs per multiprocessor by device, cache kind (the instance family: a float
-// cache's query has its dtype, an fp8 cache's any), key and value head-size bucket and
-// query bucket; 0 until first asked.
-std::atomic<int> occupancy_cache[kCachedDevices][5][5][5][4];
+// cache's query has its dtype, an fp8 or per-token cache's any), key and value head-size
+// bucket and query bucket; 0 until first asked.
+constexpr int kCacheKinds = 7;  // ScalarKind's
+std::atomic<int> occupancy_cache[kCachedDevices][kCacheKinds][5][5][4];
 
 }  // namespace
 
@@ -40,6 +41,8 @@ cudaError_t attention_ctas_per_sm(ScalarKind cache_kind, int head_size, int head
     case ScalarKind::kBFloat16: status = occupancy_bf16(head_size, head_size_v, query_bucket, ctas); break;
     case ScalarKind::kFloat8E4M3: status = occupancy_fp8_e4m3(head_size, head_size_v, query_bucket, ctas); break;
     case ScalarKind::kFloat8E5M2: status = occupancy_fp8_e5m2(head_size, head_size_v, query_bucket, ctas); break;
+    case ScalarKind::kInt8: status = occupancy_int8(head_size, head_size_v, query_bucket, ctas); break;
+    case ScalarKind::kInt4: status = occupancy_int4(head_size, head_size_v, query_bucket, ctas); break;
   }
   if (status == cudaSuccess && cached != nullptr && *ctas > 0) cached->store(*ctas, std::memory_order_relaxed);
   return status;
@@ -52,6 +55,8 @@ cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream)
     case ScalarKind::kBFloat16: return launch_attention_bf16(params, stream);
     case ScalarKind::kFloat8E4M3: return launch_attention_fp8_e4m3(params, stream);
     case ScalarKind::kFloat8E5M2: return launch_attention_fp8_e5m2(params, stream);
+    case ScalarKind::kInt8: return launch_attention_int8(params, stream);
+    case ScalarKind::kInt4: return launch_attention_int4(params, stream);
   }
   return cudaErrorInvalidValue;
 }

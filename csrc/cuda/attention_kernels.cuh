@@ -8,7 +8,13 @@
 // dimension contiguous. fp8 caches: rows are read as 8-byte vectors and
 // dequantized in registers (fp8.cuh); the per-head scales are folded in once per CTA,
 // k_scale into the scaled queries (q . (k * s) = (q * s) . k) and v_scale into the
-// final output, so the loop over keys does no extra multiply.
+// final output, so the loop over keys does no extra multiply. Per-token caches
+// (token_formats.cuh): int8 and packed int4 rows read as 8- and 4-byte vectors of 8
+// values, exact integers in fp32; key j's score is kscale_j * (q . k_j) (int4: plus
+// klow_j * sum(q)), and its probability goes to the value phase as p_j * vscale_j
+// (int4: sum_j p_j * vlow_j joins every channel at the warps' merge). int4 rows are
+// rotated, so the CTA rotates its queries first and the output is rotated back last
+// (after the split merge: the merge is linear).
 //
 // One CTA owns one query tile (up to kQ query vectors: the rows of one sequence
 // times the query heads of one GQA group), one KV head and one split of the
@@ -49,6 +55,7 @@
 
 #include "cuda_utils.cuh"
 #include "kernels.h"
+#include "token_formats.cuh"
 
 namespace paged::cuda {
 namespace {
@@ -58,8 +65,11 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kStep = 32;  // keys per warp step: one per lane in the score phase
 static_assert(kWarps * kStep == kCtaStepKeys, "the key schedule's step is the CTA's");
 // Bytes of each of its two key rows a lane loads before using the first: two
-// 16-byte vectors (32/16-bit caches), four 8-byte ones (fp8).
+// 16-byte vectors (32/16-bit caches), four 8-byte ones (fp8, int8); at most four
+// vectors, so int4's 4-byte ones stop at 16 bytes (eight in flight spilled 80 bytes
+// in the 8-query instances).
 constexpr int kKeyBytesInFlight = 32;
+constexpr int kMaxKeyVecsInFlight = 4;
 
 // Registers are capped so that this many CTAs fit on a multiprocessor: 168
 // registers for 8 queries per CTA, 128 for fewer (their accumulators are smaller);
@@ -157,7 +167,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
   using E = Elem<C>;
   using Vec = typename E::Vec;
   constexpr int kPerVec = E::kPerVec;
-  constexpr int kKeyVecsInFlight = kKeyBytesInFlight / int(sizeof(Vec));
+  constexpr int kKeyVecsInFlight = kKeyBytesInFlight / int(sizeof(Vec)) < kMaxKeyVecsInFlight
+                                        ? kKeyBytesInFlight / int(sizeof(Vec))
+                                        : kMaxKeyVecsInFlight;
   constexpr int kRowVecs = kVCap / kPerVec;  // vectors (Vec) in a value row at the cap
   // Value phase: kLanesPerRow lanes share a row, kRowsPerStep rows per warp instruction.
   constexpr int kLanesPerRow = kRowVecs < 32 ? kRowVecs : 32;
@@ -183,6 +195,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
   __shared__ float slope_s[kQ];
   __shared__ float warp_max_s[kWarps][kQ];
   __shared__ float warp_sum_s[kWarps][kQ];
+  __shared__ float q_sum_s[kQ];  // int4: each rotated query's sum, for the keys' low term
+  constexpr bool kPerToken = kIsPerToken<C>;
+  constexpr bool kRotated = kIsRotated<C>;
 
   Tile tile;
   if (!locate_tile(p, tile)) return;
@@ -222,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
     const int64_t row = tile.row_begin + m / num_cta_heads;
     const int64_t head = head_begin + m % num_cta_heads;
     const float q = load_float<Q>(p.query, row * p.query_token_stride + head * p.query_head_stride + d, p.kind);
-    smem.loop.q[m][d] = q * p.scale * k_factor;
+    smem.loop.q[m][d] = q * p.scale * k_factor * (kRotated ? rotation_sign(d) : 1.0f);
   }
   if (threadIdx.x < kQ) {
     const int m = threadIdx.x;
@@ -233,9 +248,28 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if constexpr (kRotated) {
+    // The queries rotated like the keys (q . k = rotate(q) . rotate(k)), and their sums.
+    const int n = rotation_block(p.head_size);
+    hadamard_in_place(&smem.loop.q[0][0], kKCap, num_q, p.head_size, n, threadIdx.x, kThreads,
+                      [] { __syncthreads(); });
+    const float norm = rotation_norm(n);
+    for (int m = warp; m < num_q; m += kWarps) {
+      float sum = 0.0f;
+      for (int d = lane; d < p.head_size; d += 32) {
+        const float q = smem.loop.q[m][d] * norm;
+        smem.loop.q[m][d] = q;
+        sum += q;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) q_sum_s[m] = sum;
+    }
+    __syncthreads();
+  }
   const int num_vecs = p.head_size / kPerVec;
   const int num_vecs_v = p.head_size_v / kPerVec;
   const CacheLayout kl = p.key_layout, vl = p.value_layout;
+  const CacheLayout ksl = p.k_scale_layout, vsl = p.v_scale_layout;
   const C* key_cache = static_cast<const C*>(p.key_cache) + kv_head * kl.head_stride;
   const C* value_cache = static_cast<const C*>(p.value_cache) + kv_head * vl.head_stride;
   const int32_t* table = p.block_tables + int64_t(tile.seq) * p.block_table_stride;
@@ -243,11 +277,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
   const float inv_soft_cap = soft_cap ? 1.0f / p.soft_cap : 0.0f;
   const int sub_row = lane / kLanesPerRow, sub_lane = lane % kLanesPerRow;
 
-  float run_max[kQ], run_sum[kQ], acc[kQ][kAccPerLane];
+  // run_low (int4): sum_j p_j * vlow_j, this lane's share, rescaled like run_sum.
+  float run_max[kQ], run_sum[kQ], run_low[kQ], acc[kQ][kAccPerLane];
 #pragma unroll
   for (int m = 0; m < kQ; ++m) {
     run_max[m] = -INFINITY;
     run_sum[m] = 0.0f;  // this lane's share; summed over the warp at the end
+    run_low[m] = 0.0f;
 #pragma unroll
     for (int e = 0; e < kAccPerLane; ++e) acc[m][e] = 0.0f;
   }
@@ -277,6 +313,23 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
     const int in_block = j % p.block_size;
     const int64_t row_offset = int64_t(next_block) * kl.block_stride + int64_t(in_block) * kl.token_stride;
     const int64_t v_row_offset = int64_t(next_block) * vl.block_stride + int64_t(in_block) * vl.token_stride;
+    // Per-token caches: this lane's key's scales (int4: and lows), used after the dot
+    // products, so their latency hides behind them. A key past the end reads none.
+    float k_mul = 0.0f, k_low = 0.0f, v_mul = 0.0f, v_low = 0.0f;
+    if constexpr (kPerToken) {
+      if (valid) {
+        const float* ks = p.k_scale + kv_head * ksl.head_stride + int64_t(next_block) * ksl.block_stride +
+                          int64_t(in_block) * ksl.token_stride;
+        const float* vs = p.v_scale + kv_head * vsl.head_stride + int64_t(next_block) * vsl.block_stride +
+                          int64_t(in_block) * vsl.token_stride;
+        k_mul = __ldg(ks);
+        v_mul = __ldg(vs);
+        if constexpr (kRotated) {
+          k_low = __ldg(ks + 1);
+          v_low = __ldg(vs + 1);
+        }
+      }
+    }
     const int next_t0 = schedule.next(t0, &chunk_offset);
     next_block = load_block(next_t0 + own);
     const int64_t partner_offset = __shfl_xor_sync(kFullMask, row_offset, 1);  // key own ^ 16
@@ -336,6 +389,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
       const float lo_sum = s_lo[m] + __shfl_xor_sync(kFullMask, s_lo[m], 1);
       const float hi_sum = s_hi[m] + __shfl_xor_sync(kFullMask, s_hi[m], 1);
       float x = parity ? hi_sum : lo_sum;
+      if constexpr (kRotated) {
+        x = fmaf(k_mul, x, k_low * q_sum_s[m]);
+      } else if constexpr (kPerToken) {
+        x *= k_mul;
+      }
       if (soft_cap) x = p.soft_cap * tanhf(x * inv_soft_cap);
       const int pos = pos_s[m];
       x = fmaf(slope_s[m], float(j - pos), x);
@@ -348,10 +406,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
         const float alpha = __expf(run_max[m] - new_max);  // 0 on the first visible key
         prob = __expf(x - new_max);
         run_sum[m] = fmaf(run_sum[m], alpha, prob);
+        // A key no query sees (prob 0) adds nothing, whatever its scales hold.
+        if constexpr (kRotated) run_low[m] = fmaf(run_low[m], alpha, prob != 0.0f ? prob * v_low : 0.0f);
 #pragma unroll
         for (int e = 0; e < kAccPerLane; ++e) acc[m][e] *= alpha;
         run_max[m] = new_max;
       }
+      if constexpr (kPerToken) prob = prob != 0.0f ? prob * v_mul : 0.0f;  // the value phase's weight
       smem.loop.prob[warp][own][m] = prob;
     }
     __syncwarp();
@@ -391,6 +452,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
   for (int m = 0; m < kQ; ++m) {
     if (m >= num_q) break;
     run_sum[m] = warp_sum(run_sum[m]);
+    if constexpr (kRotated) run_low[m] = warp_sum(run_low[m]);
 #pragma unroll
     for (int e = 0; e < kAccPerLane; ++e) {
 #pragma unroll
@@ -413,7 +475,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
         const int vec = sub_lane + k * kLanesPerRow;
         if (vec < num_vecs_v) {
 #pragma unroll
-          for (int e = 0; e < kPerVec; ++e) smem.merge.acc[warp][m][vec * kPerVec + e] = acc[m][k * kPerVec + e];
+          for (int e = 0; e < kPerVec; ++e) {
+            smem.merge.acc[warp][m][vec * kPerVec + e] = acc[m][k * kPerVec + e] + (kRotated ? run_low[m] : 0.0f);
+          }
         }
       }
     }
@@ -452,8 +516,29 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
       p.part_out[slot * p.head_size_v + d] = value;
       if (d == 0) p.part_lse[slot] = lse;
     } else {
-      store_float<Q>(p.out, token * p.out_token_stride + head * p.out_head_stride + d, value, p.kind);
+      if constexpr (kRotated) {
+        smem.merge.acc[0][m][d] = value;  // only this thread reads (m, d): rotated back below
+      } else {
+        store_float<Q>(p.out, token * p.out_token_stride + head * p.out_head_stride + d, value, p.kind);
+      }
       if (d == 0 && p.lse != nullptr) p.lse[token * p.lse_token_stride + head] = lse;
+    }
+  }
+  if constexpr (kRotated) {
+    if (!split) {
+      // The output rotated back (the split results stay rotated: the merge kernel does it).
+      __syncthreads();
+      const int n = rotation_block(p.head_size_v);
+      hadamard_in_place(&smem.merge.acc[0][0][0], kVCap, num_q, p.head_size_v, n, threadIdx.x, kThreads,
+                        [] { __syncthreads(); });
+      const float norm = rotation_norm(n);
+      for (int i = threadIdx.x; i < num_q * p.head_size_v; i += kThreads) {
+        const int m = i / p.head_size_v, d = i - m * p.head_size_v;
+        const int64_t token = tile.row_begin + m / num_cta_heads;
+        const int64_t head = head_begin + m % num_cta_heads;
+        store_float<Q>(p.out, token * p.out_token_stride + head * p.out_head_stride + d,
+                       smem.merge.acc[0][m][d] * norm * rotation_sign(d), p.kind);
+      }
     }
   }
 }
@@ -485,8 +570,8 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
 // groups take the splits in turn, four loads in flight per thread: every load
 // is unconditional (an empty split, weight 0, reads split 0's row instead, which
 // any row with keys has written, and a select drops it). The sink joins the
-// denominator.
-template <typename Q>
+// denominator. kUnrotate (int4 caches): the merged row is rotated back before it is stored.
+template <typename Q, bool kUnrotate>
 __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const AttentionParams p) {
   __shared__ float scratch[kWarps];
   __shared__ float4 partial[kThreads];
@@ -541,7 +626,32 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
   partial[threadIdx.x] = o;
   __syncthreads();
 
-  if (threadIdx.x < vecs) {
+  const float inv_total = total != 0.0f ? 1.0f / total : 0.0f;  // NaN stays NaN
+  const int64_t out = token * p.out_token_stride + head * p.out_head_stride;
+  if constexpr (kUnrotate) {
+    __shared__ float row_s[kMaxRotationBlock];  // head_size_v <= 512
+    if (threadIdx.x < vecs) {
+      float4 sum = partial[threadIdx.x];
+      for (int k = 1; k < groups; ++k) {
+        const float4 x = partial[k * vecs + threadIdx.x];
+        sum.x += x.x;
+        sum.y += x.y;
+        sum.z += x.z;
+        sum.w += x.w;
+      }
+      row_s[4 * threadIdx.x] = sum.x * inv_total;
+      row_s[4 * threadIdx.x + 1] = sum.y * inv_total;
+      row_s[4 * threadIdx.x + 2] = sum.z * inv_total;
+      row_s[4 * threadIdx.x + 3] = sum.w * inv_total;
+    }
+    __syncthreads();
+    const int n = rotation_block(p.head_size_v);
+    hadamard_in_place(row_s, 0, 1, p.head_size_v, n, threadIdx.x, kThreads, [] { __syncthreads(); });
+    const float norm = rotation_norm(n);
+    for (int d = threadIdx.x; d < p.head_size_v; d += kThreads) {
+      store_float<Q>(p.out, out + d, row_s[d] * norm * rotation_sign(d), p.kind);
+    }
+  } else if (threadIdx.x < vecs) {
     float4 sum = partial[threadIdx.x];
     for (int k = 1; k < groups; ++k) {
       const float4 x = partial[k * vecs + threadIdx.x];
@@ -550,12 +660,11 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
       sum.z += x.z;
       sum.w += x.w;
     }
-    const float inv_total = total != 0.0f ? 1.0f / total : 0.0f;  // NaN stays NaN
-    const int64_t out = token * p.out_token_stride + head * p.out_head_stride + 4 * threadIdx.x;
-    store_float<Q>(p.out, out, sum.x * inv_total, p.kind);
-    store_float<Q>(p.out, out + 1, sum.y * inv_total, p.kind);
-    store_float<Q>(p.out, out + 2, sum.z * inv_total, p.kind);
-    store_float<Q>(p.out, out + 3, sum.w * inv_total, p.kind);
+    const int64_t at = out + 4 * threadIdx.x;
+    store_float<Q>(p.out, at, sum.x * inv_total, p.kind);
+    store_float<Q>(p.out, at + 1, sum.y * inv_total, p.kind);
+    store_float<Q>(p.out, at + 2, sum.z * inv_total, p.kind);
+    store_float<Q>(p.out, at + 3, sum.w * inv_total, p.kind);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
     p.lse[token * p.lse_token_stride + head] = total != 0.0f ? top + __logf(total) : -INFINITY;
@@ -607,7 +716,7 @@ cudaError_t with_instance(int head_size, int head_size_v, int query_bucket, F&& 
 // The launches (CUDA syntax): nvcc only. tests/cuda_emulator.cpp compiles the kernels
 // above with the host compiler and runs them on emulated threads.
 #if defined(__CUDACC__)
-// Q: the query/out type, C: the cache's (for float caches Q = C; fp8: Q = AnyFloat).
+// Q: the query/out type, C: the cache's (for float caches Q = C; fp8, int8, int4: Q = AnyFloat).
 template <typename Q, typename C>
 cudaError_t launch_attention_typed(const AttentionParams& p, cudaStream_t stream) {
   return with_instance(p.head_size, p.head_size_v, p.query_bucket, [&](auto k, auto v, auto q) {
@@ -615,7 +724,7 @@ cudaError_t launch_attention_typed(const AttentionParams& p, cudaStream_t stream
     attention_kernel<Q, C, decltype(k)::value, decltype(v)::value, decltype(q)::value>
         <<<grid, kThreads, 0, stream>>>(p);
     if (p.num_partitions > 1) {
-      merge_partitions_kernel<Q><<<unsigned(int64_t(p.num_tokens) * p.num_heads), kThreads, 0, stream>>>(p);
+      merge_partitions_kernel<Q, kIsRotated<C>><<<unsigned(int64_t(p.num_tokens) * p.num_heads), kThreads, 0, stream>>>(p);
     }
     return cudaGetLastError();
   });

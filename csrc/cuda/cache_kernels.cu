@@ -1,5 +1,5 @@
 // Launches of the cache-op kernels (cache_kernels.cuh): the copy unit each launch
-// uses, and the fp8 format of a quantizing write_kv.
+// uses, and the format of a quantizing write_kv (fp8, per-token int8 / int4).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -50,7 +50,11 @@ cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
   const int cache_alignment = common_alignment({address(p.key_cache), address(p.value_cache), p.key_row_bytes,
                                                 p.value_row_bytes, k.block_stride, k.head_stride, k.token_stride,
                                                 v.block_stride, v.head_stride, v.token_stride});
-  if (p.cache_kind == ScalarKind::kFloat8E4M3) {
+  if (p.cache_kind == ScalarKind::kInt8) {
+    write_kv_token_kernel<false><<<static_cast<unsigned>(p.num_tokens), kCacheThreads, 0, stream>>>(p);
+  } else if (p.cache_kind == ScalarKind::kInt4) {
+    write_kv_token_kernel<true><<<static_cast<unsigned>(p.num_tokens), kCacheThreads, 0, stream>>>(p);
+  } else if (p.cache_kind == ScalarKind::kFloat8E4M3) {
     launch_write_kv_fp8<Fp8E4M3>(p, cache_alignment >= 8, stream);
   } else if (p.cache_kind == ScalarKind::kFloat8E5M2) {
     launch_write_kv_fp8<Fp8E5M2>(p, cache_alignment >= 8, stream);

@@ -1,5 +1,5 @@
 // CUDA kernels of the cache ops: write_kv scatters new key/value rows into their
-// slots (copied, or quantized into an fp8 cache); copy_blocks copies blocks of every
+// slots (copied, or quantized into an fp8 or a per-token int8 / int4 cache); copy_blocks copies blocks of every
 // layer in one launch. Copies move data in the widest unit (16, 8, 4 or 2 bytes) that
 // every address and stride allows (cache_kernels.cu picks it), and skip (never follow)
 // an index outside the cache. Caches are addressed by stride (CacheLayout, CopyCache):
@@ -13,6 +13,7 @@
 
 #include "cuda_utils.cuh"
 #include "kernels.h"
+#include "token_formats.cuh"
 
 namespace paged::cuda {
 namespace {
@@ -103,6 +104,36 @@ __global__ void __launch_bounds__(kCacheThreads) write_kv_fp8_kernel(const Write
   quantize_rows<F, kWide>(static_cast<const char*>(p.value) + token * p.value_token_stride, p.value_head_stride,
                    p.kind, static_cast<char*>(p.value_cache) + block * vl.block_stride + offset * vl.token_stride,
                    vl.head_stride, p.num_kv_heads, int(p.value_row_bytes), p.v_scale, p.v_scale_stride);
+}
+
+// Quantizes the rows of all KV heads of one token into a per-token cache (int8, or packed
+// int4 when kInt4; token_formats.cuh): one warp per row, keys then values, each row's
+// scale written beside it. Rows are short (at most kMaxTokenRow values) and written once,
+// so bytes are stored one by one (consecutive lanes, consecutive bytes).
+template <bool kInt4>
+__global__ void __launch_bounds__(kCacheThreads) write_kv_token_kernel(const WriteKvParams p) {
+  constexpr int kCacheWarps = kCacheThreads / 32;
+  __shared__ float row_s[kCacheWarps][kMaxTokenRow];
+  const int64_t token = blockIdx.x;
+  int64_t block, offset;
+  if (!locate_slot(p, token, &block, &offset)) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int values_per_byte = kInt4 ? 2 : 1;
+  for (int r = warp; r < 2 * p.num_kv_heads; r += kCacheWarps) {
+    const bool is_value = r >= p.num_kv_heads;
+    const int64_t head = is_value ? r - p.num_kv_heads : r;
+    const CacheLayout& cl = is_value ? p.value_layout : p.key_layout;
+    const CacheLayout& sl = is_value ? p.v_scale_layout : p.k_scale_layout;
+    const char* src = static_cast<const char*>(is_value ? p.value : p.key) +
+                      token * (is_value ? p.value_token_stride : p.key_token_stride) +
+                      head * (is_value ? p.value_head_stride : p.key_head_stride);
+    char* dst = static_cast<char*>(is_value ? p.value_cache : p.key_cache) + block * cl.block_stride +
+                head * cl.head_stride + offset * cl.token_stride;
+    float* scale = (is_value ? p.v_token_scale : p.k_token_scale) + block * sl.block_stride +
+                   head * sl.head_stride + offset * sl.token_stride;
+    const int n = int((is_value ? p.value_row_bytes : p.key_row_bytes) * values_per_byte);
+    quantize_token_row<kInt4>(src, p.kind, n, dst, scale, row_s[warp], lane);
+  }
 }
 
 // grid (pair, 2 * layer + {0: keys, 1: values}): one block copy per CTA, as the rows

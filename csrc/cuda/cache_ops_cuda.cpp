@@ -22,6 +22,11 @@ void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
   check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   PAGED_CHECK_VALUE(key.is_cuda(), op, ": argument 'key' must be a CUDA tensor, got ", key.device());
   PAGED_CHECK_VALUE(key.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
+  PAGED_CHECK_VALUE(!is_per_token(key_cache.scalar_type()) ||
+                        (key.size(2) <= kMaxTokenRow && value.size(2) <= kMaxTokenRow),
+                    op, ": arguments 'key' and 'value' have rows of ", key.size(2), " and ", value.size(2),
+                    " values; the CUDA kernel quantizes rows of at most ", kMaxTokenRow,
+                    " values into a per-token cache");
   if (key.size(0) == 0 || key.size(1) == 0) return;
   const int32_t device = key.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -42,6 +47,12 @@ void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
   p.cache_kind = scalar_kind(key_cache.scalar_type());
   p.k_scale = scale_ptr(k_scale, &p.k_scale_stride);
   p.v_scale = scale_ptr(v_scale, &p.v_scale_stride);
+  if (is_per_token(key_cache.scalar_type())) {  // write_kv writes each row's scales
+    p.k_token_scale = k_scale->mutable_data_ptr<float>();
+    p.v_token_scale = v_scale->mutable_data_ptr<float>();
+    p.k_scale_layout = token_scale_layout(key_cache, k_scale);
+    p.v_scale_layout = token_scale_layout(value_cache, v_scale);
+  }
   p.slot_mapping = slot_mapping.mutable_data_ptr<int64_t>();
   p.slot_stride = slot_mapping.stride(0);
   p.num_tokens = key.size(0);
@@ -89,15 +100,18 @@ void copy_blocks_cuda(const TensorList& key_caches, const TensorList& value_cach
   if (key_caches[0].size(0) == 0) return;
 
   // A block that is one dense chunk is one row of all its bytes; other views (K and V
-  // interleaved per token, say) are copied row by row.
+  // interleaved per token, say) are copied row by row. A per-token cache's scales move
+  // the same way: int4's [..., 2] like a cache, int8's 3-D [num_blocks, num_kv_heads,
+  // block_size] as rows of one float.
   auto rows_of = [](const Tensor& t) {
     const int64_t elem = t.element_size();
     if (block_is_dense(t)) {
       // numel / size(0), not stride(0): a one-block pool may have any stride(0).
       return CopyCache{t.data_ptr(), t.stride(0) * elem, 0, 0, t.numel() / t.size(0) * elem, 1, 1};
     }
+    const int64_t row = t.dim() == 4 ? t.size(3) : 1;
     return CopyCache{t.data_ptr(), t.stride(0) * elem, t.stride(1) * elem, t.stride(2) * elem,
-                     t.size(3) * elem, int32_t(t.size(1)), int32_t(t.size(2))};
+                     row * elem, int32_t(t.size(1)), int32_t(t.size(2))};
   };
   CopyBlocksParams p{};
   p.block_mapping = mapping.mutable_data_ptr<int64_t>();
@@ -181,8 +195,13 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
     }
   } else {
     // Row by row: per block and KV head, one 2-D copy of block_size rows of head_size
-    // elements (the row pitch is each pool's token stride).
-    const int64_t row_bytes = src.size(3) * elem, tokens = src.size(2);
+    // elements (the row pitch is each pool's token stride); a per-token cache's 3-D int8
+    // scales as rows of one float.
+    PAGED_CHECK_VALUE(src.dim() == 3 || src.dim() == 4, op, ": 'src' and 'dst' of shape ", src.sizes(),
+                      " that do not store each block as one dense chunk must be caches [num_blocks, "
+                      "num_kv_heads, block_size, head_size] or their scales [num_blocks, num_kv_heads, "
+                      "block_size]; got strides ", src.strides(), " and ", dst.strides());
+    const int64_t row_bytes = (src.dim() == 4 ? src.size(3) : 1) * elem, tokens = src.size(2);
     const auto pitch = [&](const Tensor& t) { return tokens > 1 ? t.stride(2) * elem : row_bytes; };
     const int64_t src_pitch = pitch(src), dst_pitch = pitch(dst);
     for (const auto& [s, d] : pairs) {

@@ -59,7 +59,8 @@ inline CacheLayout layout_of(const Tensor& cache, int64_t unit) {
 }
 
 // A scale tensor (checked: fp32, one element or [num_kv_heads]) as the kernels read it,
-// scale[kv_head * stride]; stride 0 for one element per layer. nullptr when absent.
+// scale[kv_head * stride]; stride 0 for one element per layer. nullptr when absent. A
+// per-token cache's scale tensor (one per slot) is addressed by token_scale_layout.
 inline const float* scale_ptr(const std::optional<Tensor>& scale, int64_t* stride) {
   if (!scale.has_value()) {
     *stride = 0;
@@ -67,6 +68,14 @@ inline const float* scale_ptr(const std::optional<Tensor>& scale, int64_t* strid
   }
   *stride = scale->numel() == 1 ? 0 : scale->stride(0);
   return scale->mutable_data_ptr<float>();
+}
+
+// A per-token cache's scale tensor (checked: fp32 [num_blocks, num_kv_heads, block_size]
+// or [..., 2]) as the kernels address a slot's scales: block, head and token strides in
+// floats. Zeros for any other scale argument.
+inline CacheLayout token_scale_layout(const Tensor& cache, const std::optional<Tensor>& scale) {
+  if (!scale.has_value() || !is_per_token(cache.scalar_type())) return {0, 0, 0};
+  return layout_of(*scale, 1);
 }
 
 }  // namespace paged::cuda

@@ -17,9 +17,12 @@ namespace paged::cuda {
 inline constexpr bool is_fp8_kind(ScalarKind k) { return k == ScalarKind::kFloat8E4M3 || k == ScalarKind::kFloat8E5M2; }
 
 // Bytes of the vectors the kernels read cache rows in: 16 for 32/16-bit caches, 8 for
-// fp8 (8 elements, like bf16, so every head size that is a multiple of 8 works). Cache
-// addresses and strides must be multiples of it (checked on the host).
-inline constexpr int cache_vector_bytes(ScalarKind cache_kind) { return is_fp8_kind(cache_kind) ? 8 : 16; }
+// fp8 and int8, 4 for packed int4 (8 values each, like bf16, so every head size that is a
+// multiple of 8 works). Cache addresses and strides must be multiples of it (checked on
+// the host).
+inline constexpr int cache_vector_bytes(ScalarKind cache_kind) {
+  return cache_kind == ScalarKind::kInt4 ? 4 : is_fp8_kind(cache_kind) || cache_kind == ScalarKind::kInt8 ? 8 : 16;
+}
 
 // One cache's layout: the logical shape is [num_blocks, num_kv_heads, block_size,
 // head_size] (HND), any strides on the first three dimensions (in elements), the head
@@ -44,11 +47,15 @@ struct AttentionParams {
   CacheLayout key_layout;
   CacheLayout value_layout;
   // fp8 caches: fp32 scales, k_scale[kv_head * k_scale_stride] (stride 0: one per
-  // layer, 1: one per KV head); nullptr for the other formats.
+  // layer, 1: one per KV head). Per-token caches (int8, int4): one scale per row (int4: a
+  // (scale, low) pair, the last dimension), addressed like the cache rows by
+  // k_scale_layout / v_scale_layout (in floats). nullptr for the other formats.
   const float* k_scale;
   const float* v_scale;
   int64_t k_scale_stride;
   int64_t v_scale_stride;
+  CacheLayout k_scale_layout;
+  CacheLayout v_scale_layout;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int64_t block_table_stride;
   const int32_t* seq_lens;         // [num_seqs]
@@ -59,7 +66,7 @@ struct AttentionParams {
   int num_seqs;
   int num_heads;
   int num_kv_heads;
-  int head_size;    // of query and keys: the score phase
+  int head_size;    // of query and keys: the score phase (values per row: int4 packs two a byte)
   int head_size_v;  // of values and out
   int block_size;
   int num_blocks;
@@ -133,18 +140,22 @@ cudaError_t launch_merge_states(const MergeStatesParams& params, cudaStream_t st
 // Attention, plus the partition merge when num_partitions > 1, on `stream`.
 cudaError_t launch_attention(const AttentionParams& params, cudaStream_t stream);
 
-// Per-cache-type halves of the above (attention_{f32,f16,bf16,fp8_e4m3,fp8_e5m2}.cu). The
-// fp8 instances take any query dtype (read and written by params.kind).
+// Per-cache-type halves of the above (attention_{f32,f16,bf16,fp8_e4m3,fp8_e5m2,int8,int4}.cu).
+// The fp8, int8 and int4 instances take any query dtype (read and written by params.kind).
 cudaError_t launch_attention_f32(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_f16(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_bf16(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_fp8_e4m3(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_fp8_e5m2(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_int8(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_int4(const AttentionParams& params, cudaStream_t stream);
 cudaError_t occupancy_f32(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_f16(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_bf16(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_fp8_e4m3(int head_size, int head_size_v, int query_bucket, int* ctas);
 cudaError_t occupancy_fp8_e5m2(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_int8(int head_size, int head_size_v, int query_bucket, int* ctas);
+cudaError_t occupancy_int4(int head_size, int head_size_v, int query_bucket, int* ctas);
 
 struct WriteKvParams {
   // key [num_tokens, num_kv_heads, head_size], value [.., head_size_v]; strides in bytes.
@@ -175,7 +186,18 @@ struct WriteKvParams {
   const float* v_scale;
   int64_t k_scale_stride;
   int64_t v_scale_stride;
+  // Per-token caches (int8, int4): each row is quantized from its own values and its scale
+  // (int4: scale and low) written at the row's (block, head, offset) of these, strides
+  // in floats.
+  float* k_token_scale;
+  float* v_token_scale;
+  CacheLayout k_scale_layout;
+  CacheLayout v_scale_layout;
 };
+
+// The longest row write_kv quantizes into a per-token cache (MLA's 576-wide latent keys
+// included): the kernel keeps one in shared memory per warp.
+constexpr int kMaxTokenRow = 576;
 
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
 
