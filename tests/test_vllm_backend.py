@@ -209,6 +209,15 @@ def test_per_token_mixed_step_equals_reference(name):
         split_token_kv_cache(kv[..., :-4], KV_HEADS, HEAD_SIZE, torch.int8)
 
 
+def test_per_token_pages_whose_rows_are_padded_split_by_their_block_size():
+    # int4 rows of 33 bytes: one token's rows end off a float32 boundary, a block's do not.
+    tile = token_slot_bytes(torch.uint8, 1, 66, BLOCK_SIZE)
+    kv = torch.zeros(3, 2, 1, tile, dtype=torch.uint8)
+    key_cache, value_cache, k_scale, v_scale = split_token_kv_cache(kv, 1, 66, torch.uint8)
+    assert key_cache.shape == value_cache.shape == (3, 1, BLOCK_SIZE, 33)
+    assert k_scale.shape == v_scale.shape == (3, 1, BLOCK_SIZE, 2)
+
+
 def test_unequal_key_and_value_head_sizes_raise():
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=192,
                              head_size_v=128, dtype=torch.float32)

@@ -34,7 +34,7 @@ import torch
 from paged_attention_ext import ops, quantization
 from paged_attention_ext.cascade import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
 from paged_attention_ext.kv_cache import token_slot_bytes, token_slot_views
-from paged_attention_ext.token_quantization import TOKEN_FORMATS
+from paged_attention_ext.token_quantization import TOKEN_FORMATS, bytes_per_token_head
 from paged_attention_ext.vllm.compat import VLLMInterfaceError, need, need_fields, need_member
 
 # What the backend takes from vLLM, each looked up through compat: a vLLM release that
@@ -180,7 +180,9 @@ def split_token_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: i
     ``v_scale`` tensors (views into it)."""
     kv_cache = kv_cache.view(dtype)
     num_blocks, slots, states, tile = kv_cache.shape
-    per_token = token_slot_bytes(dtype, num_kv_heads, head_size, 1)
+    # A token's bytes without the rows' alignment padding (under 4 bytes a block, less than
+    # one token's): the floor is the block size.
+    per_token = num_kv_heads * bytes_per_token_head(dtype, head_size)
     block_size = tile // per_token
     if (slots != 2 or states != 1 or not block_size
             or token_slot_bytes(dtype, num_kv_heads, head_size, block_size) != tile):
