@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .quantization import FLOAT_DTYPES, FP8_DTYPES
+from .quantization import CACHE_DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from .token_quantization import TOKEN_DTYPES
 
 
@@ -132,7 +132,7 @@ def check_cache_tensor(op: str, name: str, cache: torch.Tensor) -> None:
     """``check_cache_tensor``: a 4-D cache of a cache dtype, head dim contiguous, not
     overlapping itself."""
     check_rank(op, name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
-    if cache.dtype not in FLOAT_DTYPES + FP8_DTYPES + TOKEN_DTYPES:
+    if cache.dtype not in CACHE_DTYPES:
         raise TypeError(f"{op}: argument '{name}' must be float32, float16, bfloat16, "
                         "float8_e4m3fn, float8_e5m2, int8 (int8_per_token_head) or uint8 "
                         f"(int4_per_token_head), got {scalar_type_name(cache.dtype)}")
