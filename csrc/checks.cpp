@@ -490,6 +490,16 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
       {"slot_mapping", &slot_mapping}};
   for (const auto& [name, t] : others) check_same_device(op, name, *t, key, "key");
   check_kv_scales(op, key_cache, value_cache, k_scale, v_scale, key, "key");
+  // Each key and value row is quantized with its own scales: rows or scales written through
+  // two views of the same memory (MLA latent rows, values a view of the keys) would
+  // overwrite each other's scales.
+  PAGED_CHECK_VALUE(!is_per_token(key_cache.scalar_type()) ||
+                        (!share_an_element(key_cache, value_cache) &&
+                         !share_an_element(*k_scale, *v_scale)),
+                    op, ": a per-token cache quantizes each key and value row with its own "
+                    "scales, so 'key_cache' and 'value_cache' (and 'k_scale' and 'v_scale') must "
+                    "not share memory; MLA latent rows (values a view of the keys) cannot be "
+                    "stored in a per-token format");
 }
 
 void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots) {

@@ -364,6 +364,27 @@ def test_write_kv_per_token_into_strided_views(cache_dtype, layout):
 
 
 @pytest.mark.parametrize("cache_dtype", TOKEN_DTYPES, ids=["int8", "int4"])
+@pytest.mark.parametrize("shared", ["rows", "scales"])
+def test_write_kv_per_token_refuses_views_of_one_memory(cache_dtype, shared):
+    """MLA latent rows written as two column views (values a view of the keys), or one
+    scale tensor for both: each row's scales would overwrite the other's. Nothing is written."""
+    nb, bs = 4, 16
+    rows = torch.zeros(nb, 1, bs, token_quantization.stored_head_size(cache_dtype, 576), dtype=cache_dtype)
+    scales = torch.zeros(token_quantization.scale_shape(cache_dtype, nb, 1, bs))
+    split = token_quantization.stored_head_size(cache_dtype, 512)
+    if shared == "rows":
+        caches = (rows[..., :split], rows[..., split:])
+        scale_pair = (scales, torch.zeros_like(scales))
+    else:
+        caches = (rows[..., :split], torch.zeros_like(rows[..., split:]))
+        scale_pair = (scales, scales)
+    with pytest.raises(ValueError, match="latent rows .* cannot be stored in a per-token format"):
+        pa.write_kv(torch.randn(3, 1, 512), torch.randn(3, 1, 64), *caches, torch.tensor([0, 1, 2]),
+                    *scale_pair)
+    assert not rows.any() and not scales.any()
+
+
+@pytest.mark.parametrize("cache_dtype", TOKEN_DTYPES, ids=["int8", "int4"])
 def test_copy_and_swap_blocks_move_per_token_caches_and_their_scales(cache_dtype):
     """copy_blocks takes the scale tensors as layers of their own (the same mapping);
     swap_blocks moves each tensor, caches and scales, to the host pool and back."""

@@ -19,7 +19,7 @@ constexpr int kCachedDevices = 64;
 // Resident CTAs per multiprocessor by device, cache kind (the instance family: a float
 // cache's query has its dtype, an fp8 or per-token cache's any), key and value head-size
 // bucket and query bucket; 0 until first asked.
-constexpr int kCacheKinds = 7;  // ScalarKind's
+constexpr int kCacheKinds = int(ScalarKind::kInt4) + 1;  // every ScalarKind (kInt4 the last)
 std::atomic<int> occupancy_cache[kCachedDevices][kCacheKinds][5][5][4];
 
 }  // namespace

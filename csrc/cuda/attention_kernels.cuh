@@ -66,8 +66,8 @@ constexpr int kStep = 32;  // keys per warp step: one per lane in the score phas
 static_assert(kWarps * kStep == kCtaStepKeys, "the key schedule's step is the CTA's");
 // Bytes of each of its two key rows a lane loads before using the first: two
 // 16-byte vectors (32/16-bit caches), four 8-byte ones (fp8, int8); at most four
-// vectors, so int4's 4-byte ones stop at 16 bytes (eight in flight spilled 80 bytes
-// in the 8-query instances).
+// vectors, so int4's 4-byte ones stop at 16 bytes (eight in flight spilled registers in
+// the 8-query instances: docs/cuda.md).
 constexpr int kKeyBytesInFlight = 32;
 constexpr int kMaxKeyVecsInFlight = 4;
 
@@ -629,7 +629,9 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
   const float inv_total = total != 0.0f ? 1.0f / total : 0.0f;  // NaN stays NaN
   const int64_t out = token * p.out_token_stride + head * p.out_head_stride;
   if constexpr (kUnrotate) {
-    __shared__ float row_s[kMaxRotationBlock];  // head_size_v <= 512
+    // One output row: head_size_v is at most the largest rotation block (checks.h's
+    // kMaxValueHeadSize is 512 too).
+    __shared__ float row_s[kMaxRotationBlock];
     if (threadIdx.x < vecs) {
       float4 sum = partial[threadIdx.x];
       for (int k = 1; k < groups; ++k) {
