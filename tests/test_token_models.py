@@ -28,6 +28,8 @@ from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.kv_cache import PagedKVCache
 from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
+from hf_prompts import left_padded
+
 FORMATS = {"int8_per_token_head": torch.int8, "int4_per_token_head": torch.uint8}
 DECODING = {
     "greedy": dict(do_sample=False),
@@ -70,13 +72,6 @@ def fake_format(request):
 def pair(request):
     """(paged model, fake-quantizing sdpa twin) with the same random weights."""
     return random_pair(ARCHS[request.param](), reference_attention=FAKE_TOKEN.name)
-
-
-def left_padded_prompts():
-    ids = torch.randint(1, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    ids[1, :4], mask[1, :4] = 0, 0
-    return ids, mask
 
 
 # ---- the exact parts: what the pools hold, what each layer's attention reads ----------------------
@@ -126,7 +121,7 @@ def recorded(monkeypatch):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_pools_hold_the_quantized_kv_and_attention_reads_them(pair, fmt, recorded):
     paged, _ = pair
-    ids, mask = left_padded_prompts()
+    ids, mask = left_padded([11, 7])
     cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt)
     with torch.no_grad():
         paged.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False,
@@ -143,7 +138,7 @@ def test_pools_hold_the_quantized_kv_and_attention_reads_them(pair, fmt, recorde
 @pytest.mark.parametrize("decoding", sorted(DECODING))
 def test_paged_cache_equals_fake_quantizing_reference(pair, fake_format, decoding):
     paged, reference_model = pair
-    ids, mask = left_padded_prompts()
+    ids, mask = left_padded([11, 7])
     cache = PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fake_format)
     outputs = []
     for model, extra in ((reference_model, {}), (paged, {"past_key_values": cache})):
@@ -159,7 +154,7 @@ def test_paged_cache_equals_fake_quantizing_reference(pair, fake_format, decodin
 def test_fixed_pool_cache_equals_paged_cache(pair, fmt):
     """CompiledPagedCache's fixed pool (run eagerly here) holds the same per-token pages."""
     paged, _ = pair
-    ids, mask = left_padded_prompts()
+    ids, mask = left_padded([11, 7])
     outputs = []
     for cache in (PagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt),
                   CompiledPagedCache(paged.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt,
