@@ -628,23 +628,25 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
 
   const float inv_total = total != 0.0f ? 1.0f / total : 0.0f;  // NaN stays NaN
   const int64_t out = token * p.out_token_stride + head * p.out_head_stride;
+  // This thread's four output values: the groups' partial sums, normalised.
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (threadIdx.x < vecs) {
+    sum = partial[threadIdx.x];
+    for (int k = 1; k < groups; ++k) {
+      const float4 x = partial[k * vecs + threadIdx.x];
+      sum.x += x.x;
+      sum.y += x.y;
+      sum.z += x.z;
+      sum.w += x.w;
+    }
+  }
+  const float values[4] = {sum.x * inv_total, sum.y * inv_total, sum.z * inv_total, sum.w * inv_total};
   if constexpr (kUnrotate) {
     // One output row: head_size_v is at most the largest rotation block (checks.h's
     // kMaxValueHeadSize is 512 too).
     __shared__ float row_s[kMaxRotationBlock];
     if (threadIdx.x < vecs) {
-      float4 sum = partial[threadIdx.x];
-      for (int k = 1; k < groups; ++k) {
-        const float4 x = partial[k * vecs + threadIdx.x];
-        sum.x += x.x;
-        sum.y += x.y;
-        sum.z += x.z;
-        sum.w += x.w;
-      }
-      row_s[4 * threadIdx.x] = sum.x * inv_total;
-      row_s[4 * threadIdx.x + 1] = sum.y * inv_total;
-      row_s[4 * threadIdx.x + 2] = sum.z * inv_total;
-      row_s[4 * threadIdx.x + 3] = sum.w * inv_total;
+      for (int i = 0; i < 4; ++i) row_s[4 * threadIdx.x + i] = values[i];
     }
     __syncthreads();
     const int n = rotation_block(p.head_size_v);
@@ -654,19 +656,7 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
       store_float<Q>(p.out, out + d, row_s[d] * norm * rotation_sign(d), p.kind);
     }
   } else if (threadIdx.x < vecs) {
-    float4 sum = partial[threadIdx.x];
-    for (int k = 1; k < groups; ++k) {
-      const float4 x = partial[k * vecs + threadIdx.x];
-      sum.x += x.x;
-      sum.y += x.y;
-      sum.z += x.z;
-      sum.w += x.w;
-    }
-    const int64_t at = out + 4 * threadIdx.x;
-    store_float<Q>(p.out, at, sum.x * inv_total, p.kind);
-    store_float<Q>(p.out, at + 1, sum.y * inv_total, p.kind);
-    store_float<Q>(p.out, at + 2, sum.z * inv_total, p.kind);
-    store_float<Q>(p.out, at + 3, sum.w * inv_total, p.kind);
+    for (int i = 0; i < 4; ++i) store_float<Q>(p.out, out + 4 * threadIdx.x + i, values[i], p.kind);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
     p.lse[token * p.lse_token_stride + head] = total != 0.0f ? top + __logf(total) : -INFINITY;
