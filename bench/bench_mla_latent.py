@@ -1,6 +1,7 @@
 """CPU decode attention of an MLA model over its latent cache against the expanded K/V.
 
-Usage: ``.venv/bin/python bench/bench_mla_latent.py [--quick] [--out PATH] [--threads N]``
+Usage: ``.venv/bin/python bench/bench_mla_latent.py [--quick] [--out PATH] [--threads N ...]
+[--shapes 128x1 ...] [--dtypes bf16 ...]``
 
 Method
 ------
@@ -19,9 +20,12 @@ rank (B=1); the blocks of each sequence are a random permutation of the pool. Tw
 
 Both compute the same attention output; the bench checks that before timing (float64
 products of the same random weights). Reported per configuration: bytes of cache one
-decode step reads per token and layer, median per-call time, and ``latent``'s speed
+decode step reads per token and layer, median per-call time, ``latent``'s speed
 relative to ``expanded``: the median of the per-round ratios of one interleaved run
-(``common/timing.py``), with their quartiles.
+(``common/timing.py``), with their quartiles, and the rate of the latent attention call
+alone (``latent_kernel``, timed in the same rounds): multiply-adds per second, a key row of
+576 and a value row of 512 per query head and token. One thread by default; ``--threads 1 2``
+runs every configuration at each count.
 """
 
 import argparse
@@ -70,49 +74,70 @@ def expanded_call(t):
     return pa.attention(t["query"], t["key"], t["value"], t["tables"], t["lens"], SCALE)
 
 
-def latent_call(t):
+def absorb(t):
     q_nope, q_rope = t["query"][..., :NOPE], t["query"][..., NOPE:]
     q_latent = torch.bmm(q_nope.transpose(0, 1), t["w_uk"]).transpose(0, 1)  # [B, H, 512]
-    absorbed = torch.cat([q_latent, q_rope], dim=-1)
+    return torch.cat([q_latent, q_rope], dim=-1)
+
+
+def latent_attention(t, absorbed):
     cache = t["latent"]
-    out = pa.attention(absorbed, cache, cache[..., :LORA], t["tables"], t["lens"], SCALE)
+    return pa.attention(absorbed, cache, cache[..., :LORA], t["tables"], t["lens"], SCALE)
+
+
+def latent_call(t):
+    out = latent_attention(t, absorb(t))
     return torch.bmm(out.transpose(0, 1), t["w_uv"].transpose(1, 2)).transpose(0, 1)  # [B, H, 128]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="context 2048 only, fewer repetitions")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--shapes", nargs="+", default=None, help="heads x batch, e.g. 128x1")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     reps = 15 if args.quick else 40
     rows = []
     shapes, contexts = (SHAPES[:1], CONTEXTS[:1]) if args.quick else (SHAPES, CONTEXTS)
-    for (heads, batch), context in itertools.product(shapes, contexts):
-        for name, dtype in DTYPES.items():
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    contexts = args.contexts or contexts
+    for threads, (heads, batch), context in itertools.product(args.threads, shapes, contexts):
+        torch.set_num_threads(threads)
+        for name in args.dtypes:
+            dtype = DTYPES[name]
             t = build(heads, batch, context, dtype)
             got, want = latent_call(t).double(), expanded_call(t).double()
             tolerance = 2e-3 if dtype == torch.float32 else 5e-2
             torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+            absorbed = absorb(t)
             samples = time_interleaved_samples({"expanded": lambda: expanded_call(t),
-                                                "latent": lambda: latent_call(t)}, warmup=3, reps=reps)
+                                                "latent": lambda: latent_call(t),
+                                                "latent_kernel": lambda: latent_attention(t, absorbed)},
+                                               warmup=3, reps=reps)
             timing = {candidate: summarize(times) for candidate, times in samples.items()}
             # Paired rounds: each round's ratio, so load that comes and goes hits both alike.
             ratios = sorted(e / l for e, l in zip(samples["expanded"], samples["latent"]))
             size = torch.finfo(dtype).bits // 8
+            macs = batch * heads * context * (LORA + ROPE + LORA)
             row = {
-                "context": context, "dtype": name, "batch": batch, "heads": heads,
+                "threads": threads, "context": context, "dtype": name, "batch": batch, "heads": heads,
                 "bytes_per_token": {"expanded": heads * (NOPE + ROPE + V_HEAD) * size,
                                     "latent": (LORA + ROPE) * size},
                 "median_ms": {k: v.median_s * 1e3 for k, v in timing.items()},
                 "latent_speedup": statistics.median(ratios),
                 "latent_speedup_quartiles": [ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]],
+                "latent_kernel_gmacs": macs / timing["latent_kernel"].median_s / 1e9,
             }
             rows.append(row)
-            print(f"heads {heads:3d} B={batch:2d} ctx {context:5d} {name}: expanded {row['median_ms']['expanded']:.2f} ms, "
-                  f"latent {row['median_ms']['latent']:.2f} ms ({row['latent_speedup']:.2f}x), "
+            print(f"{threads} thread(s) heads {heads:3d} B={batch:2d} ctx {context:5d} {name}: "
+                  f"expanded {row['median_ms']['expanded']:.2f} ms, "
+                  f"latent {row['median_ms']['latent']:.2f} ms ({row['latent_speedup']:.2f}x, "
+                  f"quartiles {row['latent_speedup_quartiles'][0]:.2f}-{row['latent_speedup_quartiles'][1]:.2f}), "
+                  f"latent kernel {row['median_ms']['latent_kernel']:.2f} ms = {row['latent_kernel_gmacs']:.1f} GMAC/s, "
                   f"bytes/token {row['bytes_per_token']['expanded']} vs {row['bytes_per_token']['latent']}")
     out = args.out or Path(__file__).parent / "results" / "mla_latent.json"
     out.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2) + "\n")
