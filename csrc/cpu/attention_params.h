@@ -86,9 +86,6 @@ struct WorkItem {
 // Longest output row (head_size_v; checks.h's kMaxValueHeadSize): a kernel writing a
 // 16-bit output rounds each row from a stack row this long.
 constexpr int kMaxOutputRow = 512;
-// Longest key row (checks.h's kMaxKeyHeadSize: MLA's latent rows): the many-query
-// kernel transposes a chunk's keys into a stack buffer this wide.
-constexpr int kMaxKeyRow = 576;
 
 // Most keys per online-softmax step: the decode kernel's chunk capacity (it takes 64 for
 // fp8 rows of up to 128 bytes, 32 or 16 for others: attention_kernel.h); the lane and AMX

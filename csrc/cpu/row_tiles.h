@@ -16,7 +16,6 @@
 #include "bf16_tiles.h"
 #include "convert.h"
 #include "fp8_tiles.h"
-#include "many_query_tiles.h"
 #include "prefetch.h"
 #include "register_tiles.h"
 #include "single_query.h"
@@ -27,9 +26,6 @@
 template <typename R>
 constexpr int kMaxChunk = sizeof(R) == 1 ? 64 : 32;
 static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
-#if PAGED_ISA_AVX512_BF16
-static_assert(kMaxChunk<Bf16> == kManyKeys, "the many-query kernel's chunk of bf16 keys");
-#endif
 
 // One KV head's queries and online-softmax state within a work item.
 struct ItemState {
@@ -284,9 +280,6 @@ class RowTiles {
   __attribute__((always_inline)) void scores(const ItemState& st, const T* const* k_rows, int n,
                                              const T* const* ahead) const {
 #if PAGED_ISA_AVX512_BF16
-    if constexpr (kBf16Pairs)
-      if (bf16_dot && st.num_queries >= kManyQueries)
-        return many_query_scores(st.q_bits, st.num_queries, st.hsp, st.hsp, st.scale, st.scores, k_rows, n, ahead);
     if constexpr (kBf16Dot)
       if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
 #endif
@@ -302,9 +295,6 @@ class RowTiles {
   __attribute__((always_inline)) void values(const ItemState& st, const T* const* v_rows, int n,
                                              const T* const* ahead) const {
 #if PAGED_ISA_AVX512_BF16
-    if constexpr (kBf16Pairs)
-      if (bf16_pairs && st.num_queries >= kManyQueries)
-        return many_query_values(st.acc, st.num_queries, st.hspv, st.hspv, st.scores, v_rows, n, ahead);
     if constexpr (kBf16Pairs)
       if (bf16_pairs) return chunk_values_pairs(st, v_rows, n, ahead);
 #endif

@@ -1,13 +1,12 @@
-"""bf16 items with many queries per KV head (the many-query kernel on avx512_bf16) against
-the reference, on every instruction set.
+"""bf16 items with many queries per KV head against the reference, on every instruction set.
 
-On avx512_bf16 an item's bf16 rows read by 16 or more queries of one KV head take the
-many-query kernel (csrc/cpu/many_query_tiles.h): MLA decode over latent rows (16 to 128 heads
-on one 576-wide row whose first 512 columns are the values) and GQA items of as many queries
-per KV head, decode or multi-token. Its chunks of 32 keys are transposed once for all the
-queries: partial chunks (lengths around the block size and the chunk), unused slots holding
-NaN or huge values next to the rows, odd value head sizes (a 32-column tail) and the driver's
-masks and modifiers (windows, soft cap, sinks, ALiBi) are where it could go wrong.
+MLA decode over latent rows puts 16 to 128 query heads on one KV head whose 576-wide row is
+the key and whose first 512 columns are the value (one memory); GQA items of 16 and more
+queries per KV head, decode or multi-token, have the same shape with ordinary rows. These
+items run the row driver's register tiles (vdpbf16ps on avx512_bf16) many times per chunk:
+partial chunks (lengths around the block size and the 32-key chunk), unused slots holding
+NaN or huge values next to the rows, value head sizes with a 32-column tail and the
+driver's masks and modifiers (windows, soft cap, sinks, ALiBi) are where they could go wrong.
 """
 
 import pytest
@@ -45,7 +44,7 @@ def test_latent_decode(isa, heads, poison):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_latent_decode_with_masks_and_modifiers(isa):
-    """The driver's window, soft cap, sinks and ALiBi over the kernel's scores."""
+    """The driver's window, soft cap, sinks and ALiBi over many queries' scores."""
     select_isa(isa)
     heads = 16
     case = latent_case(LENS, float("nan"), seed=3)
@@ -63,7 +62,7 @@ def test_latent_decode_with_masks_and_modifiers(isa):
 @pytest.mark.parametrize("head_size,head_size_v", [(128, 128), (160, 96), (64, 32)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 2), (64, 1), (24, 2)])
 def test_gqa_decode(isa, head_size, head_size_v, num_heads, num_kv_heads):
-    """16 to 64 queries per KV head (24/2: 12, the register tiles), value tails of 32."""
+    """12 to 64 queries per KV head, value tails of 32 (96) and a value row of 32."""
     select_isa(isa)
     case = make_case(LENS, num_kv_heads, head_size, BLOCK_SIZE, torch.bfloat16, seed=5,
                      head_size_v=head_size_v)
@@ -74,7 +73,7 @@ def test_gqa_decode(isa, head_size, head_size_v, num_heads, num_kv_heads):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_gqa_multi_token(isa):
-    """Causal rows of a GQA group (8 queries per KV head: 2 rows and more take the kernel)
+    """Causal rows of a GQA group (8 queries per KV head: 16 and more from 2 rows on)
     whose chunks the driver masks, with a window and a soft cap."""
     select_isa(isa)
     q_lens, lens = [1, 2, 5, 17, 40], [3, 18, 33, 40, 100]
