@@ -1,7 +1,7 @@
 """CPU decode attention of an MLA model over its latent cache against the expanded K/V.
 
 Usage: ``.venv/bin/python bench/bench_mla_latent.py [--quick] [--out PATH] [--threads N ...]
-[--shapes 128x1 ...] [--dtypes bf16 ...]``
+[--shapes 128x1 ...] [--dtypes bf16 ...] [--contexts 2048 ...]``
 
 Method
 ------

@@ -13,9 +13,9 @@
 namespace {
 
 // bf16 multiply-adds per second of one thread: 12 chains cover vdpbf16ps' latency on the
-// pipes that run it; the best of 400 runs of about 2 ms each: on a shared machine runs of
-// a second or more (five of 50M steps) are always cut by other jobs' time slices and
-// measured 20-50% below the core's rate under load.
+// pipes that run it; the best of 400 runs of about 2 ms each: on a shared machine longer
+// runs (five of 50M steps, about 0.2 s each) are cut by other jobs' time slices and
+// measured 20-97 GMAC/s under load against the core's 118 (docs/performance.md).
 double bf16_macs_per_second() {
   constexpr long kIterations = 500000;
   constexpr int kChains = 12;
