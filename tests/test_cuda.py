@@ -361,6 +361,38 @@ def test_write_kv_per_token(cache_dtype, input_dtype, layout):
             assert (nibbles[0] != nibbles[1]).float().mean() < 1e-3
 
 
+@parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.int8, torch.uint8])
+def test_write_latent_float_and_fp8_rows_and_refuses_per_token_ones(cache_dtype):
+    # Float and fp8 latent rows are the reference's bytes; per-token latent rows (quantized
+    # whole) and attention over int4 latent rows are refused by name, nothing written.
+    from paged_attention_ext import token_quantization as tq
+
+    per_token = tq.is_per_token(cache_dtype)
+    width = tq.stored_head_size(cache_dtype, 576) if per_token else 576
+    cache = torch.zeros(4, 1, 16, width, dtype=cache_dtype)
+    scale = (torch.zeros(tq.scale_shape(cache_dtype, 4, 1, 16)) if per_token
+             else torch.tensor([0.05]) if cache_dtype == torch.float8_e4m3fn else None)
+    latent, rotary = torch.randn(5, 1, 512).half(), torch.randn(5, 1, 64).half()
+    slots = torch.tensor([3, -1, 17, 40, 63])
+    got = cache.to(CUDA)
+    got_scale = None if scale is None else scale.to(CUDA)
+    args = (latent.to(CUDA), rotary.to(CUDA), got, slots.to(CUDA), got_scale)
+    if per_token:
+        with pytest.raises(ValueError, match="does not quantize latent rows into a per-token"):
+            pa.write_latent(*args)
+        assert not got.any()
+        if cache_dtype == torch.uint8:
+            with pytest.raises(ValueError, match="does not read int4 latent rows"):
+                pa.attention(torch.randn(1, 4, 576, device=CUDA), got, got[..., :256],
+                             torch.zeros(1, 1, dtype=torch.int32, device=CUDA),
+                             torch.ones(1, dtype=torch.int32, device=CUDA), 0.1,
+                             k_scale=got_scale, v_scale=got_scale)
+        return
+    pa.write_latent(*args)
+    ref.write_latent(latent, rotary, cache, slots, scale)
+    assert torch.equal(got.cpu().view(torch.uint8), cache.view(torch.uint8))
+
+
 @parametrize("cache_dtype", [torch.int8, torch.uint8])
 @parametrize("layout", ["HND", "NHD", "padded"])
 def test_copy_and_swap_blocks_per_token_caches_and_scales(cache_dtype, layout):

@@ -1,4 +1,4 @@
-// CUDA implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
+// CUDA implementations of the cache ops: write_kv, write_latent, copy_blocks, swap_blocks.
 // Everything is enqueued on the current stream; nothing waits for the device.
 // Values that live on the device (slot ids, a device block mapping) are not
 // validated, since that would need a sync; the kernels skip out-of-range ones.
@@ -15,6 +15,10 @@
 namespace paged::cuda {
 namespace {
 
+void enqueue_write_kv(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                      Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
+
 void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
                    Tensor& value_cache, const Tensor& slot_mapping,
                    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
@@ -27,6 +31,36 @@ void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
                     op, ": arguments 'key' and 'value' have rows of ", key.size(2), " and ", value.size(2),
                     " values; the CUDA kernel quantizes rows of at most ", kMaxTokenRow,
                     " values into a per-token cache");
+  enqueue_write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+}
+
+// MLA latent rows through the write_kv kernel: the latent and the rotary key into the two
+// column views of each row (a float cache of their dtype, or fp8 under one scale for both).
+// Per-token rows are quantized whole, which that kernel does not do: refused.
+void write_latent_cuda(const Tensor& latent, const Tensor& rotary_key, Tensor& cache,
+                       const Tensor& slot_mapping, const std::optional<Tensor>& scale) {
+  const char* op = "paged.write_latent";
+  check_write_latent_args(latent, rotary_key, cache, slot_mapping, scale);
+  PAGED_CHECK_VALUE(latent.is_cuda(), op, ": argument 'latent' must be a CUDA tensor, got ",
+                    latent.device());
+  PAGED_CHECK_VALUE(!is_per_token(cache.scalar_type()), op, ": the CUDA kernel does not "
+                    "quantize latent rows into a per-token (int8, uint8) cache yet; run the "
+                    "per-token latent cache on the CPU, or use a float or fp8 cache");
+  PAGED_CHECK_TYPE(is_fp8(cache.scalar_type()) || latent.scalar_type() == cache.scalar_type(), op,
+                   ": the CUDA kernel stores latent rows into a float cache of their own dtype; "
+                   "'latent' is ", latent.scalar_type(), " and 'cache' ", cache.scalar_type(),
+                   ": cast with latent.to(cache.dtype) and rotary_key.to(cache.dtype)");
+  PAGED_CHECK_VALUE(latent.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
+  const int64_t width = latent.size(2);
+  Tensor head = torch::stable::narrow(cache, 3, 0, width);
+  Tensor tail = torch::stable::narrow(cache, 3, width, cache.size(3) - width);
+  enqueue_write_kv(latent, rotary_key, head, tail, slot_mapping, scale, scale);
+}
+
+// The write_kv kernel over checked arguments, enqueued on the current stream.
+void enqueue_write_kv(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                      Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   if (key.size(0) == 0 || key.size(1) == 0) return;
   const int32_t device = key.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -220,6 +254,7 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
 
 STABLE_TORCH_LIBRARY_IMPL(paged, CUDA, m) {
   m.impl("write_kv", TORCH_BOX(&write_kv_cuda));
+  m.impl("write_latent", TORCH_BOX(&write_latent_cuda));
   m.impl("copy_blocks", TORCH_BOX(&copy_blocks_cuda));
   m.impl("swap_blocks", TORCH_BOX(&swap_blocks_cuda));
 }
