@@ -292,6 +292,14 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                       ": argument 'key_cache' has head_size ", args.key_cache.size(3),
                       " but 'query' has head_size ", s.head_size);
   }
+  // int4 latent rows are rotated whole, in blocks of the key row's rotation: the values
+  // (leading columns) must be whole blocks of it to be turned back on their own.
+  const int64_t key_block = std::min<int64_t>(s.head_size & -s.head_size, 512);
+  PAGED_CHECK_VALUE(packing != 2 || !values_in_keys(args.key_cache, args.value_cache) ||
+                        s.head_size_v % key_block == 0,
+                    op, ": int4 latent rows of ", s.head_size, " values are rotated in blocks of ",
+                    key_block, ", so their values (the leading ", s.head_size_v,
+                    " columns) must be whole blocks; use an int8 latent cache");
   check_head_size(op, "query", s.head_size, kMaxKeyHeadSize);
   check_head_size(op, "value_cache", s.head_size_v, kMaxValueHeadSize);
   PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");

@@ -162,6 +162,12 @@ class PagedKVCache:
             raise ValueError(f"values_in_keys needs head_size_v < head_size (the values are the "
                              f"rows' first head_size_v columns), got head_size={head_size}, "
                              f"head_size_v={head_size_v}")
+        if (values_in_keys and dtype == torch.uint8
+                and head_size_v % token_quantization.rotation_block(head_size)):
+            raise ValueError(f"int4_per_token_head latent rows of {head_size} values are rotated "
+                             f"in blocks of {token_quantization.rotation_block(head_size)}, so "
+                             f"their values (the leading {head_size_v} columns) must be whole "
+                             "blocks; use int8_per_token_head")
         if kv_groups is None:
             kv_groups = KVGroupLayout.uniform(num_layers)
         if kv_groups.num_layers != num_layers:

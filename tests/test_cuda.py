@@ -362,9 +362,10 @@ def test_write_kv_per_token(cache_dtype, input_dtype, layout):
 
 
 @parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.int8, torch.uint8])
-def test_write_latent_float_and_fp8_rows_and_refuses_per_token_ones(cache_dtype):
-    # Float and fp8 latent rows are the reference's bytes; per-token latent rows (quantized
-    # whole) and attention over int4 latent rows are refused by name, nothing written.
+def test_write_latent_and_attention_over_latent_rows(cache_dtype):
+    # Rows and scales as the reference's (int4: a nibble one step apart at a rounding tie),
+    # then decode over the rows (values their leading columns, one scale tensor) against the
+    # reference over what the kernel stored.
     from paged_attention_ext import token_quantization as tq
 
     per_token = tq.is_per_token(cache_dtype)
@@ -376,21 +377,25 @@ def test_write_latent_float_and_fp8_rows_and_refuses_per_token_ones(cache_dtype)
     slots = torch.tensor([3, -1, 17, 40, 63])
     got = cache.to(CUDA)
     got_scale = None if scale is None else scale.to(CUDA)
-    args = (latent.to(CUDA), rotary.to(CUDA), got, slots.to(CUDA), got_scale)
-    if per_token:
-        with pytest.raises(ValueError, match="does not quantize latent rows into a per-token"):
-            pa.write_latent(*args)
-        assert not got.any()
-        if cache_dtype == torch.uint8:
-            with pytest.raises(ValueError, match="does not read int4 latent rows"):
-                pa.attention(torch.randn(1, 4, 576, device=CUDA), got, got[..., :256],
-                             torch.zeros(1, 1, dtype=torch.int32, device=CUDA),
-                             torch.ones(1, dtype=torch.int32, device=CUDA), 0.1,
-                             k_scale=got_scale, v_scale=got_scale)
-        return
-    pa.write_latent(*args)
+    pa.write_latent(latent.to(CUDA), rotary.to(CUDA), got, slots.to(CUDA), got_scale)
     ref.write_latent(latent, rotary, cache, slots, scale)
-    assert torch.equal(got.cpu().view(torch.uint8), cache.view(torch.uint8))
+    if cache_dtype == torch.uint8:
+        nibbles = [torch.stack((t & 15, t >> 4), -1).int() for t in (got.cpu(), cache)]
+        assert (nibbles[0] - nibbles[1]).abs().max() <= 1
+    else:
+        assert torch.equal(got.cpu().view(torch.uint8), cache.view(torch.uint8))
+    if per_token:
+        torch.testing.assert_close(got_scale.cpu(), scale, rtol=1e-6, atol=0)
+    values = got[..., :tq.stored_head_size(cache_dtype, 512) if per_token else 512]
+    tables = torch.arange(4, dtype=torch.int32)[None].to(CUDA)
+    lens = torch.tensor([64], dtype=torch.int32, device=CUDA)
+    query = torch.randn(1, 16, 576, device=CUDA, dtype=torch.float16 if not per_token else torch.bfloat16)
+    got_scale = got_scale if cache_dtype != torch.float16 else None
+    out = pa.attention(query, got, values, tables, lens, 0.05, k_scale=got_scale, v_scale=got_scale)
+    want = ref.attention(query.cpu().double(), got.cpu(), values.cpu(), tables.cpu(), lens.cpu(), 0.05,
+                         k_scale=None if got_scale is None else got_scale.cpu(),
+                         v_scale=None if got_scale is None else got_scale.cpu())
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
 @parametrize("cache_dtype", [torch.int8, torch.uint8])

@@ -299,3 +299,13 @@ def test_compile_fullgraph_write_latent_then_attend_matches_eager(cache_dtype):
     torch.testing.assert_close(got, want)
     assert torch.equal(got_cache, want_cache)
     assert torch.equal(got_scale.nan_to_num(), want_scale.nan_to_num())
+
+
+def test_int4_latent_values_must_be_whole_rotation_blocks_of_the_key_rows():
+    # Rows of 48 values rotate in blocks of 16: values of the leading 40 would end inside one.
+    cache = torch.zeros(2, 1, 4, 24, dtype=torch.uint8)
+    scale = torch.zeros(2, 1, 4, 2)
+    with pytest.raises(ValueError, match="int4 latent rows of 48 values are rotated in blocks of 16, "
+                                         r"so their values \(the leading 40 columns\) must be whole"):
+        pa.attention(torch.randn(1, 4, 48), cache, cache[..., :20], torch.zeros(1, 1, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), 0.1, k_scale=scale, v_scale=scale)

@@ -107,6 +107,9 @@ def test_bad_per_token_options_raise_at_construction():
         PagedKVCache(1, 1, 7, 4, torch.uint8, num_blocks=2)
     with pytest.raises(ValueError, match="head_size 7 must be even"):
         PagedKVCache(1, 1, 8, 4, torch.uint8, num_blocks=2, head_size_v=7)
+    with pytest.raises(ValueError, match=r"latent rows of 24 values are rotated in blocks of 8, "
+                                         r"so their values \(the leading 12 columns\) must be whole"):
+        PagedKVCache(1, 1, 24, 4, torch.uint8, num_blocks=2, head_size_v=12, values_in_keys=True)
 
 
 # ---- write: rows and their scales ----------------------------------------------------------------

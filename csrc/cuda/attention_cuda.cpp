@@ -14,7 +14,6 @@
 #include "../attention_outputs.h"
 #include "../checks.h"
 #include "../dtypes.h"
-#include "../layout.h"
 #include "cuda_checks.h"
 #include "kernels.h"
 
@@ -57,12 +56,6 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
   const AttentionShape s = check_attention_args(op, args, &out, lse.has_value() ? &*lse : nullptr);
   PAGED_CHECK_VALUE(args.query.is_cuda(), op, ": argument 'query' must be a CUDA tensor, got ",
                     args.query.device());
-  // int4 latent rows' values are rotated with the key rows' blocks, which the CUDA output
-  // rotation (the value rows' own) does not undo.
-  PAGED_CHECK_VALUE(args.key_cache.scalar_type() != kByte ||
-                        !values_in_keys(args.key_cache, args.value_cache),
-                    op, ": the CUDA kernel does not read int4 latent rows (values a view of the "
-                    "keys) yet; run them on the CPU, or use an int8, fp8 or float latent cache");
   check_row_alignment(op, "key_cache", args.key_cache);
   check_row_alignment(op, "value_cache", args.value_cache);
   PAGED_CHECK_VALUE(s.num_seqs > 0 || s.num_tokens == 0, op, ": 'query' has ", s.num_tokens,
