@@ -298,6 +298,22 @@ def test_latent_rows_in_a_per_token_format_are_the_float_rows_quantized(mla_mode
     assert kv.block_bytes == 2 * BLOCK_SIZE * per_token
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_fixed_pool_cache_over_per_token_latent_rows_equals_paged_cache(mla_model, fmt):
+    """CompiledPagedCache (fixed pools, the decode step's inputs in place) over per-token
+    latent rows: the same tokens as PagedCache, left padding included."""
+    ids, mask = left_padded([9, 5], seed=3)
+    outputs = []
+    for cache in (PagedCache(mla_model.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt),
+                  CompiledPagedCache(mla_model.config, block_size=BLOCK_SIZE, kv_cache_dtype=fmt,
+                                     max_cache_len=32)):
+        with torch.no_grad():
+            outputs.append(mla_model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                              do_sample=False, pad_token_id=0, past_key_values=cache))
+        assert cache.kv.values_in_keys and cache.kv.dtype == FORMATS[fmt]
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def greedy_agreement(model, cache_dtype, ids, want):
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0,
