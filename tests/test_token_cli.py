@@ -59,6 +59,14 @@ def test_latent_rows_count_one_per_token_row_and_its_scales():
         assert report["bytes_per_token_expanded"] == memory.expanded_bytes_per_token(shape, dtype)
 
 
+
+def test_memory_command_prints_a_latent_rows_bytes(capsys):
+    assert main(["memory", "--preset", "deepseek-v3", "--dtype", "int4_per_token_head"]) == 0
+    out = capsys.readouterr().out
+    assert "int4_per_token_head (296 bytes per row of 576 values, scales included)" in out
+    assert f"({61 * 296} bytes)" in out
+
+
 def test_memory_command_prints_a_rows_bytes(capsys):
     assert main(["memory", "--preset", "llama-3-8b", "--dtype", "int8_per_token_head"]) == 0
     out = capsys.readouterr().out
