@@ -528,7 +528,8 @@ def write_latent(
         cache: ``[num_blocks, num_kv_heads, block_size, latent_size + rotary_size]`` (int4:
             half that many bytes), any view of the Layouts, modified in place.
         slot_mapping: int64 ``[num_tokens]`` as :func:`write_kv`'s (negative: padding).
-        scale: a float cache: None (rows are cast to its dtype). fp8: fp32 ``[]``, ``[1]`` or
+        scale: a float cache: None (rows are cast to its dtype; the CUDA kernel takes
+            rows of the cache's dtype only). fp8: fp32 ``[]``, ``[1]`` or
             ``[num_kv_heads]``, read only: ``fp8(saturate(row / scale[h]))`` as
             :func:`write_kv`. Per-token (int8, int4): the cache's scale tensor (see Layouts),
             written in place: each row's int8 scale (``amax / 127`` of the whole row) or int4
