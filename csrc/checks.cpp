@@ -98,6 +98,15 @@ std::string swapped_layout_hint(const Tensor& a, const Tensor& b) {
          "cache.transpose(1, 2), no copy)";
 }
 
+// Two handles of one tensor: one address, one shape, the same strides where they matter.
+bool same_view(const Tensor& a, const Tensor& b) {
+  if (a.data_ptr() != b.data_ptr() || !a.sizes().equals(b.sizes())) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 int32_t read_i32(const Tensor& t, int64_t i) { return t.mutable_data_ptr<int32_t>()[i * t.stride(0)]; }
 
 }  // namespace
@@ -141,40 +150,39 @@ void check_token_scales(const char* op, const char* name, const Tensor& t, const
 
 }  // namespace
 
+void check_cache_scale(const char* op, const char* name, const std::optional<Tensor>& scale,
+                       const Tensor& cache, const Tensor& reference, const char* reference_name) {
+  const ScalarType cache_dtype = cache.scalar_type();
+  if (!is_quantized(cache_dtype)) {
+    PAGED_CHECK_VALUE(!scale.has_value(), op, ": argument '", name, "' is only for fp8 "
+                      "(float8_e4m3fn, float8_e5m2) and per-token (int8, uint8) caches, but "
+                      "the caches are ", cache_dtype, "; pass None");
+    return;
+  }
+  const bool per_token = is_per_token(cache_dtype);
+  PAGED_CHECK_VALUE(scale.has_value(), op, ": the caches are ", cache_dtype,
+                    ", which needs argument '", name, "' (a float32 tensor of shape ",
+                    !per_token ? "[], [1] or [num_kv_heads]"
+                    : cache_dtype == kByte ? "[num_blocks, num_kv_heads, block_size, 2]"
+                                           : "[num_blocks, num_kv_heads, block_size]",
+                    "); got None");
+  const Tensor& t = *scale;
+  check_dtype(op, name, t, kFloat);
+  check_same_device(op, name, t, reference, reference_name);
+  if (per_token) return check_token_scales(op, name, t, cache);
+  const int64_t num_kv_heads = cache.size(1);
+  const bool per_layer = t.numel() == 1 && t.dim() <= 1;
+  const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
+  PAGED_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
+                    "or [num_kv_heads] = [", num_kv_heads, "], got ", t.sizes());
+}
+
 void check_kv_scales(const char* op, const Tensor& key_cache, const Tensor& value_cache,
                      const std::optional<Tensor>& k_scale,
                      const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name) {
-  const ScalarType cache_dtype = key_cache.scalar_type();
-  const int64_t num_kv_heads = key_cache.size(1);
-  const std::tuple<const char*, const std::optional<Tensor>*, const Tensor*> scales[] = {
-      {"k_scale", &k_scale, &key_cache}, {"v_scale", &v_scale, &value_cache}};
-  for (const auto& [name, scale, cache] : scales) {
-    if (!is_quantized(cache_dtype)) {
-      PAGED_CHECK_VALUE(!scale->has_value(), op, ": argument '", name, "' is only for fp8 "
-                        "(float8_e4m3fn, float8_e5m2) and per-token (int8, uint8) caches, but "
-                        "the caches are ", cache_dtype, "; pass None");
-      continue;
-    }
-    const bool per_token = is_per_token(cache_dtype);
-    PAGED_CHECK_VALUE(scale->has_value(), op, ": the caches are ", cache_dtype,
-                      ", which needs argument '", name, "' (a float32 tensor of shape ",
-                      !per_token ? "[], [1] or [num_kv_heads]"
-                      : cache_dtype == kByte ? "[num_blocks, num_kv_heads, block_size, 2]"
-                                             : "[num_blocks, num_kv_heads, block_size]",
-                      "); got None");
-    const Tensor& t = **scale;
-    check_dtype(op, name, t, kFloat);
-    check_same_device(op, name, t, reference, reference_name);
-    if (per_token) {
-      check_token_scales(op, name, t, *cache);
-      continue;
-    }
-    const bool per_layer = t.numel() == 1 && t.dim() <= 1;
-    const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
-    PAGED_CHECK_VALUE(per_layer || per_head, op, ": argument '", name, "' must have shape [], [1] "
-                      "or [num_kv_heads] = [", num_kv_heads, "], got ", t.sizes());
-  }
+  check_cache_scale(op, "k_scale", k_scale, key_cache, reference, reference_name);
+  check_cache_scale(op, "v_scale", v_scale, value_cache, reference, reference_name);
 }
 
 void check_layer_caches(const char* op, const TensorList& key_caches,
@@ -251,6 +259,17 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   check_same_device(op, "value_cache", args.value_cache, args.query);
   check_kv_scales(op, args.key_cache, args.value_cache, args.k_scale, args.v_scale, args.query,
                   "query");
+  // Per-token caches may share memory only as latent rows: the values the keys' leading
+  // columns, read with the keys' own scales (one tensor for k_scale and v_scale).
+  PAGED_CHECK_VALUE(!is_per_token(args.key_cache.scalar_type()) ||
+                        !(share_an_element(args.key_cache, args.value_cache) ||
+                          share_an_element(*args.k_scale, *args.v_scale)) ||
+                        (values_in_keys(args.key_cache, args.value_cache) &&
+                         same_view(*args.k_scale, *args.v_scale)),
+                    op, ": 'key_cache' and 'value_cache' (or 'k_scale' and 'v_scale') of a "
+                    "per-token cache share memory; the one sharing allowed is latent rows "
+                    "(paged.write_latent): 'value_cache' the leading columns of 'key_cache' "
+                    "(key_cache[..., :head_size_v]) and 'v_scale' the very tensor 'k_scale'");
 
   AttentionShape s{};
   s.num_tokens = args.query.size(0);
@@ -273,6 +292,14 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
                       ": argument 'key_cache' has head_size ", args.key_cache.size(3),
                       " but 'query' has head_size ", s.head_size);
   }
+  // int4 latent rows are rotated whole, in blocks of the key row's rotation: the values
+  // (leading columns) must be whole blocks of it to be turned back on their own.
+  const int64_t key_block = std::min<int64_t>(s.head_size & -s.head_size, 512);
+  PAGED_CHECK_VALUE(packing != 2 || !values_in_keys(args.key_cache, args.value_cache) ||
+                        s.head_size_v % key_block == 0,
+                    op, ": int4 latent rows of ", s.head_size, " values are rotated in blocks of ",
+                    key_block, ", so their values (the leading ", s.head_size_v,
+                    " columns) must be whole blocks; use an int8 latent cache");
   check_head_size(op, "query", s.head_size, kMaxKeyHeadSize);
   check_head_size(op, "value_cache", s.head_size_v, kMaxValueHeadSize);
   PAGED_CHECK_VALUE(s.block_size > 0, op, ": argument 'key_cache' has block_size 0");
@@ -498,16 +525,49 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
                          !share_an_element(*k_scale, *v_scale)),
                     op, ": a per-token cache quantizes each key and value row with its own "
                     "scales, so 'key_cache' and 'value_cache' (and 'k_scale' and 'v_scale') must "
-                    "not share memory; MLA latent rows (values a view of the keys) cannot be "
-                    "stored in a per-token format");
+                    "not share memory; MLA latent rows (values a view of the keys) are stored "
+                    "whole, under one scale, with paged.write_latent");
 }
 
-void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots) {
+void check_write_latent_args(const Tensor& latent, const Tensor& rotary_key, const Tensor& cache,
+                             const Tensor& slot_mapping, const std::optional<Tensor>& scale) {
+  const char* op = "paged.write_latent";
+  check_rank(op, "latent", latent, 3, "[num_tokens, num_kv_heads, latent_size]");
+  check_rank(op, "rotary_key", rotary_key, 3, "[num_tokens, num_kv_heads, rotary_size]");
+  check_cache_tensor(op, "cache", cache);
+  PAGED_CHECK_TYPE(is_supported_float(latent.scalar_type()), op,
+                   ": argument 'latent' must be float32, float16 or bfloat16, got ",
+                   latent.scalar_type());
+  check_dtype(op, "rotary_key", rotary_key, latent.scalar_type());
+  // A row is [latent | rotary_key]: an int4 cache packs it two values a byte.
+  const int64_t packing = values_per_element(cache.scalar_type());
+  const int64_t width = latent.size(2) + rotary_key.size(2);
+  PAGED_CHECK_VALUE(latent.size(0) == rotary_key.size(0) && latent.size(1) == cache.size(1) &&
+                        rotary_key.size(1) == cache.size(1) &&
+                        width == cache.size(3) * packing,
+                    op, ": arguments 'latent' ", latent.sizes(), " and 'rotary_key' ",
+                    rotary_key.sizes(), " must be [num_tokens, num_kv_heads=", cache.size(1),
+                    ", n] with the two widths adding up to the cache's rows (",
+                    cache.size(3) * packing, packing == 2 ? " values, two a byte)" : " values)");
+  PAGED_CHECK_VALUE(latent.stride(2) == 1 && rotary_key.stride(2) == 1, op,
+                    ": arguments 'latent' and 'rotary_key' must be contiguous in their last "
+                    "dimension");
+  check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
+  check_dtype(op, "slot_mapping", slot_mapping, kLong);
+  PAGED_CHECK_VALUE(slot_mapping.size(0) == latent.size(0), op, ": argument 'slot_mapping' has ",
+                    slot_mapping.size(0), " entries but 'latent' has ", latent.size(0), " tokens");
+  const std::pair<const char*, const Tensor*> others[] = {
+      {"rotary_key", &rotary_key}, {"cache", &cache}, {"slot_mapping", &slot_mapping}};
+  for (const auto& [name, t] : others) check_same_device(op, name, *t, latent, "latent");
+  check_cache_scale(op, "scale", scale, cache, latent, "latent");
+}
+
+void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots, const char* op) {
   const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
   const int64_t stride = slot_mapping.stride(0);
   for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
     const int64_t slot = slots[i * stride];
-    PAGED_CHECK_INDEX(slot < num_slots, "paged.write_kv: slot_mapping[", i, "] = ", slot,
+    PAGED_CHECK_INDEX(slot < num_slots, op, ": slot_mapping[", i, "] = ", slot,
                       " is outside the cache (num_blocks * block_size = ", num_slots, ")");
   }
 }

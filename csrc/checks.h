@@ -42,8 +42,15 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
                          const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
                          const std::optional<Tensor>& v_scale);
 
+// paged.write_latent: latent [num_tokens, num_kv_heads, latent_size] and rotary_key
+// [num_tokens, num_kv_heads, rotary_size] of one float dtype (any, whatever the cache's),
+// whose widths add up to the cache's rows; the cache's scale as check_cache_scale says.
+void check_write_latent_args(const Tensor& latent, const Tensor& rotary_key, const Tensor& cache,
+                             const Tensor& slot_mapping, const std::optional<Tensor>& scale);
+
 // Every slot is padding (< 0) or inside the pool.
-void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots);
+void check_slots_in_range(const Tensor& slot_mapping, int64_t num_slots,
+                          const char* op = "paged.write_kv");
 
 // An int64 [num_pairs, 2] mapping on the CPU (shape and dtype only).
 void check_block_mapping(const char* op, const Tensor& block_mapping);
@@ -67,6 +74,10 @@ void check_kv_scales(const char* op, const Tensor& key_cache, const Tensor& valu
                      const std::optional<Tensor>& k_scale,
                      const std::optional<Tensor>& v_scale, const Tensor& reference,
                      const char* reference_name);
+
+// One cache's scale (`name`): check_kv_scales' rules for one of its two.
+void check_cache_scale(const char* op, const char* name, const std::optional<Tensor>& scale,
+                       const Tensor& cache, const Tensor& reference, const char* reference_name);
 
 // copy_blocks' per-layer caches: as many value as key caches, each pair of one dtype
 // and one shape but for the head size, every layer with the same num_blocks, all on

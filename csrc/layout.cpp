@@ -57,6 +57,18 @@ bool same_block_layout(const Tensor& a, const Tensor& b) {
   return a.sizes().slice(0, 3).equals(b.sizes().slice(0, 3));
 }
 
+bool values_in_keys(const Tensor& key_cache, const Tensor& value_cache) {
+  if (key_cache.dim() != 4 || value_cache.dim() != 4 ||
+      key_cache.data_ptr() != value_cache.data_ptr() ||
+      key_cache.scalar_type() != value_cache.scalar_type() ||
+      !same_block_layout(key_cache, value_cache) || value_cache.size(3) > key_cache.size(3))
+    return false;
+  for (int64_t d = 0; d < 3; ++d) {
+    if (key_cache.size(d) > 1 && key_cache.stride(d) != value_cache.stride(d)) return false;
+  }
+  return true;
+}
+
 bool block_is_dense(const Tensor& cache) {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) within one block
   for (int64_t d = 1; d < cache.dim(); ++d) {

@@ -17,6 +17,10 @@ bool share_an_element(const Tensor& a, const Tensor& b);
 // Two 4-D caches with the same num_blocks, num_kv_heads and block_size (any head size).
 bool same_block_layout(const Tensor& a, const Tensor& b);
 
+// `value_cache` is `key_cache`'s leading columns (key_cache[..., :head_size_v]): MLA latent
+// rows, whose values are a view of their keys' memory.
+bool values_in_keys(const Tensor& key_cache, const Tensor& value_cache);
+
 // One block of `cache` (dims 1..) is one dense chunk of numel / size(0) elements starting
 // at block * stride(0): blocks then move with one memcpy each.
 bool block_is_dense(const Tensor& cache);

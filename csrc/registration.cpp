@@ -43,6 +43,11 @@ STABLE_TORCH_LIBRARY(paged, m) {
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
+  // MLA latent rows: each token's [latent | rotary_key] stored as one row of `cache`
+  // (vLLM's concat_and_cache_mla); a per-token cache gets each row's scale in `scale`.
+  m.def(
+      "write_latent(Tensor latent, Tensor rotary_key, Tensor(a!) cache, Tensor slot_mapping, "
+      "Tensor(b!)? scale=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");

@@ -20,6 +20,7 @@ from .ops import (
     shared_prefix_attention,
     swap_blocks,
     write_kv,
+    write_latent,
 )
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "shared_prefix_attention",
     "swap_blocks",
     "write_kv",
+    "write_latent",
 ]
 __version__ = "0.1.0"

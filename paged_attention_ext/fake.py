@@ -15,7 +15,7 @@ import torch
 
 from .token_quantization import head_size_of
 from .op_checks import (check_attention_args, check_layer_caches_devices, check_merge_args,
-                        check_swap_devices, check_write_kv_args)
+                        check_swap_devices, check_write_kv_args, check_write_latent_args)
 
 
 def _checked_output(op: str, query: torch.Tensor, key_cache: torch.Tensor,
@@ -77,6 +77,12 @@ def _merge_attention_states_fake(outputs: Sequence[torch.Tensor], lses: Sequence
 @torch.library.register_fake("paged::write_kv")
 def _write_kv_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return None
+
+
+@torch.library.register_fake("paged::write_latent")
+def _write_latent_fake(latent, rotary_key, cache, slot_mapping, scale=None):
+    check_write_latent_args(latent, rotary_key, cache, slot_mapping, scale)
     return None
 
 

@@ -106,9 +106,9 @@ class PagedKVCache:
     (``token_quantization.scale_shape``), views of the same page as the layer's rows, so a
     block's bytes (:attr:`block_bytes`) count its scales and copies and swaps move them with
     their rows. :meth:`layer` returns the rows (int4: ``head_size // 2`` bytes a row),
-    :meth:`scales` the scale tensors. Latent rows (``values_in_keys``) are refused: their
-    values are a column view of the key rows, and ``write_kv`` quantizes keys and values
-    as rows of their own.
+    :meth:`scales` the scale tensors. Latent rows (``values_in_keys``) are quantized whole
+    (``write_latent``): the value view is the rows' leading columns and its scales are the
+    rows' own (one tensor for ``k_scale`` and ``v_scale``).
 
     Float caches take no scales. Bytes are counted per element of the cache dtype (fp8:
     one byte per value; the scales' few bytes per layer are not counted).
@@ -116,7 +116,8 @@ class PagedKVCache:
     ``values_in_keys``: one tensor per pool holds both (MLA latent rows, vLLM's layout): a
     token's row is its key (``head_size`` columns) and its value is the row's first
     ``head_size_v`` columns, a view of the same memory, never a copy. Such a cache is written
-    with :meth:`write_columns` and its fp8 scale is one for both views.
+    with :meth:`write_columns` and its fp8 scale (per-token: its scale tensor) is one for
+    both views.
 
     ``kv_groups``: a hybrid model's KV groups (:mod:`paged_attention_ext.kv_groups`). A
     block then holds one group's layers, so the pools are ``layers_per_group`` tensors
@@ -157,15 +158,16 @@ class PagedKVCache:
             raise ValueError("give exactly one of num_blocks and memory_bytes")
         if not isinstance(values_in_keys, bool):
             raise TypeError(f"values_in_keys must be a bool, got {type(values_in_keys).__name__}")
-        if values_in_keys and token_quantization.is_per_token(dtype):
-            raise ValueError(f"kv_cache_dtype {dtype_label(dtype)} is not supported for latent rows "
-                             "(values_in_keys: MLA models): the values are a column view of the key "
-                             "rows, which a per-token row's scales do not serve; use 'auto' or an "
-                             "fp8 format")
         if values_in_keys and not (head_size_v is not None and head_size_v < head_size):
             raise ValueError(f"values_in_keys needs head_size_v < head_size (the values are the "
                              f"rows' first head_size_v columns), got head_size={head_size}, "
                              f"head_size_v={head_size_v}")
+        if (values_in_keys and dtype == torch.uint8
+                and head_size_v % token_quantization.rotation_block(head_size)):
+            raise ValueError(f"int4_per_token_head latent rows of {head_size} values are rotated "
+                             f"in blocks of {token_quantization.rotation_block(head_size)}, so "
+                             f"their values (the leading {head_size_v} columns) must be whole "
+                             "blocks; use int8_per_token_head")
         if kv_groups is None:
             kv_groups = KVGroupLayout.uniform(num_layers)
         if kv_groups.num_layers != num_layers:
@@ -187,7 +189,7 @@ class PagedKVCache:
         # Layers in page slices: groups of several shapes, and per-token rows beside their scales.
         self._paged = kv_groups.is_shaped or self.per_token
         if self._paged:
-            if values_in_keys:
+            if values_in_keys and kv_groups.is_shaped:
                 raise ValueError("values_in_keys needs one shape for every layer; these "
                                  "kv_groups have layers of several")
             # Key and value elements of the largest group's page.
@@ -233,6 +235,8 @@ class PagedKVCache:
     def _slot(self, shape: Tuple[int, int, int], part: int) -> int:
         """Elements of one layer's keys (``part`` 1) or values (2) in a page."""
         heads, size = shape[0], shape[part]
+        if self.values_in_keys and part == 2:
+            return 0  # the values are the key rows' leading columns
         if self.per_token:
             return token_slot_bytes(self.dtype, heads, size, self.block_size)
         return heads * size * self.block_size
@@ -253,9 +257,14 @@ class PagedKVCache:
         for group in self.kv_groups.groups:
             shape = group.shape or one_shape
             for j, layer in enumerate(group.layers):
-                (key, k_scale), (value, v_scale) = (
-                    self._page_slice(pages[0], j, shape, part)
-                    for pages, part in ((self.key_caches, 1), (self.value_caches, 2)))
+                if self.values_in_keys:  # latent rows: one row and one scale serve both views
+                    key, k_scale = self._page_slice(self.key_caches[0], j, shape, 1)
+                    value = key[..., :token_quantization.stored_head_size(self.dtype, shape[2])]
+                    v_scale = k_scale
+                else:
+                    (key, k_scale), (value, v_scale) = (
+                        self._page_slice(pages[0], j, shape, part)
+                        for pages, part in ((self.key_caches, 1), (self.value_caches, 2)))
                 self._views[layer] = (key, value)
                 if self.per_token:
                     self._scale_views[layer] = (k_scale, v_scale)
@@ -418,12 +427,16 @@ class PagedKVCache:
         the first columns, ``tail`` (the rest of the key: the rotary part) after them.
 
         An fp8 layer without scales first calibrates one scale for the whole row (the larger
-        of both ranges'), which both views then use.
+        of both ranges'), which both views then use; a per-token layer quantizes each whole
+        row under its own scale (``write_latent``).
         """
         if not self.values_in_keys:
             raise ValueError("write_columns stores rows of a values_in_keys cache; this cache "
                              "keeps keys and values apart: use write()")
         rows = self.layer(index)[0]
+        if self.per_token:  # the whole row quantized once, its scale into the layer's scales
+            ops.write_latent(head, tail, rows, slot_mapping, self.scales(index)["k_scale"])
+            return
         if not self.is_quantized:
             head, tail = head.to(self.dtype), tail.to(self.dtype)
         elif not self._calibrated(index, head, tail, slot_mapping, one_scale=True):
@@ -466,7 +479,7 @@ class PagedKVCache:
             return
         # The CUDA kernel reads the mapping on the device, the CPU one on the host.
         mapping = self._mapping(copies, self.device)
-        if self.values_in_keys:  # each column once: the values' columns, then the rest
+        if self.values_in_keys and not self._paged:  # each column once: the values', the rest
             ops.copy_blocks(self.value_caches, [rows[..., self.head_size_v:] for rows in self.key_caches],
                             mapping)
         else:

@@ -170,37 +170,43 @@ def check_token_scales(op: str, name: str, scale: torch.Tensor, cache: torch.Ten
                          "share a scale")
 
 
+def check_cache_scale(op: str, name: str, scale: Optional[torch.Tensor], cache: torch.Tensor,
+                      reference: torch.Tensor, reference_name: str) -> None:
+    """``check_cache_scale``: one cache's scale is required for fp8 and per-token caches and
+    refused for float ones: fp32 on the device of ``reference``; fp8: shape [], [1] or
+    [num_kv_heads]; per-token: one per slot of its cache (``check_token_scales``)."""
+    cache_dtype, num_kv_heads = cache.dtype, cache.shape[1]
+    if not is_quantized(cache_dtype):
+        if scale is not None:
+            raise ValueError(f"{op}: argument '{name}' is only for fp8 (float8_e4m3fn, "
+                             "float8_e5m2) and per-token (int8, uint8) caches, but the caches "
+                             f"are {scalar_type_name(cache_dtype)}; pass None")
+        return
+    per_token = cache_dtype in TOKEN_DTYPES
+    if scale is None:
+        shape = ("[], [1] or [num_kv_heads]" if not per_token
+                 else "[num_blocks, num_kv_heads, block_size, 2]" if cache_dtype == torch.uint8
+                 else "[num_blocks, num_kv_heads, block_size]")
+        raise ValueError(f"{op}: the caches are {scalar_type_name(cache_dtype)}, which needs "
+                         f"argument '{name}' (a float32 tensor of shape {shape}); got None")
+    check_dtype(op, name, scale, torch.float32)
+    check_same_device(op, reference_name, reference, **{name: scale})
+    if per_token:
+        check_token_scales(op, name, scale, cache)
+        return
+    per_layer = scale.numel() == 1 and scale.dim() <= 1
+    per_head = scale.dim() == 1 and scale.shape[0] == num_kv_heads
+    if not (per_layer or per_head):
+        raise ValueError(f"{op}: argument '{name}' must have shape [], [1] or [num_kv_heads] "
+                         f"= [{num_kv_heads}], got {list(scale.shape)}")
+
+
 def check_kv_scales(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                     reference: torch.Tensor, reference_name: str) -> None:
-    """``check_kv_scales``: scales are required for fp8 and per-token caches and refused for
-    float ones: fp32 on the device of ``reference``; fp8: shape [], [1] or [num_kv_heads];
-    per-token: one per slot of its cache (``check_token_scales``)."""
-    cache_dtype, num_kv_heads = key_cache.dtype, key_cache.shape[1]
-    for name, scale, cache in (("k_scale", k_scale, key_cache), ("v_scale", v_scale, value_cache)):
-        if not is_quantized(cache_dtype):
-            if scale is not None:
-                raise ValueError(f"{op}: argument '{name}' is only for fp8 (float8_e4m3fn, "
-                                 "float8_e5m2) and per-token (int8, uint8) caches, but the caches "
-                                 f"are {scalar_type_name(cache_dtype)}; pass None")
-            continue
-        per_token = cache_dtype in TOKEN_DTYPES
-        if scale is None:
-            shape = ("[], [1] or [num_kv_heads]" if not per_token
-                     else "[num_blocks, num_kv_heads, block_size, 2]" if cache_dtype == torch.uint8
-                     else "[num_blocks, num_kv_heads, block_size]")
-            raise ValueError(f"{op}: the caches are {scalar_type_name(cache_dtype)}, which needs "
-                             f"argument '{name}' (a float32 tensor of shape {shape}); got None")
-        check_dtype(op, name, scale, torch.float32)
-        check_same_device(op, reference_name, reference, **{name: scale})
-        if per_token:
-            check_token_scales(op, name, scale, cache)
-            continue
-        per_layer = scale.numel() == 1 and scale.dim() <= 1
-        per_head = scale.dim() == 1 and scale.shape[0] == num_kv_heads
-        if not (per_layer or per_head):
-            raise ValueError(f"{op}: argument '{name}' must have shape [], [1] or [num_kv_heads] "
-                             f"= [{num_kv_heads}], got {list(scale.shape)}")
+    """``check_kv_scales``: ``check_cache_scale`` of both."""
+    check_cache_scale(op, "k_scale", k_scale, key_cache, reference, reference_name)
+    check_cache_scale(op, "v_scale", v_scale, value_cache, reference, reference_name)
 
 
 def check_attention_args(op: str, query: torch.Tensor, key_cache: torch.Tensor,
@@ -271,6 +277,30 @@ def check_write_kv_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch
                          f"{key_cache.shape[1]}, head_size={want_k[1]}], got "
                          f"{list(key.shape)}{hint}")
     check_kv_scales(op, key_cache, value_cache, k_scale, v_scale, key, "key")
+
+
+def check_write_latent_args(latent: torch.Tensor, rotary_key: torch.Tensor, cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+    """``check_write_latent_args``: its device, dtype, cache and scale checks, and (static
+    sizes) the rows' widths against the cache's."""
+    op = "paged.write_latent"
+    check_same_device(op, "latent", latent, rotary_key=rotary_key, cache=cache,
+                      slot_mapping=slot_mapping)
+    check_rank(op, "latent", latent, 3, "[num_tokens, num_kv_heads, latent_size]")
+    check_rank(op, "rotary_key", rotary_key, 3, "[num_tokens, num_kv_heads, rotary_size]")
+    check_cache_tensor(op, "cache", cache)
+    check_float(op, "latent", latent)
+    check_dtype(op, "rotary_key", rotary_key, latent.dtype)
+    packing = 2 if cache.dtype == torch.uint8 else 1
+    sizes = (*latent.shape[1:], *rotary_key.shape[1:], *cache.shape[1::2])
+    if static(*sizes) and not (latent.shape[1] == rotary_key.shape[1] == cache.shape[1]
+                               and latent.shape[2] + rotary_key.shape[2] == cache.shape[3] * packing):
+        unit = " values, two a byte)" if packing == 2 else " values)"
+        raise ValueError(f"{op}: arguments 'latent' {list(latent.shape)} and 'rotary_key' "
+                         f"{list(rotary_key.shape)} must be [num_tokens, num_kv_heads="
+                         f"{cache.shape[1]}, n] with the two widths adding up to the cache's rows "
+                         f"({cache.shape[3] * packing}{unit}")
+    check_cache_scale(op, "scale", scale, cache, latent, "latent")
 
 
 def check_merge_args(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> None:

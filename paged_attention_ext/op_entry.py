@@ -34,7 +34,8 @@ import torch
 # Every op of the library, with the dispatch key it enters at (cpu_isa and select_cpu_isa
 # raise a ValueError for a bad PAGED_ATTENTION_CPU_ISA).
 TENSOR_OPS = ("attention", "attention_with_lse", "attention_out", "shared_prefix_attention",
-              "merge_attention_states", "write_kv", "copy_blocks", "swap_blocks")
+              "merge_attention_states", "write_kv", "write_latent", "copy_blocks",
+              "swap_blocks")
 TENSORLESS_OPS = ("cpu_isa", "select_cpu_isa")
 OPS = TENSOR_OPS + TENSORLESS_OPS
 ENTRY_KEY = {**{name: "Autograd" for name in TENSOR_OPS}, **{name: "BackendSelect" for name in TENSORLESS_OPS}}

@@ -95,6 +95,7 @@ __all__ = [
     "shared_prefix_attention",
     "merge_attention_states",
     "write_kv",
+    "write_latent",
     "copy_blocks",
     "swap_blocks",
     "cpu_isa",
@@ -498,6 +499,55 @@ def write_kv(
     """
     try:
         torch.ops.paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    except RuntimeError as error:  # inference mode skips the entry's translation
+        raise_typed(error)
+        raise
+
+
+def write_latent(
+    latent: torch.Tensor,
+    rotary_key: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Store each token's MLA latent row ``[latent | rotary_key]`` into its cache slot, in
+    place (vLLM's ``concat_and_cache_mla``).
+
+    An MLA latent cache holds one row per token: the KV latent (``kv_lora_rank`` columns)
+    then the rotated key (``qk_rope_head_dim``); attention reads the whole row as the key
+    and its leading ``kv_lora_rank`` columns (``cache[..., :latent_size]``, a view) as the
+    value. This op stores the row whole, so a quantized cache quantizes it once, under one
+    scale that serves both views.
+
+    Args:
+        latent: ``[num_tokens, num_kv_heads, latent_size]`` (MLA: one KV head), fp32, fp16
+            or bf16, last dim contiguous.
+        rotary_key: ``[num_tokens, num_kv_heads, rotary_size]``, dtype of ``latent``, last
+            dim contiguous.
+        cache: ``[num_blocks, num_kv_heads, block_size, latent_size + rotary_size]`` (int4:
+            half that many bytes), any view of the Layouts, modified in place.
+        slot_mapping: int64 ``[num_tokens]`` as :func:`write_kv`'s (negative: padding).
+        scale: a float cache: None (rows are cast to its dtype; the CUDA kernel takes
+            rows of the cache's dtype only). fp8: fp32 ``[]``, ``[1]`` or
+            ``[num_kv_heads]``, read only: ``fp8(saturate(row / scale[h]))`` as
+            :func:`write_kv`. Per-token (int8, int4): the cache's scale tensor (see Layouts),
+            written in place: each row's int8 scale (``amax / 127`` of the whole row) or int4
+            ``(scale, low)`` of the whole row rotated (``rotation_block(576)`` = 64-channel
+            blocks for DeepSeek's rows). Attention over the cache then takes this tensor as
+            both ``k_scale`` and ``v_scale``.
+
+    Example::
+
+        >>> import torch, paged_attention_ext as pa
+        >>> cache, scale = torch.zeros(2, 1, 4, 8, dtype=torch.int8), torch.zeros(2, 1, 4)
+        >>> latent, rotary = torch.tensor([[[1.0, -2.0, 0.0, 0.0, 0.0, 254.0]]]), torch.full((1, 1, 2), 4.0)
+        >>> pa.write_latent(latent, rotary, cache, torch.tensor([5]), scale)
+        >>> scale[1, 0, 1].item(), cache[1, 0, 1].tolist()   # one scale, 254 / 127, for the row
+        (2.0, [0, -1, 0, 0, 0, 127, 2, 2])
+    """
+    try:
+        torch.ops.paged.write_latent(latent, rotary_key, cache, slot_mapping, scale)
     except RuntimeError as error:  # inference mode skips the entry's translation
         raise_typed(error)
         raise

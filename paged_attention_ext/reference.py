@@ -89,13 +89,28 @@ def _start(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     the dequantized caches in the compute dtype, and every row as one that sees no key
     (output 0, lse the sink, -inf without sinks)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    keys, values = dequantize(key_cache, k_scale, compute), dequantize(value_cache, v_scale, compute)
+    keys = dequantize(key_cache, k_scale, compute)
+    if token_quantization.is_per_token(key_cache.dtype) and values_in_keys(key_cache, value_cache):
+        # Latent rows: the values are the keys' leading columns, quantized (int4: rotated)
+        # as part of the whole row.
+        values = keys[..., :token_quantization.head_size_of(value_cache)]
+    else:
+        values = dequantize(value_cache, v_scale, compute)
     num_tokens, num_heads = query.shape[:2]
     out = torch.zeros(num_tokens, num_heads, values.shape[3], dtype=compute, device=query.device)
     no_sink = torch.full((num_heads,), float("-inf"), dtype=compute, device=query.device)
     sink = no_sink if sinks is None else sinks.to(compute)
     lse = sink.expand(num_tokens, num_heads).clone()
     return keys, values, num_heads // keys.shape[1], out, lse, sink
+
+
+def values_in_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """``value_cache`` is ``key_cache``'s leading columns (MLA latent rows)."""
+    return (value_cache.data_ptr() == key_cache.data_ptr()
+            and value_cache.shape[:3] == key_cache.shape[:3]
+            and value_cache.shape[3] <= key_cache.shape[3]
+            and all(value_cache.stride(d) == key_cache.stride(d)
+                    for d in range(3) if key_cache.shape[d] > 1))
 
 
 def _sequences(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -219,6 +234,29 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         if per_token:
             k_scale[block, :, offset] = key_scales[token]
             v_scale[block, :, offset] = value_scales[token]
+
+
+def write_latent(latent: torch.Tensor, rotary_key: torch.Tensor, cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+    """Each token's ``[latent | rotary_key]`` row stored whole: cast into a float cache,
+    quantized with ``scale`` into an fp8 one, quantized as one row into a per-token one
+    (its scales into ``scale``)."""
+    rows = torch.cat((latent, rotary_key), dim=-1)
+    per_token = token_quantization.is_per_token(cache.dtype)
+    if per_token:
+        rows, row_scales = token_quantization.quantize(rows, cache.dtype)
+    elif cache.dtype in FP8_DTYPES:
+        rows = quantize(rows, scale, cache.dtype)
+    else:
+        rows = rows.to(cache.dtype)
+    block_size = cache.shape[2]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        cache[block, :, offset] = rows[token]
+        if per_token:
+            scale[block, :, offset] = row_scales[token]
 
 
 def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],

@@ -378,7 +378,7 @@ def test_write_kv_per_token_refuses_views_of_one_memory(cache_dtype, shared):
     else:
         caches = (rows[..., :split], torch.zeros_like(rows[..., split:]))
         scale_pair = (scales, scales)
-    with pytest.raises(ValueError, match="latent rows .* cannot be stored in a per-token format"):
+    with pytest.raises(ValueError, match="latent rows .* stored whole, under one scale, with paged.write_latent"):
         pa.write_kv(torch.randn(3, 1, 512), torch.randn(3, 1, 64), *caches, torch.tensor([0, 1, 2]),
                     *scale_pair)
     assert not rows.any() and not scales.any()

@@ -361,6 +361,43 @@ def test_write_kv_per_token(cache_dtype, input_dtype, layout):
             assert (nibbles[0] != nibbles[1]).float().mean() < 1e-3
 
 
+@parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.int8, torch.uint8])
+def test_write_latent_and_attention_over_latent_rows(cache_dtype):
+    # Rows and scales as the reference's (int4: a nibble one step apart at a rounding tie),
+    # then decode over the rows (values their leading columns, one scale tensor) against the
+    # reference over what the kernel stored.
+    from paged_attention_ext import token_quantization as tq
+
+    per_token = tq.is_per_token(cache_dtype)
+    width = tq.stored_head_size(cache_dtype, 576) if per_token else 576
+    cache = torch.zeros(4, 1, 16, width, dtype=cache_dtype)
+    scale = (torch.zeros(tq.scale_shape(cache_dtype, 4, 1, 16)) if per_token
+             else torch.tensor([0.05]) if cache_dtype == torch.float8_e4m3fn else None)
+    latent, rotary = torch.randn(5, 1, 512).half(), torch.randn(5, 1, 64).half()
+    slots = torch.tensor([3, -1, 17, 40, 63])
+    got = cache.to(CUDA)
+    got_scale = None if scale is None else scale.to(CUDA)
+    pa.write_latent(latent.to(CUDA), rotary.to(CUDA), got, slots.to(CUDA), got_scale)
+    ref.write_latent(latent, rotary, cache, slots, scale)
+    if cache_dtype == torch.uint8:
+        nibbles = [torch.stack((t & 15, t >> 4), -1).int() for t in (got.cpu(), cache)]
+        assert (nibbles[0] - nibbles[1]).abs().max() <= 1
+    else:
+        assert torch.equal(got.cpu().view(torch.uint8), cache.view(torch.uint8))
+    if per_token:
+        torch.testing.assert_close(got_scale.cpu(), scale, rtol=1e-6, atol=0)
+    values = got[..., :tq.stored_head_size(cache_dtype, 512) if per_token else 512]
+    tables = torch.arange(4, dtype=torch.int32)[None].to(CUDA)
+    lens = torch.tensor([64], dtype=torch.int32, device=CUDA)
+    query = torch.randn(1, 16, 576, device=CUDA, dtype=torch.float16 if not per_token else torch.bfloat16)
+    got_scale = got_scale if cache_dtype != torch.float16 else None
+    out = pa.attention(query, got, values, tables, lens, 0.05, k_scale=got_scale, v_scale=got_scale)
+    want = ref.attention(query.cpu().double(), got.cpu(), values.cpu(), tables.cpu(), lens.cpu(), 0.05,
+                         k_scale=None if got_scale is None else got_scale.cpu(),
+                         v_scale=None if got_scale is None else got_scale.cpu())
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
 @parametrize("cache_dtype", [torch.int8, torch.uint8])
 @parametrize("layout", ["HND", "NHD", "padded"])
 def test_copy_and_swap_blocks_per_token_caches_and_scales(cache_dtype, layout):

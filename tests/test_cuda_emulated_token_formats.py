@@ -277,3 +277,78 @@ def test_copy_blocks_moves_rows_and_scales(fmt):
     rows = [dense(cache), dense(scales)]
     emulator().emu_copy_blocks(ctypes.byref(rows[0]), ctypes.byref(rows[1]), mapping.data_ptr(), 3, 6)
     assert bits_equal(cache, want_cache) and bits_equal(scales, want_scales)
+
+
+# ---- MLA latent rows: quantized whole, values a view of the keys ---------------------------
+
+def latent_rows(fmt, lens, block_size, seed):
+    """Latent caches (576-wide rows, one KV head, random block order) holding ``lens``
+    tokens per sequence, written by the CPU kernel of write_latent (the reference's bytes),
+    the slots no token owns garbage with NaN scales; (cache, scale, tables, seq_lens)."""
+    import paged_attention_ext as pa
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 2
+    cache = torch.randint(0, 256, (num_blocks, 1, block_size, tq.stored_head_size(fmt, 576)),
+                          generator=gen, dtype=torch.uint8).view(fmt)
+    scale = empty_scales(cache)
+    physical = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, (n, nb) in enumerate(zip(lens, blocks)):
+        tables[i, :nb] = physical[used:used + nb].int()
+        used += nb
+        positions = torch.arange(n)
+        slots = tables[i, positions // block_size].long() * block_size + positions % block_size
+        pa.write_latent(torch.randn(n, 1, 512, generator=gen), torch.randn(n, 1, 64, generator=gen) * 3,
+                        cache, slots, scale)
+    return cache, scale, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_write_latent_rows_as_keys_alone(fmt, input_dtype):
+    # write_latent's CUDA path: each [latent | rotary_key] row gathered, then quantized whole
+    # by the write_kv kernel as keys alone (value_row_bytes 0: no value rows, whose scales
+    # would overwrite the keys'), against the reference's write_latent.
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randint(0, 256, (3, 1, 4, tq.stored_head_size(fmt, 576)), generator=gen,
+                          dtype=torch.uint8).view(fmt)
+    slots = torch.randperm(12, generator=gen)[:9]
+    slots[4] = -1
+    rows = adversarial_rows(9, 1, 576, input_dtype, seed=11)
+    got, want = cache.clone(), cache.clone()
+    scales, want_scales = empty_scales(cache), empty_scales(cache)
+    ref.write_latent(rows[..., :512], rows[..., 512:], want, slots, want_scales)
+    emulated_write_kv(rows, rows, got, got[..., :0], slots, scales, scales)
+    if fmt == INT8:
+        assert bits_equal(got, want)
+        assert_same_scales(scales, want_scales)
+    else:
+        kept = slots >= 0
+        b, o = slots[kept] // 4, slots[kept] % 4
+        check_int4_rows(got[b, :, o], scales[b, :, o], want[b, :, o], want_scales[b, :, o],
+                        rows[kept].float())
+        unwritten = torch.ones(3, 4, dtype=torch.bool)
+        unwritten[b, o] = False
+        assert bits_equal(got.permute(0, 2, 1, 3)[unwritten], cache.permute(0, 2, 1, 3)[unwritten])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lens, heads, split", [([1, 15, 16, 17], 16, False), ([1, 900, 33], 16, True),
+                                                ([5, 40], 128, False)])
+def test_attention_over_latent_rows(fmt, lens, heads, split):
+    # Keys the 576-wide rows, values their leading 512 columns (a view of the same memory),
+    # one scale tensor for both: int4's output is rotated back with the key rows' blocks of
+    # 64, in the attention kernel and (split) in the merge kernel.
+    cache, scale, tables, seq_lens = latent_rows(fmt, lens, 16, seed=len(lens) + heads)
+    values = cache[..., :tq.stored_head_size(fmt, 512)]
+    query = random_query(len(lens), heads, 576, torch.bfloat16)
+    out, lse, splits = emulated_attention(query, cache, values, tables, seq_lens, 576 ** -0.5,
+                                          k_scale=scale, v_scale=scale)
+    assert (splits > 1) == split, splits
+    want, want_lse = ref.attention_with_lse(query.double(), cache, values, tables, seq_lens, 576 ** -0.5,
+                                            k_scale=scale, v_scale=scale)
+    torch.testing.assert_close(out.double(), want, **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)

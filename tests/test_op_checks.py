@@ -197,6 +197,42 @@ def test_write_kv_checks_match_the_kernel(name, kind, change):
     assert_same_refusal(pa.write_kv, args)
 
 
+def latent_cache(dtype):
+    """A latent cache of rows 40 + 24 wide (one KV head) and its scale, as the kind needs."""
+    rows = torch.zeros(BLOCKS, 1, BLOCK_SIZE, stored_head_size(dtype, HEAD_SIZE), dtype=dtype)
+    if dtype in (torch.int8, torch.uint8):
+        return dict(cache=rows, scale=torch.zeros(scale_shape(dtype, BLOCKS, 1, BLOCK_SIZE)))
+    return dict(cache=rows, scale=torch.tensor(0.5) if dtype == FP8 else None)
+
+
+WRITE_LATENT_CASES = [
+    ("cache dtype", torch.float32, dict(cache=torch.zeros(BLOCKS, 1, BLOCK_SIZE, HEAD_SIZE, dtype=torch.int16))),
+    ("cache rank", torch.float32, dict(cache=torch.zeros(BLOCKS, BLOCK_SIZE, HEAD_SIZE))),
+    ("latent rank", torch.float32, dict(latent=torch.ones(2, 40))),
+    ("latent dtype", torch.float32, dict(latent=torch.ones(2, 1, 40, dtype=torch.float64))),
+    ("rotary dtype", FP8, dict(rotary_key=torch.ones(2, 1, 24, dtype=torch.float16))),
+    ("widths", torch.float32, dict(rotary_key=torch.ones(2, 1, 16))),
+    ("heads", torch.bfloat16, dict(latent=torch.ones(2, 2, 40), rotary_key=torch.ones(2, 2, 24))),
+    ("int4 widths", torch.uint8, dict(rotary_key=torch.ones(2, 1, 12))),
+    ("scale with a float cache", torch.float32, dict(scale=torch.tensor(1.0))),
+    ("fp8 without a scale", FP8, dict(scale=None)),
+    ("fp8 scale shape", FP8, dict(scale=torch.ones(3))),
+    ("int8 without a scale", torch.int8, dict(scale=None)),
+    ("int8 scale shape", torch.int8, dict(scale=torch.zeros(BLOCKS, 1, BLOCK_SIZE, 2))),
+    ("int4 scale dtype", torch.uint8, dict(scale=torch.zeros(BLOCKS, 1, BLOCK_SIZE, 2).double())),
+    ("int4 pair not contiguous", torch.uint8,
+     dict(scale=torch.zeros(BLOCKS, 1, 2, BLOCK_SIZE).transpose(2, 3))),
+]
+
+
+@pytest.mark.parametrize("name,dtype,change", WRITE_LATENT_CASES, ids=[c[0] for c in WRITE_LATENT_CASES])
+def test_write_latent_checks_match_the_kernel(name, dtype, change):
+    args = dict(latent=torch.ones(2, 1, 40), rotary_key=torch.ones(2, 1, 24),
+                slot_mapping=torch.tensor([3, 9]), **latent_cache(dtype))
+    args.update(change)
+    assert_same_refusal(pa.write_latent, args)
+
+
 OUT, LSE = torch.zeros(4, 3, 8), torch.zeros(4, 3)
 MERGE_CASES = {
     "count": ([OUT, OUT], [LSE]),

@@ -49,9 +49,22 @@ def test_per_token_groups_are_sized_like_the_cache():
                                             (shape.layer_shapes()[layer] for layer in layers))
 
 
-def test_latent_rows_refuse_per_token_formats(capsys):
-    with pytest.raises(ValueError, match="int8_per_token_head is not supported for latent rows"):
-        memory.kv_report(memory.PRESETS["deepseek-v3"], "int8_per_token_head", max_len=16)
+def test_latent_rows_count_one_per_token_row_and_its_scales():
+    """DeepSeek-V3's latent rows: 576 values and one scale (int8: 4 bytes), or 288 bytes and
+    one (scale, low) pair (int4: 8 bytes), per token and layer."""
+    shape = memory.PRESETS["deepseek-v3"]
+    for dtype, row in (("int8_per_token_head", 576 + 4), ("int4_per_token_head", 288 + 8)):
+        report = memory.kv_report(shape, dtype, max_len=16)
+        assert report["bytes_per_token"] == shape.layers * row
+        assert report["bytes_per_token_expanded"] == memory.expanded_bytes_per_token(shape, dtype)
+
+
+
+def test_memory_command_prints_a_latent_rows_bytes(capsys):
+    assert main(["memory", "--preset", "deepseek-v3", "--dtype", "int4_per_token_head"]) == 0
+    out = capsys.readouterr().out
+    assert "int4_per_token_head (296 bytes per row of 576 values, scales included)" in out
+    assert f"({61 * 296} bytes)" in out
 
 
 def test_memory_command_prints_a_rows_bytes(capsys):

@@ -107,10 +107,9 @@ def test_bad_per_token_options_raise_at_construction():
         PagedKVCache(1, 1, 7, 4, torch.uint8, num_blocks=2)
     with pytest.raises(ValueError, match="head_size 7 must be even"):
         PagedKVCache(1, 1, 8, 4, torch.uint8, num_blocks=2, head_size_v=7)
-    for dtype in FORMATS.values():
-        with pytest.raises(ValueError, match=f"kv_cache_dtype {q.dtype_label(dtype)} is not "
-                                             r"supported for latent rows \(values_in_keys"):
-            PagedKVCache(1, 1, 40, 4, dtype, num_blocks=2, head_size_v=32, values_in_keys=True)
+    with pytest.raises(ValueError, match=r"latent rows of 24 values are rotated in blocks of 8, "
+                                         r"so their values \(the leading 12 columns\) must be whole"):
+        PagedKVCache(1, 1, 24, 4, torch.uint8, num_blocks=2, head_size_v=12, values_in_keys=True)
 
 
 # ---- write: rows and their scales ----------------------------------------------------------------
@@ -221,3 +220,41 @@ def test_kv_groups_and_shapes_keep_each_layers_scales_apart(dtype):
                                                           + tq.bytes_per_token_head(dtype, g.shape[2]))
                             for g in layout.groups)
             assert cache.block_bytes == BLOCK_SIZE * per_token
+
+
+# ---- latent rows (values_in_keys): one row per token and layer, one scale -------------------------
+
+@pytest.mark.parametrize("dtype", FORMATS.values())
+def test_latent_rows_are_quantized_whole_and_move_with_their_scales(dtype):
+    """write_columns stores [latent | rope] as one row under one scale (write_latent); the
+    value view is the rows' leading columns and both views take the one scale tensor; copies,
+    swaps and growth move rows and scales (inside each block's page) together."""
+    cache = PagedKVCache(2, 1, 40, 4, dtype, num_blocks=3, num_host_blocks=2, head_size_v=32,
+                         values_in_keys=True)
+    assert cache.block_bytes == 2 * 4 * tq.bytes_per_token_head(dtype, 40)
+    gen = torch.Generator().manual_seed(0)
+    latent, rope = torch.randn(5, 1, 32, generator=gen), torch.randn(5, 1, 8, generator=gen) * 9
+    slots = torch.tensor([0, 5, -1, 7, 2])
+    cache.write_columns(1, latent, rope, slots)
+    rows, values = cache.layer(1)
+    scales = cache.scales(1)
+    assert scales["k_scale"] is scales["v_scale"]
+    assert values.data_ptr() == rows.data_ptr() and values.shape[-1] == tq.stored_head_size(dtype, 32)
+    want_rows, want_scales = tq.quantize(torch.cat((latent, rope), -1), dtype)
+    flat_rows = rows.reshape(-1, rows.shape[-1])
+    flat_scales = scales["k_scale"].reshape(-1, *scales["k_scale"].shape[3:])
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_rows[slot], want_rows[token, 0])
+            assert torch.equal(flat_scales[slot], want_scales[token, 0])
+    before = rows.clone(), scales["k_scale"].clone()
+    cache.apply_copies([(1, 2)])
+    assert torch.equal(rows[2], before[0][1]) and torch.equal(scales["k_scale"][2], before[1][1])
+    cache.swap_out([(0, 1)])
+    rows[0].zero_()
+    scales["k_scale"][0].zero_()
+    cache.swap_in([(1, 0)])
+    assert torch.equal(rows[0], before[0][0]) and torch.equal(scales["k_scale"][0], before[1][0])
+    bigger = cache.with_blocks(5)
+    assert torch.equal(bigger.layer(1)[0][:2], rows[:2])
+    assert torch.equal(bigger.scales(1)["v_scale"][:2], scales["k_scale"][:2])

@@ -16,6 +16,7 @@
 #include "../attention_outputs.h"
 #include "../checks.h"
 #include "../dtypes.h"
+#include "../layout.h"
 #include "attention_params.h"
 #include "cpu_features.h"
 #include "output_rounding.h"
@@ -359,17 +360,21 @@ Tensor rotated_queries(const Tensor& query) {
   return rotated;
 }
 
-// out = the rotated fp32 rows turned back (per head), in out's dtype.
-void unrotate_into(const Tensor& rotated, Tensor& out) {
+// out = the rotated fp32 rows turned back (per head), in out's dtype, with the rotation of
+// rows `width` wide: the value rows' own (width = head_size_v), or for latent rows, whose
+// values are their keys' leading columns, the key rows' (blocks of rotation_block(576) = 64
+// channels, not of 512): the row is unrotated zero-padded to that width, its blocks apart.
+void unrotate_into(const Tensor& rotated, Tensor& out, int64_t width) {
   const int64_t num_tokens = out.size(0), num_heads = out.size(1), hs = out.size(2);
   const float* src = rotated.mutable_data_ptr<float>();
   dispatch_float(out.scalar_type(), [&]<typename scalar_t>() {
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     torch::stable::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(hs);
+      std::vector<float> row(width, 0.0f);
       for (int64_t th = begin; th < end; ++th) {
         std::memcpy(row.data(), src + th * hs, sizeof(float) * hs);
-        unrotate(row.data(), int(hs));
+        std::fill(row.begin() + hs, row.end(), 0.0f);
+        unrotate(row.data(), int(width));
         store_row(row.data(), 1.0f, o + (th / num_heads) * out.stride(0) + (th % num_heads) * out.stride(1), hs);
       }
     });
@@ -392,7 +397,8 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
                               args.sliding_window, args.soft_cap, args.sinks, args.k_scale,
                               args.v_scale, args.placement};
   run_attention(s, rotated, rotated_out, lse);
-  unrotate_into(rotated_out, out);
+  const bool latent = values_in_keys(args.key_cache, args.value_cache);
+  unrotate_into(rotated_out, out, latent ? s.head_size : s.head_size_v);
 }
 
 }  // namespace

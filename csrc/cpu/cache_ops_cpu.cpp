@@ -1,10 +1,11 @@
-// CPU implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
+// CPU implementations of the cache ops: write_kv, write_latent, copy_blocks, swap_blocks.
 // All validation happens before the first byte is written, so a rejected call
 // leaves the caches untouched.
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__x86_64__)
@@ -194,6 +195,73 @@ void write_kv_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
   });
 }
 
+// Each (token, KV head) row [latent | rotary_key] gathered into fp32 and stored whole: cast
+// into a float cache, divided by the scale into an fp8 one, quantized as one row (its scale
+// or (scale, low) pair into `scale`) into a per-token one.
+template <typename In, typename Cache>
+void write_latent_rows(const Tensor& latent, const Tensor& rotary_key, Tensor& cache,
+                       const Tensor& slot_mapping, const std::optional<Tensor>& scale) {
+  const int64_t num_kv_heads = cache.size(1), block_size = cache.size(2);
+  const int64_t lat = latent.size(2), width = lat + rotary_key.size(2);
+  const int64_t* slots = slot_mapping.mutable_data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  const In* lat_src = latent.mutable_data_ptr<In>();
+  const In* rot_src = rotary_key.mutable_data_ptr<In>();
+  Cache* dst = static_cast<Cache*>(cache.data_ptr());
+  float* scales = scale.has_value() ? scale->mutable_data_ptr<float>() : nullptr;
+  const int64_t fp8_scale_stride = scale.has_value() && scale->numel() > 1 ? 1 : 0;
+  torch::stable::parallel_for(0, latent.size(0), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const In* l = lat_src + t * latent.stride(0) + h * latent.stride(1);
+        const In* r = rot_src + t * rotary_key.stride(0) + h * rotary_key.stride(1);
+        for (int64_t d = 0; d < lat; ++d) row[d] = float(l[d]);
+        for (int64_t d = lat; d < width; ++d) row[d] = float(r[d - lat]);
+        Cache* out = dst + row_offset(cache, block, h, offset);
+        if constexpr (std::is_same_v<Cache, int8_t>) {
+          scales[row_offset(*scale, block, h, offset)] = quantize_int8_row(row.data(), int(width), out);
+        } else if constexpr (std::is_same_v<Cache, uint8_t>) {
+          rotate(row.data(), int(width));
+          quantize_int4_row(row.data(), int(width), out, scales + row_offset(*scale, block, h, offset));
+        } else if constexpr (std::is_same_v<Cache, Float8_e4m3fn> ||
+                             std::is_same_v<Cache, Float8_e5m2>) {
+          quantize_row(out, row.data(), width, scales[h * fp8_scale_stride]);
+        } else {
+          for (int64_t d = 0; d < width; ++d) out[d] = Cache(row[d]);
+        }
+      }
+    }
+  });
+}
+
+void write_latent_cpu(const Tensor& latent, const Tensor& rotary_key, Tensor& cache,
+                      const Tensor& slot_mapping, const std::optional<Tensor>& scale) {
+  check_write_latent_args(latent, rotary_key, cache, slot_mapping, scale);
+  check_slots_in_range(slot_mapping, cache.size(0) * cache.size(2), "paged.write_latent");
+  // fp8 scales are read from one contiguous row ([] / [1] / [num_kv_heads]).
+  const bool fp8 = is_fp8(cache.scalar_type());
+  const std::optional<Tensor> scales =
+      fp8 ? std::optional<Tensor>(scale_row(scale).first) : scale;
+  dispatch_float(latent.scalar_type(), [&]<typename In>() {
+    switch (cache.scalar_type()) {
+      case kChar: return write_latent_rows<In, int8_t>(latent, rotary_key, cache, slot_mapping, scales);
+      case kByte: return write_latent_rows<In, uint8_t>(latent, rotary_key, cache, slot_mapping, scales);
+      case kFloat8_e4m3fn:
+        return write_latent_rows<In, Float8_e4m3fn>(latent, rotary_key, cache, slot_mapping, scales);
+      case kFloat8_e5m2:
+        return write_latent_rows<In, Float8_e5m2>(latent, rotary_key, cache, slot_mapping, scales);
+      default:
+        dispatch_float(cache.scalar_type(), [&]<typename C>() {
+          write_latent_rows<In, C>(latent, rotary_key, cache, slot_mapping, scales);
+        });
+    }
+  });
+}
+
 // dst[d] = src[s] for each pair of one pool (copy_blocks) or two (swap_blocks). Blocks that
 // are one dense chunk with the same layout in both pools move with one memcpy; others
 // (e.g. NHD views into a joint K/V tensor of another block layout) row by row.
@@ -266,6 +334,7 @@ void swap_blocks_cpu(const Tensor& src, Tensor& dst, const Tensor& block_mapping
 
 STABLE_TORCH_LIBRARY_IMPL(paged, CPU, m) {
   m.impl("write_kv", TORCH_BOX(&write_kv_cpu));
+  m.impl("write_latent", TORCH_BOX(&write_latent_cpu));
   m.impl("copy_blocks", TORCH_BOX(&copy_blocks_cpu));
   m.impl("swap_blocks", TORCH_BOX(&swap_blocks_cpu));
 }

@@ -60,6 +60,13 @@
 namespace paged::cuda {
 namespace {
 
+// The rotation an int4 cache's output rows are turned back with: the value rows' own, or,
+// for MLA latent rows (the values the key rows' leading columns, one memory, which is how
+// the host's checks let a per-token cache share it), the key rows' blocks.
+__device__ __forceinline__ int output_rotation_block(const AttentionParams& p) {
+  return rotation_block(p.value_cache == p.key_cache ? p.head_size : p.head_size_v);
+}
+
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStep = 32;  // keys per warp step: one per lane in the score phase
@@ -528,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
     if (!split) {
       // The output rotated back (the split results stay rotated: the merge kernel does it).
       __syncthreads();
-      const int n = rotation_block(p.head_size_v);
+      const int n = output_rotation_block(p);
       hadamard_in_place(&smem.merge.acc[0][0][0], kVCap, num_q, p.head_size_v, n, threadIdx.x, kThreads,
                         [] { __syncthreads(); });
       const float norm = rotation_norm(n);
@@ -649,7 +656,7 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const Attent
       for (int i = 0; i < 4; ++i) row_s[4 * threadIdx.x + i] = values[i];
     }
     __syncthreads();
-    const int n = rotation_block(p.head_size_v);
+    const int n = output_rotation_block(p);
     hadamard_in_place(row_s, 0, 1, p.head_size_v, n, threadIdx.x, kThreads, [] { __syncthreads(); });
     const float norm = rotation_norm(n);
     for (int d = threadIdx.x; d < p.head_size_v; d += kThreads) {

@@ -109,7 +109,8 @@ __global__ void __launch_bounds__(kCacheThreads) write_kv_fp8_kernel(const Write
 // Quantizes the rows of all KV heads of one token into a per-token cache (int8, or packed
 // int4 when kInt4; token_formats.cuh): one warp per row, keys then values, each row's
 // scale written beside it. Rows are short (at most kMaxTokenRow values) and written once,
-// so bytes are stored one by one (consecutive lanes, consecutive bytes).
+// so bytes are stored one by one (consecutive lanes, consecutive bytes). value_row_bytes 0:
+// keys only (write_latent's whole rows, whose values are a view of them).
 template <bool kInt4>
 __global__ void __launch_bounds__(kCacheThreads) write_kv_token_kernel(const WriteKvParams p) {
   constexpr int kCacheWarps = kCacheThreads / 32;
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(kCacheThreads) write_kv_token_kernel(const Wri
   if (!locate_slot(p, token, &block, &offset)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int values_per_byte = kInt4 ? 2 : 1;
-  for (int r = warp; r < 2 * p.num_kv_heads; r += kCacheWarps) {
+  const int rows = (p.value_row_bytes > 0 ? 2 : 1) * p.num_kv_heads;
+  for (int r = warp; r < rows; r += kCacheWarps) {
     const bool is_value = r >= p.num_kv_heads;
     const int64_t head = is_value ? r - p.num_kv_heads : r;
     const CacheLayout& cl = is_value ? p.value_layout : p.key_layout;

@@ -1,4 +1,4 @@
-// CUDA implementations of the cache ops: write_kv, copy_blocks, swap_blocks.
+// CUDA implementations of the cache ops: write_kv, write_latent, copy_blocks, swap_blocks.
 // Everything is enqueued on the current stream; nothing waits for the device.
 // Values that live on the device (slot ids, a device block mapping) are not
 // validated, since that would need a sync; the kernels skip out-of-range ones.
@@ -15,6 +15,10 @@
 namespace paged::cuda {
 namespace {
 
+void enqueue_write_kv(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                      Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
+
 void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
                    Tensor& value_cache, const Tensor& slot_mapping,
                    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
@@ -27,6 +31,53 @@ void write_kv_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
                     op, ": arguments 'key' and 'value' have rows of ", key.size(2), " and ", value.size(2),
                     " values; the CUDA kernel quantizes rows of at most ", kMaxTokenRow,
                     " values into a per-token cache");
+  enqueue_write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+}
+
+// MLA latent rows through the write_kv kernel. Float and fp8: the latent and the rotary key
+// into the two column views of each row (fp8 under one scale for both). Per-token: each
+// row [latent | rotary_key] gathered into one tensor first, then quantized whole as keys
+// alone (no value rows: their scales are the keys').
+void write_latent_cuda(const Tensor& latent, const Tensor& rotary_key, Tensor& cache,
+                       const Tensor& slot_mapping, const std::optional<Tensor>& scale) {
+  const char* op = "paged.write_latent";
+  check_write_latent_args(latent, rotary_key, cache, slot_mapping, scale);
+  PAGED_CHECK_VALUE(latent.is_cuda(), op, ": argument 'latent' must be a CUDA tensor, got ",
+                    latent.device());
+  PAGED_CHECK_TYPE(is_fp8(cache.scalar_type()) || is_per_token(cache.scalar_type()) ||
+                       latent.scalar_type() == cache.scalar_type(),
+                   op, ": the CUDA kernel stores latent rows into a float cache of their own "
+                   "dtype; 'latent' is ", latent.scalar_type(), " and 'cache' ",
+                   cache.scalar_type(), ": cast with latent.to(cache.dtype) and "
+                   "rotary_key.to(cache.dtype)");
+  PAGED_CHECK_VALUE(latent.size(0) <= INT32_MAX, op, ": too many tokens for one CUDA launch");
+  const int64_t width = latent.size(2);
+  if (!is_per_token(cache.scalar_type())) {
+    Tensor head = torch::stable::narrow(cache, 3, 0, width);
+    Tensor tail = torch::stable::narrow(cache, 3, width, cache.size(3) - width);
+    enqueue_write_kv(latent, rotary_key, head, tail, slot_mapping, scale, scale);
+    return;
+  }
+  const int64_t row_width = width + rotary_key.size(2);
+  PAGED_CHECK_VALUE(row_width <= kMaxTokenRow, op, ": latent rows of ", row_width,
+                    " values; the CUDA kernel quantizes rows of at most ", kMaxTokenRow,
+                    " values into a per-token cache");
+  const int32_t device = latent.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  Tensor rows = torch::stable::empty({latent.size(0), latent.size(1), row_width},
+                                     latent.scalar_type(), std::nullopt, latent.device());
+  Tensor rows_head = torch::stable::narrow(rows, 2, 0, width);
+  Tensor rows_tail = torch::stable::narrow(rows, 2, width, row_width - width);
+  torch::stable::copy_(rows_head, latent);
+  torch::stable::copy_(rows_tail, rotary_key);
+  Tensor no_values = torch::stable::narrow(cache, 3, 0, 0);
+  enqueue_write_kv(rows, rows, cache, no_values, slot_mapping, scale, scale);
+}
+
+// The write_kv kernel over checked arguments, enqueued on the current stream.
+void enqueue_write_kv(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                      Tensor& value_cache, const Tensor& slot_mapping,
+                      const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   if (key.size(0) == 0 || key.size(1) == 0) return;
   const int32_t device = key.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -220,6 +271,7 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
 
 STABLE_TORCH_LIBRARY_IMPL(paged, CUDA, m) {
   m.impl("write_kv", TORCH_BOX(&write_kv_cuda));
+  m.impl("write_latent", TORCH_BOX(&write_latent_cuda));
   m.impl("copy_blocks", TORCH_BOX(&copy_blocks_cuda));
   m.impl("swap_blocks", TORCH_BOX(&swap_blocks_cuda));
 }

@@ -194,7 +194,7 @@ class PagedCache(Cache):
                                 calibration=kv_scale_calibration)
         self._storage = LayerStorage.of(text_config, tp_size, mla_storage)
         # Bad cache options (format, scale shapes, calibration, an int4 cache of odd head
-        # size, a per-token format for latent rows) raise here: a one-block pool.
+        # size) raise here: a one-block pool.
         self._new_pool(1, self._storage.config_shape + (torch.float32, torch.device("cpu")))
         self._clear()
 

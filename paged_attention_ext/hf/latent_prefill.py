@@ -22,6 +22,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..attention_metadata import AttentionMetadata
+from ..token_quantization import head_size_of
 from .latent_attention import absorb_query, absorbed_weights, latent_weights, project_output
 
 # Which sequences are expanded, measured with bench/bench_mla_prefill.py (docs/performance.md,
@@ -123,7 +124,7 @@ def _run_expanded(module: torch.nn.Module, metadata: AttentionMetadata, query: t
 def _run_absorbed(module: torch.nn.Module, metadata: AttentionMetadata, query: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, heads: int,
                   scale: float, op_kwargs, as_query) -> torch.Tensor:
-    latent_size = value_cache.shape[-1]
+    latent_size = head_size_of(value_cache)  # a packed int4 row holds twice its bytes
     q = as_query(absorb_query(query, absorbed_weights(module, heads, latent_size, query.dtype)))
     out = metadata.run(q, key_cache, value_cache, scale, **op_kwargs)
     return project_output(out, absorbed_weights(module, heads, latent_size, out.dtype))
@@ -140,7 +141,7 @@ def latent_attention(module: torch.nn.Module, metadata: AttentionMetadata, query
     or None to read every sequence absorbed (quantized caches, compiled graphs).
     ``as_query``: the cache's query cast."""
     heads = query.shape[1]
-    latent_weights(module, heads, value_cache.shape[-1])  # refuse what cannot be absorbed
+    latent_weights(module, heads, head_size_of(value_cache))  # refuse what cannot be absorbed
     absorbed = lambda meta, rows: _run_absorbed(
         module, meta, query if rows is None else query.index_select(0, rows), key_cache,
         value_cache, heads, scale, op_kwargs, as_query)
@@ -152,7 +153,7 @@ def latent_attention(module: torch.nn.Module, metadata: AttentionMetadata, query
             for n, context in zip(query_lens, metadata.seq_lens.tolist())]
     if not any(long):
         return absorbed(metadata, None)
-    latent_size = value_cache.shape[-1]
+    latent_size = head_size_of(value_cache)
     expanded = lambda meta, rows: _run_expanded(
         module, meta, *(as_query(t if rows is None else t.index_select(0, rows))
                         for t in (query, key, value)),

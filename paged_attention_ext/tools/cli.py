@@ -219,9 +219,10 @@ def run_memory(args: argparse.Namespace) -> Dict:
     if shape.kv_shared_layers:
         heads += f", the last {shape.kv_shared_layers} reusing earlier layers' K/V"
     element = report["dtype_bytes"]
+    row = shape.latent_size if latent else shape.head_size  # a latent row, or a key row
     values = (f"{element} byte{'s' if element != 1 else ''} per value" if element is not None
-              else f"{memory.row_bytes(args.dtype, shape.head_size)} bytes per row of "
-                   f"{shape.head_size} values, scales included")
+              else f"{memory.row_bytes(args.dtype, row)} bytes per row of {row} values, scales "
+                   "included")
     print(f"{name}: {shape.layers} layers, {heads}, {args.dtype} ({values}){pattern}")
     width = max(len(label) for label, _ in rows) + 1
     for label, value in rows:

@@ -4,8 +4,9 @@ Every layer stores one key and one value vector per KV head per token, so
 ``bytes_per_token = layers * kv_heads * (head_size + head_size_v) * dtype_bytes`` (the value
 head size is the key's but for MLA models run expanded). A multi-head latent attention
 model's latent cache stores one row of ``latent_size`` values per token and layer instead
-(``layers * latent_size * dtype_bytes``: the ops read it as keys and its leading columns as
-values); the report gives the expanded size beside it.
+(``layers * latent_size * dtype_bytes``, a per-token format's row with its one scale: the
+ops read it as keys and its leading columns as values); the report gives the expanded size
+beside it.
 
 A model with sliding-window layers (a ``layer_pattern`` of sliding : full layers) keeps
 them in KV groups of their own (:mod:`paged_attention_ext.kv_groups`) that hold only
@@ -231,11 +232,7 @@ def layer_bytes(dtype: str, shape: LayerShape) -> int:
 def bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """The cache's bytes per token: latent rows for an MLA shape, else K/V per head."""
     if shape.latent_size is not None:
-        if dtype in TOKEN_FORMATS:
-            raise ValueError(f"dtype {dtype} is not supported for latent rows (MLA): the values "
-                             "are a column view of the key rows, which a per-token row's scales "
-                             "do not serve")
-        return shape.layers * shape.latent_size * _dtype_bytes(dtype)
+        return shape.layers * row_bytes(dtype, shape.latent_size)
     if shape.is_heterogeneous:
         return shape.stored_bytes(dtype)
     return expanded_bytes_per_token(shape, dtype)
