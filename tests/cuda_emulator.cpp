@@ -97,7 +97,6 @@ inline float __uint_as_float(unsigned u) {
 }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
-inline float __fmul_rn(float a, float b) { return a * b; }  // x86-64 without -mfma: never fused
 using std::max;
 using std::min;
 
