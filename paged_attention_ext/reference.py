@@ -156,6 +156,11 @@ def attention_with_lse(
 
     for row, q_len, kv_len, start, keys, values in _sequences(
             key_cache, value_cache, block_tables, seq_lens, query_start_loc, group, first_block):
+        if sliding_window > 0:
+            # Keys before the first query's window are seen by no query: dropped, so that
+            # whatever their slots hold (NaN, inf) stays out, as in the kernels.
+            skip = max(0, kv_len - q_len - sliding_window + 1) - start
+            keys, values, start = keys[:, skip:], values[:, skip:], start + skip
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(start, kv_len, device=query.device)[None, :]
         visible = k_pos <= q_pos

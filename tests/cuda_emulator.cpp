@@ -97,11 +97,11 @@ inline float __uint_as_float(unsigned u) {
 }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
-inline float __fmul_rn(float a, float b) { return a * b; }  // x86-64 without -mfma: never fused
 using std::max;
 using std::min;
 
 #include "attention_kernels.cuh"
+#include "block_copies.h"
 #include "cache_kernels.cuh"
 #include "merge_states.cuh"
 
@@ -349,6 +349,24 @@ extern "C" int emu_copy_blocks(const paged::cuda::CopyCache* key, const paged::c
   p.num_blocks = num_blocks;
   p.num_layers = 1;
   run_grid(dim3(unsigned(num_pairs), 2), [&] { copy_blocks_kernel<uint16_t>(p); });
+  return 0;
+}
+
+// swap_blocks' strided path (cache_ops_cuda.cpp): each pair's block moved by block_copies'
+// 2-D copies, each a memcpy per row as cudaMemcpy2DAsync would do. Sizes and strides in
+// elements, mapping (src, dst) pairs.
+extern "C" int emu_swap_blocks(int dim, const int64_t* sizes, const char* src, const int64_t* src_strides, char* dst,
+                               const int64_t* dst_strides, int64_t elem, const int64_t* mapping, int64_t num_pairs) {
+  using namespace paged::cuda;
+  const std::vector<BlockCopy> copies = block_copies(dim, sizes, src_strides, dst_strides, elem);
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    const char* from = src + mapping[2 * i] * src_strides[0] * elem;
+    char* to = dst + mapping[2 * i + 1] * dst_strides[0] * elem;
+    for (const BlockCopy& c : copies) {
+      for (int64_t r = 0; r < c.height; ++r)
+        std::memcpy(to + c.dst_offset + r * c.dst_pitch, from + c.src_offset + r * c.src_pitch, c.width);
+    }
+  }
   return 0;
 }
 

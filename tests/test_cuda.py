@@ -494,6 +494,50 @@ def test_swap_blocks_strided(dtype, layouts):
         assert torch.equal(back[s].cpu().contiguous().view(torch.uint8), key[s].view(torch.uint8))
 
 
+def error_message(fn):
+    """The message of the ValueError or TypeError fn() raises."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("no error raised")
+
+
+@parametrize("shapes", [((4, 2, 8), (4, 2, 8, 2)), ((4, 2, 8, 2), (4, 2, 8, 3)), ((4, 2, 8), (4, 3, 8)),
+                        ((4, 2, 8, 64), (4, 2, 16, 64))])
+def test_swap_blocks_refuses_bad_pools_as_the_cpu_op(shapes):
+    # One check for both devices (check_swap_pools): the same error and message for a bad
+    # 3-D / 4-D pair (scales of int8 against int4, caches of other block shapes).
+    src, dst = torch.zeros(shapes[0]), torch.zeros(shapes[1])
+    mapping = torch.tensor([[0, 1]])
+    want = error_message(lambda: pa.swap_blocks(src, dst, mapping))
+    assert error_message(lambda: pa.swap_blocks(src.to(CUDA), dst, mapping)) == want
+    assert error_message(lambda: pa.swap_blocks(src, dst.to(CUDA), mapping)) == want
+    assert error_message(lambda: pa.swap_blocks(src.to(CUDA), dst.to(CUDA), mapping)) == want
+
+
+@parametrize("layouts", [("strided head", "HND"), ("5-D", "5-D"), ("2-D", "2-D"), ("int4 scales", "int8 scales")])
+def test_swap_blocks_any_layout_as_the_cpu_op(layouts):
+    # Pools of any rank and strides (block_copies.h), as the CPU op moves them; an int8
+    # scale layout against an int4 one is a different block shape, refused as on the CPU.
+    from test_cuda_emulated import swap_pool
+    src, _ = swap_pool(layouts[0], 6)
+    src.copy_(torch.randn(src.shape))
+    dst, memory = swap_pool(layouts[1], 5)
+    mapping = torch.tensor([[5, 0], [2, 3]])
+    if src.shape[1:] != dst.shape[1:]:
+        want = error_message(lambda: pa.swap_blocks(src, dst, mapping))
+        assert error_message(lambda: pa.swap_blocks(strided_to(src, CUDA), dst, mapping)) == want
+        return
+    before = memory.clone()
+    pa.swap_blocks(src, dst, mapping)
+    want = memory.clone()
+    memory.copy_(before)
+    pa.swap_blocks(strided_to(src, CUDA), dst, mapping)  # device to host, through the strided path
+    torch.cuda.synchronize()
+    assert torch.equal(memory, want)
+
+
 @parametrize("dtype", FP8_DTYPES)
 def test_cuda_graph_with_fp8_scales(dtype):
     # write_kv + attention with fp8 caches captured once; the replay reads the scale tensors'

@@ -116,6 +116,9 @@ def emulator(fp8_path="software"):
     library.emu_merge_states.argtypes = [ctypes.POINTER(MergeStatesParams)]
     library.emu_copy_blocks.argtypes = [ctypes.POINTER(CopyCache), ctypes.POINTER(CopyCache), ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64]
+    library.emu_swap_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_int64]
     library.emu_quantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
                                      ctypes.c_int64]
     library.emu_unpack.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -569,6 +572,58 @@ def test_copy_blocks(layout, dtype):
     emulator().emu_copy_blocks(ctypes.byref(k_rows), ctypes.byref(v_rows), mapping.data_ptr(), 3, num_blocks)
     assert torch.equal(key.contiguous().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(value.contiguous().view(torch.uint8), want_v.view(torch.uint8))
+
+
+def swap_pool(layout, num_blocks, dtype=torch.float32):
+    """(view, the tensor whose memory it is) of a pool of 3 x 4 x 8 (x ...) blocks in
+    ``layout``: views of every stride pattern swap_blocks meets, and some it may."""
+    make = {
+        "HND": lambda: torch.zeros(num_blocks, 3, 4, 8),
+        "NHD": lambda: torch.zeros(num_blocks, 4, 3, 8),  # [blocks, tokens, heads, head_size]
+        "joint": lambda: torch.zeros(num_blocks, 2, 4, 3, 8),  # vLLM's K/V tensor, its K half
+        "int8 scales": lambda: torch.zeros(num_blocks, 4, 3),
+        "int4 scales": lambda: torch.zeros(num_blocks, 4, 3, 2),
+        "strided head": lambda: torch.zeros(num_blocks, 3, 4, 16),  # every other channel
+        "5-D": lambda: torch.zeros(num_blocks, 2, 3, 4, 5),
+        "2-D": lambda: torch.zeros(num_blocks, 10, 2),
+    }
+    views = {
+        "HND": lambda t: t,
+        "NHD": lambda t: t.permute(0, 2, 1, 3),
+        "joint": lambda t: t[:, 0].permute(0, 2, 1, 3),
+        "int8 scales": lambda t: t.transpose(1, 2),
+        "int4 scales": lambda t: t.permute(0, 2, 1, 3),
+        "strided head": lambda t: t[..., ::2],
+        "5-D": lambda t: t.transpose(2, 3),
+        "2-D": lambda t: t[..., 0],
+    }
+    memory = make[layout]().to(dtype)
+    return views[layout](memory), memory
+
+
+@pytest.mark.parametrize("layouts", [("HND", "NHD"), ("NHD", "joint"), ("int8 scales", "int8 scales"),
+                                     ("int4 scales", "int4 scales"), ("strided head", "HND"),
+                                     ("HND", "strided head"), ("5-D", "5-D"), ("2-D", "2-D")])
+def test_swap_blocks_plan_moves_any_layout(layouts):
+    # swap_blocks' strided path (block_copies.h) as the CUDA op issues it: each block the
+    # 2-D copies of its rows; the destination's other memory (the V half of a joint tensor,
+    # the channels between a strided head's) untouched, like the CPU op's copy.
+    src, _ = swap_pool(layouts[0], 6)
+    src.copy_(torch.randn(src.shape))
+    dst, memory = swap_pool(layouts[1], 5)
+    memory.copy_(torch.randn(memory.shape))
+    mapping = torch.tensor([[5, 0], [2, 3], [0, 4]])
+    before = memory.clone()
+    torch.ops.paged.swap_blocks(src, dst, mapping)  # the CPU op: what the CUDA op must give
+    cpu_result = memory.clone()
+    memory.copy_(before)
+    sizes, src_strides, dst_strides = (torch.tensor(x) for x in (src.shape, src.stride(), dst.stride()))
+    emulator().emu_swap_blocks(src.dim(), sizes.data_ptr(), src.data_ptr(), src_strides.data_ptr(), dst.data_ptr(),
+                               dst_strides.data_ptr(), src.element_size(), mapping.data_ptr(), mapping.shape[0])
+    assert torch.equal(memory, cpu_result)
+    for s, d in mapping.tolist():
+        assert torch.equal(dst[d], src[s])
+    assert not torch.equal(cpu_result, before)
 
 
 # ---- shared_prefix_attention and merge_attention_states ------------------------------------

@@ -4,7 +4,8 @@ on the CPU by the emulator of tests/test_cuda_emulated.py, against the formats' 
 scales, and attention over adversarial layouts (random block order, edge lengths, GQA,
 head sizes 64 to 512, value head sizes of their own, splits and their merge, sinks,
 windows, ALiBi, soft cap, strided caches and scale tensors, NaN in unused slots and in
-their scales)."""
+their scales); and, for every cache kind (bf16, fp8, int8, int4), keys no query sees
+against the reference and the CPU kernel."""
 
 import ctypes
 
@@ -14,8 +15,8 @@ import torch
 import attention_scenarios as scenarios
 from paged_attention_ext import reference as ref
 from paged_attention_ext import token_quantization as tq
-from paged_case import TOLERANCES, make_case, query_start_loc, random_query
-from test_cuda_emulated import CopyCache, emulated_attention, emulated_write_kv, emulator, in_layout
+from paged_case import TOLERANCES, free_out_of_window, make_case, query_start_loc, random_query
+from test_cuda_emulated import CopyCache, emulated_attention, emulated_write_kv, emulator, fp8_case, in_layout
 
 INT8, INT4 = torch.int8, torch.uint8
 FORMATS = [INT8, INT4]
@@ -238,6 +239,93 @@ def test_nan_scale_in_a_used_slot_reaches_the_output(fmt, which):
     out, _, _ = emulated_attention(query, qcase.key_cache, qcase.value_cache, qcase.block_tables, qcase.seq_lens,
                                    0.125, k_scale=k_scale, v_scale=v_scale)
     assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+# ---- keys a query does not see: every cache kind -------------------------------------------
+
+MASKED_CACHES = [torch.bfloat16, torch.float8_e4m3fn, INT8, INT4]
+
+
+def poisoned_case(cache_dtype, lens, q_lens, window, poison, seed=0):
+    """(case, k_scale, v_scale) over ``cache_dtype`` whose slots no query sees hold
+    ``poison`` in their rows and (per-token) their scales: slots past each length, blocks
+    wholly before the first query's window (freed: table entries -1 or out of the pool),
+    and the slots before that window in its first block."""
+    case = free_out_of_window(make_case(lens, 2, 64, 16, torch.float32, seed=seed), window, q_lens, poison)
+    bs = case.block_size
+    masked = ~case.used_slots
+    for i, (kv_len, q_len) in enumerate(zip(lens, q_lens)):
+        first_key = max(0, kv_len - q_len - window + 1)
+        for pos in range(first_key // bs * bs, first_key):
+            masked[int(case.block_tables[i, pos // bs]), pos % bs] = True
+    for cache in (case.key_cache, case.value_cache):
+        cache.permute(0, 2, 1, 3)[masked] = poison
+    case, k_scale, v_scale = converted(case, cache_dtype)
+    for s in (k_scale, v_scale) if cache_dtype in FORMATS else ():
+        s.permute(0, 2, 1, *range(3, s.dim()))[masked] = poison
+    return case, k_scale, v_scale
+
+
+def converted(case, cache_dtype):
+    """(case, k_scale, v_scale): ``case`` (float32) in ``cache_dtype``."""
+    if cache_dtype in FORMATS:
+        return token_case(case, cache_dtype)
+    if cache_dtype == torch.bfloat16:
+        return (scenarios.dataclasses.replace(case, key_cache=case.key_cache.to(cache_dtype),
+                                              value_cache=case.value_cache.to(cache_dtype)), None, None)
+    return fp8_case(case, cache_dtype)
+
+
+def three_ways(case, k_scale, v_scale, query, **kwargs):
+    """(CUDA kernel via the emulator, reference, CPU kernel) outputs and lses."""
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
+    kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    got, got_lse, _ = emulated_attention(*args, **kwargs)
+    return (got, got_lse), ref.attention_with_lse(*args, **kwargs), torch.ops.paged.attention_with_lse(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cache_dtype", MASKED_CACHES)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_keys_no_query_sees_never_reach_the_output(cache_dtype, poison, multi_token):
+    # NaN / inf in the rows and scales of slots past the length, of freed blocks before the
+    # window (padded table entries) and of the slots before the window in its first block:
+    # the CUDA kernel, the reference and the CPU kernel all give finite rows, the same ones
+    # (lengths 1, bs+1, a split's length; windows inside a block; GQA 2:1).
+    lens, window = [1, 17, 40, 1300], 10
+    q_lens = [1, 3, 4, 2] if multi_token else [1] * len(lens)
+    case, k_scale, v_scale = poisoned_case(cache_dtype, lens, q_lens, window, poison)
+    query_dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
+    query = random_query(sum(q_lens), 4, 64, query_dtype)
+    qsl = query_start_loc(q_lens) if multi_token else None
+    (got, got_lse), (want, want_lse), (cpu, cpu_lse) = three_ways(
+        case, k_scale, v_scale, query, query_start_loc=qsl, sliding_window=window)
+    for out, lse in ((got, got_lse), (want, want_lse), (cpu, cpu_lse)):
+        assert out.isfinite().all() and lse.isfinite().all()
+    tol = TOLERANCES[query_dtype] if cache_dtype == torch.bfloat16 else dict(atol=5e-5, rtol=5e-5)
+    for out, lse in ((got, got_lse), (cpu, cpu_lse)):
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", MASKED_CACHES)
+def test_nan_in_a_key_masked_for_earlier_queries(cache_dtype):
+    # A chunk's last key holding a NaN value (per-token: its value scale) is read for the
+    # whole chunk: the queries before it meet it with weight 0 and, as in the reference's
+    # probs @ values and the CPU kernel, 0 * NaN makes their rows NaN too (as in eager
+    # attention); the other sequence stays finite. The scales take the value row's rule.
+    lens, q_lens = [20, 9], [3, 2]
+    case = make_case(lens, 1, 64, 16, torch.float32)
+    case.value_cache[int(case.block_tables[0, 1]), 0, 3, 5] = float("nan")  # key 19
+    case, k_scale, v_scale = converted(case, cache_dtype)
+    query_dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
+    query = random_query(sum(q_lens), 2, 64, query_dtype)
+    (got, _), (want, _), (cpu, _) = three_ways(case, k_scale, v_scale, query, query_start_loc=query_start_loc(q_lens))
+    nan_rows = want.isnan().any(-1)
+    assert nan_rows[:3].all() and not nan_rows[3:].any()
+    for out in (got, cpu):
+        assert torch.equal(out.isnan().any(-1), nan_rows)
+        torch.testing.assert_close(out[3:].float(), want[3:].float(), **TOLERANCES[query_dtype])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

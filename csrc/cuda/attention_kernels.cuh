@@ -407,19 +407,22 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<kQ, kVCap>()) attent
       const bool visible = valid && j <= pos && j >= first_key_s[m];
       x = visible ? x : -INFINITY;
       const float step_max = warp_max(x);
-      float prob = 0.0f;
+      float prob = 0.0f, alpha = 1.0f;
       if (step_max != -INFINITY) {
         const float new_max = fmaxf(run_max[m], step_max);
-        const float alpha = __expf(run_max[m] - new_max);  // 0 on the first visible key
+        alpha = __expf(run_max[m] - new_max);  // 0 on the first visible key
         prob = __expf(x - new_max);
         run_sum[m] = fmaf(run_sum[m], alpha, prob);
-        // A key no query sees (prob 0) adds nothing, whatever its scales hold.
-        if constexpr (kRotated) run_low[m] = fmaf(run_low[m], alpha, prob != 0.0f ? prob * v_low : 0.0f);
 #pragma unroll
         for (int e = 0; e < kAccPerLane; ++e) acc[m][e] *= alpha;
         run_max[m] = new_max;
       }
-      if constexpr (kPerToken) prob = prob != 0.0f ? prob * v_mul : 0.0f;  // the value phase's weight
+      // A key's scales are part of its value row (q * scale + low), and meet its weight as
+      // a float row does: a key read but masked for this query (weight 0) passes a NaN
+      // scale on as 0 * NaN, as the reference's probs @ values and the CPU kernel do; keys
+      // past the end are not read (scales 0).
+      if constexpr (kRotated) run_low[m] = fmaf(run_low[m], alpha, prob * v_low);
+      if constexpr (kPerToken) prob *= v_mul;  // the value phase's weight
       smem.loop.prob[warp][own][m] = prob;
     }
     __syncwarp();

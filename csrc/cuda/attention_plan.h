@@ -9,11 +9,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define PAGED_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define PAGED_HOST_DEVICE inline
-#endif
+#include "../host_device.h"
 
 namespace paged::cuda {
 

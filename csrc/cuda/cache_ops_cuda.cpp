@@ -9,6 +9,7 @@
 #include "../checks.h"
 #include "../dtypes.h"
 #include "../layout.h"
+#include "block_copies.h"
 #include "cuda_checks.h"
 #include "kernels.h"
 
@@ -245,21 +246,15 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
       i += n;
     }
   } else {
-    // Row by row: per block and KV head, one 2-D copy of block_size rows of head_size
-    // elements (the row pitch is each pool's token stride); a per-token cache's 3-D int8
-    // scales as rows of one float.
-    PAGED_CHECK_VALUE(src.dim() == 3 || src.dim() == 4, op, ": 'src' and 'dst' of shape ", src.sizes(),
-                      " that do not store each block as one dense chunk must be caches [num_blocks, "
-                      "num_kv_heads, block_size, head_size] or their scales [num_blocks, num_kv_heads, "
-                      "block_size]; got strides ", src.strides(), " and ", dst.strides());
-    const int64_t row_bytes = (src.dim() == 4 ? src.size(3) : 1) * elem, tokens = src.size(2);
-    const auto pitch = [&](const Tensor& t) { return tokens > 1 ? t.stride(2) * elem : row_bytes; };
-    const int64_t src_pitch = pitch(src), dst_pitch = pitch(dst);
+    // Other layouts (NHD views, a joint K/V tensor, strided scales, any rank) as 2-D copies
+    // of rows, the same for every block (block_copies.h).
+    const std::vector<BlockCopy> copies = block_copies(int(src.dim()), src.sizes().data(), src.strides().data(),
+                                                       dst.strides().data(), elem);
     for (const auto& [s, d] : pairs) {
-      for (int64_t h = 0; h < src.size(1); ++h) {
-        PAGED_CUDA_CHECK(cudaMemcpy2DAsync(to + (d * dst.stride(0) + h * dst.stride(1)) * elem, dst_pitch,
-                                           from + (s * src.stride(0) + h * src.stride(1)) * elem, src_pitch,
-                                           row_bytes, tokens, cudaMemcpyDefault, stream));
+      for (const BlockCopy& c : copies) {
+        PAGED_CUDA_CHECK(cudaMemcpy2DAsync(to + d * dst.stride(0) * elem + c.dst_offset, c.dst_pitch,
+                                           from + s * src.stride(0) * elem + c.src_offset, c.src_pitch, c.width,
+                                           c.height, cudaMemcpyDefault, stream));
       }
     }
   }

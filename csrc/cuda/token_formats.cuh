@@ -1,14 +1,17 @@
 // The per-token KV formats on the device (int8_per_token_head, int4_per_token_head; their
 // definition is paged_attention_ext/token_quantization.py): the cache element types the
-// attention kernel reads, the random Hadamard rotation of int4 rows (and of the queries
-// and outputs that meet them), and the quantization write_kv applies to each
-// (token, KV head) row. Included by attention_kernels.cuh and cache_kernels.cuh.
+// attention kernel reads, and the formats' maths (../token_formats.h, shared with the CPU)
+// spread over threads: the random Hadamard rotation of int4 rows (and of the queries and
+// outputs that meet them) by a warp or the CTA, and the quantization write_kv applies to
+// each (token, KV head) row by a warp. Included by attention_kernels.cuh and
+// cache_kernels.cuh.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "../token_formats.h"
 #include "cuda_utils.cuh"
 #include "kernels.h"
 
@@ -55,23 +58,7 @@ constexpr bool kIsPerToken = std::is_same<C, Int8>::value || std::is_same<C, Int
 template <typename C>
 constexpr bool kIsRotated = std::is_same<C, Int4x2>::value;
 
-// ---- the rotation: signs, Hadamard blocks, 1 / sqrt(n) -----------------------------------
-
-constexpr int kMaxRotationBlock = 512;
-
-// Channels per Hadamard block: the largest power of two dividing the head size, at most 512.
-__host__ __device__ inline int rotation_block(int head_size) {
-  const int n = head_size & -head_size;
-  return n < kMaxRotationBlock ? n : kMaxRotationBlock;
-}
-
-// Channel i's sign: negative when bit 31 of i * 2654435761 (mod 2^32) is set.
-__device__ __forceinline__ float rotation_sign(int i) {
-  return (static_cast<uint32_t>(i) * 2654435761u) >> 31 ? -1.0f : 1.0f;
-}
-
-// fp32(1 / sqrt(n)) as the definition computes it (in double, then rounded once).
-__device__ __forceinline__ float rotation_norm(int n) { return float(1.0 / sqrt(double(n))); }
+// ---- the rotation, spread over a warp or the CTA -------------------------------------------
 
 // The unnormalised Hadamard transform of each block of n channels of `rows` rows of
 // `width` floats (row r at base + r * stride) in shared memory, in place: butterflies at
@@ -84,12 +71,8 @@ __device__ void hadamard_in_place(float* base, int stride, int rows, int width, 
   const int pairs = width / 2;
   for (int h = 1; h < n; h *= 2) {
     for (int k = tid; k < rows * pairs; k += threads) {
-      const int r = k / pairs, c = k - r * pairs;
-      float* row = base + int64_t(r) * stride;
-      const int i = (c / h) * 2 * h + c % h;
-      const float a = row[i], b = row[i + h];
-      row[i] = a + b;
-      row[i + h] = a - b;
+      const int r = k / pairs;
+      butterfly(base + int64_t(r) * stride, k - r * pairs, h);
     }
     sync();
   }
@@ -97,11 +80,7 @@ __device__ void hadamard_in_place(float* base, int stride, int rows, int width, 
 
 // ---- quantizing one row (write_kv) ---------------------------------------------------------
 
-// max and min that return NaN when either side is NaN (fmaxf would drop it), as torch's
-// amax / amin do: a row holding a NaN gets a NaN scale.
-__device__ __forceinline__ float nan_max(float a, float b) { return a > b || a != a ? a : b; }
-__device__ __forceinline__ float nan_min(float a, float b) { return a < b || a != a ? a : b; }
-
+// The row's max / min over the warp, NaN if any lane holds one (../token_formats.h).
 __device__ __forceinline__ float warp_nan_max(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) x = nan_max(x, __shfl_xor_sync(kFullMask, x, offset));
@@ -113,17 +92,11 @@ __device__ __forceinline__ float warp_nan_min(float x) {
   return x;
 }
 
-// clamp(round_half_even(ratio), lo, hi), 0 for a NaN ratio.
-__device__ __forceinline__ int quantize_ratio(float ratio, float lo, float hi) {
-  const float r = rintf(ratio);
-  return r != r ? 0 : int(fminf(fmaxf(r, lo), hi));
-}
-
 // One warp quantizes the row of n values at src (of `kind`) into dst (int8: n bytes;
 // int4: n / 2) and writes its scale (int4: scale, low) at scale. buf: the warp's n floats
 // of shared memory. Divisions are IEEE (no reciprocal; no fast math), rintf rounds half to
 // even, and the rotation's multiply by 1/sqrt(n) is kept apart from the subtraction that
-// follows (__fmul_rn: no fused multiply-add), so the bytes are the definition's.
+// follows (mul_rn: no fused multiply-add), so the bytes are the definition's.
 template <bool kInt4>
 __device__ void quantize_token_row(const char* src, ScalarKind kind, int n, char* dst, float* scale, float* buf,
                                    int lane) {
@@ -134,8 +107,8 @@ __device__ void quantize_token_row(const char* src, ScalarKind kind, int n, char
       buf[i] = x;
       amax = nan_max(amax, fabsf(x));
     }
-    const float s = warp_nan_max(amax) / 127.0f;
-    for (int i = lane; i < n; i += 32) dst[i] = static_cast<char>(quantize_ratio(buf[i] / s, -127.0f, 127.0f));
+    const float s = int8_scale(warp_nan_max(amax));
+    for (int i = lane; i < n; i += 32) dst[i] = static_cast<char>(int8_value(buf[i], s));
     if (lane == 0) scale[0] = s;
   } else {
     for (int i = lane; i < n; i += 32) buf[i] = load_float<AnyFloat>(src, i, kind) * rotation_sign(i);
@@ -145,19 +118,15 @@ __device__ void quantize_token_row(const char* src, ScalarKind kind, int n, char
     const float norm = rotation_norm(block);
     float lo = INFINITY, hi = -INFINITY;
     for (int i = lane; i < n; i += 32) {
-      const float r = __fmul_rn(buf[i], norm);
+      const float r = mul_rn(buf[i], norm);
       buf[i] = r;
       lo = nan_min(lo, r);
       hi = nan_max(hi, r);
     }
     lo = warp_nan_min(lo);
-    const float s = (warp_nan_max(hi) - lo) / 15.0f;
+    const float s = int4_scale(lo, warp_nan_max(hi));
     __syncwarp();
-    for (int j = lane; j < n / 2; j += 32) {
-      const int q0 = quantize_ratio((buf[2 * j] - lo) / s, 0.0f, 15.0f);
-      const int q1 = quantize_ratio((buf[2 * j + 1] - lo) / s, 0.0f, 15.0f);
-      dst[j] = static_cast<char>(q0 | (q1 << 4));
-    }
+    for (int j = lane; j < n / 2; j += 32) dst[j] = static_cast<char>(int4_pair(buf[2 * j], buf[2 * j + 1], lo, s));
     if (lane == 0) {
       scale[0] = s;
       scale[1] = lo;
