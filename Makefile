@@ -232,6 +232,6 @@ cuda-build-check: cuda-deps
 	! nm -D --undefined-only $(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so | c++filt | \
 		grep -E '(c10|at|torch)::'
 	@$(CUDA_PY) -c "import torch; torch.ops.load_library('$(CUDA_CHECK_DIR)/lib/paged_attention_ext/_C.abi3.so'); \
-		ops = ['attention', 'attention_with_lse', 'attention_out', 'shared_prefix_attention', 'merge_attention_states', 'write_kv', 'copy_blocks', 'swap_blocks']; \
+		ops = ['attention', 'attention_with_lse', 'attention_out', 'shared_prefix_attention', 'merge_attention_states', 'write_kv', 'write_latent', 'copy_blocks', 'swap_blocks']; \
 		missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key('paged::' + op, 'CUDA')]; \
 		assert not missing, f'no CUDA kernel for {missing}'; print('cuda-build-check: sm_90 build OK, CUDA kernels of', len(ops), 'ops registered')"
