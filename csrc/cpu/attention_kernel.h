@@ -215,10 +215,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
   constexpr bool kInPlace = !kPerToken<T> || kPerTokenInPlace<T>;
-  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once;
+  using Tiles = RowTiles<std::conditional_t<kInPlace, T, float>>;
+  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once && Tiles::reads_in_place(P, hs, hsv);
   // The item's products: their paths by dtype, head sizes and query dtype (rows that are
   // never read in place: the fp32 ones).
-  const RowTiles<std::conditional_t<kInPlace, T, float>> tiles(P, hs, hsv, in_place);
+  const Tiles tiles(P, hs, hsv, in_place);
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -292,8 +293,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
 
   // Per-token rows read in place: the chunk's key and value scales in key order (1 past n),
   // each key's multiplying its scores (q . k = s (q . q8)) and each value's its
-  // probabilities after the softmax (acc += (p s) q8), the running sums untouched.
+  // probabilities after the softmax (acc += (p s) q8), the running sums untouched; int4
+  // rows' lows too (0 past n), which their tiles apply with the scales (finish_scores,
+  // weigh_values).
   float chunk_k_scale[kKeyChunk], chunk_v_scale[kKeyChunk];
+  float chunk_k_low[kKeyChunk], chunk_v_low[kKeyChunk];
   auto gather_token_scales = [&](int j0, int n, int kv_head) {
     const float* k[kKeyChunk];
     const float* v[kKeyChunk];
@@ -301,6 +305,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     for (int t = 0; t < CH; ++t) {
       chunk_k_scale[t] = t < n ? *k[t] : 1.0f;
       chunk_v_scale[t] = t < n ? *v[t] : 1.0f;
+      if constexpr (std::is_same_v<T, Int4Row>) {
+        chunk_k_low[t] = t < n ? k[t][1] : 0.0f;
+        chunk_v_low[t] = t < n ? v[t][1] : 0.0f;
+      }
     }
   };
   auto scale_chunk = [&](const ItemState& st, const float* factor) {
@@ -414,9 +422,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
         if constexpr (kPerToken<T>) gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head);
         tiles.scores(st, k_rows, c.n, scores_ahead);
-        if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
+        if constexpr (std::is_same_v<T, Int4Row>) tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
+        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
         softmax(st, c.j0, c.n);
-        if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
+        if constexpr (std::is_same_v<T, Int4Row>) tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
+        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
         tiles.values(st, v_rows, c.n, keys_ahead);
         if (r == 0) {
           r = 2;

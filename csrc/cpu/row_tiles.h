@@ -36,7 +36,8 @@ struct ItemState {
   int hspv;  // padded value head size
   float* q;        // [num_queries, hsp] scaled queries, zero padded
   const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
-  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile)
+  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile;
+                           // int4 rows: the bf16 query's sum, int4_bf16_tiles.h)
   float scale;     // applied to the scores of the bf16 dot path (softmax scale x key scale)
   float* acc;      // [num_queries, hspv] unnormalised outputs
   float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
@@ -231,6 +232,9 @@ class RowTiles {
   static constexpr bool kLookupRows = false;
 #endif
 
+  // Whether the tiles take the item's rows in place where the driver can read them so.
+  static bool reads_in_place(const AttentionParams&, int, int) { return true; }
+
   // in_place: the driver reads the item's rows in place (else it converts them to fp32).
   RowTiles(const AttentionParams& P, int hs, int hsv, bool in_place)
       : split(kSplitRows<T> && in_place),
@@ -320,3 +324,5 @@ class RowTiles {
       for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
   }
 };
+
+#include "int4_bf16_tiles.h"
