@@ -208,7 +208,14 @@ static inline void to_slot_order(float* x, int n, Slot slot) {
 template <typename T>
 class RowTiles {
  public:
-  static constexpr bool kFp8 = sizeof(T) == 1 && !kPerToken<T>;
+  // Byte rows converted by table lookups (fp8_bf16_tables.h): fp8, and int8 (per-token) rows
+  // where the kernel has the lookups (the driver applies their scales to scores and
+  // probabilities). Elsewhere int8 rows are widened in registers (load_as_float).
+#if PAGED_ISA_AVX512_VBMI
+  static constexpr bool kLookupBytes = kByteLookup<T>;
+#else
+  static constexpr bool kLookupBytes = false;
+#endif
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
@@ -217,7 +224,7 @@ class RowTiles {
   // held to fp32 rounding: its values take fp32 FMAs). Measured faster than fp32 FMAs on
   // the widened rows, for e4m3 and e5m2 (docs/performance.md).
   static constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
-  static constexpr bool kBf16Dot = kBf16Pairs || kFp8;
+  static constexpr bool kBf16Dot = kBf16Pairs || kLookupBytes;
 #else
   static constexpr bool kBf16Pairs = false;
   static constexpr bool kBf16Dot = false;
@@ -226,7 +233,7 @@ class RowTiles {
   // Other fp8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
   // whole 64-element steps, keys and values each: the query or the value accumulators are
   // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
-  static constexpr bool kLookupRows = kFp8;
+  static constexpr bool kLookupRows = kLookupBytes;
 #else
   static constexpr bool kLookupRows = false;
 #endif
@@ -235,7 +242,7 @@ class RowTiles {
   RowTiles(const AttentionParams& P, int hs, int hsv, bool in_place)
       : split(kSplitRows<T> && in_place),
         bf16_dot(kBf16Dot && in_place &&
-                 (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0)),
+                 (kLookupBytes ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0)),
         bf16_pairs(kBf16Pairs && in_place && hsv % 32 == 0),
         lookup_keys(kLookupRows && in_place && hs % 64 == 0 && !bf16_dot),
         fp8_values(kLookupRows && in_place && hsv % 64 == 0),
@@ -264,7 +271,7 @@ class RowTiles {
 #endif
     if (!bf16_dot) return;
 #if PAGED_ISA_AVX512_BF16
-    if constexpr (kFp8) {  // in the order fp8_to_bf16_lanes leaves a key's elements
+    if constexpr (kLookupBytes) {  // in the order fp8_to_bf16_lanes leaves a key's elements
       const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row);
       for (int d = 0; d < hs; d += 64)
         for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_lane_element(i)];
@@ -284,7 +291,7 @@ class RowTiles {
       if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
 #endif
 #if PAGED_ISA_AVX512_VBMI
-    if constexpr (kFp8)
+    if constexpr (kLookupBytes)
       if (lookup_keys)
         return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
 #endif
