@@ -25,7 +25,8 @@ timed and freed before the next. Writes ``bench/results/token_formats.json``.
 measured, whose ``int8_vdpbf16ps`` (keys) and ``int8_value_pairs`` (values) loops at G query
 heads per KV head are the int8 rows' inner loops alone, in L1 on one core. A row's
 arithmetic limit is head_size / keys + head_size / values per (token, KV head); the report
-gives each int8 row's time as a percentage of it.
+gives each int8 row's time as a percentage of it (median call, and best call against the
+best of widen_peak's runs).
 """
 
 import argparse
@@ -159,7 +160,11 @@ def main() -> None:
             int8 = result["formats"]["int8"]
             int8["arithmetic_limit_ns"] = limit
             int8["percent_of_limit"] = 100 * limit / int8["ns_per_token_head"]
-            print(f"{row} int8: {int8['percent_of_limit']:.0f}% of its arithmetic limit ({limit:.2f} ns/row)")
+            # Best against best: a shared machine's load slows the median, not the best call.
+            best_ns = int8["min_ms"] * 1e6 / (BATCH * context * kv_heads)
+            int8["percent_of_limit_best"] = 100 * limit / best_ns
+            print(f"{row} int8: {int8['percent_of_limit']:.0f}% of its arithmetic limit ({limit:.2f} ns/row), "
+                  f"best call {int8['percent_of_limit_best']:.0f}%")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 

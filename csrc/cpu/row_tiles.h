@@ -1,8 +1,9 @@
 // The vector micro-kernel of the row driver (attention_kernel.h): a work item's queries in
 // rows, each query's products with a chunk of keys in register tiles of several queries
 // (register_tiles.h, single_query.h), per instruction set: fp32 FMAs on rows widened in
-// registers everywhere; AVX512_VBMI: fp8 rows looked up exactly into fp32 (fp8_tiles.h);
-// AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 rows converted to bf16 (bf16_tiles.h).
+// registers everywhere; AVX512_VBMI: fp8 and int8 rows looked up exactly into fp32
+// (fp8_tiles.h); AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 and int8 rows converted to
+// bf16 (bf16_tiles.h).
 // Part of the CPU kernel, inside its ISA namespace (see vec.h).
 //
 // RowTiles<T> chooses an item's paths once (by its dtype, head sizes and query dtype) and
@@ -230,7 +231,7 @@ class RowTiles {
   static constexpr bool kBf16Dot = false;
 #endif
 #if PAGED_ISA_AVX512_VBMI
-  // Other fp8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
+  // Other fp8 and int8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
   // whole 64-element steps, keys and values each: the query or the value accumulators are
   // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
   static constexpr bool kLookupRows = kLookupBytes;
