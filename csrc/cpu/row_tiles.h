@@ -230,14 +230,10 @@ class RowTiles {
   static constexpr bool kBf16Pairs = false;
   static constexpr bool kBf16Dot = false;
 #endif
-#if PAGED_ISA_AVX512_VBMI
-  // Other fp8 and int8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
-  // whole 64-element steps, keys and values each: the query or the value accumulators are
-  // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
-  static constexpr bool kLookupRows = kLookupBytes;
-#else
-  static constexpr bool kLookupRows = false;
-#endif
+  // Other fp8 and int8 rows read in place take the lookups into fp32 (fp8_tiles.h) where
+  // they are whole 64-element steps, keys and values each: the query or the value
+  // accumulators are then in fp8_value_slot order (values under a bf16 query with
+  // AVX512_BF16: pairs).
 
   // in_place: the driver reads the item's rows in place (else it converts them to fp32).
   RowTiles(const AttentionParams& P, int hs, int hsv, bool in_place)
@@ -245,8 +241,8 @@ class RowTiles {
         bf16_dot(kBf16Dot && in_place &&
                  (kLookupBytes ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0)),
         bf16_pairs(kBf16Pairs && in_place && hsv % 32 == 0),
-        lookup_keys(kLookupRows && in_place && hs % 64 == 0 && !bf16_dot),
-        fp8_values(kLookupRows && in_place && hsv % 64 == 0),
+        lookup_keys(kLookupBytes && in_place && hs % 64 == 0 && !bf16_dot),
+        fp8_values(kLookupBytes && in_place && hsv % 64 == 0),
         fp8_pairs(kBf16Dot && fp8_values && P.query_kind == ScalarKind::kBFloat16) {}
 
   // Split rows (convert.h): queries and value accumulators in split order too.
@@ -307,7 +303,7 @@ class RowTiles {
       if (bf16_pairs) return chunk_values_pairs(st, v_rows, n, ahead);
 #endif
 #if PAGED_ISA_AVX512_VBMI
-    if constexpr (kLookupRows)
+    if constexpr (kLookupBytes)
       if (fp8_values) return chunk_values_fp8(st, v_rows, n, ahead, fp8_pairs);
 #endif
     chunk_values(st, v_rows, n, ahead);
