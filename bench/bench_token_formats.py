@@ -20,11 +20,19 @@ each read still comes from DRAM, while the kernel does the full row's work. The 
 random stored values (bf16 Gaussians, int8 in [-127, 127], int4 bytes with scales as from
 Gaussian rows): the kernel's speed does not depend on the values. One row's caches are built,
 timed and freed before the next. Writes ``bench/results/token_formats.json``.
+
+``--widen-peak PATH``: the output of ``bench/microbench/widen_peak.cpp`` built for the kernel
+measured, whose ``int8_vdpbf16ps`` (keys) and ``int8_value_pairs`` (values) loops at G query
+heads per KV head are the int8 rows' inner loops alone, in L1 on one core. A row's
+arithmetic limit is head_size / keys + head_size / values per (token, KV head); the report
+gives each int8 row's time as a percentage of it (median call, and best call against the
+best of widen_peak's runs).
 """
 
 import argparse
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -90,6 +98,17 @@ def decode_step(cache_dtype: torch.dtype, context: int, kv_heads: int, query: to
                                 **scales)
 
 
+def int8_limits(widen_peak: Path) -> Dict[int, float]:
+    """ns per (token, KV head) of the int8 inner loops at each G widen_peak measured."""
+    rates: Dict[str, Dict[int, float]] = {"int8_vdpbf16ps": {}, "int8_value_pairs": {}}
+    for line in widen_peak.read_text().splitlines():
+        match = re.match(r"(\w+) G=(\d+): 1 thread ([\d.]+) G elements/s", line)
+        if match and match[1] in rates:
+            rates[match[1]][int(match[2])] = float(match[3])
+    return {g: HEAD_SIZE / keys + HEAD_SIZE / rates["int8_value_pairs"][g]
+            for g, keys in rates["int8_vdpbf16ps"].items()}
+
+
 def time_row(context: int, kv_heads: int, reps: int, gen: torch.Generator) -> Dict[str, object]:
     query = torch.randn(BATCH, HEADS, HEAD_SIZE, generator=gen).bfloat16()
     calls = {name: decode_step(dtype, context, kv_heads, query, gen) for name, dtype in FORMATS.items()}
@@ -123,16 +142,29 @@ def main() -> None:
                         help="rounds at context 2048; longer contexts take proportionally fewer (at least 8)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--widen-peak", type=Path, help="widen_peak's output for this kernel")
     args = parser.parse_args()
+    limits = int8_limits(args.widen_peak) if args.widen_peak else {}
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     report = {"machine": machine_info(), "cpu_isa": pa.cpu_isa(), "threads": args.threads,
               "shape": dict(batch=BATCH, heads=HEADS, head_size=HEAD_SIZE, block_size=BLOCK,
-                            pool_bytes=POOL_BYTES), "rows": {}}
+                            pool_bytes=POOL_BYTES),
+              "int8_arithmetic_limit_ns_by_group": limits, "rows": {}}
     for row in args.rows:
         context, kv_heads = ROWS[row]
         reps = max(8, args.reps * 2048 // context)
-        report["rows"][row] = time_row(context, kv_heads, reps, gen)
+        report["rows"][row] = result = time_row(context, kv_heads, reps, gen)
+        if HEADS // kv_heads in limits:
+            limit = limits[HEADS // kv_heads]
+            int8 = result["formats"]["int8"]
+            int8["arithmetic_limit_ns"] = limit
+            int8["percent_of_limit"] = 100 * limit / int8["ns_per_token_head"]
+            # Best against best: a shared machine's load slows the median, not the best call.
+            best_ns = int8["min_ms"] * 1e6 / (BATCH * context * kv_heads)
+            int8["percent_of_limit_best"] = 100 * limit / best_ns
+            print(f"{row} int8: {int8['percent_of_limit']:.0f}% of its arithmetic limit ({limit:.2f} ns/row), "
+                  f"best call {int8['percent_of_limit_best']:.0f}%")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -214,6 +214,32 @@ def test_fp8_conversion_of_every_byte(isa, fp8):
     assert torch.equal(out[~want.isnan(), 0, 0], want[~want.isnan()])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_conversion_of_every_value(isa, dtype):
+    """Each int8 in [-127, 127] times its row's scale, as a key (the lse of one visible key
+    is its score) and as a value (the output of one visible key): exact on every kernel,
+    the byte-table lookups into vdpbf16ps (a bf16 query) included. -128, which write_kv
+    never stores, reads as some finite value."""
+    select_isa(isa)
+    every = torch.arange(-128, 128, dtype=torch.int8)
+    head_size = 64
+    key_cache = torch.zeros(16, 1, 16, head_size, dtype=torch.int8)
+    value_cache = torch.zeros_like(key_cache)
+    key_cache[:, 0, :, 0] = every.view(16, 16)
+    value_cache[:, 0, :, 0] = every.view(16, 16)
+    k_scale, v_scale = torch.full((16, 1, 16), 0.5), torch.full((16, 1, 16), 0.25)
+    query = torch.zeros(256, 1, head_size, dtype=dtype)
+    query[:, 0, 0] = 1.0
+    tables = torch.arange(16, dtype=torch.int32).expand(256, 16).contiguous()
+    lens = torch.arange(1, 257, dtype=torch.int32)
+    out, lse = pa.attention_with_lse(query, key_cache, value_cache, tables, lens, 1.0,
+                                     sliding_window=1, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(lse[1:, 0], every[1:].float() * 0.5)
+    assert torch.equal(out[1:, 0, 0].float(), every[1:].float() * 0.25)
+    assert out[0].isfinite().all() and lse[0].isfinite().all()
+
+
 # (query heads, KV heads): groups of 1 to 8 queries per KV head, so every register-tile
 # shape of each ISA runs (AVX2: 2 x 4 tiles, and for fp8 rows 4 x 2 tiles with a 2 x 4 tile
 # for a pair left over, then single queries; AVX-512: 4 x 4), in decode and with several
