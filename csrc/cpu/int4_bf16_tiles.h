@@ -28,7 +28,7 @@
 // the rows to fp32 with scale and low folded in (token_row_to_float).
 //
 // Lane order, per 64-channel step (32 bytes of a row): scores take the query in
-// int4_query_slot order (the 32 even channels, then the 32 odd ones), and the value
+// int4_query_channel order (the 32 even channels, then the 32 odd ones), and the value
 // accumulators are permuted (int4_value_channel), put back by output_row.
 #pragma once
 
