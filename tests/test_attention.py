@@ -5,6 +5,7 @@ them on the CPU and adds the CPU kernel's own cases (instruction sets, thread co
 work splits).
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
+from paged_attention_ext import token_quantization
 from cpu_isas import ISAS, select_isa, supported_isas
 from paged_case import DTYPES, free_out_of_window, make_case, query_start_loc, random_query
 
@@ -145,6 +147,44 @@ def test_every_instruction_set_fp8(isa, fp8):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_int4_rows_under_a_16_bit_query(isa, dtype):
+    """int4 rows under a 16-bit query, which avx512_bf16 reads in place by vdpbf16ps
+    (nibbles as bf16 128 + n, the 128 taken back by the scale and low terms) where the
+    head sizes are whole 64-channel steps: rows of scales from 1e-20 up (keys to about 3,
+    values to 1e4), constant rows (scale 0), NaN in unused slots' codes and scales,
+    lengths around the block, GQA 1 / 4 / 8, head sizes 64 to 512 (and a ragged one),
+    decode and a few query rows per sequence (causal masks in place)."""
+    select_isa(isa)
+    bs = 16
+    lens = [1, bs - 1, bs, bs + 1, 100, 0]
+    gen = torch.Generator().manual_seed(5)
+    for head_size in (64, 128, 192, 256, 512, 96):
+        case = make_case(lens, 2, head_size, bs, torch.float32)
+        slots = case.key_cache.shape[:3]
+        key_scale = 10.0 ** (torch.rand(slots, generator=gen) * 20.5 - 20)
+        value_scale = 10.0 ** (torch.rand(slots, generator=gen) * 24 - 20)
+        key_cache = case.key_cache * key_scale[..., None]
+        value_cache = case.value_cache * value_scale[..., None]
+        # Rows whose rotation is constant: quantized with scale 0.
+        constant = torch.rand(slots, generator=gen) < 0.2
+        key_cache[constant] = token_quantization.unrotate(torch.full((head_size,), 0.7))
+        value_cache[constant] = token_quantization.unrotate(torch.full((head_size,), -3.0))
+        zero = torch.rand(slots, generator=gen) < 0.1
+        key_cache[zero] = 0.0
+        value_cache[zero] = 0.0
+        case = dataclasses.replace(case, key_cache=key_cache, value_cache=value_cache)
+        case, extra = scenarios.with_format(case, scenarios.KVFormat(torch.uint8))
+        scenarios.poison_unused(case, float("nan"), extra)
+        for group in (1, 4, 8):
+            query = random_query(len(lens), 2 * group, head_size, dtype)
+            assert_matches_reference(query, case, head_size ** -0.5, **extra)
+        qsl = query_start_loc([1, 3, 5, 7, 2, 0])
+        query = random_query(int(qsl[-1]), 2, head_size, dtype)
+        assert_matches_reference(query, case, head_size ** -0.5, query_start_loc=qsl, **extra)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fp8", scenarios.FP8_DTYPES)
 def test_fp8_conversion_of_every_byte(isa, fp8):
     """Each of the 256 bytes dequantizes as torch converts it, times the scale: as a key
@@ -172,6 +212,32 @@ def test_fp8_conversion_of_every_byte(isa, fp8):
     assert torch.equal(lse[finite, 0], want[finite])
     assert torch.equal(out[:, 0, 0].isnan(), want.isnan())
     assert torch.equal(out[~want.isnan(), 0, 0], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_conversion_of_every_value(isa, dtype):
+    """Each int8 in [-127, 127] times its row's scale, as a key (the lse of one visible key
+    is its score) and as a value (the output of one visible key): exact on every kernel,
+    the byte-table lookups into vdpbf16ps (a bf16 query) included. -128, which write_kv
+    never stores, reads as some finite value."""
+    select_isa(isa)
+    every = torch.arange(-128, 128, dtype=torch.int8)
+    head_size = 64
+    key_cache = torch.zeros(16, 1, 16, head_size, dtype=torch.int8)
+    value_cache = torch.zeros_like(key_cache)
+    key_cache[:, 0, :, 0] = every.view(16, 16)
+    value_cache[:, 0, :, 0] = every.view(16, 16)
+    k_scale, v_scale = torch.full((16, 1, 16), 0.5), torch.full((16, 1, 16), 0.25)
+    query = torch.zeros(256, 1, head_size, dtype=dtype)
+    query[:, 0, 0] = 1.0
+    tables = torch.arange(16, dtype=torch.int32).expand(256, 16).contiguous()
+    lens = torch.arange(1, 257, dtype=torch.int32)
+    out, lse = pa.attention_with_lse(query, key_cache, value_cache, tables, lens, 1.0,
+                                     sliding_window=1, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(lse[1:, 0], every[1:].float() * 0.5)
+    assert torch.equal(out[1:, 0, 0].float(), every[1:].float() * 0.25)
+    assert out[0].isfinite().all() and lse[0].isfinite().all()
 
 
 # (query heads, KV heads): groups of 1 to 8 queries per KV head, so every register-tile

@@ -12,7 +12,12 @@
 // On AVX512_BF16 the kernel reads bf16 and fp8 rows with vdpbf16ps instead (bf16_tiles.h:
 // fp8 converted to bf16 by table lookups, fp8_bf16_tables.h): for those dtypes a second
 // loop ("bf16_vdpbf16ps", ...) converts a 64-element step to two bf16 vectors and does G
-// vdpbf16ps per vector, and the limit is the faster of the two loops.
+// vdpbf16ps per vector, and the limit is the faster of the two loops. Per-token int8 rows
+// take the same lookups (by magnitude, ByteLookup) on both: "int8_lookup", "int8_vdpbf16ps"
+// (keys), and "int8_value_pairs" (values: two rows' bytes interleaved, then looked up, four
+// vdpbf16ps per query against broadcast probability pairs, as accumulate_pairs; beside it
+// "bf16_value_pairs"). A per-token int8 decode row (K and V of one token and KV head) costs
+// at least head_size / keys + head_size / values: its arithmetic limit.
 //
 // Built with the -D macros of an isa_*.cpp and its target flags, e.g. for avx2:
 //   g++ -O3 -fwrapv -std=c++20 -fopenmp -mavx2 -mfma -mf16c -DPAGED_VEC_WIDTH=8 \
@@ -57,7 +62,8 @@ void fill(std::vector<T>& rows) {
   // and e5m2 widening takes a slow branch for those, as rare in real K and V as here.
   for (size_t i = 0; i < rows.size(); ++i) {
     uint32_t bits = uint32_t(i * 2654435761u) >> 7;
-    if constexpr (sizeof(T) == 1) rows[i] = T{uint8_t((bits & 0x8f) | 0x30)};
+    if constexpr (std::is_same_v<T, Int8Row>) rows[i] = T{int8_t((bits & 0x8f) | 0x30)};
+    else if constexpr (sizeof(T) == 1) rows[i] = T{uint8_t((bits & 0x8f) | 0x30)};
     else if constexpr (sizeof(T) == 2) rows[i] = T{uint16_t(0x3000 + (bits & 0x8fff))};
     else rows[i] = float(int(bits & 0xff) - 128) / 64.0f;
   }
@@ -146,6 +152,55 @@ __attribute__((noinline)) void dot_passes_over(const T* rows, int n, int passes,
   std::memcpy(out, acc, sizeof(acc));
 }
 
+// The value side: two rows' 64-element steps as the kernel pairs them (pair_words,
+// bf16_tiles.h: bytes interleaved, then looked up; bf16 words interleaved), each of the four
+// pair vectors dotted with G broadcast probability pairs. 128 elements a step.
+template <int G, typename T>
+__attribute__((noinline)) void pair_passes_over(const T* rows, int n, int passes, __m512 (&out)[G][4],
+                                                const __m512bh (&p)[G]) {
+  __m512 acc[G][4];
+  std::memcpy(acc, out, sizeof(acc));
+  for (int pass = 0; pass < passes; ++pass) {
+    const T* r = rows;
+    asm volatile("" : "+r"(r));
+    for (int d = 0; d < n; d += 128) {
+      __m512i ab[4];
+      const __m512i xa = _mm512_loadu_si512(r + d), xb = _mm512_loadu_si512(r + d + 64);
+      if constexpr (sizeof(T) == 1) {
+        fp8_to_bf16_lanes<T>(_mm512_unpacklo_epi8(xa, xb), ab[0], ab[1]);
+        fp8_to_bf16_lanes<T>(_mm512_unpackhi_epi8(xa, xb), ab[2], ab[3]);
+      } else {  // rows a and b: 32 elements each of xa / xb, the next 32 at + 32 bytes
+        const __m512i ya = _mm512_loadu_si512(r + d + 32), yb = _mm512_loadu_si512(r + d + 96);
+        ab[0] = _mm512_unpacklo_epi16(xa, xb);
+        ab[1] = _mm512_unpackhi_epi16(xa, xb);
+        ab[2] = _mm512_unpacklo_epi16(ya, yb);
+        ab[3] = _mm512_unpackhi_epi16(ya, yb);
+      }
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], (__m512bh)ab[k], p[g]);
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+template <int G, typename T>
+double pair_elements_per_second(double seconds) {
+  constexpr int n = kRowBytes / sizeof(T);
+  std::vector<T> rows(n);
+  fill(rows);
+  __m512 acc[G][4];
+  __m512bh p[G];
+  for (int g = 0; g < G; ++g) p[g] = (__m512bh)_mm512_set1_epi16(short(0x3e80 + g));
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
+  const double passes = passes_per_second(seconds, [&] { pair_passes_over<G>(rows.data(), n, 256, acc, p); });
+  float sink = 0;
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 4; ++k) sink += _mm512_reduce_add_ps(acc[g][k]);
+  if (sink == 1234.5f) std::puts("");
+  return passes * n;
+}
+
 template <int G, typename T>
 double dot_elements_per_second(double seconds) {
   constexpr int n = kRowBytes / sizeof(T);
@@ -210,14 +265,19 @@ void report_all() {
   report("fp16", G, elements_per_second<G, Fp16>);
   report("e4m3", G, elements_per_second<G, Fp8E4M3>);
   report("e5m2", G, elements_per_second<G, Fp8E5M2>);
+  report("int8", G, elements_per_second<G, Int8Row>);
 #if PAGED_ISA_AVX512_VBMI
   report("e4m3_lookup", G, elements_per_second<G, Fp8E4M3, true>);
   report("e5m2_lookup", G, elements_per_second<G, Fp8E5M2, true>);
+  report("int8_lookup", G, elements_per_second<G, Int8Row, true>);
 #endif
 #if PAGED_ISA_AVX512_BF16
   report("bf16_vdpbf16ps", G, dot_elements_per_second<G, Bf16>);
   report("e4m3_vdpbf16ps", G, dot_elements_per_second<G, Fp8E4M3>);
   report("e5m2_vdpbf16ps", G, dot_elements_per_second<G, Fp8E5M2>);
+  report("int8_vdpbf16ps", G, dot_elements_per_second<G, Int8Row>);
+  report("bf16_value_pairs", G, pair_elements_per_second<G, Bf16>);
+  report("int8_value_pairs", G, pair_elements_per_second<G, Int8Row>);
 #endif
 }
 

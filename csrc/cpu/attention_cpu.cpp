@@ -246,8 +246,9 @@ void merge_partitions(const Tensor& part_out, const Tensor& part_lse, const Plan
 }
 
 // The checked call's attention into out / lse.
+// query_from_16bit: int4 rows' rotated fp32 query came from a 16-bit one (AttentionParams).
 void run_attention(const AttentionShape& s, const AttentionArgs& args, Tensor& out,
-                   const std::optional<Tensor>& lse) {
+                   const std::optional<Tensor>& lse, bool query_from_16bit = false) {
   const auto contiguous = [](const std::optional<Tensor>& t) {
     return t.has_value() ? std::optional<Tensor>(torch::stable::contiguous(*t)) : std::nullopt;
   };
@@ -268,6 +269,7 @@ void run_attention(const AttentionShape& s, const AttentionArgs& args, Tensor& o
   AttentionParams p{};
   p.kind = scalar_kind(args.key_cache.scalar_type());
   p.query_kind = scalar_kind(args.query.scalar_type());
+  p.query_from_16bit = query_from_16bit;
   p.query = args.query.data_ptr();
   p.query_token_stride = args.query.stride(0);
   p.query_head_stride = args.query.stride(1);
@@ -396,7 +398,7 @@ void attention_into(const char* op, const AttentionArgs& args, Tensor& out,
                               args.seq_lens, args.scale, args.query_start_loc, args.alibi_slopes,
                               args.sliding_window, args.soft_cap, args.sinks, args.k_scale,
                               args.v_scale, args.placement};
-  run_attention(s, rotated, rotated_out, lse);
+  run_attention(s, rotated, rotated_out, lse, args.query.scalar_type() != kFloat);
   const bool latent = values_in_keys(args.key_cache, args.value_cache);
   unrotate_into(rotated_out, out, latent ? s.head_size : s.head_size_v);
 }

@@ -182,9 +182,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const int num_queries = num_heads * per_head;
   // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
   // fp32 with several queries per KV head, where the shorter chunk measured faster
-  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8 rows
-  // of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than 32 from
-  // DRAM and from L2; 64 keys of 16-bit rows, 16 KiB a phase, measured slower from DRAM).
+  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8 (and
+  // int8) rows of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than
+  // 32 from DRAM and from L2; 64 keys of 16-bit rows, 16 KiB a phase, measured slower from DRAM).
   const int CH = sizeof(T) == sizeof(float) && per_head > 1   ? 16
                  : sizeof(T) == 1 && std::max(hs, hsv) <= 128 ? 64
                                                               : 32;
@@ -215,10 +215,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // load: in place, every register tile of queries would widen each row again.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
   constexpr bool kInPlace = !kPerToken<T> || kPerTokenInPlace<T>;
-  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once;
+  using Tiles = RowTiles<std::conditional_t<kInPlace, T, float>>;
+  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once && Tiles::reads_in_place(P, hs, hsv);
   // The item's products: their paths by dtype, head sizes and query dtype (rows that are
   // never read in place: the fp32 ones).
-  const RowTiles<std::conditional_t<kInPlace, T, float>> tiles(P, hs, hsv, in_place);
+  const Tiles tiles(P, hs, hsv, in_place);
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -290,17 +291,48 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     }
   };
 
-  // Per-token rows read in place: the chunk's key and value scales in key order (1 past n),
-  // each key's multiplying its scores (q . k = s (q . q8)) and each value's its
-  // probabilities after the softmax (acc += (p s) q8), the running sums untouched.
+  // Per-token rows read in place: the chunk's key and value scales in the order its rows
+  // were walked (1 past n): key order, or with `blocks` > 1 interleaved across the chunk's
+  // blocks as the GQA walk below takes them (slot r of block b at r * blocks + b). Each
+  // key's scale multiplies its scores (q . k = s (q . q8)) and each value's its
+  // probabilities after the softmax (acc += (p s) q8), the running sums untouched; int4
+  // rows' lows too (0 past n), which their tiles apply with the scales (finish_scores,
+  // weigh_values).
   float chunk_k_scale[kKeyChunk], chunk_v_scale[kKeyChunk];
-  auto gather_token_scales = [&](int j0, int n, int kv_head) {
-    const float* k[kKeyChunk];
-    const float* v[kKeyChunk];
-    walk_token_scales(j0, n, kv_head, k, v);
-    for (int t = 0; t < CH; ++t) {
-      chunk_k_scale[t] = t < n ? *k[t] : 1.0f;
-      chunk_v_scale[t] = t < n ? *v[t] : 1.0f;
+  float chunk_k_low[kKeyChunk], chunk_v_low[kKeyChunk];
+  auto store_scales = [&](int t, const float* k, const float* v) {
+    chunk_k_scale[t] = *k;
+    chunk_v_scale[t] = *v;
+    if constexpr (std::is_same_v<T, Int4Row>) {
+      chunk_k_low[t] = k[1];
+      chunk_v_low[t] = v[1];
+    }
+  };
+  // Block by block, as walk_rows (a division per key took a visible share of the chunk).
+  auto gather_token_scales = [&](int j0, int n, int kv_head, int blocks) {
+    const int64_t* ks = P.k_token_scale_strides;
+    const int64_t* vs = P.v_token_scale_strides;
+    auto scales_at = [&](int logical, int slot) {
+      const int64_t block = table[logical];
+      return std::pair{P.k_token_scale + block * ks[0] + kv_head * ks[1] + slot * ks[2],
+                       P.v_token_scale + block * vs[0] + kv_head * vs[1] + slot * vs[2]};
+    };
+    if (blocks > 1) {
+      for (int b = 0, first = j0 / bs; b < blocks; ++b) {
+        auto [k, v] = scales_at(first + b, 0);
+        for (int r = 0; r < bs; ++r, k += ks[2], v += vs[2]) store_scales(r * blocks + b, k, v);
+      }
+      return;
+    }
+    int logical = j0 / bs, slot = j0 - logical * bs;
+    for (int t = 0; t < n; ++logical, slot = 0) {
+      auto [k, v] = scales_at(logical, slot);
+      for (const int end = t + std::min(bs - slot, n - t); t < end; ++t, k += ks[2], v += vs[2])
+        store_scales(t, k, v);
+    }
+    for (int t = n; t < CH; ++t) {
+      chunk_k_scale[t] = chunk_v_scale[t] = 1.0f;
+      chunk_k_low[t] = chunk_v_low[t] = 0.0f;
     }
   };
   auto scale_chunk = [&](const ItemState& st, const float* factor) {
@@ -372,11 +404,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
       // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
       // measured). Measurements: docs/performance.md.
-      // Not for per-token rows, whose scales are gathered in key order.
-      const int chunk_blocks = per_head > 1 && !kPerToken<T> && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      // Per-token rows gather their scales in the same order (gather_token_scales).
+      const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      auto free_order = [&](const Chunk& f) {
+        return chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
+      };
       auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
-        const bool free_order = chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
-        if (!free_order) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
+        if (!free_order(f)) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
         // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
         const int first = f.j0 / bs;
         for (int b = 0; b < chunk_blocks; ++b) {
@@ -412,11 +446,14 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         }
         const T* const* scores_ahead = v_rows;
         const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
-        if constexpr (kPerToken<T>) gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head);
+        if constexpr (kPerToken<T>)
+          gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         tiles.scores(st, k_rows, c.n, scores_ahead);
-        if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
+        if constexpr (std::is_same_v<T, Int4Row>) tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
+        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
         softmax(st, c.j0, c.n);
-        if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
+        if constexpr (std::is_same_v<T, Int4Row>) tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
+        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
         tiles.values(st, v_rows, c.n, keys_ahead);
         if (r == 0) {
           r = 2;

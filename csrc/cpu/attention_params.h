@@ -33,6 +33,9 @@ struct AttentionParams {
   // (int4) at token_scale + block * stride[0] + kv_head * stride[1] + slot * stride[2]
   // (elements), k_scale and v_scale nullptr. int4: the query is rotated (rows of head_size
   // values in head_size / 2 bytes), and so are the outputs.
+  // int4: the caller's query was 16-bit before its rotation to fp32, so a kernel may round
+  // the rotated query to bf16 (int4_bf16_tiles.h).
+  bool query_from_16bit;
   const float* k_token_scale;
   const float* v_token_scale;
   int64_t k_token_scale_strides[3], v_token_scale_strides[3];

@@ -13,17 +13,25 @@ struct Fp8E4M3 { uint8_t bits; };  // torch.float8_e4m3fn
 struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
 // The per-token formats (token_quantization.py): each row with its own fp32 scale beside
 // the cache. int8 rows, read in place like fp8 ones (the driver applies each key's scale
-// to its scores and each value's to its probabilities), or widened once per chunk with
-// the scale folded in; int4 rows of two values a byte, even channel in the low nibble,
-// rotated, always widened with scale and low folded in (token_row_to_float) for the fp32
-// tiles.
+// to its scores and each value's to its probabilities; on the AVX512_VBMI kernels
+// converted by the fp8 byte tables, fp8_bf16_tables.h, elsewhere widened in registers), or
+// widened once per chunk with the scale folded in; int4 rows of two values a byte, even
+// channel in the low nibble, rotated, read in place by vdpbf16ps on AVX512_BF16
+// (int4_bf16_tiles.h) or widened with scale and low folded in (token_row_to_float) for the
+// fp32 tiles.
 struct Int8Row { int8_t bits; };
 struct Int4Row { uint8_t bits; };
 template <typename T>
 constexpr bool kPerToken = std::is_same_v<T, Int8Row> || std::is_same_v<T, Int4Row>;
-// Per-token rows the row driver reads in place: int8's (int4's are always widened).
+// Per-token rows the row driver reads in place: int8's, and int4's where AVX512_BF16 takes
+// them (elsewhere they are always widened).
+#if PAGED_ISA_AVX512_BF16
+template <typename T>
+constexpr bool kPerTokenInPlace = std::is_same_v<T, Int8Row> || std::is_same_v<T, Int4Row>;
+#else
 template <typename T>
 constexpr bool kPerTokenInPlace = std::is_same_v<T, Int8Row>;
+#endif
 // Values an element holds (a row of head_size values is head_size / this elements).
 template <typename T>
 constexpr int kValuesPerElement = std::is_same_v<T, Int4Row> ? 2 : 1;

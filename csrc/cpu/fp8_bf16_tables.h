@@ -1,5 +1,6 @@
-// fp8 rows converted to bf16 (and fp32) by AVX512_VBMI table lookups, for the vdpbf16ps
-// tiles (bf16_tiles.h), the fp32 tiles (fp8_tiles.h) and the lane kernels. Part of the CPU
+// fp8 rows (and per-token int8 rows, ByteLookup) converted to bf16 (and fp32) by AVX512_VBMI
+// table lookups, for the vdpbf16ps tiles (bf16_tiles.h), the fp32 tiles (fp8_tiles.h) and
+// the lane kernels. Part of the CPU
 // kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
@@ -31,6 +32,24 @@ constexpr uint16_t fp8_bf16_bits(Fp8E5M2 x) {  // bias 15, 2 mantissa bits; expo
   if (e == 31) return m == 0 ? 0x7f80 : 0x7fc0;
   return e == 0 ? fp8_bf16_bits(m, -16) : fp8_bf16_bits(4 + m, e - 17);
 }
+// The byte types looked up into bf16 by the tables below: the fp8 types by their low 7 bits
+// (sign OR-ed in), and per-token int8 by its magnitude (vpabsb; every int8 in [-127, 127]
+// is a bf16 value) with its sign bit OR-ed in the same way. -128 is never written; it reads
+// as -0.
+template <typename T>
+struct ByteLookup {
+  static constexpr bool kMagnitude = false;  // index by |x| rather than by x's low 7 bits
+  static constexpr uint16_t bits(int i) { return fp8_bf16_bits(T{uint8_t(i)}); }
+};
+template <>
+struct ByteLookup<Int8Row> {
+  static constexpr bool kMagnitude = true;
+  static constexpr uint16_t bits(int i) { return fp8_bf16_bits(i, 0); }
+};
+template <typename T>
+constexpr bool kByteLookup = std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2> ||
+                             std::is_same_v<T, Int8Row>;
+
 struct Fp8Bf16Table {
   alignas(64) uint8_t high[128];
   alignas(64) uint8_t low[128];
@@ -39,7 +58,7 @@ template <typename T>
 constexpr Fp8Bf16Table fp8_bf16_table() {
   Fp8Bf16Table t{};
   for (int i = 0; i < 128; ++i) {
-    const uint16_t bits = fp8_bf16_bits(T{uint8_t(i)});
+    const uint16_t bits = ByteLookup<T>::bits(i);
     t.high[i] = uint8_t(bits >> 8);
     t.low[i] = uint8_t(bits & 0xff);
   }
@@ -51,14 +70,16 @@ inline constexpr Fp8Bf16Table kFp8Bf16 = fp8_bf16_table<T>();
 // ternarylogic immediate for a | (b & c).
 constexpr int kOrAnd = 0xf8;
 
-// The two lookups of 64 fp8 bytes: each byte's bf16 high byte (its sign OR-ed in) and low byte.
+// The two lookups of 64 fp8 (or int8) bytes: each byte's bf16 high byte (its sign OR-ed in)
+// and low byte.
 template <typename T>
 __attribute__((always_inline)) static inline void fp8_bf16_bytes(__m512i x, __m512i& high, __m512i& low) {
   const __m512i* table = reinterpret_cast<const __m512i*>(&kFp8Bf16<T>);
+  const __m512i index = ByteLookup<T>::kMagnitude ? _mm512_abs_epi8(x) : x;
   high = _mm512_ternarylogic_epi32(  // with the sign: high | (x & 0x80)
-      _mm512_permutex2var_epi8(_mm512_load_si512(table), x, _mm512_load_si512(table + 1)), x,
+      _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 1)), x,
       _mm512_set1_epi8(char(0x80)), kOrAnd);
-  low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), x, _mm512_load_si512(table + 3));
+  low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), index, _mm512_load_si512(table + 3));
 }
 
 // 64 fp8 bytes as bf16 words in 128-bit lane order, the lookups' bytes joined by two

@@ -1,8 +1,9 @@
 // The vector micro-kernel of the row driver (attention_kernel.h): a work item's queries in
 // rows, each query's products with a chunk of keys in register tiles of several queries
 // (register_tiles.h, single_query.h), per instruction set: fp32 FMAs on rows widened in
-// registers everywhere; AVX512_VBMI: fp8 rows looked up exactly into fp32 (fp8_tiles.h);
-// AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 rows converted to bf16 (bf16_tiles.h).
+// registers everywhere; AVX512_VBMI: fp8 and int8 rows looked up exactly into fp32
+// (fp8_tiles.h); AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 and int8 rows converted to
+// bf16 (bf16_tiles.h).
 // Part of the CPU kernel, inside its ISA namespace (see vec.h).
 //
 // RowTiles<T> chooses an item's paths once (by its dtype, head sizes and query dtype) and
@@ -36,7 +37,8 @@ struct ItemState {
   int hspv;  // padded value head size
   float* q;        // [num_queries, hsp] scaled queries, zero padded
   const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
-  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile)
+  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile;
+                           // int4 rows: the query in two bf16 parts and their sum, int4_bf16_tiles.h)
   float scale;     // applied to the scores of the bf16 dot path (softmax scale x key scale)
   float* acc;      // [num_queries, hspv] unnormalised outputs
   float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
@@ -208,7 +210,14 @@ static inline void to_slot_order(float* x, int n, Slot slot) {
 template <typename T>
 class RowTiles {
  public:
-  static constexpr bool kFp8 = sizeof(T) == 1 && !kPerToken<T>;
+  // Byte rows converted by table lookups (fp8_bf16_tables.h): fp8, and int8 (per-token) rows
+  // where the kernel has the lookups (the driver applies their scales to scores and
+  // probabilities). Elsewhere int8 rows are widened in registers (load_as_float).
+#if PAGED_ISA_AVX512_VBMI
+  static constexpr bool kLookupBytes = kByteLookup<T>;
+#else
+  static constexpr bool kLookupBytes = false;
+#endif
 #if PAGED_ISA_AVX512_BF16
   // bf16 keys and values read in place take vdpbf16ps when their rows are whole
   // 32-element steps. So do fp8 rows under a bf16 query, converted to bf16 exactly (whole
@@ -217,28 +226,27 @@ class RowTiles {
   // held to fp32 rounding: its values take fp32 FMAs). Measured faster than fp32 FMAs on
   // the widened rows, for e4m3 and e5m2 (docs/performance.md).
   static constexpr bool kBf16Pairs = std::is_same_v<T, Bf16>;
-  static constexpr bool kBf16Dot = kBf16Pairs || kFp8;
+  static constexpr bool kBf16Dot = kBf16Pairs || kLookupBytes;
 #else
   static constexpr bool kBf16Pairs = false;
   static constexpr bool kBf16Dot = false;
 #endif
-#if PAGED_ISA_AVX512_VBMI
-  // Other fp8 rows read in place take the lookups into fp32 (fp8_tiles.h) where they are
-  // whole 64-element steps, keys and values each: the query or the value accumulators are
-  // then in fp8_value_slot order (values under a bf16 query with AVX512_BF16: pairs).
-  static constexpr bool kLookupRows = kFp8;
-#else
-  static constexpr bool kLookupRows = false;
-#endif
+  // Other fp8 and int8 rows read in place take the lookups into fp32 (fp8_tiles.h) where
+  // they are whole 64-element steps, keys and values each: the query or the value
+  // accumulators are then in fp8_value_slot order (values under a bf16 query with
+  // AVX512_BF16: pairs).
+
+  // Whether the tiles take the item's rows in place where the driver can read them so.
+  static bool reads_in_place(const AttentionParams&, int, int) { return true; }
 
   // in_place: the driver reads the item's rows in place (else it converts them to fp32).
   RowTiles(const AttentionParams& P, int hs, int hsv, bool in_place)
       : split(kSplitRows<T> && in_place),
         bf16_dot(kBf16Dot && in_place &&
-                 (kFp8 ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0)),
+                 (kLookupBytes ? hs % 64 == 0 && P.query_kind == ScalarKind::kBFloat16 : hs % 32 == 0)),
         bf16_pairs(kBf16Pairs && in_place && hsv % 32 == 0),
-        lookup_keys(kLookupRows && in_place && hs % 64 == 0 && !bf16_dot),
-        fp8_values(kLookupRows && in_place && hsv % 64 == 0),
+        lookup_keys(kLookupBytes && in_place && hs % 64 == 0 && !bf16_dot),
+        fp8_values(kLookupBytes && in_place && hsv % 64 == 0),
         fp8_pairs(kBf16Dot && fp8_values && P.query_kind == ScalarKind::kBFloat16) {}
 
   // Split rows (convert.h): queries and value accumulators in split order too.
@@ -264,7 +272,7 @@ class RowTiles {
 #endif
     if (!bf16_dot) return;
 #if PAGED_ISA_AVX512_BF16
-    if constexpr (kFp8) {  // in the order fp8_to_bf16_lanes leaves a key's elements
+    if constexpr (kLookupBytes) {  // in the order fp8_to_bf16_lanes leaves a key's elements
       const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row);
       for (int d = 0; d < hs; d += 64)
         for (int i = 0; i < 64; ++i) qb[d + i] = src[d + fp8_lane_element(i)];
@@ -284,7 +292,7 @@ class RowTiles {
       if (bf16_dot) return chunk_scores(st, st.q_bits, k_rows, n, ahead);
 #endif
 #if PAGED_ISA_AVX512_VBMI
-    if constexpr (kFp8)
+    if constexpr (kLookupBytes)
       if (lookup_keys)
         return chunk_scores(st, reinterpret_cast<const LookupQuery*>(st.q), k_rows, n, ahead);
 #endif
@@ -299,7 +307,7 @@ class RowTiles {
       if (bf16_pairs) return chunk_values_pairs(st, v_rows, n, ahead);
 #endif
 #if PAGED_ISA_AVX512_VBMI
-    if constexpr (kLookupRows)
+    if constexpr (kLookupBytes)
       if (fp8_values) return chunk_values_fp8(st, v_rows, n, ahead, fp8_pairs);
 #endif
     chunk_values(st, v_rows, n, ahead);
@@ -320,3 +328,5 @@ class RowTiles {
       for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
   }
 };
+
+#include "int4_bf16_tiles.h"
