@@ -182,11 +182,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const int num_queries = num_heads * per_head;
   // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
   // fp32 with several queries per KV head, where the shorter chunk measured faster
-  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8 (and
-  // int8) rows of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than
+  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8
+  // rows of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than
   // 32 from DRAM and from L2; 64 keys of 16-bit rows, 16 KiB a phase, measured slower from DRAM).
+  // Not for per-token rows: 32 measured faster for int8's (docs/performance.md); int4's,
+  // widened per chunk, take 32 alike (not measured apart).
   const int CH = sizeof(T) == sizeof(float) && per_head > 1   ? 16
-                 : sizeof(T) == 1 && std::max(hs, hsv) <= 128 ? 64
+                 : sizeof(T) == 1 && !kPerToken<T> && std::max(hs, hsv) <= 128 ? 64
                                                               : 32;
 
   // Workspace: queries, accumulators, scores, running max and sum of every query
