@@ -120,7 +120,7 @@ size_t element_size(ScalarKind kind) {
   switch (int(kind)) {
     case 0: return 4;
     case 1: case 2: return 2;
-    default: return 1;  // fp8
+    default: return 1;  // fp8, int8
   }
 }
 
@@ -134,7 +134,8 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
   const size_t drawn = std::min<size_t>(elements, size_t(1) << 20);
   for (size_t i = 0; i < drawn; ++i) {
     const float x = normal(rng);
-    if (esize == 1) buf[i] = char(to_fp8(x, kind));
+    if (kind == ScalarKind::kInt8) buf[i] = char(std::clamp(int(std::lround(x * 40.0f)), -127, 127));
+    else if (esize == 1) buf[i] = char(to_fp8(x, kind));
     else if (esize == 4) std::memcpy(&buf[i * 4], &x, 4);
     else {
       const uint16_t h = to_bits(x, kind);
@@ -201,7 +202,19 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
       params.k_block_stride = params.v_block_stride = int64_t(block_elements);
       params.k_head_stride = params.v_head_stride = int64_t(kBlock) * kHead;
       params.k_token_stride = params.v_token_stride = kHead;
-      if (esize == 1) params.k_scale = params.v_scale = &one;
+      if (esize == 1 && kind != ScalarKind::kInt8) params.k_scale = params.v_scale = &one;
+    }
+  }(P);
+  // int8 rows: a scale per (block, KV head, slot), as the cache's scale tensors lay them out.
+  const std::vector<float> token_scales(size_t(blocks) * kv_heads * kBlock, 1.0f / 40.0f);
+  [&](auto& params) {
+    if constexpr (requires { params.k_token_scale; }) {
+      params.k_token_scale = params.v_token_scale = token_scales.data();
+      for (auto* s : {params.k_token_scale_strides, params.v_token_scale_strides}) {
+        s[0] = int64_t(kv_heads) * kBlock;
+        s[1] = kBlock;
+        s[2] = 1;
+      }
     }
   }(P);
   P.scale = 1.0f / std::sqrt(float(kHead));
@@ -283,7 +296,7 @@ int main(int argc, char** argv) {
   std::printf("kernel %s, core clock %.2f GHz, %zu KiB of K and of V%s\n", KERNEL_NAME(KERNEL_ISA), ghz,
               resident >> 10, baseline ? ", against the baseline tree in alternating rounds" : "");
   const struct { const char* name; int kind; } kinds[] = {
-      {"fp32", 0}, {"fp16", 1}, {"bf16", 2}, {"e4m3", 3}, {"e5m2", 4}};
+      {"fp32", 0}, {"fp16", 1}, {"bf16", 2}, {"e4m3", 3}, {"e5m2", 4}, {"int8", 5}};
   for (const auto& k : kinds) {
     if (entry(k.kind) == nullptr || (baseline && baseline(k.kind) == nullptr)) continue;  // older tree
     if (only_dtype && std::strcmp(only_dtype, k.name) != 0) continue;
