@@ -31,10 +31,16 @@
 constexpr float kRescaleMargin = 8.0f;
 
 // The lanes of a chunk's n scores of one query, padded with -inf to `chunk`, folded by max.
-static inline vfloat padded_max(float* s, int n, int chunk) {
+// kKeyScaled: the scores taken times the keys' scales `ks` (per-token rows; 1 past n).
+template <bool kKeyScaled = false>
+static inline vfloat padded_max(float* s, int n, int chunk, const float* ks = nullptr) {
   for (int t = n; t < chunk; ++t) s[t] = -__builtin_inff();
-  vfloat highest = load(s);
-  for (int t = VW; t < chunk; t += VW) highest = vmax(highest, load(s + t));
+  auto score = [&](int t) {
+    if constexpr (kKeyScaled) return load(s + t) * load(ks + t);
+    return load(s + t);
+  };
+  vfloat highest = score(0);
+  for (int t = VW; t < chunk; t += VW) highest = vmax(highest, score(t));
   return highest;
 }
 
@@ -45,12 +51,19 @@ static inline bool max_stands(vfloat highest, float run_max) {
 }
 
 // A chunk's scores of one query replaced by e^(score - max); their sum, by lanes.
-template <bool kShortExp>
-static inline vfloat exp_in_place(float* s, int chunk, float max) {
+// Per-token rows: the scores taken times the keys' scales `ks` (kKeyScaled), and each
+// probability stored times its value's scale `vs` (kValueScaled; acc += (p s) q8), the sum
+// untouched: the scales ride on the softmax's own pass over the scores.
+template <bool kShortExp, bool kKeyScaled = false, bool kValueScaled = kKeyScaled>
+static inline vfloat exp_in_place(float* s, int chunk, float max, const float* ks = nullptr,
+                                  const float* vs = nullptr) {
   vfloat total{};
   for (int t = 0; t < chunk; t += VW) {
-    const vfloat p = exp_minus<kShortExp>(load(s + t), max);
-    store(s + t, p);
+    vfloat x = load(s + t);
+    if constexpr (kKeyScaled) x *= load(ks + t);
+    const vfloat p = exp_minus<kShortExp>(x, max);
+    if constexpr (kValueScaled) store(s + t, p * load(vs + t));
+    else store(s + t, p);
     total += p;
   }
   return total;
@@ -74,9 +87,11 @@ static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
 // kShortExp: the exp of exp_minus<kShortExp>. Forced inline on the AVX kernels, where it
 // measured no slower and at times a little faster.
-template <bool kShortExp>
+// kScaled: per-token rows' key scales `ks` and value scales `vs` (exp_in_place).
+template <bool kShortExp, bool kScaled = false>
 PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w,
-                                                  const ItemState& st, int j0, int n, int chunk) {
+                                                  const ItemState& st, int j0, int n, int chunk,
+                                                  const float* ks = nullptr, const float* vs = nullptr) {
   const bool soft_cap = P.soft_cap > 0.0f;
   const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
   int m = 0;
@@ -87,12 +102,13 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   for (; plain && m + 4 <= st.num_queries; m += 4) {
     bool within = true;
     for (int g = 0; g < 4; ++g)
-      within = within && max_stands(padded_max(st.scores + int64_t(m + g) * kKeyChunk, n, chunk),
+      within = within && max_stands(padded_max<kScaled>(st.scores + int64_t(m + g) * kKeyChunk, n, chunk, ks),
                                     st.run_max[m + g]);
     if (!within) break;  // these four and the rest: one at a time, below
     vfloat total[4];
     for (int g = 0; g < 4; ++g)
-      total[g] = exp_in_place<kShortExp>(st.scores + int64_t(m + g) * kKeyChunk, chunk, st.run_max[m + g]);
+      total[g] = exp_in_place<kShortExp, kScaled>(st.scores + int64_t(m + g) * kKeyChunk, chunk,
+                                                  st.run_max[m + g], ks, vs);
     float sums[4];
     hsum4(total[0], total[1], total[2], total[3], sums);
     for (int g = 0; g < 4; ++g) st.run_sum[m + g] += sums[g];
@@ -100,6 +116,9 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   for (; m < st.num_queries; ++m) {
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
+    // Off the four-query path the scores take their key scales first, in place.
+    if constexpr (kScaled)
+      for (; t < chunk; t += VW) store(s + t, load(s + t) * load(ks + t));
     const int head = st.kv_head * st.group + m % st.group;
     const int pos = w.first_pos + m / st.group;
     const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
@@ -133,7 +152,10 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    const vfloat total = exp_in_place<kShortExp>(s, chunk, new_max);
+    const vfloat total = [&] {
+      if constexpr (kScaled) return exp_in_place<kShortExp, false, true>(s, chunk, new_max, nullptr, vs);
+      return exp_in_place<kShortExp>(s, chunk, new_max);
+    }();
     float* am = st.acc + int64_t(m) * st.hspv;
     if (new_max != st.run_max[m]) {
       const float alpha = std::exp(st.run_max[m] - new_max);
@@ -229,6 +251,13 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       if (short_exp) return chunk_softmax<true>(P, w, st, j0, n, CH);
     chunk_softmax<false>(P, w, st, j0, n, CH);
   };
+  // int8 rows read in place: their key and value scales applied by the softmax.
+  auto scaled_softmax = [&](const ItemState& st, int j0, int n, const float* ks, const float* vs) {
+    if constexpr (kPerToken<T>) {
+      if (short_exp) return chunk_softmax<true, true>(P, w, st, j0, n, CH, ks, vs);
+      chunk_softmax<false, true>(P, w, st, j0, n, CH, ks, vs);
+    }
+  };
 
   // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
   // key scale (and e4m3's unit, see StoredUnit, unless the rows are looked up exactly) is
@@ -297,7 +326,8 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // were walked (1 past n): key order, or with `blocks` > 1 interleaved across the chunk's
   // blocks as the GQA walk below takes them (slot r of block b at r * blocks + b). Each
   // key's scale multiplies its scores (q . k = s (q . q8)) and each value's its
-  // probabilities after the softmax (acc += (p s) q8), the running sums untouched; int4
+  // probabilities (acc += (p s) q8), the running sums untouched, in the softmax's own
+  // passes for int8 (scaled_softmax; two passes of their own measured slower); int4
   // rows' lows too (0 past n), which their tiles apply with the scales (finish_scores,
   // weigh_values).
   float chunk_k_scale[kKeyChunk], chunk_v_scale[kKeyChunk];
@@ -335,12 +365,6 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     for (int t = n; t < CH; ++t) {
       chunk_k_scale[t] = chunk_v_scale[t] = 1.0f;
       chunk_k_low[t] = chunk_v_low[t] = 0.0f;
-    }
-  };
-  auto scale_chunk = [&](const ItemState& st, const float* factor) {
-    for (int m = 0; m < st.num_queries; ++m) {
-      float* s = st.scores + int64_t(m) * kKeyChunk;
-      for (int t = 0; t < CH; t += VW) store(s + t, load(s + t) * load(factor + t));
     }
   };
 
@@ -451,11 +475,15 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         tiles.scores(st, k_rows, c.n, scores_ahead);
-        if constexpr (std::is_same_v<T, Int4Row>) tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
-        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_k_scale);
-        softmax(st, c.j0, c.n);
-        if constexpr (std::is_same_v<T, Int4Row>) tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
-        else if constexpr (kPerToken<T>) scale_chunk(st, chunk_v_scale);
+        if constexpr (std::is_same_v<T, Int4Row>) {
+          tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
+          softmax(st, c.j0, c.n);
+          tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
+        } else if constexpr (kPerToken<T>) {
+          scaled_softmax(st, c.j0, c.n, chunk_k_scale, chunk_v_scale);
+        } else {
+          softmax(st, c.j0, c.n);
+        }
         tiles.values(st, v_rows, c.n, keys_ahead);
         if (r == 0) {
           r = 2;
