@@ -8,8 +8,8 @@
 // generic, avx2, avx512 for the other kernels) with setup.py's flags plus any -D flags
 // given into a shared library (kernel_entry.cpp exports its entry point), and this file
 // runs it on decode items of B=1, 32 query heads, head size 128, context 2048 (CONTEXT), block
-// size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 with a
-// bf16 query) with 32 and 8 KV heads. The block table cycles over
+// size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 and
+// per-token int8 with a bf16 query) with 32 and 8 KV heads. The block table cycles over
 // `resident` bytes of K (and as many of V): 128 KiB each by default, inside the L2 of every
 // CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; 512 KiB each would leave Zen 4's
 // fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
