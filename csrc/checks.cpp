@@ -295,7 +295,7 @@ AttentionShape check_attention_args(const char* op, const AttentionArgs& args,
   // int4 latent rows are rotated whole, in blocks of the key row's rotation: the values
   // (leading columns) must be whole blocks of it to be turned back on their own.
   const int64_t key_block = std::min<int64_t>(s.head_size & -s.head_size, 512);
-  PAGED_CHECK_VALUE(packing != 2 || !values_in_keys(args.key_cache, args.value_cache) ||
+  PAGED_CHECK_VALUE(packing != 2 || key_block == 0 || !values_in_keys(args.key_cache, args.value_cache) ||
                         s.head_size_v % key_block == 0,
                     op, ": int4 latent rows of ", s.head_size, " values are rotated in blocks of ",
                     key_block, ", so their values (the leading ", s.head_size_v,

@@ -217,10 +217,10 @@ def test_fp8_conversion_of_every_byte(isa, fp8):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_conversion_of_every_value(isa, dtype):
-    """Each int8 in [-127, 127] times its row's scale, as a key (the lse of one visible key
-    is its score) and as a value (the output of one visible key): exact on every kernel,
-    the byte-table lookups into vdpbf16ps (a bf16 query) included. -128, which write_kv
-    never stores, reads as some finite value."""
+    """Each int8 times its row's scale, as a key (the lse of one visible key is its score)
+    and as a value (the output of one visible key): exact on every kernel, the byte-table
+    lookups into vdpbf16ps (a bf16 query) included, and -128 too, which write_kv never
+    stores but another writer may."""
     select_isa(isa)
     every = torch.arange(-128, 128, dtype=torch.int8)
     head_size = 64
@@ -235,9 +235,8 @@ def test_int8_conversion_of_every_value(isa, dtype):
     lens = torch.arange(1, 257, dtype=torch.int32)
     out, lse = pa.attention_with_lse(query, key_cache, value_cache, tables, lens, 1.0,
                                      sliding_window=1, k_scale=k_scale, v_scale=v_scale)
-    assert torch.equal(lse[1:, 0], every[1:].float() * 0.5)
-    assert torch.equal(out[1:, 0, 0].float(), every[1:].float() * 0.25)
-    assert out[0].isfinite().all() and lse[0].isfinite().all()
+    assert torch.equal(lse[:, 0], every.float() * 0.5)
+    assert torch.equal(out[:, 0, 0].float(), every.float() * 0.25)
 
 
 # (query heads, KV heads): groups of 1 to 8 queries per KV head, so every register-tile

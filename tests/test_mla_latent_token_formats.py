@@ -309,3 +309,13 @@ def test_int4_latent_values_must_be_whole_rotation_blocks_of_the_key_rows():
                                          r"so their values \(the leading 40 columns\) must be whole"):
         pa.attention(torch.randn(1, 4, 48), cache, cache[..., :20], torch.zeros(1, 1, dtype=torch.int32),
                      torch.ones(1, dtype=torch.int32), 0.1, k_scale=scale, v_scale=scale)
+
+
+def test_int4_latent_rows_of_no_values_are_refused_by_name():
+    # Rows of width 0 have no rotation block: the head-size check names them (no division).
+    cache = torch.zeros(2, 1, 4, 0, dtype=torch.uint8)
+    scale = torch.zeros(2, 1, 4, 2)
+    with pytest.raises(ValueError, match="head_size"):
+        pa.attention(torch.zeros(1, 1, 0, dtype=torch.bfloat16), cache, cache[..., :0],
+                     torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,
+                     k_scale=scale, v_scale=scale)

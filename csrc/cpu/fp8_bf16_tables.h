@@ -33,9 +33,9 @@ constexpr uint16_t fp8_bf16_bits(Fp8E5M2 x) {  // bias 15, 2 mantissa bits; expo
   return e == 0 ? fp8_bf16_bits(m, -16) : fp8_bf16_bits(4 + m, e - 17);
 }
 // The byte types looked up into bf16 by the tables below: the fp8 types by their low 7 bits
-// (sign OR-ed in), and per-token int8 by its magnitude (vpabsb; every int8 in [-127, 127]
-// is a bf16 value) with its sign bit OR-ed in the same way. -128 is never written; it reads
-// as -0.
+// (sign OR-ed in), and per-token int8 by its magnitude (vpabsb; every int8 is a bf16 value)
+// with its sign bit OR-ed in the same way. -128, whose magnitude does not fit the 7-bit index
+// (write_kv never stores it, another writer may), is set apart (fp8_bf16_bytes).
 template <typename T>
 struct ByteLookup {
   static constexpr bool kMagnitude = false;  // index by |x| rather than by x's low 7 bits
@@ -80,6 +80,10 @@ __attribute__((always_inline)) static inline void fp8_bf16_bytes(__m512i x, __m5
       _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 1)), x,
       _mm512_set1_epi8(char(0x80)), kOrAnd);
   low = _mm512_permutex2var_epi8(_mm512_load_si512(table + 2), index, _mm512_load_si512(table + 3));
+  // int8 -128 looked up entry 0 (0's low byte, 0x00, is -128's too); its high byte is 0xc3.
+  if constexpr (ByteLookup<T>::kMagnitude)
+    high = _mm512_mask_mov_epi8(high, _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(char(0x80))),
+                                _mm512_set1_epi8(char(0xc3)));
 }
 
 // 64 fp8 bytes as bf16 words in 128-bit lane order, the lookups' bytes joined by two
