@@ -465,6 +465,16 @@ void check_merge_args(const char* op, const TensorList& outputs, const TensorLis
   }
 }
 
+// slot_mapping: int64 [num_tokens], one slot per token of `rows` (the argument `rows_name`).
+static void check_slot_mapping(const char* op, const Tensor& slot_mapping, const Tensor& rows,
+                               const char* rows_name) {
+  check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
+  check_dtype(op, "slot_mapping", slot_mapping, kLong);
+  PAGED_CHECK_VALUE(slot_mapping.size(0) == rows.size(0), op, ": argument 'slot_mapping' has ",
+                    slot_mapping.size(0), " entries but '", rows_name, "' has ", rows.size(0),
+                    " tokens");
+}
+
 void check_write_kv_args(const Tensor& key, const Tensor& value,
                          const Tensor& key_cache, const Tensor& value_cache,
                          const Tensor& slot_mapping, const std::optional<Tensor>& k_scale,
@@ -508,10 +518,7 @@ void check_write_kv_args(const Tensor& key, const Tensor& value,
                     value.sizes());
   PAGED_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
                     ": arguments 'key' and 'value' must be contiguous in their last dimension");
-  check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
-  check_dtype(op, "slot_mapping", slot_mapping, kLong);
-  PAGED_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": argument 'slot_mapping' has ",
-                    slot_mapping.size(0), " entries but 'key' has ", key.size(0), " tokens");
+  check_slot_mapping(op, slot_mapping, key, "key");
   const std::pair<const char*, const Tensor*> others[] = {
       {"value", &value}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
       {"slot_mapping", &slot_mapping}};
@@ -552,10 +559,7 @@ void check_write_latent_args(const Tensor& latent, const Tensor& rotary_key, con
   PAGED_CHECK_VALUE(latent.stride(2) == 1 && rotary_key.stride(2) == 1, op,
                     ": arguments 'latent' and 'rotary_key' must be contiguous in their last "
                     "dimension");
-  check_rank(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
-  check_dtype(op, "slot_mapping", slot_mapping, kLong);
-  PAGED_CHECK_VALUE(slot_mapping.size(0) == latent.size(0), op, ": argument 'slot_mapping' has ",
-                    slot_mapping.size(0), " entries but 'latent' has ", latent.size(0), " tokens");
+  check_slot_mapping(op, slot_mapping, latent, "latent");
   const std::pair<const char*, const Tensor*> others[] = {
       {"rotary_key", &rotary_key}, {"cache", &cache}, {"slot_mapping", &slot_mapping}};
   for (const auto& [name, t] : others) check_same_device(op, name, *t, latent, "latent");

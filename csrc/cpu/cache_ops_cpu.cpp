@@ -113,15 +113,10 @@ void write_kv_per_token(const Tensor& key, const Tensor& value, Tensor& key_cach
   float* vs = v_scale.mutable_data_ptr<float>();
   torch::stable::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(std::max(hs, hsv));
-    // One row: widened to fp32 (rotated for int4), quantized into the cache and its scales.
+    // One row: widened to fp32, quantized into the cache and its scales.
     const auto quantize = [&](const In* src, int64_t n, uint8_t* dst, float* scale) {
       for (int64_t d = 0; d < n; ++d) row[d] = float(src[d]);
-      if (!int4) {
-        *scale = quantize_int8_row(row.data(), int(n), reinterpret_cast<int8_t*>(dst));
-        return;
-      }
-      rotate(row.data(), int(n));
-      quantize_int4_row(row.data(), int(n), dst, scale);
+      quantize_token_row(row.data(), int(n), int4, dst, scale);
     };
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t * slot_stride];
@@ -222,11 +217,9 @@ void write_latent_rows(const Tensor& latent, const Tensor& rotary_key, Tensor& c
         for (int64_t d = 0; d < lat; ++d) row[d] = float(l[d]);
         for (int64_t d = lat; d < width; ++d) row[d] = float(r[d - lat]);
         Cache* out = dst + row_offset(cache, block, h, offset);
-        if constexpr (std::is_same_v<Cache, int8_t>) {
-          scales[row_offset(*scale, block, h, offset)] = quantize_int8_row(row.data(), int(width), out);
-        } else if constexpr (std::is_same_v<Cache, uint8_t>) {
-          rotate(row.data(), int(width));
-          quantize_int4_row(row.data(), int(width), out, scales + row_offset(*scale, block, h, offset));
+        if constexpr (std::is_same_v<Cache, int8_t> || std::is_same_v<Cache, uint8_t>) {
+          quantize_token_row(row.data(), int(width), std::is_same_v<Cache, uint8_t>,
+                             reinterpret_cast<uint8_t*>(out), scales + row_offset(*scale, block, h, offset));
         } else if constexpr (std::is_same_v<Cache, Float8_e4m3fn> ||
                              std::is_same_v<Cache, Float8_e5m2>) {
           quantize_row(out, row.data(), width, scales[h * fp8_scale_stride]);

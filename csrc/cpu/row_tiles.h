@@ -23,9 +23,10 @@
 #include "vec.h"
 
 // The most keys a chunk of rows R takes (CH in the row driver, attention_kernel.h): loops over a
-// chunk's keys that run to this constant rather than to the chunk's n are unrolled.
+// chunk's keys that run to this constant rather than to the chunk's n are unrolled. Per-token
+// rows take chunks of 32, fp8 rows up to 64.
 template <typename R>
-constexpr int kMaxChunk = sizeof(R) == 1 ? 64 : 32;
+constexpr int kMaxChunk = sizeof(R) == 1 && !kPerToken<R> ? 64 : 32;
 static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
 
 // One KV head's queries and online-softmax state within a work item.

@@ -56,4 +56,15 @@ inline void quantize_int4_row(const float* r, int n, uint8_t* packed, float* sca
   scale_low[1] = low;
 }
 
+// A per-token row, widened to fp32 in `row` (rotated here for int4), quantized into `dst`:
+// its scale (int8) or (scale, low) pair (int4) into `scale`.
+inline void quantize_token_row(float* row, int n, bool int4, uint8_t* dst, float* scale) {
+  if (!int4) {
+    *scale = quantize_int8_row(row, n, reinterpret_cast<int8_t*>(dst));
+    return;
+  }
+  rotate(row, n);
+  quantize_int4_row(row, n, dst, scale);
+}
+
 }  // namespace paged::cpu
