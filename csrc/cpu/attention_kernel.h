@@ -327,15 +327,15 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // blocks as the GQA walk below takes them (slot r of block b at r * blocks + b). Each
   // key's scale multiplies its scores (q . k = s (q . q8)) and each value's its
   // probabilities (acc += (p s) q8), the running sums untouched, in the softmax's own
-  // passes for int8 (scaled_softmax; two passes of their own measured slower); int4
-  // rows' lows too (0 past n), which their tiles apply with the scales (finish_scores,
-  // weigh_values).
+  // passes where a row has one scale (scaled_softmax; two passes of their own measured
+  // slower); rows with a scale and a low (0 past n) leave both to their tiles
+  // (finish_scores, weigh_values; kTokenScales).
   float chunk_k_scale[kKeyChunk], chunk_v_scale[kKeyChunk];
   float chunk_k_low[kKeyChunk], chunk_v_low[kKeyChunk];
   auto store_scales = [&](int t, const float* k, const float* v) {
     chunk_k_scale[t] = *k;
     chunk_v_scale[t] = *v;
-    if constexpr (std::is_same_v<T, Int4Row>) {
+    if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
       chunk_k_low[t] = k[1];
       chunk_v_low[t] = v[1];
     }
@@ -475,7 +475,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         tiles.scores(st, k_rows, c.n, scores_ahead);
-        if constexpr (std::is_same_v<T, Int4Row>) {
+        if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
           tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
           softmax(st, c.j0, c.n);
           tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
