@@ -41,6 +41,13 @@ Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
     instead of torch's 4 KiB pages; ``--isa avx512_vbmi`` times these shapes on another
     kernel (default ``amx``). The environment variables ``AB_AMX_CASES``,
     ``AB_AMX_HUGE_PAGES=1`` and ``AB_AMX_ISA`` do the same.
+``isa-matrix`` [``--isa ISA[,ISA...]``]
+    The decode rows of ``bench_cpu_perf.py --sections isa_matrix``: every kernel the CPU
+    runs (or those ``--isa`` names) x fp32, bf16, fp16, e4m3, e5m2 caches x 32/32 and 32/8
+    heads (B=16, context 2048, block 16, head size 128, huge-page pools, random block
+    order), from DRAM and with the KV resident in L2, in GB/s of KV. Besides each row's
+    paired ratio, the report counts the rounds in which the current build was faster (a
+    sign test per row) and the rows whose median ratio is above 1 (a sign test over rows).
 ``decode-context``
     bf16 decode, 32/8 heads, head size 128, block 16, bf16 queries and outputs, at contexts
     256, 512, 2048 and 16384 with B = 1 GiB of KV / context: each context its own 1 GiB of
@@ -293,6 +300,66 @@ def amx_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
             "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
 
 
+# --- isa-matrix ------------------------------------------------------------------------
+
+def isa_matrix_worker(reps: int) -> Dict[str, object]:
+    import torch
+
+    import paged_attention_ext as pa
+    from common.timing import time_interleaved_samples
+    from cpu_perf.config import BATCH, BLOCK_SIZE, CONTEXT, KV_HEADS
+    from cpu_perf.isa_matrix import DTYPES, DecodeCandidate, supported_isas
+    from cpu_perf.machine import with_isa
+
+    torch.set_num_threads(2)
+    isas = os.environ["AB_ISA"].split(",") if os.environ.get("AB_ISA") else supported_isas()
+    rates: Dict[str, float] = {}
+    for kv_heads in KV_HEADS:
+        blocks_per_seq = -(-CONTEXT // BLOCK_SIZE)
+        gen = torch.Generator().manual_seed(kv_heads)
+        table = torch.randperm(BATCH * blocks_per_seq, generator=gen, dtype=torch.int32).view(BATCH, -1)
+        cases = {name: DecodeCandidate(name, kv_heads, table, seed=10 * i) for i, name in enumerate(DTYPES)}
+        for level, tables in (("dram", lambda c: c.table), ("l2", lambda c: c.l2_table)):
+            calls = {f"{level} {isa} {name} 32/{kv_heads}":
+                     with_isa(isa, lambda case=case: case.run(tables(case)))
+                     for isa in isas for name, case in cases.items()}
+            samples = time_interleaved_samples(calls, 1, reps)
+            for key, t in samples.items():
+                case = cases[key.split()[2]]
+                rates[key] = case.kv_bytes / statistics.median(t) / 1e9
+        del cases
+    return {"isa": pa.cpu_isa(), "isas": isas, "library": pa.__file__, "rates": rates}
+
+
+def isa_matrix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
+    import math
+
+    summary = {}
+    print(f"{'row':34s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  range        rounds faster")
+    for name in rounds[0]["current"]["rates"]:
+        row = paired(rounds, lambda w, n=name: w["rates"][n])
+        row["rounds_faster"] = sum(r["current"]["rates"][name] > r["baseline"]["rates"][name] for r in rounds)
+        summary[name] = row
+        low, high = row["speedup_range"]
+        print(f"{name:34s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.3f}x"
+              f"  ({low:.2f}-{high:.2f})  {row['rounds_faster']}/{len(rounds)}")
+    above = sum(row["speedup_paired"] > 1 for row in summary.values())
+    below = sum(row["speedup_paired"] < 1 for row in summary.values())
+    # Two-sided sign test over rows: how likely a split at least this uneven is by chance.
+    n, k = above + below, min(above, below)
+    p_value = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    print(f"rows faster / slower (median paired ratio): {above} / {below}, sign test p = {p_value:.3f}")
+    return {"suite": "isa-matrix", **source_and_cpu(), "isas": rounds[0]["current"]["isas"],
+            "baseline": str(args.baseline), "rounds": rounds, "summary": summary,
+            "sign_test": {"rows_faster": above, "rows_slower": below, "p_value": p_value},
+            "units": "GB/s of KV"}
+
+
+def isa_matrix_setup(args: argparse.Namespace) -> None:
+    if args.isa:
+        os.environ["AB_ISA"] = args.isa
+
+
 # --- decode-context --------------------------------------------------------------------
 
 CONTEXTS = (256, 512, 2048, 16384)
@@ -369,6 +436,8 @@ SUITES = {
                          "cpu_multi_token_ab.json", multi_token_worker, multi_token_report, isa_setup),
     "amx": Suite("the amx kernel's shapes: grouped decode and multi-token, bf16 and e4m3", 5,
                  "cpu_amx_ab.json", amx_worker, amx_report, amx_setup),
+    "isa-matrix": Suite("bench_cpu_perf's isa_matrix decode rows: every kernel x cache dtype, DRAM and L2", 5,
+                        "cpu_isa_matrix_ab.json", isa_matrix_worker, isa_matrix_report, isa_matrix_setup),
     "decode-context": Suite("bf16 32/8 decode at contexts 256 to 16384, caches flushed", 8,
                             "cpu_decode_context_ab.json", decode_context_worker, decode_context_report),
 }
@@ -380,8 +449,9 @@ def main() -> None:
     for name, suite in SUITES.items():
         sub = suites.add_parser(name, help=suite.help, description=suite.help)
         add_ab_arguments(sub, suite.default_reps, suite.out)
-        if name in ("multi-token", "amx"):
-            sub.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds")
+        if name in ("multi-token", "amx", "isa-matrix"):
+            sub.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds"
+                             + (" (isa-matrix: a comma-separated list)" if name == "isa-matrix" else ""))
         if name == "amx":
             sub.add_argument("--cases", help="comma-separated words every timed case's name contains")
             sub.add_argument("--huge-pages", action="store_true", help="caches on huge pages")
