@@ -22,6 +22,8 @@ from paged_attention_ext.hf import latent_prefill
 from paged_attention_ext.testing import random_pair
 from paged_attention_ext.tools.memory import PRESETS, kv_report
 
+from engine_loop import serve_to_completion
+
 BLOCK = 4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               pad_token_id=0, bos_token_id=None, eos_token_id=None,
@@ -78,13 +80,7 @@ def serve(runner, reqs, **config):
     engine = LLMEngine(runner, EngineConfig(block_size=BLOCK, record_block_contents=True, **config))
     for request in reqs:
         engine.add_request(request)
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
-    return engine, outputs
+    return engine, serve_to_completion(engine)
 
 
 def expected(reference, reqs):

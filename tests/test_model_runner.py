@@ -25,6 +25,8 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, ModelRunner, Mo
 from paged_attention_ext.engine.scheduler import SchedulerOutput
 from paged_attention_ext.engine.sequence import GroupStatus
 
+from engine_loop import serve_to_completion
+
 VOCAB = 97
 EOS = 0
 
@@ -96,16 +98,14 @@ def serve(preemption_mode: str) -> Dict:
     engine = LLMEngine(CacheReadingRunner(), EngineConfig(
         block_size=4, num_device_blocks=12, num_host_blocks=64 if preemption_mode == "swap" else 0,
         preemption_mode=preemption_mode, record_block_contents=True))
-    outputs, preempted = {}, set()
+    preempted = set()
     for request in requests():
         engine.add_request(request)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
-        preempted |= {r for r, g in engine._groups.items() if g.status is GroupStatus.SWAPPED
-                      or (g.status is GroupStatus.WAITING and g.seqs[0].output_ids)}
+
+    def note_preempted(engine):
+        preempted.update(r for r, g in engine._groups.items() if g.status is GroupStatus.SWAPPED
+                         or (g.status is GroupStatus.WAITING and g.seqs[0].output_ids))
+    outputs = serve_to_completion(engine, after_step=note_preempted)
     usage = engine.scheduler.manager.usage()
     return {"outputs": outputs, "preempted": sorted(preempted), "report": engine.report(),
             "blocks_used": [usage["device_blocks_used"], usage["host_blocks_used"]],
