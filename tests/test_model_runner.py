@@ -163,10 +163,11 @@ outputs = module.serve("swap")["outputs"]
 print(json.dumps({{"outputs": outputs, "hf": sorted(m for m in sys.modules if m.startswith("paged_attention_ext.hf"))}}))
 """
     # The package this process tests (the source tree, or where pip installed it), not
-    # whatever the child's working directory would shadow it with.
+    # whatever the child's working directory would shadow it with; and the tests' helpers.
     package_root = Path(paged_attention_ext.__file__).resolve().parents[1]
+    path = os.pathsep.join([str(package_root), str(Path(__file__).parent)])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(package_root)})
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr
     child = json.loads(result.stdout.strip().splitlines()[-1])
     assert child["hf"] == []
