@@ -115,12 +115,24 @@ def test_long_query_runs_expanded_equal_eager_beside_absorbed_decodes(pair, monk
                         lambda *args: forms.append("expanded") or expanded(*args))
     monkeypatch.setattr(latent_prefill, "_run_absorbed",
                         lambda *args: forms.append("absorbed") or absorbed(*args))
+    # Which runs expand is decided once per step, from the step's host lists, for every layer.
+    asked, decided = [], []
+    step_runs, decide = latent_prefill.step_runs, latent_prefill.LatentRuns.__init__
+    monkeypatch.setattr(latent_prefill, "step_runs",
+                        lambda batch, *args: asked.append(batch) or step_runs(batch, *args))
+    monkeypatch.setattr(latent_prefill.LatentRuns, "__init__",
+                        lambda self, *args: decided.append(self) or decide(self, *args))
+    monkeypatch.setattr(latent_prefill.LatentRuns, "read",
+                        lambda *args: pytest.fail("the step's lengths read back from tensors"))
     reqs = requests()
     engine, outputs = serve(paged, copy.deepcopy(reqs), num_device_blocks=14, num_host_blocks=64,
                             preemption_mode="recompute")
     assert outputs == expected(reference, reqs)
     assert engine.report()["prefix_cache_hit_rate"] > 0
     assert {"expanded", "absorbed"} <= set(forms)
+    layers = paged.config.num_hidden_layers
+    assert len(decided) == len({id(batch) for batch in asked}) > 0
+    assert len(asked) == layers * len(decided)
 
 
 def test_expanded_storage_keeps_per_head_keys_and_values(pair):
