@@ -97,7 +97,7 @@ class StepInputs:
     # decides on the step's lengths reads them here, once per step, not back from the
     # tensors. Inputs handed out for every step of a shape (StepBuffers.fill) get each
     # step's.
-    plan: Optional[StepPlan] = None
+    plan: Optional[StepPlan] = field(default=None, repr=False)
     # Per group, its attention metadata: derived and checked once, read by its layers.
     attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
 
