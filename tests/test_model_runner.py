@@ -163,7 +163,8 @@ outputs = module.serve("swap")["outputs"]
 print(json.dumps({{"outputs": outputs, "hf": sorted(m for m in sys.modules if m.startswith("paged_attention_ext.hf"))}}))
 """
     # The package this process tests (the source tree, or where pip installed it), not
-    # whatever the child's working directory would shadow it with; and the tests' helpers.
+    # whatever the child's working directory would shadow it with; and the tests' own modules
+    # (engine_loop).
     package_root = Path(paged_attention_ext.__file__).resolve().parents[1]
     path = os.pathsep.join([str(package_root), str(Path(__file__).parent)])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
