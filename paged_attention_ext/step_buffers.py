@@ -103,7 +103,9 @@ class StepBuffers:
         for group, chunks in enumerate(self._chunks):
             if chunks is not None:
                 chunks.fill(plan, group, self.block_size, chunks.num_pieces(num_seqs, num_tokens))
-        return self.inputs(num_seqs, num_tokens, self._stage_cascade(plan))
+        inputs = self.inputs(num_seqs, num_tokens, self._stage_cascade(plan))
+        inputs.plan = plan  # the same object every step of its shape: this step's lists
+        return inputs
 
     def fill_sized(self, plan: StepPlan,
                    cascades: Tuple[Optional[CascadePlan], ...] = ()) -> StepInputs:
@@ -122,7 +124,7 @@ class StepBuffers:
                              else self.query_start_loc[:num_seqs + 1]),
             cascades=cascades,
             chunk_sizes=tuple(None if b is None else b.chunk_size for b in self._chunks),
-            block_size=self.block_size)
+            block_size=self.block_size, plan=plan)
 
     def _write(self, plan: StepPlan) -> None:
         if not self.fits(plan):

@@ -93,6 +93,11 @@ class StepInputs:
     # Per group, a chunked group's chunk-local metadata already rewritten (StepBuffers'
     # fixed buffers) or None; empty: rewrite chunked groups here (chunk_sizes).
     chunk_local: Tuple[Optional[ChunkLocalMetadata], ...] = ()
+    # The host lists these tensors hold (None: built from tensors alone): a layer that
+    # decides on the step's lengths reads them here, once per step, not back from the
+    # tensors. Inputs handed out for every step of a shape (StepBuffers.fill) get each
+    # step's.
+    plan: Optional[StepPlan] = field(default=None, repr=False)
     # Per group, its attention metadata: derived and checked once, read by its layers.
     attention: Tuple[AttentionMetadata, ...] = field(init=False, repr=False)
 
@@ -141,7 +146,7 @@ class StepInputs:
             query_rows=(None if plan.query_rows is None else
                         host_tensor(plan.query_rows, torch.int64).to(device)),
             chunk_sizes=tuple(group.chunk_size for group in kv_cache.kv_groups.groups),
-            block_size=kv_cache.block_size)
+            block_size=kv_cache.block_size, plan=plan)
 
 
 def plan_cascades(plan: StepPlan, kv_cache: PagedKVCache,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attention_scenarios as scenarios
+from latent_rows import latent_case
 from paged_attention_ext import reference as ref
 from paged_attention_ext import token_quantization as tq
 from paged_case import TOLERANCES, free_out_of_window, make_case, query_start_loc, random_query
@@ -369,31 +370,6 @@ def test_copy_blocks_moves_rows_and_scales(fmt):
 
 # ---- MLA latent rows: quantized whole, values a view of the keys ---------------------------
 
-def latent_rows(fmt, lens, block_size, seed):
-    """Latent caches (576-wide rows, one KV head, random block order) holding ``lens``
-    tokens per sequence, written by the CPU kernel of write_latent (the reference's bytes),
-    the slots no token owns garbage with NaN scales; (cache, scale, tables, seq_lens)."""
-    import paged_attention_ext as pa
-
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks) + 2
-    cache = torch.randint(0, 256, (num_blocks, 1, block_size, tq.stored_head_size(fmt, 576)),
-                          generator=gen, dtype=torch.uint8).view(fmt)
-    scale = empty_scales(cache)
-    physical = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    used = 0
-    for i, (n, nb) in enumerate(zip(lens, blocks)):
-        tables[i, :nb] = physical[used:used + nb].int()
-        used += nb
-        positions = torch.arange(n)
-        slots = tables[i, positions // block_size].long() * block_size + positions % block_size
-        pa.write_latent(torch.randn(n, 1, 512, generator=gen), torch.randn(n, 1, 64, generator=gen) * 3,
-                        cache, slots, scale)
-    return cache, scale, tables, torch.tensor(lens, dtype=torch.int32)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 def test_write_latent_rows_as_keys_alone(fmt, input_dtype):
@@ -430,7 +406,7 @@ def test_attention_over_latent_rows(fmt, lens, heads, split):
     # Keys the 576-wide rows, values their leading 512 columns (a view of the same memory),
     # one scale tensor for both: int4's output is rotated back with the key rows' blocks of
     # 64, in the attention kernel and (split) in the merge kernel.
-    cache, scale, tables, seq_lens = latent_rows(fmt, lens, 16, seed=len(lens) + heads)
+    cache, scale, tables, seq_lens = latent_case(lens, 16, fmt, seed=len(lens) + heads)
     values = cache[..., :tq.stored_head_size(fmt, 512)]
     query = random_query(len(lens), heads, 576, torch.bfloat16)
     out, lse, splits = emulated_attention(query, cache, values, tables, seq_lens, 576 ** -0.5,

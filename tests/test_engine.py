@@ -11,6 +11,8 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, Sampli
 from paged_attention_ext.testing import random_pair, tiny_config
 from paged_attention_ext.engine.sequence import GroupStatus
 
+from engine_loop import serve_to_completion
+
 VOCAB = 96
 BLOCK = 4
 
@@ -61,12 +63,9 @@ def serve(model, requests, **config):
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK, record_block_contents=True, **config))
     for request in requests:
         engine.add_request(request)
-    outputs, started, preempted = {}, set(), set()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
+    started, preempted = set(), set()
+
+    def note_preempted(engine):
         for request in requests:
             status = engine.status(request.request_id)
             if status is GroupStatus.RUNNING:
@@ -74,6 +73,7 @@ def serve(model, requests, **config):
             elif status is GroupStatus.SWAPPED or (status is GroupStatus.WAITING
                                                    and request.request_id in started):
                 preempted.add(request.request_id)
+    outputs = serve_to_completion(engine, after_step=note_preempted)
     return engine, outputs, preempted
 
 
@@ -139,11 +139,8 @@ def test_abort_releases_blocks_in_every_state(models, requests):
                 engine.check_invariants(deep=True)
         engine.step()
     assert len(aborted) == 3
-    finished = set()
-    while engine.has_unfinished():
-        finished |= {o.request_id for o in engine.step() if o.finished}
-        engine.check_invariants(deep=True)
-    assert finished.isdisjoint(aborted.values())
+    finished = serve_to_completion(engine)
+    assert finished.keys().isdisjoint(aborted.values())
     assert_all_blocks_released(engine)
 
 
@@ -174,8 +171,7 @@ def test_request_larger_than_pool_raises(models):
     engine = LLMEngine(models[0], EngineConfig(block_size=BLOCK, num_device_blocks=2))
     engine.add_request(Request("big", list(range(20)), SamplingParams(max_new_tokens=4)))
     with pytest.raises(RuntimeError, match="cannot fit"):
-        while engine.has_unfinished():
-            engine.step()
+        serve_to_completion(engine, check_deep=False)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

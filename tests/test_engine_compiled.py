@@ -11,6 +11,8 @@ from torch._dynamo.utils import counters
 from paged_attention_ext.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from paged_attention_ext.testing import random_pair, tiny_config
 
+from engine_loop import serve_to_completion
+
 VOCAB = 96
 BLOCK = 4
 
@@ -46,14 +48,9 @@ def make_requests(count=9, seed=0):
 def serve(model, requests, **config):
     engine = LLMEngine(model, EngineConfig(block_size=BLOCK, record_block_contents=True, **config))
     graphs = counters["stats"]["unique_graphs"]
-    outputs = {}
     for request in requests:
         engine.add_request(request)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
+    outputs = serve_to_completion(engine)
     return engine, outputs, counters["stats"]["unique_graphs"] - graphs
 
 
@@ -171,8 +168,7 @@ def test_inductor_decode_equals_eager(model, options):
         # Frozen weights are constants of the graph, prepacked: MKL (fp32) linear, not aten.mm.
         engine.add_request(Request("packed", [1, 2, 3], SamplingParams(max_new_tokens=3)))
         with torch.profiler.profile() as profile:
-            while engine.has_unfinished():
-                engine.step()
+            serve_to_completion(engine, check_deep=False)
         ops = {event.key for event in profile.key_averages()}
         assert any("_mkl_linear" in op or "_linear_pointwise" in op for op in ops), sorted(ops)
         # A weight changed in place after freezing must not be silently ignored.
@@ -183,8 +179,7 @@ def test_inductor_decode_equals_eager(model, options):
                 weight.copy_(weight.roll(1, dims=0))  # every token id shifts by one
             engine.add_request(Request("after", [1, 2, 3], SamplingParams(max_new_tokens=3)))
             with pytest.raises(RuntimeError, match="weights changed"):
-                while engine.has_unfinished():
-                    engine.step()
+                serve_to_completion(engine, check_deep=False)
             # A new engine compiles for the new weights; so does one without freezing (neither
             # may reuse the graph that holds the old weights as constants).
             _, changed, _ = serve(model, requests, num_device_blocks=64)

@@ -13,6 +13,8 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, Request, Sampli
                                         generate_reference)
 from paged_attention_ext.testing import random_pair
 
+from engine_loop import serve_to_completion
+
 WINDOW = 6
 BLOCK_SIZE = 4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -108,11 +110,14 @@ def test_sliding_groups_free_their_blocks(shape):
     engine = LLMEngine(paged, EngineConfig(block_size=BLOCK_SIZE, num_device_blocks=256,
                                            num_host_blocks=0, enable_prefix_caching=False))
     engine.add_request(Request("long", list(range(1, 30)), SamplingParams(max_new_tokens=60)))
-    while engine.has_unfinished():
-        engine.step()
+    snapshots = []  # the sequence's tables after each step that left it running
+
+    def snapshot_tables(engine):
         if engine.has_unfinished():
             [seq_id] = list(engine.scheduler.manager.tables)
-            snapshot = [list(t.blocks) for t in engine.scheduler.manager.tables[seq_id]]
+            snapshots.append([list(t.blocks) for t in engine.scheduler.manager.tables[seq_id]])
+    serve_to_completion(engine, check_deep=False, after_step=snapshot_tables)
+    snapshot = snapshots[-1]
     layout = engine.kv_cache.kv_groups
     full_blocks = len(snapshot[0])
     for blocks, window in zip(snapshot, layout.windows):

@@ -25,6 +25,8 @@ from paged_attention_ext.kv_groups import KVGroupLayout
 from paged_attention_ext.state_slots import COPY
 from paged_attention_ext.testing import random_pair, tiny_config
 from paged_attention_ext.tools.memory import GIB, PRESETS, kv_report
+
+from engine_loop import serve_to_completion
 from test_hf_hybrid_linear import MODELS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,12 +127,10 @@ def test_state_slots_bound_the_running_sequences_forks_included():
     engine.step()
     assert [g.request.request_id for g in engine.scheduler.running] == ["s0"]
     assert len(engine.scheduler.waiting) == 1
-    got = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            assert engine.scheduler.manager.states.num_used <= 3
-            if output.finished:
-                got[output.request_id] = output.outputs
+
+    def at_most_three_slots(engine):
+        assert engine.scheduler.manager.states.num_used <= 3
+    got = serve_to_completion(engine, check_deep=False, after_step=at_most_three_slots)
     assert got == {r.request_id: generate_reference(reference, r) for r in requests}
 
 

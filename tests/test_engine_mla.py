@@ -22,6 +22,8 @@ from paged_attention_ext.hf import latent_prefill
 from paged_attention_ext.testing import random_pair
 from paged_attention_ext.tools.memory import PRESETS, kv_report
 
+from engine_loop import serve_to_completion
+
 BLOCK = 4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               pad_token_id=0, bos_token_id=None, eos_token_id=None,
@@ -78,13 +80,7 @@ def serve(runner, reqs, **config):
     engine = LLMEngine(runner, EngineConfig(block_size=BLOCK, record_block_contents=True, **config))
     for request in reqs:
         engine.add_request(request)
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
-    return engine, outputs
+    return engine, serve_to_completion(engine)
 
 
 def expected(reference, reqs):
@@ -119,12 +115,24 @@ def test_long_query_runs_expanded_equal_eager_beside_absorbed_decodes(pair, monk
                         lambda *args: forms.append("expanded") or expanded(*args))
     monkeypatch.setattr(latent_prefill, "_run_absorbed",
                         lambda *args: forms.append("absorbed") or absorbed(*args))
+    # Which runs expand is decided once per step, from the step's host lists, for every layer.
+    asked, decided = [], []
+    step_runs, decide = latent_prefill.step_runs, latent_prefill.LatentRuns.__init__
+    monkeypatch.setattr(latent_prefill, "step_runs",
+                        lambda batch, *args: asked.append(batch) or step_runs(batch, *args))
+    monkeypatch.setattr(latent_prefill.LatentRuns, "__init__",
+                        lambda self, *args: decided.append(self) or decide(self, *args))
+    monkeypatch.setattr(latent_prefill.LatentRuns, "read",
+                        lambda *args: pytest.fail("the step's lengths read back from tensors"))
     reqs = requests()
     engine, outputs = serve(paged, copy.deepcopy(reqs), num_device_blocks=14, num_host_blocks=64,
                             preemption_mode="recompute")
     assert outputs == expected(reference, reqs)
     assert engine.report()["prefix_cache_hit_rate"] > 0
     assert {"expanded", "absorbed"} <= set(forms)
+    layers = paged.config.num_hidden_layers
+    assert len(decided) == len({id(batch) for batch in asked}) > 0
+    assert len(asked) == layers * len(decided)
 
 
 def test_expanded_storage_keeps_per_head_keys_and_values(pair):

@@ -24,6 +24,8 @@ from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.reference import quantize
 from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
+from engine_loop import serve_to_completion
+
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DECODING = {
     "greedy": dict(do_sample=False),
@@ -136,10 +138,7 @@ def test_engine_equals_fake_fp8_reference(engine_pair, fake_format, blocks, mode
                                            v_scale=V_SCALE, record_block_contents=True))
     for request in requests:
         engine.add_request(request)
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update({o.request_id: o.outputs for o in engine.step() if o.finished})
-        engine.check_invariants(deep=True)
+    outputs = serve_to_completion(engine)
     assert outputs == {r.request_id: generate_reference(reference, r) for r in requests}
     assert engine.kv_cache.dtype == FORMATS[fake_format]
     preemptions = engine.report()["preemptions"]

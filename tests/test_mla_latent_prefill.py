@@ -12,6 +12,8 @@ import torch
 
 from paged_attention_ext import AttentionMetadata
 from paged_attention_ext.hf import latent_prefill
+from paged_attention_ext.hf.batch import PagedBatch
+from paged_attention_ext.step_inputs import StepInputs, StepPlan
 
 LORA, ROPE, NOPE, V_HEAD, HEADS, BLOCK = 64, 16, 32, 24, 4, 4
 
@@ -116,6 +118,37 @@ def test_a_step_of_only_long_runs_or_only_short_ones_takes_one_form(monkeypatch)
     decode = AttentionMetadata(metadata.block_tables, metadata.seq_lens)
     attend(module, cache, decode, query[:2], expand=True)
     assert calls == [12]
+
+
+def test_a_step_decides_once_for_its_layers_and_a_reused_batch_anew_for_each_step(monkeypatch):
+    """The engine's and a cache's batches carry the step's plan: every layer reads its
+    decision (no lengths read back from the tensors); a compiled cache's batch, handed out
+    again with its buffers rewritten and a new plan, decides again."""
+    only_query_rows_count(monkeypatch, 3)
+    module = layer()
+    cache, metadata, query = step([9, 4], [9, 3], [[0, 1, 2], [3]], 4, torch.float32)
+    want = attend(module, cache, metadata, query, expand=True)
+    next_step = AttentionMetadata(metadata.block_tables, metadata.seq_lens,
+                                  torch.tensor([0, 2, 3], dtype=torch.int32))
+    short = attend(module, cache, next_step, query[:3], expand=False)
+    calls = spy_expanded(monkeypatch)
+    monkeypatch.setattr(latent_prefill.LatentRuns, "read",
+                        lambda *args: pytest.fail("the step's lengths read back from tensors"))
+    inputs = StepInputs((torch.zeros(12, dtype=torch.int64),), (metadata.block_tables,),
+                        metadata.seq_lens, metadata.query_start_loc,
+                        plan=StepPlan(([[0, 1, 2], [3]],), ([0] * 12,), [9, 4], [9, 3]))
+    batch = PagedBatch(None, inputs)
+    for _ in range(2):  # two layers
+        torch.testing.assert_close(attend(module, cache, inputs.attention[0], query, expand=True,
+                                          batch=batch), want)
+    runs = batch.latent_runs
+    assert calls == [12, 12] and runs.plan is inputs.plan
+    # The next step in the same buffers: short runs only, absorbed.
+    inputs.query_start_loc.copy_(next_step.query_start_loc)
+    inputs.plan = StepPlan(([[0, 1, 2], [3]],), ([0] * 3,), [9, 4], [2, 1])
+    torch.testing.assert_close(attend(module, cache, inputs.attention[0], query[:3], expand=True,
+                                      batch=batch), short)
+    assert calls == [12, 12] and batch.latent_runs is not runs
 
 
 def test_the_expanded_form_refuses_what_cannot_be_absorbed_too(monkeypatch):

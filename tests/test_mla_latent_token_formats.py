@@ -14,45 +14,12 @@ import torch
 
 import cpu_isas
 import paged_attention_ext as pa
+from latent_rows import LORA, ROPE, WIDTH, latent_cache, latent_case, rows_of, values_of
 from paged_attention_ext import reference as ref
 from paged_attention_ext import token_quantization as tq
 
-LORA, ROPE = 512, 64
-WIDTH = LORA + ROPE
 TOKEN_DTYPES = [torch.int8, torch.uint8]
 TOKEN_IDS = ["int8", "int4"]
-
-
-def latent_cache(num_blocks: int, block_size: int, dtype: torch.dtype, nhd: bool = False):
-    """A latent cache [num_blocks, 1, block_size, row bytes] (an NHD view when ``nhd``) and
-    its scale tensor (None for a float cache), every byte garbage: a read of an unwritten
-    slot shows."""
-    row = tq.stored_head_size(dtype, WIDTH) if tq.is_per_token(dtype) else WIDTH
-    if nhd:
-        cache = torch.empty(num_blocks, block_size, 1, row, dtype=dtype).transpose(1, 2)
-    else:
-        cache = torch.empty(num_blocks, 1, block_size, row, dtype=dtype)
-    if dtype.is_floating_point:
-        cache.copy_(torch.full(cache.shape, float("nan")).to(dtype))
-    else:
-        cache.view(torch.uint8).copy_(torch.randint(0, 256, cache.shape, dtype=torch.uint8))
-    if not tq.is_per_token(dtype):
-        return cache, None
-    scale = torch.full(tq.scale_shape(dtype, num_blocks, 1, block_size), float("nan"))
-    scale[..., 0].view(-1)[::3] = 1e30  # huge and NaN scales in slots no token owns
-    return cache, scale
-
-
-def values_of(cache: torch.Tensor) -> torch.Tensor:
-    """The value view of a latent cache: its leading 512 columns."""
-    return cache[..., :tq.stored_head_size(cache.dtype, LORA) if tq.is_per_token(cache.dtype) else LORA]
-
-
-def rows_of(gen: torch.Generator, n: int, dtype=torch.float32):
-    latent = torch.randn(n, 1, LORA, generator=gen) * 0.7
-    latent[:, :, 7] *= 20  # an outlier channel, as real latents have
-    rotary = torch.randn(n, 1, ROPE, generator=gen) * 2
-    return latent.to(dtype), rotary.to(dtype)
 
 
 # ---- write_latent ------------------------------------------------------------------------
@@ -137,25 +104,6 @@ def test_write_kv_still_refuses_per_token_latent_views_and_names_write_latent():
 
 
 # ---- attention over per-token latent rows --------------------------------------------------
-
-def latent_case(lens, block_size, cache_dtype, seed=3, nhd=False):
-    """Latent caches holding ``lens`` tokens per sequence in random block order (the slots
-    no token owns left garbage), their block tables and the scale tensor."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks) + 3
-    cache, scale = latent_cache(num_blocks, block_size, cache_dtype, nhd)
-    physical = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(blocks) + 1), 1 << 30, dtype=torch.int32)
-    used = 0
-    for i, (n, nb) in enumerate(zip(lens, blocks)):
-        tables[i, :nb] = physical[used:used + nb].int()
-        used += nb
-        positions = torch.arange(n)
-        slots = tables[i, positions // block_size].long() * block_size + positions % block_size
-        pa.write_latent(*rows_of(gen, n), cache, slots, scale)
-    return cache, scale, tables, torch.tensor(lens, dtype=torch.int32)
-
 
 def reference_out(query, cache, scale, tables, seq_lens, qsl=None, form="attention"):
     args = (query.double(), cache, values_of(cache), tables, seq_lens)

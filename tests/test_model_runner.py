@@ -25,6 +25,8 @@ from paged_attention_ext.engine import (EngineConfig, LLMEngine, ModelRunner, Mo
 from paged_attention_ext.engine.scheduler import SchedulerOutput
 from paged_attention_ext.engine.sequence import GroupStatus
 
+from engine_loop import serve_to_completion
+
 VOCAB = 97
 EOS = 0
 
@@ -96,16 +98,14 @@ def serve(preemption_mode: str) -> Dict:
     engine = LLMEngine(CacheReadingRunner(), EngineConfig(
         block_size=4, num_device_blocks=12, num_host_blocks=64 if preemption_mode == "swap" else 0,
         preemption_mode=preemption_mode, record_block_contents=True))
-    outputs, preempted = {}, set()
+    preempted = set()
     for request in requests():
         engine.add_request(request)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        engine.check_invariants(deep=True)
-        preempted |= {r for r, g in engine._groups.items() if g.status is GroupStatus.SWAPPED
-                      or (g.status is GroupStatus.WAITING and g.seqs[0].output_ids)}
+
+    def note_preempted(engine):
+        preempted.update(r for r, g in engine._groups.items() if g.status is GroupStatus.SWAPPED
+                         or (g.status is GroupStatus.WAITING and g.seqs[0].output_ids))
+    outputs = serve_to_completion(engine, after_step=note_preempted)
     usage = engine.scheduler.manager.usage()
     return {"outputs": outputs, "preempted": sorted(preempted), "report": engine.report(),
             "blocks_used": [usage["device_blocks_used"], usage["host_blocks_used"]],
@@ -163,10 +163,12 @@ outputs = module.serve("swap")["outputs"]
 print(json.dumps({{"outputs": outputs, "hf": sorted(m for m in sys.modules if m.startswith("paged_attention_ext.hf"))}}))
 """
     # The package this process tests (the source tree, or where pip installed it), not
-    # whatever the child's working directory would shadow it with.
+    # whatever the child's working directory would shadow it with; and the tests' own modules
+    # (engine_loop).
     package_root = Path(paged_attention_ext.__file__).resolve().parents[1]
+    path = os.pathsep.join([str(package_root), str(Path(__file__).parent)])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(package_root)})
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr
     child = json.loads(result.stdout.strip().splitlines()[-1])
     assert child["hf"] == []

@@ -28,6 +28,7 @@ from paged_attention_ext.hf import CompiledPagedCache, PagedCache
 from paged_attention_ext.kv_cache import PagedKVCache
 from paged_attention_ext.testing import ARCHS, TINY, random_pair, tiny_config
 
+from engine_loop import serve_to_completion
 from hf_prompts import left_padded
 
 FORMATS = {"int8_per_token_head": torch.int8, "int4_per_token_head": torch.uint8}
@@ -197,10 +198,7 @@ def test_engine_equals_fake_quantizing_reference(engine_pair, fake_format, block
                                            kv_cache_dtype=fake_format, record_block_contents=True))
     for request in requests:
         engine.add_request(request)
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update({o.request_id: o.outputs for o in engine.step() if o.finished})
-        engine.check_invariants(deep=True)
+    outputs = serve_to_completion(engine)
     assert outputs == {r.request_id: generate_reference(reference_model, r) for r in requests}
     assert engine.kv_cache.dtype == FORMATS[fake_format]
     stats = engine.report()
@@ -368,11 +366,7 @@ def test_engine_keeps_per_token_latent_rows_through_prefix_hits_and_preemption(m
         requests = engine_requests()
         for request in requests:
             engine.add_request(request)
-        outputs = {}
-        while engine.has_unfinished():
-            outputs.update({o.request_id: o.outputs for o in engine.step() if o.finished})
-            engine.check_invariants(deep=True)
-        return engine, outputs
+        return engine, serve_to_completion(engine)
 
     engine, outputs = serve(num_device_blocks=blocks, preemption_mode=mode, kv_cache_dtype=fmt)
     assert engine.kv_cache.values_in_keys and engine.kv_cache.dtype == FORMATS[fmt]

@@ -159,7 +159,7 @@ def paged_attention_forward(
             if query_rows is not None:
                 new_kv = tuple(t.index_select(0, query_rows) for t in new_kv)
         out = latent_attention(module, metadata, q, *new_kv, key_cache, value_cache, scale,
-                               batch.kv_cache.as_query, **op_kwargs)
+                               batch.kv_cache.as_query, batch=batch, **op_kwargs)
     else:
         out = metadata.run(batch.kv_cache.as_query(q), key_cache, value_cache, scale, **op_kwargs)
     if query_rows is not None:

@@ -14,8 +14,8 @@ Two producers build a :class:`PagedBatch` around the step's
   hands the batch to the attention function with ``write_kv=False``.
 """
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from ..attention_metadata import AttentionMetadata
 from ..kv_cache import PagedKVCache
 from ..step_inputs import StepInputs, StepPlan
 from .linear_step import LinearStep
+
+if TYPE_CHECKING:
+    from .latent_prefill import LatentRuns
 
 
 def flat_tokens(states: torch.Tensor) -> torch.Tensor:
@@ -52,6 +55,9 @@ class PagedBatch:
     # The engine's forward of a hybrid model: how its linear-attention layers run the packed
     # row, sequence by sequence from their state slots (hf/hooks/packed_linear_attention.py).
     linear: Optional[LinearStep] = None
+    # An MLA model's step: which sequences attend expanded, decided by its first latent
+    # layer for all (hf/latent_prefill.step_runs).
+    latent_runs: Optional["LatentRuns"] = field(default=None, init=False, repr=False)
 
     def _group(self, layer: int) -> int:
         """The layer's KV group, which this batch must have tables for."""
