@@ -17,7 +17,7 @@ import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
 from paged_attention_ext import token_quantization
-from cpu_isas import ISAS, select_isa, supported_isas
+from cpu_isas import ISAS, amx_kernel, select_isa, supported_isas
 from paged_case import DTYPES, free_out_of_window, make_case, query_start_loc, random_query
 
 
@@ -346,6 +346,26 @@ def test_an_instruction_set_beyond_the_cpu_is_rejected():
         pa.select_cpu_isa(beyond[0])
 
 
+def test_amx_emulated_only_when_asked(monkeypatch):
+    """The amx kernel on the software model of its tiles is a testing aid: never the
+    default, not a rank of CPU_ISAS, chosen by name or by the variable where the CPU runs
+    avx512_bf16 (the instruction set it is compiled for), refused elsewhere."""
+    assert "amx_emulated" not in pa.CPU_ISAS
+    monkeypatch.delenv("PAGED_ATTENTION_CPU_ISA", raising=False)
+    assert pa.select_cpu_isa() != "amx_emulated"
+    with pytest.raises(ValueError, match=r"must be one of generic, .*, amx or amx_emulated \(the amx kernel on "):
+        pa.select_cpu_isa("amx-emulated")
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "amx_emulated")
+    if "avx512_bf16" in supported_isas():
+        assert pa.select_cpu_isa() == "amx_emulated" == pa.cpu_isa()
+        return
+    before = pa.cpu_isa()
+    with pytest.raises(ValueError, match=r"^PAGED_ATTENTION_CPU_ISA=amx_emulated needs avx512_bf16 \(its "
+                                         r"instruction set\) but this CPU supports at most "):
+        pa.select_cpu_isa()
+    assert pa.cpu_isa() == before
+
+
 @pytest.mark.parametrize("request_, error", [("sse9", "must be one of"), ("amx", "but this CPU supports")])
 def test_a_refused_variable_at_startup_fails_every_call(request_, error):
     """As when the variable was read per call: a process started with a bad request raises
@@ -431,8 +451,9 @@ def test_amx_tiles(cache_dtype, block_size):
     fallback, its multi-token rows take the tiles), decode tiles of 2, 4 and 8 queries with
     compact score rows, key groups of 16 inside blocks of 16-64 (8: the fallback), chunks
     that start mid-group (windows, causal partitions), NaN in every unused slot, and the
-    softmax features it shares with the general kernel."""
-    select_isa("amx")
+    softmax features it shares with the general kernel. On the tiles, or on their software
+    model (amx_emulated) where the CPU lacks AMX."""
+    select_isa(amx_kernel())
     lens = scenarios.edge_lengths(block_size) + [100, 700]
     for num_heads, num_kv_heads in ((4, 4), (4, 2), (8, 2), (16, 2), (20, 1), (48, 3)):
         kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype,
@@ -460,8 +481,9 @@ def test_amx_tiles(cache_dtype, block_size):
 def test_amx_head_sizes(cache_dtype, head_size, head_size_v):
     """The amx kernel spreads a tile's score products (one per 32 key elements) and value
     products (one per 16 output columns) over the 16 row pairs of another tile's softmax:
-    1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart."""
-    select_isa("amx")
+    1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart (on the tile
+    model where the CPU lacks AMX)."""
+    select_isa(amx_kernel())
     kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
     case, extra = scenarios.with_format(
         make_case([1, 15, 16, 17, 100, 333], 2, head_size, 16,
