@@ -35,6 +35,13 @@ def amx_kernel() -> str:
     return "amx" if isa_supported("amx") else "amx_emulated"
 
 
+def supported_kernels() -> list:
+    """:func:`supported_isas`, plus the amx kernel on its tile model (``amx_emulated``) where
+    the CPU lacks AMX but runs avx512_bf16."""
+    isas = supported_isas()
+    return isas + ["amx_emulated"] if isas[-1] == "avx512_bf16" else isas
+
+
 def select_isa(isa: str, amx_model: bool = False) -> None:
     """Run the rest of the test on ``isa``'s kernel, or skip where the CPU lacks it. With
     ``amx_model``, ``amx`` runs on :func:`amx_kernel` (the tile model where AMX is missing)."""
