@@ -286,8 +286,8 @@ def test_fp16_conversion_of_every_bit_pattern(isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_layouts_on_every_instruction_set(layout, dtype):
     """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
-    each ISA (and the amx kernel's tile model where the CPU lacks AMX): float caches of each dtype, an fp8 and a per-token cache (scales alike) per
-    layout."""
+    each ISA (and the amx kernel's tile model where the CPU lacks AMX): float caches of
+    each dtype, an fp8 and a per-token cache (scales alike) per layout."""
     lens = [1, 15, 16, 17, 100, 0]
     for isa in supported_kernels():
         select_isa(isa)

@@ -119,7 +119,10 @@ static inline void tile_model_dpbf16ps(int c, int a, int b) {
   float b_even[16][16] = {}, b_odd[16][16] = {};
   for (int kk = 0; kk < k; ++kk) {
     const uint16_t* row = reinterpret_cast<const uint16_t*>(s.data[b][kk]);
-    for (int j = 0; j < n; ++j) b_even[kk][j] = tile_model_bf16(row[2 * j]), b_odd[kk][j] = tile_model_bf16(row[2 * j + 1]);
+    for (int j = 0; j < n; ++j) {
+      b_even[kk][j] = tile_model_bf16(row[2 * j]);
+      b_odd[kk][j] = tile_model_bf16(row[2 * j + 1]);
+    }
   }
   for (int r = 0; r < m; ++r) {
     const uint16_t* a_row = reinterpret_cast<const uint16_t*>(s.data[a][r]);
@@ -133,7 +136,8 @@ static inline void tile_model_dpbf16ps(int c, int a, int b) {
     }
     float out[16];
     std::memcpy(out, s.data[c][r], sizeof(out));
-    for (int j = 0; j < 16; ++j) out[j] = tile_model_flush(tile_model_flush(out[j]) + tile_model_flush(even[j] + odd[j]));
+    for (int j = 0; j < 16; ++j)
+      out[j] = tile_model_flush(tile_model_flush(out[j]) + tile_model_flush(even[j] + odd[j]));
     std::memset(s.data[c][r], 0, sizeof(s.data[c][r]));
     std::memcpy(s.data[c][r], out, 4 * n);  // the bytes past C's zero
   }
