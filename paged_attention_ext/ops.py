@@ -624,7 +624,10 @@ def cpu_isa() -> str:
     By default the best the CPU runs, except that where a ``vdpbf16ps`` does fewer
     multiply-adds per cycle than fp32 FMAs (measured once, ~0.1 ms; the Xeons with AMX so
     far), ``avx512_vbmi`` runs instead of ``avx512_bf16``, and the ``amx`` kernel hands the
-    items its tiles do not take to ``avx512_vbmi`` too.
+    items its tiles do not take to ``avx512_vbmi`` too. Or ``amx_emulated``, only when asked
+    for: the ``amx`` kernel on a software model of its tiles, for testing it on CPUs with
+    ``avx512_bf16`` but no AMX (slow; not one of :data:`CPU_ISAS`, which rank the
+    instruction sets).
 
     The choice is made once per process, when the library first runs a kernel: the
     environment variable ``PAGED_ATTENTION_CPU_ISA`` may name any instruction set the CPU
@@ -643,8 +646,8 @@ def cpu_isa() -> str:
 
 def select_cpu_isa(isa: Optional[str] = None) -> str:
     """Chooses the CPU attention kernel of every later call in this process (for tests and
-    benchmarks that compare kernels): ``isa``, one of :data:`CPU_ISAS` that the CPU runs, or
-    with None the one ``PAGED_ATTENTION_CPU_ISA`` names now (unset: the default of
+    benchmarks that compare kernels): ``isa``, one of :data:`CPU_ISAS` that the CPU runs (or
+    ``amx_emulated`` where it runs ``avx512_bf16``; see :func:`cpu_isa`), or with None the one ``PAGED_ATTENTION_CPU_ISA`` names now (unset: the default of
     :func:`cpu_isa`). Returns the chosen name. A name that is unknown or beyond this CPU
     raises a ``ValueError`` and keeps the current choice.
 

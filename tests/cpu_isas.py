@@ -29,8 +29,24 @@ def supported_isas() -> list:
     return [isa for isa in ISAS if isa_supported(isa)]
 
 
-def select_isa(isa: str) -> None:
-    """Run the rest of the test on ``isa``'s kernel, or skip where the CPU lacks it."""
+def amx_kernel() -> str:
+    """The amx kernel as this CPU runs it: ``amx`` on AMX hardware, else its compile on the
+    software model of the tiles, ``amx_emulated`` (which needs avx512_bf16)."""
+    return "amx" if isa_supported("amx") else "amx_emulated"
+
+
+def supported_kernels() -> list:
+    """:func:`supported_isas`, plus the amx kernel on its tile model (``amx_emulated``) where
+    the CPU lacks AMX but runs avx512_bf16."""
+    isas = supported_isas()
+    return isas + ["amx_emulated"] if isas[-1] == "avx512_bf16" else isas
+
+
+def select_isa(isa: str, amx_model: bool = False) -> None:
+    """Run the rest of the test on ``isa``'s kernel, or skip where the CPU lacks it. With
+    ``amx_model``, ``amx`` runs on :func:`amx_kernel` (the tile model where AMX is missing)."""
+    if amx_model and isa == "amx":
+        isa = amx_kernel()
     if not isa_supported(isa):
         pytest.skip(f"this CPU supports up to {supported_isas()[-1]}")
     assert pa.select_cpu_isa(isa) == isa

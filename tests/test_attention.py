@@ -17,7 +17,7 @@ import attention_scenarios as scenarios
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
 from paged_attention_ext import token_quantization
-from cpu_isas import ISAS, select_isa, supported_isas
+from cpu_isas import ISAS, amx_kernel, select_isa, supported_isas, supported_kernels
 from paged_case import DTYPES, free_out_of_window, make_case, query_start_loc, random_query
 
 
@@ -33,7 +33,7 @@ def test_attention_scenario(case):
 @pytest.mark.parametrize("isa", pa.CPU_ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype):
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     lens = [1, 15, 16, 17, 100, 0]
     sinks = scenarios.random_sinks(8)
     # (key, value) head sizes: 128 has its own compile of the kernel; 64 and 192/128 take
@@ -94,7 +94,7 @@ def test_output_rows_at_their_strides(isa, dtype):
     each row at out's strides, nothing past head_size_v (padded head sizes included), the
     same values as a fresh output, and lse alike; a long sequence's partitions take the
     merge instead, into the same strided rows."""
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     for head_size, lens in ((128, [1, 17, 300, 0]), (72, [5, 33]), (128, [2000])):
         case = make_case(lens, 2, head_size, 16, dtype)
         for q_lens in (None, [1, 3, 40, 0][:len(lens)]):
@@ -122,7 +122,7 @@ def test_every_instruction_set_fp8(isa, fp8):
     special stored values (NaN in a visible row must reach the output, as in the
     reference; subnormals and the largest values convert exactly). Lengths around the
     block (16) and around the fp8 decode chunk (64 keys at head sizes up to 128)."""
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     lens = [1, 15, 16, 17, 63, 64, 65, 100, 129, 0]
     for i, (head_size, head_size_v) in enumerate(((64, 64), (72, 72), (128, 128), (192, 128),
                                                   (40, 128), (80, 64))):
@@ -249,7 +249,7 @@ TILE_HEADS = [(3, 3), (6, 3), (6, 2), (8, 2), (12, 2), (8, 1)]
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES + list(scenarios.FP8_DTYPES + scenarios.TOKEN_DTYPES), ids=str)
 def test_register_tiles_on_every_instruction_set(isa, dtype):
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     lens = [1, 31, 32, 33, 70]
     for num_heads, num_kv_heads in TILE_HEADS:
         for head_size in (64, 128):
@@ -286,10 +286,10 @@ def test_fp16_conversion_of_every_bit_pattern(isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_layouts_on_every_instruction_set(layout, dtype):
     """Blocks, heads and tokens addressed by stride, also with unaligned (odd) rows, on
-    each ISA: float caches of each dtype, an fp8 and a per-token cache (scales alike) per
-    layout."""
+    each ISA (and the amx kernel's tile model where the CPU lacks AMX): float caches of
+    each dtype, an fp8 and a per-token cache (scales alike) per layout."""
     lens = [1, 15, 16, 17, 100, 0]
-    for isa in supported_isas():
+    for isa in supported_kernels():
         select_isa(isa)
         for head_size, head_size_v in ((128, 128), (72, 40)):
             case, extra = scenarios.with_format(
@@ -344,6 +344,26 @@ def test_an_instruction_set_beyond_the_cpu_is_rejected():
         pytest.skip("this CPU runs every kernel")
     with pytest.raises(ValueError, match=f"^PAGED_ATTENTION_CPU_ISA={beyond[0]} but this CPU supports at most "):
         pa.select_cpu_isa(beyond[0])
+
+
+def test_amx_emulated_only_when_asked(monkeypatch):
+    """The amx kernel on the software model of its tiles is a testing aid: never the
+    default, not a rank of CPU_ISAS, chosen by name or by the variable where the CPU runs
+    avx512_bf16 (the instruction set it is compiled for), refused elsewhere."""
+    assert "amx_emulated" not in pa.CPU_ISAS
+    monkeypatch.delenv("PAGED_ATTENTION_CPU_ISA", raising=False)
+    assert pa.select_cpu_isa() != "amx_emulated"
+    with pytest.raises(ValueError, match=r"must be one of generic, .*, amx or amx_emulated \(the amx kernel on "):
+        pa.select_cpu_isa("amx-emulated")
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "amx_emulated")
+    if "avx512_bf16" in supported_isas():
+        assert pa.select_cpu_isa() == "amx_emulated" == pa.cpu_isa()
+        return
+    before = pa.cpu_isa()
+    with pytest.raises(ValueError, match=r"^PAGED_ATTENTION_CPU_ISA=amx_emulated needs avx512_bf16 \(its "
+                                         r"instruction set\) but this CPU supports at most "):
+        pa.select_cpu_isa()
+    assert pa.cpu_isa() == before
 
 
 @pytest.mark.parametrize("request_, error", [("sse9", "must be one of"), ("amx", "but this CPU supports")])
@@ -431,8 +451,9 @@ def test_amx_tiles(cache_dtype, block_size):
     fallback, its multi-token rows take the tiles), decode tiles of 2, 4 and 8 queries with
     compact score rows, key groups of 16 inside blocks of 16-64 (8: the fallback), chunks
     that start mid-group (windows, causal partitions), NaN in every unused slot, and the
-    softmax features it shares with the general kernel."""
-    select_isa("amx")
+    softmax features it shares with the general kernel. On the tiles, or on their software
+    model (amx_emulated) where the CPU lacks AMX."""
+    select_isa(amx_kernel())
     lens = scenarios.edge_lengths(block_size) + [100, 700]
     for num_heads, num_kv_heads in ((4, 4), (4, 2), (8, 2), (16, 2), (20, 1), (48, 3)):
         kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype,
@@ -460,8 +481,9 @@ def test_amx_tiles(cache_dtype, block_size):
 def test_amx_head_sizes(cache_dtype, head_size, head_size_v):
     """The amx kernel spreads a tile's score products (one per 32 key elements) and value
     products (one per 16 output columns) over the 16 row pairs of another tile's softmax:
-    1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart."""
-    select_isa("amx")
+    1 to 8 score parts and 2 to 16 value parts, key and value head sizes apart (on the tile
+    model where the CPU lacks AMX)."""
+    select_isa(amx_kernel())
     kv = scenarios.KVFormat(None if cache_dtype == torch.bfloat16 else cache_dtype, per_head_scales=True)
     case, extra = scenarios.with_format(
         make_case([1, 15, 16, 17, 100, 333], 2, head_size, 16,
@@ -505,7 +527,7 @@ def test_running_max(isa, trend):
     move it step after step (the accumulators rescaled), falling ones never, and rare spikes
     far above the rest move it once in a while. Wide scores (std ~20) so every branch is
     taken; output and lse both checked, for decode (GQA and MHA) and multi-token rows."""
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     lens, block_size = [900, 257, 40], 16
     case = make_case(lens, 2, 128, block_size, torch.bfloat16)
     gen = torch.Generator().manual_seed(3)

@@ -63,7 +63,7 @@ def test_latent_decode_with_masks_and_modifiers(isa):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 2), (64, 1), (24, 2)])
 def test_gqa_decode(isa, head_size, head_size_v, num_heads, num_kv_heads):
     """12 to 64 queries per KV head, value tails of 32 (96) and a value row of 32."""
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     case = make_case(LENS, num_kv_heads, head_size, BLOCK_SIZE, torch.bfloat16, seed=5,
                      head_size_v=head_size_v)
     query = random_query(len(LENS), num_heads, head_size, torch.bfloat16, seed=6)
@@ -75,7 +75,7 @@ def test_gqa_decode(isa, head_size, head_size_v, num_heads, num_kv_heads):
 def test_gqa_multi_token(isa):
     """Causal rows of a GQA group (8 queries per KV head: 16 and more from 2 rows on)
     whose chunks the driver masks, with a window and a soft cap."""
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     q_lens, lens = [1, 2, 5, 17, 40], [3, 18, 33, 40, 100]
     case = make_case(lens, 2, 128, BLOCK_SIZE, torch.bfloat16, seed=7)
     query = random_query(sum(q_lens), 16, 128, torch.bfloat16, seed=8)

@@ -41,7 +41,7 @@ def test_reference_equals_plain_attention_row_by_row():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_instruction_set(isa, dtype):
-    select_isa(isa)
+    select_isa(isa, amx_model=True)
     # Head sizes with their own compile (128), the general one (64), ragged rows (72, 40/128).
     for head_size in (64, 72, 128):
         case = scenarios.shared_prefix_case([1, 15, 16, 17, 300], [8, 1, 3, 2, 4], [1] * 18, 2,

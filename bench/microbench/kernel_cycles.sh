@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build and run kernel_cycles.cpp against a source tree's kernel (see that file).
 #   [ISA=avx2] [BASELINE=DIR] [ONLY="bf16 8"] bash bench/microbench/kernel_cycles.sh [SOURCE_DIR] [-DFLAG ...]
-# ISA: the kernel to time (generic, avx2, avx512, avx512_vbmi, avx512_bf16, amx; default
-# avx512_bf16; amx items its tiles do not take run avx512_vbmi's kernel, linked beside it).
+# ISA: the kernel to time (generic, avx2, avx512, avx512_vbmi, avx512_bf16, amx, amx_emulated;
+# default avx512_bf16; amx items its tiles do not take run avx512_vbmi's kernel, linked
+# beside it; amx_emulated is amx on the software model of its tiles: its cycles are the
+# model's, not the hardware's).
 # BASELINE: a second source tree (e.g. a `git worktree` of the commit before a change),
 # timed in the same process in alternating rounds; the -D flags apply to SOURCE_DIR only.
 # RESIDENT: bytes of K (and of V) the block tables cycle over (default 128 KiB; their sum
@@ -27,15 +29,16 @@ mkdir -p "$out"
 build_kernel() {  # tree, library, extra flags...
   local tree="$1" lib="$2"
   shift 2
-  local isas=("$isa") amx=0
-  [[ "$isa" == amx ]] && isas+=(avx512_vbmi) amx=1
+  local isas=("$isa") amx=0 tiles=0
+  [[ "$isa" == amx || "$isa" == amx_emulated ]] && isas+=(avx512_vbmi) amx=1
+  [[ "$isa" == amx ]] && tiles=1
   local objects=()
   for kernel_isa in "${isas[@]}"; do
     g++ -std=c++20 -O3 -fwrapv -fPIC -fopenmp -fvisibility=hidden -Wno-psabi -DNDEBUG "$@" \
         -c "$tree/csrc/cpu/isa_$kernel_isa.cpp" -o "$lib.$kernel_isa.o"
     objects+=("$lib.$kernel_isa.o")
   done
-  g++ -std=c++20 -O2 -fPIC -fvisibility=hidden -DKERNEL_ISA="$isa" -DKERNEL_AMX=$amx -I "$tree/csrc/cpu" \
+  g++ -std=c++20 -O2 -fPIC -fvisibility=hidden -DKERNEL_ISA="$isa" -DKERNEL_AMX=$amx -DKERNEL_AMX_TILES=$tiles -I "$tree/csrc/cpu" \
       -c "$here/kernel_entry.cpp" -o "$lib.entry.o"
   g++ -shared -fopenmp "${objects[@]}" "$lib.entry.o" -o "$lib"
 }

@@ -1,7 +1,7 @@
 // One tree's kernel entry point with C linkage, linked into that tree's kernel library
 // for kernel_cycles.cpp (which dlopens one or two such libraries).
 #include <cstdint>
-#if KERNEL_AMX
+#if KERNEL_AMX_TILES
 #include "amx_permission.h"
 #endif
 
@@ -21,7 +21,7 @@ AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) { return avx512_vbmi
 }
 
 extern "C" __attribute__((visibility("default"))) paged::cpu::AttentionKernelFn kernel_entry(int kind) {
-#if KERNEL_AMX
+#if KERNEL_AMX_TILES  // the hardware's tiles (not amx_emulated's model)
   static const bool tiles_permitted = paged::cpu::request_amx_tile_permission();
   if (!tiles_permitted) return nullptr;
 #endif

@@ -415,21 +415,21 @@ struct ScoreTileOps {
 
   void part(int c) const {
     if (c == 0) {
-      _tile_zero(0);
-      _tile_zero(1);
+      PAGED_TILE_ZERO(0);
+      PAGED_TILE_ZERO(1);
     }
     PAGED_TILE_LOAD(3, q + c * q_step, q_bytes);
     if (used[0]) {
       PAGED_TILE_LOAD(2, k[0] + c * kAmxStep, k_stride);
-      _tile_dpbf16ps(0, 2, 3);
+      PAGED_TILE_DPBF16PS(0, 2, 3);
     }
     if (used[1]) {
       PAGED_TILE_LOAD(2, k[1] + c * kAmxStep, k_stride);
-      _tile_dpbf16ps(1, 2, 3);
+      PAGED_TILE_DPBF16PS(1, 2, 3);
     }
     if (c == steps - 1) {
-      _tile_stored(0, s, 4 * row_floats);
-      _tile_stored(1, s + kAmxKeyGroup * row_floats, 4 * row_floats);
+      PAGED_TILE_STORE(0, s, 4 * row_floats);
+      PAGED_TILE_STORE(1, s + kAmxKeyGroup * row_floats, 4 * row_floats);
     }
   }
 };
@@ -449,12 +449,12 @@ struct ValueTileOps {
     PAGED_TILE_LOAD(5, v_tiles + g * 256, 64);
     if (g & 1) {
       PAGED_TILE_LOAD(7, c, out_stride);
-      _tile_dpbf16ps(7, 4, 5);
-      _tile_stored(7, c, out_stride);
+      PAGED_TILE_DPBF16PS(7, 4, 5);
+      PAGED_TILE_STORE(7, c, out_stride);
     } else {
       PAGED_TILE_LOAD(6, c, out_stride);
-      _tile_dpbf16ps(6, 4, 5);
-      _tile_stored(6, c, out_stride);
+      PAGED_TILE_DPBF16PS(6, 4, 5);
+      PAGED_TILE_STORE(6, c, out_stride);
     }
   }
 };
@@ -521,7 +521,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
   std::memset(acc, 0, sizeof(float) * int64_t(num_heads) * L.padded * hsv);
 
   const TileConfig config = amx_tile_config(M);
-  _tile_loadconfig(&config);
+  PAGED_TILE_CONFIG(&config);
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
@@ -717,7 +717,7 @@ static void amx_work_item(const AttentionParams& P, const WorkItem& w, float* ws
     const ValueTileOps last = value_ops(L.tiles - 1);
     for (int g = 0; g < value_parts; ++g) issue(last, g);
   }
-  _tile_release();
+  PAGED_TILE_RELEASE();
 
   // Scores used the exact bf16 keys (no e4m3 unit), and so did the values.
   for (int i = 0; i < num_heads; ++i) {

@@ -21,6 +21,13 @@ namespace {
 // The kernels' instruction sets, each a superset of the ones before it (ops.CPU_ISAS).
 constexpr const char* kIsas[] = {"generic", "avx2", "avx512", "avx512_vbmi", "avx512_bf16", "amx"};
 enum IsaRank { kGeneric, kAvx2, kAvx512, kAvx512Vbmi, kAvx512Bf16, kAmx };
+// Beside the ranks, never a default: the amx kernel on a software model of its tiles (a
+// testing aid, slow), which runs where avx512_bf16's instruction set, its target, does.
+constexpr const char* kAmxEmulatedName = "amx_emulated";
+constexpr int kAmxEmulated = int(std::size(kIsas));
+
+// The name of a selection: a rank, or kAmxEmulated.
+const char* kernel_name(int kernel) { return kernel == kAmxEmulated ? kAmxEmulatedName : kIsas[kernel]; }
 
 int isa_rank(const std::string& isa) {
   for (int i = 0; i < int(std::size(kIsas)); ++i)
@@ -31,7 +38,7 @@ int isa_rank(const std::string& isa) {
 std::string isa_names() {
   std::string names;
   for (const char* isa : kIsas) names += std::string(names.empty() ? "" : ", ") + isa;
-  return names;
+  return names + " or " + kAmxEmulatedName + " (the amx kernel on a software model of its tiles, for tests)";
 }
 
 // AMX-TILE and AMX-BF16, and Linux's permission to use the tile data registers.
@@ -82,13 +89,18 @@ std::string preferred_isa(const std::string& best) {
   return best == "avx512_bf16" && !bf16_dots_pay() ? "avx512_vbmi" : best;
 }
 
-// The rank of the kernel `requested` names (nullptr or empty: the default), or the
-// ValueError of a name that is unknown or beyond this CPU.
-int requested_rank(const char* requested) {
+// The kernel `requested` names (nullptr or empty: the default): its rank or kAmxEmulated,
+// or the ValueError of a name that is unknown or beyond this CPU.
+int requested_kernel(const char* requested) {
   static const std::string best = best_supported_isa();
   static const std::string preferred = preferred_isa(best);
   if (requested == nullptr || *requested == '\0') return isa_rank(preferred);
   const std::string want(requested);
+  if (want == kAmxEmulatedName) {
+    PAGED_CHECK_VALUE(isa_rank(best) >= kAvx512Bf16, "PAGED_ATTENTION_CPU_ISA=", want,
+                      " needs avx512_bf16 (its instruction set) but this CPU supports at most ", best);
+    return kAmxEmulated;
+  }
   PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of ", isa_names(), "; got '",
                     want, "'");
   PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
@@ -103,29 +115,29 @@ class Selection {
  public:
   Selection() {
     try {
-      rank_ = requested_rank(std::getenv("PAGED_ATTENTION_CPU_ISA"));
+      kernel_ = requested_kernel(std::getenv("PAGED_ATTENTION_CPU_ISA"));
     } catch (const std::runtime_error& error) {
       refusal_ = error.what();
     }
   }
 
-  int rank() const {
-    const int rank = rank_.load(std::memory_order_acquire);
-    if (rank < 0) {
+  int kernel() const {
+    const int kernel = kernel_.load(std::memory_order_acquire);
+    if (kernel < 0) {
       const std::lock_guard<std::mutex> lock(mutex_);
       throw std::runtime_error(refusal_);
     }
-    return rank;
+    return kernel;
   }
 
-  void set(int rank) {
+  void set(int kernel) {
     const std::lock_guard<std::mutex> lock(mutex_);
     refusal_.clear();
-    rank_.store(rank, std::memory_order_release);
+    kernel_.store(kernel, std::memory_order_release);
   }
 
  private:
-  std::atomic<int> rank_{-1};
+  std::atomic<int> kernel_{-1};  // a rank or kAmxEmulated
   mutable std::mutex mutex_;
   std::string refusal_;  // the tagged error of the refused first request
 };
@@ -135,17 +147,17 @@ Selection& selection() {
   return chosen;
 }
 
-int selected_rank() { return selection().rank(); }
+int selected_kernel() { return selection().kernel(); }
 
 }  // namespace
 
-std::string selected_isa() { return kIsas[selected_rank()]; }
+std::string selected_isa() { return kernel_name(selected_kernel()); }
 
 std::string select_isa(std::optional<std::string> isa) {
   const char* requested = isa ? isa->c_str() : std::getenv("PAGED_ATTENTION_CPU_ISA");
-  const int rank = requested_rank(requested);
-  selection().set(rank);
-  return kIsas[rank];
+  const int kernel = requested_kernel(requested);
+  selection().set(kernel);
+  return kernel_name(kernel);
 }
 
 AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) {
@@ -153,7 +165,8 @@ AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind) {
 }
 
 AttentionKernelFn attention_kernel_for(ScalarKind kind) {
-  switch (selected_rank()) {
+  switch (selected_kernel()) {
+    case kAmxEmulated: return amx_emulated_attention_kernel(kind);
     case kAmx: return amx_attention_kernel(kind);
     case kAvx512Bf16: return avx512_bf16_attention_kernel(kind);
     case kAvx512Vbmi: return avx512_vbmi_attention_kernel(kind);
@@ -164,7 +177,10 @@ AttentionKernelFn attention_kernel_for(ScalarKind kind) {
 }
 
 PlanHints plan_hints(const AttentionParams& params) {
-  const int tiles = selected_rank() == kAmx ? amx_queries_per_item(params) : 0;
+  const int kernel = selected_kernel();
+  const int tiles = kernel == kAmx            ? amx_queries_per_item(params)
+                    : kernel == kAmxEmulated ? amx_emulated_queries_per_item(params)
+                                             : 0;
   // The vector kernels run a split-off visible range with queries in lanes and no masks;
   // the tile kernel checks masks per step and tile, so a split only adds items and a merge
   // (causal multi-token on amx measured faster without it).

@@ -10,7 +10,8 @@ namespace paged::cpu {
 
 // The best instruction set this CPU runs: "amx" (avx512_bf16 plus AMX tiles for bf16 and
 // fp8 caches), "avx512_bf16" (AVX-512 with bf16 dot products), "avx512_vbmi" (AVX-512 with
-// fp8 converted by byte permutes), "avx512", "avx2" or "generic".
+// fp8 converted by byte permutes), "avx512", "avx2" or "generic"; or "amx_emulated" (the amx
+// kernel on a software model of its tiles: tests on CPUs without AMX), only when asked for.
 // The one every call runs is chosen once: at first use, from PAGED_ATTENTION_CPU_ISA, which
 // may lower it (tests use this to cover every path); asking for one the CPU lacks raises.
 std::string selected_isa();

@@ -8,6 +8,7 @@
 namespace paged::cpu {
 
 AttentionKernelFn amx_attention_kernel(ScalarKind kind);
+AttentionKernelFn amx_emulated_attention_kernel(ScalarKind kind);  // amx's, on the tile model
 AttentionKernelFn avx512_bf16_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx512_vbmi_attention_kernel(ScalarKind kind);
 AttentionKernelFn avx512_attention_kernel(ScalarKind kind);
@@ -24,7 +25,8 @@ double avx512_bf16_dot_gain();
 AttentionKernelFn vector_kernel_beside_amx(ScalarKind kind);
 
 // Query vectors per work item the amx kernel asks for on this call; 0 where its tiles
-// take none of the call's items.
+// take none of the call's items. The same for its compile on the tile model.
 int amx_queries_per_item(const AttentionParams& params);
+int amx_emulated_queries_per_item(const AttentionParams& params);
 
 }  // namespace paged::cpu

@@ -8,11 +8,17 @@
 //   PAGED_VEC_WIDTH, PAGED_ISA_AVX512, PAGED_ISA_AVX512_VBMI, PAGED_ISA_AVX512_BF16,
 //   PAGED_ISA_AMX, PAGED_ISA_F16C:
 //                     see vec.h
+//   PAGED_AMX_EMULATED
+//                     1: the amx kernel's tiles run the software model of amx_tile_model.h
+//                     (amx_tiles.h), on a target without AMX
 // One file rather than a begin/end pair: the x86-64 condition must enclose the kernel,
 // and a preprocessor conditional cannot span files.
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -65,7 +71,9 @@ AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind kind) {
 #endif
 }
 #if PAGED_ISA_AMX
-int amx_queries_per_item(const AttentionParams& params) { return amx::queries_per_item(params); }
+int PAGED_CONCAT(PAGED_ISA, _queries_per_item)(const AttentionParams& params) {
+  return PAGED_ISA::queries_per_item(params);
+}
 #endif
 #if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
 double avx512_bf16_dot_gain() { return avx512_bf16::bf16_dot_gain(); }
@@ -75,7 +83,7 @@ double avx512_bf16_dot_gain() { return avx512_bf16::bf16_dot_gain(); }
 namespace paged::cpu {
 AttentionKernelFn PAGED_CONCAT(PAGED_ISA, _attention_kernel)(ScalarKind) { return nullptr; }
 #if PAGED_ISA_AMX
-int amx_queries_per_item(const AttentionParams&) { return 0; }
+int PAGED_CONCAT(PAGED_ISA, _queries_per_item)(const AttentionParams&) { return 0; }
 #endif
 #if PAGED_ISA_AVX512_BF16 && !PAGED_ISA_AMX
 double avx512_bf16_dot_gain() { return 0.0; }

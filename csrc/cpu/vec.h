@@ -9,8 +9,8 @@
 //   PAGED_ISA_AVX512_VBMI  1 when AVX512_VBMI byte permutes may be used (optional)
 //   PAGED_ISA_AVX512_BF16  1 when AVX512_BF16 dot products may be used (optional; implies
 //                          PAGED_ISA_AVX512_VBMI)
-//   PAGED_ISA_AMX          1 when AMX-TILE and AMX-BF16 may be used (optional; implies
-//                          PAGED_ISA_AVX512_BF16)
+//   PAGED_ISA_AMX          1 when AMX-TILE and AMX-BF16 may be used, or their software model
+//                          with PAGED_AMX_EMULATED (optional; implies PAGED_ISA_AVX512_BF16)
 //   PAGED_ISA_F16C         1 when AVX2 and F16C intrinsics may be used
 #pragma once
 
