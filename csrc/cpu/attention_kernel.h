@@ -177,6 +177,19 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
 template <typename T>
 constexpr int kWidenOnceQueries = 2 * kTileQueries<T>;
 
+// f(blocks) with the number of blocks a chunk interleaves (attention_work_item_for) as a
+// compile-time constant where it is a common one: GCC 12 turned the interleaving loops over
+// a run-time count into AVX-512 scatters, tens of cycles each on Zen 4; over a constant
+// count, into ordered stores (measured faster GQA decode in L2, docs/performance.md).
+template <typename F>
+static inline void with_blocks(int blocks, F&& f) {
+  switch (blocks) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(blocks);
+  }
+}
+
 // kHeadSize > 0: both head sizes are kHeadSize.
 template <typename T, int kHeadSize>
 void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
@@ -350,10 +363,12 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
                        P.v_token_scale + block * vs[0] + kv_head * vs[1] + slot * vs[2]};
     };
     if (blocks > 1) {
-      for (int b = 0, first = j0 / bs; b < blocks; ++b) {
-        auto [k, v] = scales_at(first + b, 0);
-        for (int r = 0; r < bs; ++r, k += ks[2], v += vs[2]) store_scales(r * blocks + b, k, v);
-      }
+      with_blocks(blocks, [&](auto blocks) {
+        for (int b = 0, first = j0 / bs; b < blocks; ++b) {
+          auto [k, v] = scales_at(first + b, 0);
+          for (int r = 0; r < bs; ++r, k += ks[2], v += vs[2]) store_scales(r * blocks + b, k, v);
+        }
+      });
       return;
     }
     int logical = j0 / bs, slot = j0 - logical * bs;
@@ -438,14 +453,20 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       auto walk_chunk = [&](const Chunk& f, const T** __restrict k, const T** __restrict v) {
         if (!free_order(f)) return walk_rows(f.j0, f.n, w.kv_head_begin + f.head, k, v);
         // Spans are then CH keys aligned to CH, so a chunk of CH keys starts a block.
-        const int first = f.j0 / bs;
-        for (int b = 0; b < chunk_blocks; ++b) {
-          auto [k_row, v_row] = block_rows(first + b, w.kv_head_begin + f.head, 0);
-          for (int r = 0; r < bs; ++r, k_row += k_token_stride, v_row += v_token_stride) {
-            k[r * chunk_blocks + b] = k_row;
-            v[r * chunk_blocks + b] = v_row;
+        with_blocks(chunk_blocks, [&](auto blocks) {
+          const T* k_first[kKeyChunk];
+          const T* v_first[kKeyChunk];
+          for (int b = 0, first = f.j0 / bs; b < blocks; ++b) {
+            const auto [k_row, v_row] = block_rows(first + b, w.kv_head_begin + f.head, 0);
+            k_first[b] = k_row;
+            v_first[b] = v_row;
           }
-        }
+          for (int r = 0; r < bs; ++r)
+            for (int b = 0; b < blocks; ++b) {
+              k[r * blocks + b] = k_first[b] + r * k_token_stride;
+              v[r * blocks + b] = v_first[b] + r * v_token_stride;
+            }
+        });
       };
       int r = 0;
       Chunk c = first_chunk();
