@@ -306,6 +306,7 @@ def isa_matrix_worker(reps: int) -> Dict[str, object]:
     import torch
 
     import paged_attention_ext as pa
+    from common.environment import source_revision
     from common.timing import time_interleaved_samples
     from cpu_perf.config import BATCH, BLOCK_SIZE, CONTEXT, KV_HEADS
     from cpu_perf.isa_matrix import DTYPES, DecodeCandidate, supported_isas
@@ -328,7 +329,8 @@ def isa_matrix_worker(reps: int) -> Dict[str, object]:
                 case = cases[key.split()[2]]
                 rates[key] = case.kv_bytes / statistics.median(t) / 1e9
         del cases
-    return {"isa": pa.cpu_isa(), "isas": isas, "library": pa.__file__, "rates": rates}
+    return {"isa": pa.cpu_isa(), "isas": isas, "library": pa.__file__, "source": source_revision(),
+            "rates": rates}
 
 
 def isa_matrix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
@@ -349,7 +351,9 @@ def isa_matrix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, obj
     n, k = above + below, min(above, below)
     p_value = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
     print(f"rows faster / slower (median paired ratio): {above} / {below}, sign test p = {p_value:.3f}")
-    return {"suite": "isa-matrix", **source_and_cpu(), "isas": rounds[0]["current"]["isas"],
+    # The current worker's build: this process may import another copy of the package.
+    return {"suite": "isa-matrix", **source_and_cpu(), "source": rounds[0]["current"]["source"],
+            "isas": rounds[0]["current"]["isas"],
             "baseline": str(args.baseline), "rounds": rounds, "summary": summary,
             "sign_test": {"rows_faster": above, "rows_slower": below, "p_value": p_value},
             "units": "GB/s of KV"}
@@ -450,8 +454,8 @@ def main() -> None:
         sub = suites.add_parser(name, help=suite.help, description=suite.help)
         add_ab_arguments(sub, suite.default_reps, suite.out)
         if name in ("multi-token", "amx", "isa-matrix"):
-            sub.add_argument("--isa", help="PAGED_ATTENTION_CPU_ISA for both builds"
-                             + (" (isa-matrix: a comma-separated list)" if name == "isa-matrix" else ""))
+            sub.add_argument("--isa", help="the kernels to time, comma-separated (default: every one "
+                             "the CPU runs)" if name == "isa-matrix" else "PAGED_ATTENTION_CPU_ISA for both builds")
         if name == "amx":
             sub.add_argument("--cases", help="comma-separated words every timed case's name contains")
             sub.add_argument("--huge-pages", action="store_true", help="caches on huge pages")

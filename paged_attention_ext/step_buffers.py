@@ -161,7 +161,9 @@ class StepBuffers:
                 chunk_local=tuple(
                     None if b is None else b.metadata(b.num_pieces(num_seqs, num_tokens))
                     for b in self._chunks))
-        return self._inputs[key]
+        inputs = self._inputs[key]
+        inputs.plan = None  # fill() sets the step's host lists; no other caller gets a stale one
+        return inputs
 
     def stage_unsplit(self, num_seqs: int) -> None:
         """A valid split of a step of empty sequences (a warm-up's): one empty group."""

@@ -69,10 +69,23 @@ static int fault(const std::string& name) {
   } else if (name == "too_many_bytes") {
     cfg.bytes_per_row[1] = 128;
     PAGED_TILE_CONFIG(&cfg);
+  } else if (name == "reserved") {
+    cfg.reserved[3] = 1;
+    PAGED_TILE_CONFIG(&cfg);
+  } else if (name == "start_row") {
+    cfg.start_row = 2;
+    PAGED_TILE_CONFIG(&cfg);
+  } else if (name == "tile_8") {
+    cfg.rows[8] = 16, cfg.bytes_per_row[8] = 64;
+    PAGED_TILE_CONFIG(&cfg);
+  } else if (name == "rows_without_bytes") {
+    cfg.rows[3] = 4;
+    PAGED_TILE_CONFIG(&cfg);
   } else {
     if (name == "a_rows") cfg = config(16, 64, 8, 64, 16, 64);
     if (name == "a_bytes") cfg = config(16, 64, 16, 32, 16, 64);
     if (name == "b_bytes") cfg = config(16, 64, 16, 64, 16, 32);
+    if (name == "a_bytes_not_dwords") cfg = config(16, 64, 16, 62, 15, 64);
     PAGED_TILE_CONFIG(&cfg);
     if (name == "repeat") PAGED_TILE_DPBF16PS(0, 1, 1);
     PAGED_TILE_DPBF16PS(0, 1, 2);

@@ -14,11 +14,13 @@ LORA, ROPE = 512, 64
 WIDTH = LORA + ROPE
 
 
-def latent_cache(num_blocks: int, block_size: int, dtype: torch.dtype,
-                 nhd: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def latent_cache(num_blocks: int, block_size: int, dtype: torch.dtype, nhd: bool = False,
+                 gen: Optional[torch.Generator] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A latent cache [num_blocks, 1, block_size, row bytes] (an NHD view when ``nhd``) and
-    its scale tensor (None for a float cache), every byte garbage: a read of an unwritten
-    slot shows."""
+    its scale tensor (None for a float cache), every byte garbage (drawn from ``gen``, so a
+    failure repeats): a read of an unwritten slot shows."""
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
     row = tq.stored_head_size(dtype, WIDTH) if tq.is_per_token(dtype) else WIDTH
     if nhd:
         cache = torch.empty(num_blocks, block_size, 1, row, dtype=dtype).transpose(1, 2)
@@ -27,7 +29,8 @@ def latent_cache(num_blocks: int, block_size: int, dtype: torch.dtype,
     if dtype.is_floating_point:
         cache.copy_(torch.full(cache.shape, float("nan")).to(dtype))
     else:
-        cache.view(torch.uint8).copy_(torch.randint(0, 256, cache.shape, dtype=torch.uint8))
+        garbage = torch.randint(0, 256, cache.shape, dtype=torch.uint8, generator=gen)
+        cache.view(torch.uint8).copy_(garbage)
     if not tq.is_per_token(dtype):
         return cache, None
     scale = torch.full(tq.scale_shape(dtype, num_blocks, 1, block_size), float("nan"))
@@ -59,7 +62,7 @@ def latent_case(lens: Sequence[int], block_size: int, cache_dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks) + 3
-    cache, scale = latent_cache(num_blocks, block_size, cache_dtype, nhd)
+    cache, scale = latent_cache(num_blocks, block_size, cache_dtype, nhd, gen)
     physical = torch.randperm(num_blocks, generator=gen)
     tables = torch.full((len(lens), max(blocks) + 1), 1 << 30, dtype=torch.int32)
     used = 0

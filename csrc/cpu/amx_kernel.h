@@ -1,7 +1,8 @@
 // The AMX kernel for bf16 and fp8 caches (bf16 queries): scores and weighted values as
 // tile products (tdpbf16ps), an online softmax with the queries in vector lanes between
-// them. Compiled in the amx ISA namespace (isa_kernel.h); items it does not take run a
-// vector kernel (vector_kernel_beside_amx).
+// them. Compiled in the amx ISA namespace (isa_kernel.h), and in amx_emulated's over the
+// software model of its tiles (amx_tile_model.h); items it does not take run a vector
+// kernel (vector_kernel_beside_amx).
 //
 // Per step (32 keys at 32-aligned positions, masked to the item's range, of one KV head):
 //   scores  S^T[key][query] = K . Q^T: K rows are the A operand, 16 keys of one block read

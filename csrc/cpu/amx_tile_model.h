@@ -20,6 +20,9 @@
 // which the model requires), the rounding of real hardware where it differs from the
 // pseudo-code (the hardware's order of the pair sums is not documented beyond it), and
 // speed: a tile instruction costs about as many scalar-width operations as its products.
+// Nor what only the real instructions meet: the compiler's freedom to move memory accesses
+// around their asm statements (amx_tiles.h's clobber on loads), and Linux's permission to
+// use the tile registers (amx_permission.h).
 
 struct TileModelState {
   bool configured = false;

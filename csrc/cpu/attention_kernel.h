@@ -363,10 +363,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
                        P.v_token_scale + block * vs[0] + kv_head * vs[1] + slot * vs[2]};
     };
     if (blocks > 1) {
-      with_blocks(blocks, [&](auto blocks) {
-        for (int b = 0, first = j0 / bs; b < blocks; ++b) {
+      with_blocks(blocks, [&](auto count) {
+        for (int b = 0, first = j0 / bs; b < count; ++b) {
           auto [k, v] = scales_at(first + b, 0);
-          for (int r = 0; r < bs; ++r, k += ks[2], v += vs[2]) store_scales(r * blocks + b, k, v);
+          for (int r = 0; r < bs; ++r, k += ks[2], v += vs[2]) store_scales(r * count + b, k, v);
         }
       });
       return;
