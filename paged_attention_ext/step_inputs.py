@@ -44,6 +44,14 @@ def host_tensor(values: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
 
 
+def query_starts(query_lens: Iterable[int]) -> List[int]:
+    """Each sequence's first query row in the packed rows, and the rows' count last."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """A step as host lists, its sequences in packed order."""
@@ -62,10 +70,7 @@ class StepPlan:
         return sum(self.query_lens)
 
     def query_start_loc(self) -> List[int]:
-        starts = [0]
-        for n in self.query_lens:
-            starts.append(starts[-1] + n)
-        return starts
+        return query_starts(self.query_lens)
 
     @cached_property
     def _width(self) -> int:

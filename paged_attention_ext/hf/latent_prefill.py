@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ..attention_metadata import AttentionMetadata
-from ..step_inputs import StepPlan
+from ..step_inputs import StepPlan, query_starts
 from ..token_quantization import head_size_of
 from .batch import PagedBatch
 from .latent_attention import absorb_query, absorbed_weights, latent_weights, project_output
@@ -80,9 +80,7 @@ def _subset(metadata: AttentionMetadata, sequences: List[int],
     """``metadata`` of only ``sequences`` (their query rows packed in order)."""
     device = metadata.seq_lens.device
     index = torch.tensor(sequences, dtype=torch.int64, device=device)
-    starts = [0]
-    for i in sequences:
-        starts.append(starts[-1] + query_lens[i])
+    starts = query_starts(query_lens[i] for i in sequences)
     return AttentionMetadata(metadata.block_tables.index_select(0, index),
                              metadata.seq_lens.index_select(0, index),
                              torch.tensor(starts, dtype=torch.int32, device=device))
@@ -198,9 +196,7 @@ class LatentRuns:
                 metadata, max(seq_lens), sum(query_lens), block_size))]
             return
         # A mixed step (the engine packs decodes beside a prefill): each part with its own form.
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+        starts = query_starts(query_lens)
         self.parts = []
         for wanted in (True, False):
             sequences = [i for i, is_long in enumerate(long) if is_long == wanted]
