@@ -24,7 +24,7 @@ shared-prefix op does not know: layers with them run the plain op (:meth:`applie
 """
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -140,6 +140,14 @@ def find_groups(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
             for run in runs]
 
 
+def query_starts(query_lens: Iterable[int]) -> List[int]:
+    """Each sequence's first query row in the packed rows, and the rows' count last."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
 def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
                    query_lens: Sequence[int], block_size: int,
                    min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS) -> Optional[CascadeLayout]:
@@ -153,7 +161,8 @@ def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
     runs = find_groups(block_tables, seq_lens, query_lens, block_size, min_saved_tokens)
     if not any(run.shared for run in runs):
         return None
-    layout = CascadeLayout([], [], [0], [], [], [0],
+    starts = query_starts(query_lens)
+    layout = CascadeLayout([], [], [0], [], [], starts,
                            sum((run.members - 1) * run.shared * block_size for run in runs))
     for first, end, shared, anchor, _ in runs:
         layout.prefix_tables.append(list(block_tables[anchor][:shared]))
@@ -162,8 +171,7 @@ def layout_cascade(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
             rows = query_lens[i]
             layout.suffix_tables.append(list(block_tables[i][shared:]) if rows else [])
             layout.suffix_lens.append(seq_lens[i] - shared * block_size if rows else 0)
-            layout.query_start_loc.append(layout.query_start_loc[-1] + rows)
-        layout.group_starts.append(layout.query_start_loc[-1])
+        layout.group_starts.append(starts[end])
     return layout
 
 
@@ -171,9 +179,7 @@ def unsplit_layout(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int
                    query_lens: Sequence[int]) -> CascadeLayout:
     """The layout that splits nothing: one group with an empty prefix, every sequence whole
     (for a step whose fixed graph runs the split)."""
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    starts = query_starts(query_lens)
     return CascadeLayout([[]], [0], [0, starts[-1]], [list(t) for t in block_tables],
                          list(seq_lens), starts, 0)
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cascade import CascadeBuffers, CascadePlan, stage_split, unsplit_layout
+from .cascade import CascadeBuffers, CascadePlan, query_starts, stage_split, unsplit_layout
 from .chunked import ChunkLocalMetadata, chunk_pieces, max_chunk_pieces
 from .kv_cache import PagedKVCache
 from .step_inputs import StepInputs, StepPlan, host_tensor
@@ -252,9 +252,7 @@ class _ChunkBuffers:
         self.seq_lens[:num_pieces].copy_(
             host_tensor([piece[2] for piece in pieces] + [0] * pad, torch.int32), non_blocking=True)
         if self.query_start_loc is not None:
-            starts = [0]
-            for piece in pieces:
-                starts.append(starts[-1] + piece[3])
+            starts = query_starts(piece[3] for piece in pieces)
             self.query_start_loc[:num_pieces + 1].copy_(
                 host_tensor(starts + starts[-1:] * pad, torch.int32), non_blocking=True)
 

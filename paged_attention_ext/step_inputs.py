@@ -29,7 +29,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .attention_metadata import AttentionMetadata
-from .cascade import CascadePlan, padded_rows, plan_cascade
+from .cascade import CascadePlan, padded_rows, plan_cascade, query_starts
 from .chunked import ChunkLocalMetadata, chunk_local
 from .kv_cache import PagedKVCache
 
@@ -42,14 +42,6 @@ def host_tensor(values: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
     ``array``, about 3.5x faster than ``torch.tensor`` on a list of a few hundred."""
     packed = array(_TYPECODES[dtype], values)
     return torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
-
-
-def query_starts(query_lens: Iterable[int]) -> List[int]:
-    """Each sequence's first query row in the packed rows, and the rows' count last."""
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return starts
 
 
 @dataclass(frozen=True)

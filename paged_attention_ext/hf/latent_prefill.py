@@ -28,7 +28,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ..attention_metadata import AttentionMetadata
-from ..step_inputs import StepPlan, query_starts
+from ..cascade import query_starts
+from ..step_inputs import StepPlan
 from ..token_quantization import head_size_of
 from .batch import PagedBatch
 from .latent_attention import absorb_query, absorbed_weights, latent_weights, project_output

@@ -22,6 +22,7 @@ from typing import Dict, Hashable, List, NamedTuple, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
+from ..cascade import query_starts
 from ..state_cache import StatePools
 
 __all__ = ["LinearStep", "Run", "probe_states", "state_key"]
@@ -54,9 +55,7 @@ class LinearStep:
         self.num_tokens = sum(query_lens)
         self._slots = torch.tensor(list(slots), dtype=torch.int64)
         self._has_state = list(has_state)
-        starts = [0]
-        for count in query_lens:
-            starts.append(starts[-1] + count)
+        starts = query_starts(query_lens)
         decode = [i for i, (n, state) in enumerate(zip(query_lens, has_state)) if n == 1 and state]
         self.runs: List[Run] = []
         if decode:
