@@ -1,9 +1,10 @@
 """MLA latent caches for the op tests: 576-wide ``[latent | rotary_key]`` rows on one KV
-head, written by ``paged.write_latent`` (the CPU kernel), in random block order, with
-garbage in every byte and scale no token owns and table entries past a sequence's blocks
-that name no block, so a kernel that reads where it should not shows."""
+head, written by ``paged.write_latent`` (the CPU kernel; or the writer a test names), in
+random block order, with garbage in every byte and scale no token owns and table entries
+past a sequence's blocks that name no block, so a kernel that reads where it should not
+shows."""
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,13 +53,20 @@ def rows_of(gen: torch.Generator, n: int,
     return latent.to(dtype), rotary.to(dtype)
 
 
+Rows = Tuple[torch.Tensor, torch.Tensor]  # one sequence's latents [n, 1, 512], rotary keys [n, 1, 64]
+
+
 def latent_case(lens: Sequence[int], block_size: int, cache_dtype: torch.dtype, seed: int = 3,
-                nhd: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
-                                             torch.Tensor]:
+                nhd: bool = False, rows: Optional[Sequence[Rows]] = None,
+                write: Callable[..., None] = pa.write_latent
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """A latent cache (:func:`latent_cache`) holding ``lens`` tokens per sequence in random
     block order, three blocks more than they use, the slots no token owns left garbage:
     ``(cache, scale, block_tables, seq_lens)``, each table a column wider than its longest
-    sequence, every entry past a sequence's blocks ``1 << 30`` (no block)."""
+    sequence, every entry past a sequence's blocks ``1 << 30`` (no block).
+
+    ``rows``: each sequence's rows, for a test that computes with them (default: drawn by
+    :func:`rows_of`); ``write``: the op that stores them, called as ``paged.write_latent``."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks) + 3
@@ -71,5 +79,5 @@ def latent_case(lens: Sequence[int], block_size: int, cache_dtype: torch.dtype, 
         used += nb
         positions = torch.arange(n)
         slots = tables[i, positions // block_size].long() * block_size + positions % block_size
-        pa.write_latent(*rows_of(gen, n), cache, slots, scale)
+        write(*(rows_of(gen, n) if rows is None else rows[i]), cache, slots, scale)
     return cache, scale, tables, torch.tensor(lens, dtype=torch.int32)

@@ -14,28 +14,24 @@ import torch
 import paged_attention_ext as pa
 from paged_attention_ext import reference as ref
 
-LORA, ROPE, NOPE, V_HEAD, HEADS = 512, 64, 128, 128, 4
-WIDTH = LORA + ROPE
+from latent_rows import LORA, ROPE, WIDTH, latent_cache, latent_case, rows_of
+
+NOPE, V_HEAD, HEADS = 128, 128, 4
 BLOCK_SIZE = 16
 
 
-def latent_cache(num_blocks: int, dtype=torch.float32) -> torch.Tensor:
-    # NaN everywhere a test does not write: a read of an unwritten slot shows.
-    return torch.full((num_blocks, 1, BLOCK_SIZE, WIDTH), float("nan")).to(dtype)
-
-
-def write_latents(cache, kv_latent, rotated_key, slots, scale=None):
-    """[tokens, 512] and [tokens, 64] into their columns of the slots' rows."""
-    pa.write_kv(kv_latent[:, None], rotated_key[:, None], cache[..., :LORA], cache[..., LORA:],
-                slots, scale, scale)
+def write_through_views(latent, rotary_key, cache, slots, scale=None):
+    """``paged.write_latent``'s rows (``[tokens, 1, 512]``, ``[tokens, 1, 64]``) stored as
+    ``write_kv``'s keys and values into their column views of the slots' rows."""
+    pa.write_kv(latent, rotary_key, cache[..., :LORA], cache[..., LORA:], slots, scale, scale)
 
 
 def test_write_fills_each_row_with_both_latents():
-    cache = latent_cache(4)
+    cache, _ = latent_cache(4, BLOCK_SIZE, torch.float32)  # NaN: a stray write shows
     gen = torch.Generator().manual_seed(0)
     kv_latent, rotated_key = torch.randn(5, LORA, generator=gen), torch.randn(5, ROPE, generator=gen)
     slots = torch.tensor([17, 3, -1, 63, 40])
-    write_latents(cache, kv_latent, rotated_key, slots)
+    write_through_views(kv_latent[:, None], rotated_key[:, None], cache, slots)
     rows = cache.view(-1, WIDTH)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -46,37 +42,29 @@ def test_write_fills_each_row_with_both_latents():
 
 
 def test_fp8_write_quantizes_both_latents_with_one_scale():
-    cache = latent_cache(2, torch.float8_e4m3fn)
+    cache, _ = latent_cache(2, BLOCK_SIZE, torch.float8_e4m3fn)
     gen = torch.Generator().manual_seed(1)
     kv_latent, rotated_key = torch.randn(3, LORA, generator=gen) * 40, torch.randn(3, ROPE, generator=gen)
     scale = torch.tensor(0.05)
     slots = torch.tensor([0, 9, 31])
-    write_latents(cache, kv_latent, rotated_key, slots, scale)
+    write_through_views(kv_latent[:, None], rotated_key[:, None], cache, slots, scale)
     want = ref.quantize(torch.cat([kv_latent, rotated_key], dim=1)[:, None], scale, torch.float8_e4m3fn)
     assert torch.equal(cache.view(-1, WIDTH)[slots].view(torch.uint8), want[:, 0].view(torch.uint8))
 
 
 def absorbed_case(lens, dtype, seed=2):
-    """Written latent caches, the up-projections and an MLA query for each sequence's last
-    position; returns what both forms of the attention need."""
+    """A latent cache written as an engine writes a float one (through the column views),
+    the up-projections and an MLA query for each sequence's last position; returns what
+    both forms of the attention need (each sequence's rows ``[n, 576]`` in float64)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // BLOCK_SIZE) for n in lens]
-    num_blocks = sum(blocks) + 2
-    cache = latent_cache(num_blocks, dtype)
-    physical = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(blocks)), 1 << 30, dtype=torch.int32)
-    latents, used = [], 0
-    for i, (n, nb) in enumerate(zip(lens, blocks)):
-        tables[i, :nb] = physical[used:used + nb].int()
-        used += nb
-        rows = torch.randn(n, WIDTH, generator=gen) * 0.5
-        slots = (tables[i, torch.arange(n) // BLOCK_SIZE].long() * BLOCK_SIZE + torch.arange(n) % BLOCK_SIZE)
-        write_latents(cache, rows[:, :LORA].to(dtype), rows[:, LORA:].to(dtype), slots)
-        latents.append(rows.to(dtype).double())
+    rows = [rows_of(gen, n, dtype) for n in lens]
+    cache, _, tables, seq_lens = latent_case(lens, BLOCK_SIZE, dtype, seed, rows=rows,
+                                             write=write_through_views)
+    latents = [torch.cat([latent, rotary], dim=-1)[:, 0].double() for latent, rotary in rows]
     w_uk = torch.randn(HEADS, NOPE, LORA, generator=gen) * LORA ** -0.5
     w_uv = torch.randn(HEADS, V_HEAD, LORA, generator=gen) * LORA ** -0.5
     query = torch.randn(len(lens), HEADS, NOPE + ROPE, generator=gen)
-    return cache, tables, torch.tensor(lens, dtype=torch.int32), latents, w_uk, w_uv, query
+    return cache, tables, seq_lens, latents, w_uk, w_uv, query
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,7 +110,7 @@ def test_compiled_step_over_latent_views_has_no_graph_break():
                          for i, n in enumerate(seq_lens)])
 
     def step(cache, rows, slots, absorbed, tables, seq_lens):
-        write_latents(cache, rows[:, :LORA], rows[:, LORA:], slots)
+        write_through_views(rows[:, None, :LORA], rows[:, None, LORA:], cache, slots)
         return pa.attention(absorbed, cache, cache[..., :LORA], tables, seq_lens + 1, 0.1)
 
     eager_cache = cache.clone()
@@ -134,8 +122,7 @@ def test_compiled_step_over_latent_views_has_no_graph_break():
 
 
 def test_opcheck_on_latent_views():
-    cache = latent_cache(2)
-    cache.zero_()
+    cache = torch.zeros(2, 1, BLOCK_SIZE, WIDTH)
     gen = torch.Generator().manual_seed(4)
     slots = torch.tensor([0, 5, 20])
     torch.library.opcheck(torch.ops.paged.write_kv.default,
