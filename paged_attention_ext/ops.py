@@ -649,7 +649,8 @@ def select_cpu_isa(isa: Optional[str] = None) -> str:
     benchmarks that compare kernels): ``isa``, one of :data:`CPU_ISAS` that the CPU runs (or
     ``amx_emulated`` where it runs ``avx512_bf16``; see :func:`cpu_isa`), or with None the one ``PAGED_ATTENTION_CPU_ISA`` names now (unset: the default of
     :func:`cpu_isa`). Returns the chosen name. A name that is unknown or beyond this CPU
-    raises a ``ValueError`` and keeps the current choice.
+    raises a ``ValueError`` that names it as it came (``select_cpu_isa('amx')``, or with None
+    ``PAGED_ATTENTION_CPU_ISA=amx``) and keeps the current choice.
 
     Example::
 

@@ -329,21 +329,25 @@ def test_the_kernel_changes_only_through_select_cpu_isa(monkeypatch):
 
 @pytest.mark.parametrize("request_", ["sse9", "AVX2"])
 def test_unknown_instruction_set_is_rejected_and_the_choice_kept(request_, monkeypatch):
+    """The refusal names what the caller used: the argument, or the variable."""
     before = pa.cpu_isa()
-    with pytest.raises(ValueError, match="^PAGED_ATTENTION_CPU_ISA must be one of generic, "):
+    with pytest.raises(ValueError, match=f"^select_cpu_isa's isa must be one of generic, .*; got '{request_}'$"):
         pa.select_cpu_isa(request_)
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", request_)
-    with pytest.raises(ValueError, match="PAGED_ATTENTION_CPU_ISA"):
+    with pytest.raises(ValueError, match=f"^PAGED_ATTENTION_CPU_ISA must be one of generic, .*; got '{request_}'$"):
         pa.select_cpu_isa()
     assert pa.cpu_isa() == before
 
 
-def test_an_instruction_set_beyond_the_cpu_is_rejected():
+def test_an_instruction_set_beyond_the_cpu_is_rejected(monkeypatch):
     beyond = ISAS[len(supported_isas()):]
     if not beyond:
         pytest.skip("this CPU runs every kernel")
-    with pytest.raises(ValueError, match=f"^PAGED_ATTENTION_CPU_ISA={beyond[0]} but this CPU supports at most "):
+    with pytest.raises(ValueError, match=rf"^select_cpu_isa\('{beyond[0]}'\) but this CPU supports at most "):
         pa.select_cpu_isa(beyond[0])
+    monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", beyond[0])
+    with pytest.raises(ValueError, match=f"^PAGED_ATTENTION_CPU_ISA={beyond[0]} but this CPU supports at most "):
+        pa.select_cpu_isa()
 
 
 def test_amx_emulated_only_when_asked(monkeypatch):
@@ -353,16 +357,19 @@ def test_amx_emulated_only_when_asked(monkeypatch):
     assert "amx_emulated" not in pa.CPU_ISAS
     monkeypatch.delenv("PAGED_ATTENTION_CPU_ISA", raising=False)
     assert pa.select_cpu_isa() != "amx_emulated"
-    with pytest.raises(ValueError, match=r"must be one of generic, .*, amx or amx_emulated \(the amx kernel on "):
+    with pytest.raises(ValueError, match=r"^select_cpu_isa's isa must be one of generic, .*, amx or "
+                                         r"amx_emulated \(the amx kernel on "):
         pa.select_cpu_isa("amx-emulated")
     monkeypatch.setenv("PAGED_ATTENTION_CPU_ISA", "amx_emulated")
     if "avx512_bf16" in supported_isas():
         assert pa.select_cpu_isa() == "amx_emulated" == pa.cpu_isa()
         return
     before = pa.cpu_isa()
-    with pytest.raises(ValueError, match=r"^PAGED_ATTENTION_CPU_ISA=amx_emulated needs avx512_bf16 \(its "
-                                         r"instruction set\) but this CPU supports at most "):
+    refusal = r" needs avx512_bf16 \(its instruction set\) but this CPU supports at most "
+    with pytest.raises(ValueError, match=r"^PAGED_ATTENTION_CPU_ISA=amx_emulated" + refusal):
         pa.select_cpu_isa()
+    with pytest.raises(ValueError, match=r"^select_cpu_isa\('amx_emulated'\)" + refusal):
+        pa.select_cpu_isa("amx_emulated")
     assert pa.cpu_isa() == before
 
 

@@ -89,21 +89,40 @@ std::string preferred_isa(const std::string& best) {
   return best == "avx512_bf16" && !bf16_dots_pay() ? "avx512_vbmi" : best;
 }
 
-// The kernel `requested` names (nullptr or empty: the default): its rank or kAmxEmulated,
-// or the ValueError of a name that is unknown or beyond this CPU.
-int requested_kernel(const char* requested) {
+constexpr const char* kIsaVariable = "PAGED_ATTENTION_CPU_ISA";
+
+// A kernel's name as the caller gave it: the environment variable's value, or
+// select_cpu_isa's argument. Its refusals name the one the caller used.
+struct Request {
+  const char* name;  // nullptr or empty: the default
+  bool from_call;    // select_cpu_isa(isa), not the variable
+
+  static Request from_variable() { return {std::getenv(kIsaVariable), false}; }
+
+  // The request as the caller wrote it: PAGED_ATTENTION_CPU_ISA=amx or select_cpu_isa('amx').
+  std::string written() const {
+    return from_call ? "select_cpu_isa('" + std::string(name) + "')" : setting() + "=" + name;
+  }
+
+  // What must name a kernel: the variable, or select_cpu_isa's argument.
+  std::string setting() const { return from_call ? "select_cpu_isa's isa" : kIsaVariable; }
+};
+
+// The kernel `request` names: its rank or kAmxEmulated, or the ValueError of a name that
+// is unknown or beyond this CPU.
+int requested_kernel(const Request& request) {
   static const std::string best = best_supported_isa();
   static const std::string preferred = preferred_isa(best);
-  if (requested == nullptr || *requested == '\0') return isa_rank(preferred);
-  const std::string want(requested);
+  if (request.name == nullptr || *request.name == '\0') return isa_rank(preferred);
+  const std::string want(request.name);
   if (want == kAmxEmulatedName) {
-    PAGED_CHECK_VALUE(isa_rank(best) >= kAvx512Bf16, "PAGED_ATTENTION_CPU_ISA=", want,
+    PAGED_CHECK_VALUE(isa_rank(best) >= kAvx512Bf16, request.written(),
                       " needs avx512_bf16 (its instruction set) but this CPU supports at most ", best);
     return kAmxEmulated;
   }
-  PAGED_CHECK_VALUE(isa_rank(want) >= 0, "PAGED_ATTENTION_CPU_ISA must be one of ", isa_names(), "; got '",
+  PAGED_CHECK_VALUE(isa_rank(want) >= 0, request.setting(), " must be one of ", isa_names(), "; got '",
                     want, "'");
-  PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), "PAGED_ATTENTION_CPU_ISA=", want,
+  PAGED_CHECK_VALUE(isa_rank(want) <= isa_rank(best), request.written(),
                     " but this CPU supports at most ", best);
   return isa_rank(want);
 }
@@ -115,7 +134,7 @@ class Selection {
  public:
   Selection() {
     try {
-      kernel_ = requested_kernel(std::getenv("PAGED_ATTENTION_CPU_ISA"));
+      kernel_ = requested_kernel(Request::from_variable());
     } catch (const std::runtime_error& error) {
       refusal_ = error.what();
     }
@@ -154,8 +173,7 @@ int selected_kernel() { return selection().kernel(); }
 std::string selected_isa() { return kernel_name(selected_kernel()); }
 
 std::string select_isa(std::optional<std::string> isa) {
-  const char* requested = isa ? isa->c_str() : std::getenv("PAGED_ATTENTION_CPU_ISA");
-  const int kernel = requested_kernel(requested);
+  const int kernel = requested_kernel(isa ? Request{isa->c_str(), true} : Request::from_variable());
   selection().set(kernel);
   return kernel_name(kernel);
 }
