@@ -26,7 +26,14 @@ struct alignas(64) TileConfig {
 #define PAGED_TILE_DPBF16PS(c, a, b) tile_model_dpbf16ps(c, a, b)
 #define PAGED_TILE_RELEASE() tile_model_release()
 #else
-#define PAGED_TILE_CONFIG(config) _tile_loadconfig(config)
+// GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration: the stores
+// of its rows and widths could be dropped as dead. The empty asm with a memory clobber
+// keeps them.
+#define PAGED_TILE_CONFIG(config)      \
+  do {                                 \
+    asm volatile("" ::: "memory");     \
+    _tile_loadconfig(config);          \
+  } while (0)
 #define PAGED_TILE_ZERO(tile) _tile_zero(tile)
 // GCC's _tile_loadd is an asm statement without a memory clobber: stores to the buffer it
 // reads could be moved after it. The empty asm with one keeps them before.
@@ -35,7 +42,13 @@ struct alignas(64) TileConfig {
     asm volatile("" ::: "memory");                \
     _tile_loadd(tile, base, stride_bytes);        \
   } while (0)
-#define PAGED_TILE_STORE(tile, base, stride_bytes) _tile_stored(tile, base, stride_bytes)
+// _tile_stored declares no memory written: the empty asm after it keeps later loads of the
+// stored rows after it.
+#define PAGED_TILE_STORE(tile, base, stride_bytes) \
+  do {                                             \
+    _tile_stored(tile, base, stride_bytes);        \
+    asm volatile("" ::: "memory");                 \
+  } while (0)
 #define PAGED_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #define PAGED_TILE_RELEASE() _tile_release()
 #endif  // PAGED_AMX_EMULATED
