@@ -121,7 +121,8 @@ def run_case(case: dict) -> dict:
               num_gpu_blocks_override=case.get("num_blocks"),
               max_num_seqs=case.get("max_num_seqs", 8),
               tensor_parallel_size=case.get("tp", 1), disable_log_stats=False,
-              kv_cache_dtype=case.get("kv_cache_dtype", "auto"))
+              kv_cache_dtype=case.get("kv_cache_dtype", "auto"),
+              attention_backend=case.get("attention_backend"))
     params = SamplingParams(max_tokens=case["max_tokens"], temperature=0.0, ignore_eos=True)
     batches = []
     for batch in case["batches"]:
@@ -353,8 +354,10 @@ def test_mla_greedy_equals_vllm_cpu_mla_backend(tmp_path):
     config = transformers.AutoConfig.for_model(**MLA_MODEL)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
+    # On a CPU with AMX vLLM picks its AMX_MLA backend (bf16 and fp16 weights only) unless
+    # CPU_MLA is asked for by name.
     case = dict(model=str(tmp_path), batches=[prompts(seed=5, count=5, shared_prefix=0)],
-                max_tokens=16)
+                max_tokens=16, attention_backend="CPU_MLA")
     ours, theirs = run_both(case)
     assert ours["attention"] == [["PagedMLAImpl"]], ours["attention"]
     assert theirs["attention"] == [["CPUMLAImpl"]], theirs["attention"]
