@@ -74,8 +74,9 @@ Rounds = List[Dict[str, Dict[str, object]]]
 
 
 def source_and_cpu() -> Dict[str, str]:
-    from common.environment import cpu_model, source_revision
-    return {"cpu": cpu_model(), "source": source_revision()}
+    from common.environment import cpu_details, cpu_model, source_revision
+    # The model name alone ("AMD EPYC") does not tell Zen 4 from Zen 5: family and model do.
+    return {"cpu": cpu_model(), "cpu_details": cpu_details(), "source": source_revision()}
 
 
 # --- kernels ---------------------------------------------------------------------------

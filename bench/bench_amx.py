@@ -30,8 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paged_attention_ext as pa  # noqa: E402
-from common.environment import machine_info  # noqa: E402
-from cpu_perf.isa_matrix import cpu_details  # noqa: E402
+from common.environment import cpu_details, machine_info  # noqa: E402
 from paged_attention_ext import reference  # noqa: E402
 
 HEAD, BLOCK = 128, 16

@@ -36,6 +36,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "avx512vbmi", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_details() -> Dict[str, object]:
+    """Vendor, family / model and the instruction-set flags the kernels care about."""
+    info: Dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if ":" in line:
+            key, value = (x.strip() for x in line.split(":", 1))
+            info.setdefault(key, value)
+        elif info:
+            break
+    flags = set(info.get("flags", "").split())
+    return {"model_name": info.get("model name"), "vendor": info.get("vendor_id"),
+            "family": info.get("cpu family"), "model": info.get("model"),
+            "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def source_revision() -> str:
     """The commit the library was built from, "+dirty" if the C++ or Python sources differ."""
     root = Path(pa.__file__).resolve().parent.parent

@@ -48,6 +48,7 @@ import paged_attention_ext as pa
 from paged_attention_ext import reference
 from paged_attention_ext.host_memory import zeros_huge_pages
 
+from common.environment import cpu_details
 from common.timing import Candidate, time_interleaved_samples
 
 from . import config
@@ -70,25 +71,6 @@ PAGED_READ_SOURCE = FMA_SOURCE.with_name("paged_read.cpp")
 KERNEL_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 TARGET = 0.8
 L2_BYTES = 256 << 10
-
-
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-             "avx512_bf16", "avx512vbmi", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_details() -> Dict[str, object]:
-    """Vendor, family / model and the instruction-set flags the kernels care about."""
-    info: Dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if ":" in line:
-            key, value = (x.strip() for x in line.split(":", 1))
-            info.setdefault(key, value)
-        elif info:
-            break
-    flags = set(info.get("flags", "").split())
-    return {"model_name": info.get("model name"), "vendor": info.get("vendor_id"),
-            "family": info.get("cpu family"), "model": info.get("model"),
-            "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def supported_isas() -> List[str]:
