@@ -62,8 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paged_attention_ext as pa  # noqa: E402
 from paged_attention_ext.host_memory import zeros_huge_pages  # noqa: E402
-from common.environment import cpu_model  # noqa: E402
-from cpu_perf.isa_matrix import cpu_details  # noqa: E402
+from common.environment import cpu_details, cpu_model  # noqa: E402
 from common.timing import time_call  # noqa: E402
 
 HEAD = 128
