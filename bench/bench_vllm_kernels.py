@@ -234,10 +234,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="both sides' caches on huge pages (default: 4 KiB pages, as vLLM allocates)")
     parser.add_argument("--out", required=True, help="e.g. bench/results/vllm_kernels_<cpu>.json")
     args = parser.parse_args(argv)
-    peers = args.peers.split(",")
+    peers, caches = args.peers.split(","), args.caches.split(",")
+    # A misspelt name would otherwise drop its rows without a word.
+    if set(peers) - {"vllm", "sdpa"}:
+        parser.error(f"--peers takes vllm and sdpa; got {args.peers!r}")
+    if set(caches) - set(DTYPES):
+        parser.error(f"--caches takes {', '.join(DTYPES)}; got {args.caches!r}")
     rows = []
     read = zeros_huge_pages((READ_BYTES // 4,), torch.float32)
-    for spec in cases(args.quick, args.vllm_isa, args.caches.split(","), args.huge_pages,
+    for spec in cases(args.quick, args.vllm_isa, caches, args.huge_pages,
                       args.long_context, peers):
         if args.cases not in spec[0]:
             continue
