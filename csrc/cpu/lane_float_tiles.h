@@ -1,5 +1,6 @@
-// The fp32 micro-kernel of the queries-in-lanes driver (lane_driver.h), and the choice of a
-// lane item's micro-kernel. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+// The fp32 queries-in-lanes micro-kernel of the attention driver (attention_kernel.h; what a
+// lane micro-kernel supplies: lane_tiles.h). Part of the CPU kernel, inside its ISA
+// namespace (see vec.h).
 //
 // The tiles hold the KV head's scaled queries transposed, qt[d][m], and compute a chunk's
 // scores s[t][m] as register tiles of KT keys by MT query vectors (each key element
@@ -11,8 +12,7 @@
 #pragma once
 
 #include "convert.h"
-#include "lane_driver.h"
-#include "lane_pair_tiles.h"
+#include "lane_tiles.h"
 #include "vec.h"
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
@@ -138,12 +138,13 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }
 
-// The fp32 tiles, for every cache dtype and head size (lane_driver.h lists what a lane
+// The fp32 tiles, for every cache dtype and head size (lane_tiles.h lists what a lane
 // micro-kernel supplies).
 template <typename T>
 class LaneFloatTiles {
  public:
-  static constexpr float kValueUnit = StoredUnit<T>::value;
+  static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInLanes;
+  static constexpr bool kHeadsOuter = true;
 
   LaneFloatTiles(const AttentionParams& P, const LaneWorkspace& ws, const LaneShape& shape)
       : P_(P), qt_(ws.queries), kf_(ws.keys), vf_(ws.values), row_(ws.row), d_(shape) {
@@ -151,7 +152,8 @@ class LaneFloatTiles {
   }
 
   // The queries scaled by the softmax scale (and k_scale with the keys' unit), zero padded.
-  void load_queries(const WorkItem& w, int kv, int m) {
+  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) {
+    const int kv = st.kv_head, m = st.num_queries;
     const float q_scale =
         P_.k_scale ? P_.scale * (P_.k_scale[kv * P_.k_scale_stride] * StoredUnit<T>::value) : P_.scale;
     std::memset(qt_, 0, sizeof(float) * d_.mp * d_.hsp);
@@ -178,12 +180,16 @@ class LaneFloatTiles {
     }
   }
 
-  void scores(float* s, int n, LaneAhead<T>& ahead) { lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, s, ahead); }
-  void probabilities(float*, int, int) {}
-  void values(float* acc, const float* s, int n, int m) { lane_values(acc, d_.hspv, s, d_.mp, v_rows_, n, m); }
-  void output_row(const float* am, float* o, float inv) const {
-    for (int d = 0; d < d_.hsv; ++d) o[d] = am[d] * inv;
+  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+    LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(d_.hs * sizeof(T)), int(d_.hsv * sizeof(T)));
+    lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, st.scores, fetch);
   }
+  void probabilities(const ItemState&, int, int) {}
+  void values(const ItemState& st, int n) { lane_values(st.acc, d_.hspv, st.scores, d_.mp, v_rows_, n, st.num_queries); }
+  void output_row(const float* am, float* o, int hsv, float inv) const {
+    for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+  }
+  float value_unit() const { return StoredUnit<T>::value; }
 
  private:
   bool values_in_place() const { return std::is_same_v<T, float> && d_.hsv == d_.hspv; }
@@ -197,12 +203,3 @@ class LaneFloatTiles {
   const float* k_rows_[kLaneChunk];
   const float* v_rows_[kLaneChunk];
 };
-
-// A lane item: pair tiles (vdpbf16ps) where the compile has them and they take the item's
-// dtype and head sizes, else fp32 tiles.
-template <typename T>
-void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  if constexpr (LanePairTiles<T>::kAvailable)
-    if (LanePairTiles<T>::takes(P)) return lane_driver<T, LanePairTiles<T>>(P, w, ws);
-  lane_driver<T, LaneFloatTiles<T>>(P, w, ws);
-}
