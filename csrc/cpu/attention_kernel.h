@@ -164,7 +164,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    const vfloat total = [&] {
+    const vfloat total = [&]() __attribute__((always_inline)) {
       if constexpr (kScaled) return exp_in_place<kShortExp, false, true>(s, chunk, new_max, nullptr, vs);
       return exp_in_place<kShortExp>(s, chunk, new_max);
     }();
@@ -282,7 +282,9 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   const LaneShape lane_shape{hs, hsv, hsp, hspv, per_head, lane_queries};
   LaneWorkspace lanes{};
   if constexpr (kInLanes) lanes = lane_workspace(ws, lane_shape);
-  auto head_state = [&](int i) {
+  // Per chunk, so forced inline, as block_rows and touch_blocks: grown by the KV heads'
+  // opening and closing, the driver left them out of line, and decode measured slower.
+  auto head_state = [&](int i) __attribute__((always_inline)) {
     const int kv = w.kv_head_begin + i;
     const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
     if constexpr (kInLanes)
@@ -351,9 +353,11 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   };
 
   // A KV head's state before its first chunk: its queries (the tiles' order), running max,
-  // sum and accumulators (queries in lanes: every lane's).
+  // sum and accumulators (queries in lanes: every lane's). Out of line, as close_head: inlined,
+  // they grew the driver past GCC's inlining limits, and the chunk loop lost inlined calls
+  // and registers (decode and lane items measured slower, docs/performance.md).
   const int state_queries = kInLanes ? lane_queries : per_head;
-  auto open_head = [&](int i) {
+  auto open_head = [&](int i) __attribute__((noinline)) {
     const ItemState st = head_state(i);
     tiles.load_queries(P, w, st);
     std::fill(st.run_max, st.run_max + state_queries, -__builtin_inff());
@@ -361,7 +365,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
     std::memset(st.acc, 0, sizeof(float) * state_queries * hspv);
   };
   // A KV head's epilogue after its last chunk: each query's sink, lse, value scale and output.
-  auto close_head = [&](int i) {
+  auto close_head = [&](int i) __attribute__((noinline)) {
     const ItemState st = head_state(i);
     // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
     // applies to the weighted sum once.
@@ -387,7 +391,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   // per row was a large share of the chunk loop's own cost in profiles).
   const int64_t k_token_stride = P.k_token_stride, v_token_stride = P.v_token_stride;
   // The key and value rows of slot `slot` of logical block `logical` of a KV head.
-  auto block_rows = [&](int logical, int kv_head, int slot) {
+  auto block_rows = [&](int logical, int kv_head, int slot) __attribute__((always_inline)) {
     const int64_t block = table[logical];
     return std::pair{key_cache + block * P.k_block_stride + kv_head * P.k_head_stride + slot * k_token_stride,
                      value_cache + block * P.v_block_stride + kv_head * P.v_head_stride + slot * v_token_stride};
@@ -469,9 +473,11 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   // before the rows' prefetches, walks it early: the page walk no longer stalls the
   // prefetches (measured faster GQA decode on 4 KiB pages, about even on huge pages).
   // Only where a block's rows of a head fill 2 KiB or more (at most 1 prefetch in 32 more):
-  // with small blocks the extra touches cost more than the walks they save (measured).
-  const bool touch_pages = int64_t(bs) * k_row_bytes >= 2048;
-  auto touch_blocks = [&](int j0, int n, int kv_head) {
+  // with small blocks the extra touches cost more than the walks they save (measured). Not
+  // for queries in lanes, whose tiles fetch the next chunk's rows all through a chunk: there
+  // the touches stalled on their page walks (lane items measured slower).
+  const bool touch_pages = !kInLanes && int64_t(bs) * k_row_bytes >= 2048;
+  auto touch_blocks = [&](int j0, int n, int kv_head) __attribute__((always_inline)) {
     for (int logical = j0 / bs, end = j0 + n; logical * bs < end; ++logical) {
       const auto [k_row, v_row] = block_rows(logical, kv_head, std::max(j0 - logical * bs, 0));
       prefetch(k_row);

@@ -24,6 +24,8 @@
 // sizes of whole 64s leave no remainder tiles (the fp32 kernel's 8 x 3 tiles left one of a
 // single vector, whose 8 chains ran a third of the value dims at half the rate: 8 x 2
 // measured faster; 4 x 4 tiles the same as 8 x 2).
+// The tile functions below are forced inline into the tiles' scores and values (as
+// lane_float_tiles.h's on AVX-512).
 constexpr int kPairScoreKeys = 8;
 constexpr int kPairScoreVecs = 2;
 constexpr int kPairValueRows = 8;
@@ -49,7 +51,7 @@ static inline void row_to_bf16x64(const T* p, uint16_t* out) {
 // s[i][m0 + 16 j ..] = scale * sum_p qp[p][..] . k[i] pair p, for KT keys and MT vectors.
 // `ahead` (nullable) steps once per pair.
 template <int KT, int MT, typename Ahead>
-static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
+__attribute__((always_inline)) static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
                                         float scale, float* s, int m0, Ahead* ahead) {
   __m512 acc[KT][MT];
   for (int i = 0; i < KT; ++i)
@@ -72,7 +74,7 @@ static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16
 
 // The first tile (query vectors from 0) steps `ahead`.
 template <int KT, typename Ahead>
-static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
+__attribute__((always_inline)) static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
                                              float scale, float* s, Ahead* ahead) {
   int m = 0;
   for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16, ahead = nullptr)
@@ -82,7 +84,7 @@ static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const u
 
 // As lane_scores (lane_float_tiles.h).
 template <typename T>
-static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
+__attribute__((always_inline)) static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
                                     float scale, float* s, LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == 16) {
@@ -103,7 +105,7 @@ static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* 
 
 // acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
 template <int MR, int DV>
-static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp, int mp, const uint32_t* vp,
+__attribute__((always_inline)) static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp, int mp, const uint32_t* vp,
                                         int pairs, int m0, int d0) {
   __m512 a[MR][DV];
   for (int r = 0; r < MR; ++r)
@@ -122,7 +124,7 @@ static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp
 }
 
 template <int MR>
-static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
+__attribute__((always_inline)) static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
                                              const uint32_t* vp, int pairs, int m0) {
   int d = 0;
   for (; d + kPairValueVecs * 16 <= hspv; d += kPairValueVecs * 16)
@@ -196,7 +198,10 @@ class LanePairTiles {
     }
   }
 
-  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+  // The chunk's products out of line, each its own register allocation: inlined into the
+  // driver's chunk loop, the pair tiles' accumulators were spilled every step (lane items
+  // measured slower).
+  __attribute__((noinline)) void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
     LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(hs_ * sizeof(T)), int(hsv_ * sizeof(T)));
     lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, st.scores, fetch);
   }
@@ -216,7 +221,7 @@ class LanePairTiles {
     }
   }
 
-  void values(const ItemState& st, int) {
+  __attribute__((noinline)) void values(const ItemState& st, int) {
     float* acc = st.acc;
     const int m = st.num_queries;
     int r = 0;
