@@ -352,6 +352,20 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
     }
   };
 
+  // Queries in lanes, a chunk: the tiles convert its rows, then fetch the next chunk's keys
+  // and values ([next keys; next values]) at the pace of their score tiles. Out of line, its
+  // own register allocation: inlined into the chunk loop, the tiles were left out of line or
+  // spilled their accumulators every step (lane items measured slower).
+  auto lane_chunk = [&](const ItemState& st, const T* const* k_rows, const T* const* v_rows, int n,
+                        const T* const* next_rows, int next_n) __attribute__((noinline)) {
+    if constexpr (kInLanes) {
+      tiles.load_chunk(k_rows, v_rows, n);
+      tiles.scores(st, n, next_rows, next_n);
+      lane_softmax(st, n);
+      tiles.values(st, n);
+    }
+  };
+
   // A KV head's state before its first chunk: its queries (the tiles' order), running max,
   // sum and accumulators (queries in lanes: every lane's). Out of line, as close_head: inlined,
   // they grew the driver past GCC's inlining limits, and the chunk loop lost inlined calls
@@ -556,7 +570,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
       // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
       // measured). Measurements: docs/performance.md.
       // Per-token rows gather their scales in the same order (gather_token_scales).
-      const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      const int chunk_blocks = !kInLanes && per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
       auto free_order = [&](const Chunk& f) {
         return chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
       };
@@ -607,12 +621,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         if constexpr (kInLanes) {
-          // The tiles convert the chunk's rows, then fetch the next chunk's keys and values
-          // ([next keys; next values]) at the pace of their score tiles.
-          tiles.load_chunk(k_rows, v_rows, c.n);
-          tiles.scores(st, c.n, next_k, next.n);
-          lane_softmax(st, c.n);
-          tiles.values(st, c.n);
+          lane_chunk(st, k_rows, v_rows, c.n, next_k, next.n);
         } else {
           tiles.scores(st, k_rows, c.n, scores_ahead);
           if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {

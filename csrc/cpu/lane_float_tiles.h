@@ -15,9 +15,8 @@
 #include "lane_tiles.h"
 #include "vec.h"
 
-// The tile functions below are forced inline on AVX-512 into the tiles' scores and values:
-// out of line, their calls kept the accumulators of a tile in memory between steps (lane
-// items measured slower).
+// The tile functions below are forced inline on AVX-512, through scores and values into the
+// driver's chunk step: left out of line there, they measured slower lane items.
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
 // (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 or SSE ones; at least
@@ -30,8 +29,8 @@ constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
 // s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors;
 // `ahead` (nullable) steps once per element.
 template <int KT, int MT, typename Ahead>
-PAGED_AVX512_INLINE static inline void lane_score_tile(const float* qt, int mp, const float* const* k, int hs, float* s,
-                                   int m0, Ahead* ahead) {
+PAGED_AVX512_INLINE static inline void lane_score_tile(const float* qt, int mp, const float* const* k,
+                                                       int hs, float* s, int m0, Ahead* ahead) {
   vfloat acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = vfloat{};
@@ -51,8 +50,8 @@ PAGED_AVX512_INLINE static inline void lane_score_tile(const float* qt, int mp, 
 // Scores of KT keys with every query vector: tiles of MT vectors, then (MT >= 4) of MT / 2,
 // then of one. The first tile steps `ahead`.
 template <int KT, int MT, typename Ahead>
-PAGED_AVX512_INLINE static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k, int hs,
-                                        float* s, Ahead* ahead) {
+PAGED_AVX512_INLINE static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k,
+                                                            int hs, float* s, Ahead* ahead) {
   int m = 0;
   for (; m + MT * VW <= mp; m += MT * VW, ahead = nullptr)
     lane_score_tile<KT, MT>(qt, mp, k, hs, s, m, ahead);
@@ -73,8 +72,8 @@ constexpr int kLaneTailVecs = VW == 16 ? 4 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
 // (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
 // The next chunk's rows are fetched over the full tiles' steps (LaneAhead).
 template <typename T>
-PAGED_AVX512_INLINE static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
-                               float* s, LaneAhead<T>& ahead) {
+PAGED_AVX512_INLINE static inline void lane_scores(const float* qt, int mp, const float* const* k, int n,
+                                                   int hs, float* s, LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == VW) {
     constexpr int kKeys = 2 * kLaneScoreKeys;
@@ -100,7 +99,7 @@ PAGED_AVX512_INLINE static inline void lane_scores(const float* qt, int mp, cons
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
 template <int MR, int DV>
 PAGED_AVX512_INLINE static inline void lane_value_tile(float* acc, int hspv, const float* p, int mp,
-                                   const float* const* v, int n, int m0, int d0) {
+                                                       const float* const* v, int n, int m0, int d0) {
   vfloat a[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < DV; ++j) a[r][j] = load(acc + int64_t(m0 + r) * hspv + d0 + j * VW);
@@ -119,7 +118,7 @@ PAGED_AVX512_INLINE static inline void lane_value_tile(float* acc, int hspv, con
 
 template <int MR>
 PAGED_AVX512_INLINE static inline void lane_values_for_rows(float* acc, int hspv, const float* p, int mp,
-                                        const float* const* v, int n, int m0) {
+                                                            const float* const* v, int n, int m0) {
   int d = 0;
   for (; d + kLaneValueVecs * VW <= hspv; d += kLaneValueVecs * VW)
     lane_value_tile<MR, kLaneValueVecs>(acc, hspv, p, mp, v, n, m0, d);
@@ -127,8 +126,8 @@ PAGED_AVX512_INLINE static inline void lane_values_for_rows(float* acc, int hspv
 }
 
 // The probability-weighted values of the chunk for the first `m` queries.
-PAGED_AVX512_INLINE static inline void lane_values(float* acc, int hspv, const float* p, int mp, const float* const* v,
-                               int n, int m) {
+PAGED_AVX512_INLINE static inline void lane_values(float* acc, int hspv, const float* p, int mp,
+                                                   const float* const* v, int n, int m) {
   int r = 0;
   for (; r + kLaneValueRows <= m; r += kLaneValueRows)
     lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
@@ -184,15 +183,14 @@ class LaneFloatTiles {
     }
   }
 
-  // The chunk's products out of line, each its own register allocation: inlined into the
-  // driver's chunk loop, the pair tiles' accumulators were spilled every step (lane items
-  // measured slower).
-  __attribute__((noinline)) void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
     LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(d_.hs * sizeof(T)), int(d_.hsv * sizeof(T)));
     lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, st.scores, fetch);
   }
   void probabilities(const ItemState&, int, int) {}
-  __attribute__((noinline)) void values(const ItemState& st, int n) { lane_values(st.acc, d_.hspv, st.scores, d_.mp, v_rows_, n, st.num_queries); }
+  void values(const ItemState& st, int n) {
+    lane_values(st.acc, d_.hspv, st.scores, d_.mp, v_rows_, n, st.num_queries);
+  }
   void output_row(const float* am, float* o, int hsv, float inv) const {
     for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
   }

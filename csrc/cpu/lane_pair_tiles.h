@@ -24,8 +24,8 @@
 // sizes of whole 64s leave no remainder tiles (the fp32 kernel's 8 x 3 tiles left one of a
 // single vector, whose 8 chains ran a third of the value dims at half the rate: 8 x 2
 // measured faster; 4 x 4 tiles the same as 8 x 2).
-// The tile functions below are forced inline into the tiles' scores and values (as
-// lane_float_tiles.h's on AVX-512).
+// The tile functions below are forced inline, through scores and values into the driver's
+// chunk step (as lane_float_tiles.h's on AVX-512).
 constexpr int kPairScoreKeys = 8;
 constexpr int kPairScoreVecs = 2;
 constexpr int kPairValueRows = 8;
@@ -51,8 +51,10 @@ static inline void row_to_bf16x64(const T* p, uint16_t* out) {
 // s[i][m0 + 16 j ..] = scale * sum_p qp[p][..] . k[i] pair p, for KT keys and MT vectors.
 // `ahead` (nullable) steps once per pair.
 template <int KT, int MT, typename Ahead>
-__attribute__((always_inline)) static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                        float scale, float* s, int m0, Ahead* ahead) {
+__attribute__((always_inline)) static inline void lane_pair_score_tile(const uint32_t* qp, int mp,
+                                                                       const uint16_t* const* k, int hs,
+                                                                       float scale, float* s, int m0,
+                                                                       Ahead* ahead) {
   __m512 acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -74,8 +76,10 @@ __attribute__((always_inline)) static inline void lane_pair_score_tile(const uin
 
 // The first tile (query vectors from 0) steps `ahead`.
 template <int KT, typename Ahead>
-__attribute__((always_inline)) static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                             float scale, float* s, Ahead* ahead) {
+__attribute__((always_inline)) static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp,
+                                                                            const uint16_t* const* k, int hs,
+                                                                            float scale, float* s,
+                                                                            Ahead* ahead) {
   int m = 0;
   for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16, ahead = nullptr)
     lane_pair_score_tile<KT, kPairScoreVecs>(qp, mp, k, hs, scale, s, m, ahead);
@@ -84,8 +88,10 @@ __attribute__((always_inline)) static inline void lane_pair_scores_for_keys(cons
 
 // As lane_scores (lane_float_tiles.h).
 template <typename T>
-__attribute__((always_inline)) static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
-                                    float scale, float* s, LaneAhead<T>& ahead) {
+__attribute__((always_inline)) static inline void lane_pair_scores(const uint32_t* qp, int mp,
+                                                                   const uint16_t* const* k, int n, int hs,
+                                                                   float scale, float* s,
+                                                                   LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == 16) {
     constexpr int kKeys = 2 * kPairScoreKeys;
@@ -105,8 +111,10 @@ __attribute__((always_inline)) static inline void lane_pair_scores(const uint32_
 
 // acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
 template <int MR, int DV>
-__attribute__((always_inline)) static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp, int mp, const uint32_t* vp,
-                                        int pairs, int m0, int d0) {
+__attribute__((always_inline)) static inline void lane_pair_value_tile(float* acc, int hspv,
+                                                                       const uint32_t* pp, int mp,
+                                                                       const uint32_t* vp, int pairs, int m0,
+                                                                       int d0) {
   __m512 a[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < DV; ++j) a[r][j] = _mm512_loadu_ps(acc + int64_t(m0 + r) * hspv + d0 + 16 * j);
@@ -124,8 +132,10 @@ __attribute__((always_inline)) static inline void lane_pair_value_tile(float* ac
 }
 
 template <int MR>
-__attribute__((always_inline)) static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
-                                             const uint32_t* vp, int pairs, int m0) {
+__attribute__((always_inline)) static inline void lane_pair_values_for_rows(float* acc, int hspv,
+                                                                            const uint32_t* pp, int mp,
+                                                                            const uint32_t* vp, int pairs,
+                                                                            int m0) {
   int d = 0;
   for (; d + kPairValueVecs * 16 <= hspv; d += kPairValueVecs * 16)
     lane_pair_value_tile<MR, kPairValueVecs>(acc, hspv, pp, mp, vp, pairs, m0, d);
@@ -198,10 +208,7 @@ class LanePairTiles {
     }
   }
 
-  // The chunk's products out of line, each its own register allocation: inlined into the
-  // driver's chunk loop, the pair tiles' accumulators were spilled every step (lane items
-  // measured slower).
-  __attribute__((noinline)) void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
     LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(hs_ * sizeof(T)), int(hsv_ * sizeof(T)));
     lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, st.scores, fetch);
   }
@@ -221,7 +228,7 @@ class LanePairTiles {
     }
   }
 
-  __attribute__((noinline)) void values(const ItemState& st, int) {
+  void values(const ItemState& st, int) {
     float* acc = st.acc;
     const int m = st.num_queries;
     int r = 0;
@@ -231,7 +238,9 @@ class LanePairTiles {
     for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
   }
 
-  void output_row(const float* am, float* o, int hsv, float inv) const { unpermute_pairs(am, o, hsv, inv); }
+  void output_row(const float* am, float* o, int hsv, float inv) const {
+    unpermute_pairs(am, o, hsv, inv);
+  }
   // Exact bf16 products (the fp8 conversion is exact): no unit.
   float value_unit() const { return 1.0f; }
 
