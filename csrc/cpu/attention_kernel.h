@@ -340,10 +340,10 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         query_vector_softmax<false>(st.scores, n, lane_queries, v0, per_head, st.run_max, st.run_sum, st.acc,
                                     hspv);
       };
-      if (soft_cap) {
-        const float inv_cap = 1.0f / P.soft_cap;
+      if (soft_cap) {  // in locals: the loop calls tanhf, after which captures are read again
+        const float cap = P.soft_cap, inv_cap = 1.0f / cap;
         float* s = st.scores;
-        for (int64_t i = 0; i < int64_t(n) * lane_queries; ++i) s[i] = P.soft_cap * std::tanh(s[i] * inv_cap);
+        for (int64_t i = 0, end = int64_t(n) * lane_queries; i < end; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
       }
       for (int v0 = 0; v0 < lane_queries; v0 += VW) {
         vector_softmax(v0);
@@ -568,7 +568,8 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
       // row r of each block, then row r + 1, so the reads and prefetches of every phase
       // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
       // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
-      // measured). Measurements: docs/performance.md.
+      // measured), and so do queries in lanes (interleaved, fp8 multi-token measured slower).
+      // Measurements: docs/performance.md.
       // Per-token rows gather their scales in the same order (gather_token_scales).
       const int chunk_blocks = !kInLanes && per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
       auto free_order = [&](const Chunk& f) {
