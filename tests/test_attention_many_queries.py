@@ -3,7 +3,7 @@
 MLA decode over latent rows puts 16 to 128 query heads on one KV head whose 576-wide row is
 the key and whose first 512 columns are the value (one memory); GQA items of 16 and more
 queries per KV head, decode or multi-token, have the same shape with ordinary rows. These
-items run the row driver's register tiles (vdpbf16ps on avx512_bf16) many times per chunk:
+items run the queries-in-rows register tiles (vdpbf16ps on avx512_bf16) many times per chunk:
 partial chunks (lengths around the block size and the 32-key chunk), unused slots holding
 NaN or huge values next to the rows, value head sizes with a 32-column tail and the
 driver's masks and modifiers (windows, soft cap, sinks, ALiBi) are where they could go wrong.

@@ -1,26 +1,38 @@
 // The CPU paged-attention kernel for one work item, written once with GCC vector
 // extensions and compiled once per instruction set, inside its ISA namespace
-// (isa_kernel.h): the row driver, which hands the items the queries-in-lanes driver serves
-// better to it (lane_driver.h; lane_work_item in lane_float_tiles.h picks its tiles).
+// (isa_kernel.h): one online-softmax driver over micro-kernels.
 //
 // Algorithm (flash-decoding style): a work item is one sequence's query rows for
 //   a range of KV heads. Its keys are taken in chunks (up to kKeyChunk) through the block
 //   table, block by block and, within a block, head by head (address order in the
-//   HND layout). Rows whose length is a whole number of vectors are read in place
-//   and widened to fp32 in registers, each key row serving every query head of its
-//   GQA group; an online softmax keeps the running max / sum per query so each K and
-//   V byte is read exactly once. Software prefetches run one phase ahead into L1 and two
-//   phases ahead into L2 (prefetch.h).
+//   HND layout). Each key row serves every query head of its GQA group; an online softmax
+//   keeps the running max / sum per query so each K and V byte is read exactly once.
+//   Software prefetches run one phase ahead into L1 and two phases ahead into L2
+//   (prefetch.h).
 //
-// The driver owns the walk over blocks and chunks, the prefetches, the masks, ALiBi, soft
-// cap and windows, the online softmax (running max and sum, the lazy rescale), the
-// partitions' sinks and lse and the output rows; its micro-kernel RowTiles (row_tiles.h)
-// supplies the products by instruction set and cache format, and it holds no
-// instruction-set conditional of its own.
+// The driver (attention_driver) owns the walk over spans, KV heads and chunks (the ring of
+// row pointers, the prefetch arrays, page touches), the masks, ALiBi, soft cap and windows,
+// the online softmax in both forms (per query along its row, chunk_softmax, with the lazy
+// rescale; down the lanes a vector of queries at a time, query_vector_softmax), the running
+// max and sum, the partitions' sinks and lse and the output rows. Its micro-kernel, a
+// template parameter, declares its score layout (ScoreLayout, which picks the softmax form)
+// and whether KV heads are walked outermost (kHeadsOuter), and supplies the queries in its
+// order, a chunk's scores and probability-weighted values, its own conversion of the cache
+// format and the output rows:
+//   RowTiles (row_tiles.h; int4 rows: int4_bf16_tiles.h)  queries in rows, register tiles
+//       of several queries on rows read in place (or widened to fp32 by the driver:
+//       ragged head sizes, per-token rows without in-place tiles); spans outermost;
+//   LaneFloatTiles (lane_float_tiles.h: fp32 FMAs), LanePairTiles (lane_pair_tiles.h:
+//       vdpbf16ps)  queries in vector lanes (lane_tiles.h), for items whose queries all see
+//       every key and are a vector or more per KV head (attention_work_item picks them); each
+//       chunk converted into L1 scratch and the next one fetched at the pace of the score
+//       tiles; KV heads outermost, one head's accumulators in L1.
+// The driver holds no instruction-set conditional of its own.
 #pragma once
 
 #include "convert.h"
 #include "lane_float_tiles.h"
+#include "lane_pair_tiles.h"
 #include "prefetch.h"
 #include "query_rows.h"
 #include "row_tiles.h"
@@ -152,7 +164,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    const vfloat total = [&] {
+    const vfloat total = [&]() __attribute__((always_inline)) {
       if constexpr (kScaled) return exp_in_place<kShortExp, false, true>(s, chunk, new_max, nullptr, vs);
       return exp_in_place<kShortExp>(s, chunk, new_max);
     }();
@@ -190,22 +202,56 @@ static inline void with_blocks(int blocks, F&& f) {
   }
 }
 
-// kHeadSize > 0: both head sizes are kHeadSize.
-template <typename T, int kHeadSize>
-void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float* ws) {
-  // Items whose rows all see all their keys (a shared prefix; a causal tile's keys up to its
-  // first row, without ALiBi or a window) with at least a vector of queries per KV head:
-  // queries in lanes.
-  // Per-token rows take the row driver (in place or widened).
-  if constexpr (!kPerToken<T>) {
-    const bool all_visible =
-        P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
-                                 w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
-    if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
-      lane_work_item<T>(P, w, ws);
-      return;
-    }
+// The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
+// the query vector at v0 (micro-kernels with queries in lanes): one max, exp and sum per
+// vector; the accumulator rows of queries whose max moved (of the first m) are rescaled.
+// kShortExp: the exp of exp_minus<kShortExp>. Out of line: inlined into the pair tiles'
+// chunk loop, GCC kept the running total on the stack (a store and a reload per key;
+// multi-token bf16 and fp8 measured faster out of line).
+template <bool kShortExp>
+__attribute__((noinline)) static void query_vector_softmax(float* s, int n, int mp, int v0, int m,
+                                                           float* run_max, float* run_sum,
+                                                           float* acc, int hspv) {
+  vfloat top = load(s + v0);
+  for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+  const vfloat old = load(run_max + v0);
+  const vfloat now = vmax(old, top);
+  vfloat total{};
+  for (int t = 0; t < n; ++t) {
+    const vfloat p = exp_minus<kShortExp>(load(s + int64_t(t) * mp + v0), now);
+    store(s + int64_t(t) * mp + v0, p);
+    total += p;
   }
+  float alpha[VW];
+  for (int l = 0; l < VW; ++l) alpha[l] = old[l] == now[l] ? 1.0f : std::exp(old[l] - now[l]);
+  rescale_rows(acc + int64_t(v0) * hspv, hspv, alpha, std::min(VW, m - v0));
+  vfloat alphas;
+  std::memcpy(&alphas, alpha, sizeof(alphas));
+  store(run_sum + v0, load(run_sum + v0) * alphas + total);
+  store(run_max + v0, now);
+}
+
+// Keys per chunk of queries-in-rows micro-kernels, by the cache's dtype T: 32, which
+// spreads the per-chunk softmax work over more keys; 16 for fp32 with several queries per
+// KV head, where the shorter chunk measured faster (8 KiB of a head's rows at head size
+// 128, one block at block size 16); 64 for fp8 rows of up to 128 bytes, 8 KiB of rows a
+// phase as bf16's 32 (measured faster than 32 from DRAM and from L2; 64 keys of 16-bit
+// rows, 16 KiB a phase, measured slower from DRAM). Not for per-token rows: 32 measured
+// faster for int8's (docs/performance.md); int4's, widened per chunk, take 32 alike (not
+// measured apart).
+template <typename T>
+static inline int row_chunk_keys(int per_head, int hs, int hsv) {
+  return sizeof(T) == sizeof(float) && per_head > 1                       ? 16
+         : sizeof(T) == 1 && !kPerToken<T> && std::max(hs, hsv) <= 128 ? 64
+                                                                        : 32;
+}
+
+// The attention driver: one work item of T rows on the micro-kernel Tiles (row_tiles.h:
+// queries in rows; lane_float_tiles.h, lane_pair_tiles.h: queries in lanes).
+// kHeadSize > 0: both head sizes are kHeadSize.
+template <typename T, int kHeadSize, typename Tiles>
+void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
+  constexpr bool kInLanes = Tiles::kLayout == ScoreLayout::kQueriesInLanes;
   const int hs = kHeadSize > 0 ? kHeadSize : P.head_size;
   const int hsv = kHeadSize > 0 ? kHeadSize : P.head_size_v;
   const int hsp = (hs + VW - 1) / VW * VW;
@@ -215,21 +261,15 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   const int num_heads = w.kv_head_end - w.kv_head_begin;
   const int per_head = num_rows * group;  // queries of one KV head
   const int num_queries = num_heads * per_head;
-  // Keys per chunk: 32, which spreads the per-chunk softmax work over more keys; 16 for
-  // fp32 with several queries per KV head, where the shorter chunk measured faster
-  // (8 KiB of a head's rows at head size 128, one block at block size 16); 64 for fp8
-  // rows of up to 128 bytes, 8 KiB of rows a phase as bf16's 32 (measured faster than
-  // 32 from DRAM and from L2; 64 keys of 16-bit rows, 16 KiB a phase, measured slower from DRAM).
-  // Not for per-token rows: 32 measured faster for int8's (docs/performance.md); int4's,
-  // widened per chunk, take 32 alike (not measured apart).
-  const int CH = sizeof(T) == sizeof(float) && per_head > 1   ? 16
-                 : sizeof(T) == 1 && !kPerToken<T> && std::max(hs, hsv) <= 128 ? 64
-                                                              : 32;
+  // Queries in lanes: padded to whole vectors; their softmax state is kept for every lane.
+  const int lane_queries = (per_head + VW - 1) / VW * VW;
+  const int CH = kInLanes ? kLaneChunk : row_chunk_keys<T>(per_head, hs, hsv);
 
-  // Workspace: queries, accumulators, scores, running max and sum of every query
-  // (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
+  // Workspace, queries in rows: queries, accumulators, scores, running max and sum of every
+  // query (ordered KV head, row, GQA head), one chunk of fp32 keys and values (ragged head
   // sizes), then the unscaled bf16 queries (bf16 dot products), for fp8 keys in quad
-  // order too; each region from a cache line (aligned_workspace).
+  // order too; each region from a cache line (aligned_workspace). Queries in lanes: one KV
+  // head's (lane_workspace), the driver walking the item head by head.
   float* q_f = aligned_workspace(ws);
   float* acc = q_f + int64_t(num_queries) * hsp;
   float* scores = acc + int64_t(num_queries) * hspv;
@@ -239,24 +279,39 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   float* v_f = k_f + int64_t(CH) * hsp;
   uint16_t* q_bits = reinterpret_cast<uint16_t*>(v_f + int64_t(CH) * hspv);
   uint16_t* q_quad = q_bits + 2 * cache_lines_floats((int64_t(num_queries) * hsp + 1) / 2);
-  auto head_state = [&](int i) {
-    const int64_t m0 = int64_t(i) * per_head;
+  const LaneShape lane_shape{hs, hsv, hsp, hspv, per_head, lane_queries};
+  LaneWorkspace lanes{};
+  if constexpr (kInLanes) lanes = lane_workspace(ws, lane_shape);
+  // Per chunk, so forced inline, as block_rows and touch_blocks: grown by the KV heads'
+  // opening and closing, the driver left them out of line, and decode measured slower.
+  auto head_state = [&](int i) __attribute__((always_inline)) {
     const int kv = w.kv_head_begin + i;
     const float score_scale = P.k_scale ? P.scale * P.k_scale[kv * P.k_scale_stride] : P.scale;
+    if constexpr (kInLanes)
+      return ItemState{kv, per_head, group, hsp, hspv, lanes.queries, nullptr, nullptr, score_scale,
+                       lanes.acc, lanes.scores, lanes.run_max, lanes.run_sum};
+    const int64_t m0 = int64_t(i) * per_head;
     return ItemState{kv, per_head, group, hsp, hspv, q_f + m0 * hsp,
                      q_bits + m0 * hsp, q_quad + m0 * 4 * hsp, score_scale, acc + m0 * hspv,
                      scores + m0 * kKeyChunk, run_max + m0, run_sum + m0};
   };
-  // Rows of whole vectors are read in place; others are converted to fp32 rows first. So
-  // are rows that serve many queries (multi-token items) and cost more to widen than a
-  // load: in place, every register tile of queries would widen each row again.
+  // Queries in rows: rows of whole vectors are read in place; others are converted to fp32
+  // rows first. So are rows that serve many queries (multi-token items) and cost more to
+  // widen than a load: in place, every register tile of queries would widen each row again.
+  // Queries in lanes: the stored rows go to the tiles, which convert them.
   const bool widen_once = !kCheapToWiden<T> && per_head >= kWidenOnceQueries<T>;
-  constexpr bool kInPlace = !kPerToken<T> || kPerTokenInPlace<T>;
-  using Tiles = RowTiles<std::conditional_t<kInPlace, T, float>>;
-  const bool in_place = kInPlace && hsp == hs && hspv == hsv && !widen_once && Tiles::reads_in_place(P, hs, hsv);
-  // The item's products: their paths by dtype, head sizes and query dtype (rows that are
-  // never read in place: the fp32 ones).
-  const Tiles tiles(P, hs, hsv, in_place);
+  constexpr bool kInPlace = kInLanes || !kPerToken<T> || kPerTokenInPlace<T>;  // as RowTilesFor
+  const bool in_place = [&] {
+    if constexpr (kInLanes) return true;
+    else return kInPlace && hsp == hs && hspv == hsv && !widen_once && Tiles::reads_in_place(P, hs, hsv);
+  }();
+  // The item's products: their paths by dtype, head sizes and query dtype. Row tiles are
+  // constant through the item; lane tiles keep the chunk they converted.
+  using TilesObject = std::conditional_t<kInLanes, Tiles, const Tiles>;
+  TilesObject tiles = [&] {
+    if constexpr (kInLanes) return Tiles(P, lanes, lane_shape);
+    else return Tiles(P, hs, hsv, in_place);
+  }();
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
   auto softmax = [&](const ItemState& st, int j0, int n) {
@@ -271,28 +326,72 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       chunk_softmax<false, true>(P, w, st, j0, n, CH, ks, vs);
     }
   };
+  // Queries in lanes: the soft cap, then the softmax down the lanes, query vector by query
+  // vector, each vector's probabilities handed to the tiles (their rounding to pairs).
+  // Their keys are all visible (the dispatch, attention_work_item), with no ALiBi term.
+  const bool soft_cap = P.soft_cap > 0.0f;
+  auto lane_softmax = [&](const ItemState& st, int n) {
+    if constexpr (kInLanes) {
+      auto vector_softmax = [&](int v0) {
+        if constexpr (sizeof(T) < sizeof(float))
+          if (short_exp)
+            return query_vector_softmax<true>(st.scores, n, lane_queries, v0, per_head, st.run_max, st.run_sum,
+                                              st.acc, hspv);
+        query_vector_softmax<false>(st.scores, n, lane_queries, v0, per_head, st.run_max, st.run_sum, st.acc,
+                                    hspv);
+      };
+      if (soft_cap) {  // in locals: the loop calls tanhf, after which captures are read again
+        const float cap = P.soft_cap, inv_cap = 1.0f / cap;
+        float* s = st.scores;
+        for (int64_t i = 0, end = int64_t(n) * lane_queries; i < end; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
+      }
+      for (int v0 = 0; v0 < lane_queries; v0 += VW) {
+        vector_softmax(v0);
+        tiles.probabilities(st, n, v0);
+      }
+    }
+  };
 
-  // Scaled fp32 queries; padding lanes stay zero so padded key lanes never matter. An fp8
-  // key scale (and e4m3's unit, see StoredUnit, unless the rows are looked up exactly) is
-  // folded in: q.(k s) = (q s).k.
-  const char* query = static_cast<const char*>(P.query);
-  const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
-  const float k_unit = tiles.key_unit();
-  for (int m = 0; m < num_queries; ++m) {
-    const int kv = w.kv_head_begin + m / per_head;
-    const int token = w.row_begin + (m % per_head) / group;
-    const int head = kv * group + m % group;
-    float* qm = q_f + int64_t(m) * hsp;
-    const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem;
-    std::memset(qm, 0, sizeof(float) * hsp);
-    query_row_to_float(P.query_kind, q_row, qm, hs);
-    const float q_scale = P.k_scale ? P.scale * (P.k_scale[kv * P.k_scale_stride] * k_unit) : P.scale;
-    for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
-    tiles.order_query(q_row, qm, q_bits + int64_t(m) * hsp, q_quad + int64_t(m) * 4 * hsp, hs, per_head);
-    run_max[m] = -__builtin_inff();
-    run_sum[m] = 0.0f;
-  }
-  std::memset(acc, 0, sizeof(float) * num_queries * hspv);
+  // Queries in lanes, a chunk: the tiles convert its rows, then fetch the next chunk's keys
+  // and values ([next keys; next values]) at the pace of their score tiles. Out of line, its
+  // own register allocation: inlined into the chunk loop, the tiles were left out of line or
+  // spilled their accumulators every step (lane items measured slower).
+  auto lane_chunk = [&](const ItemState& st, const T* const* k_rows, const T* const* v_rows, int n,
+                        const T* const* next_rows, int next_n) __attribute__((noinline)) {
+    if constexpr (kInLanes) {
+      tiles.load_chunk(k_rows, v_rows, n);
+      tiles.scores(st, n, next_rows, next_n);
+      lane_softmax(st, n);
+      tiles.values(st, n);
+    }
+  };
+
+  // A KV head's state before its first chunk: its queries (the tiles' order), running max,
+  // sum and accumulators (queries in lanes: every lane's). Out of line, as close_head: inlined,
+  // they grew the driver past GCC's inlining limits, and the chunk loop lost inlined calls
+  // and registers (decode and lane items measured slower, docs/performance.md).
+  const int state_queries = kInLanes ? lane_queries : per_head;
+  auto open_head = [&](int i) __attribute__((noinline)) {
+    const ItemState st = head_state(i);
+    tiles.load_queries(P, w, st);
+    std::fill(st.run_max, st.run_max + state_queries, -__builtin_inff());
+    std::fill(st.run_sum, st.run_sum + state_queries, 0.0f);
+    std::memset(st.acc, 0, sizeof(float) * state_queries * hspv);
+  };
+  // A KV head's epilogue after its last chunk: each query's sink, lse, value scale and output.
+  auto close_head = [&](int i) __attribute__((noinline)) {
+    const ItemState st = head_state(i);
+    // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
+    // applies to the weighted sum once.
+    const float v_factor = P.v_scale ? P.v_scale[st.kv_head * P.v_scale_stride] * tiles.value_unit() : 1.0f;
+    for (int q = 0; q < per_head; ++q) {
+      const int token = w.row_begin + q / group;
+      const int head = st.kv_head * group + q % group;
+      const float* am = st.acc + int64_t(q) * hspv;
+      const float inv = finish_query(P, w, token, head, st.run_max[q], st.run_sum[q], v_factor);
+      write_output(P, w, token, head, [&](float* o) { tiles.output_row(am, o, hsv, inv); });
+    }
+  };
 
   const T* key_cache = static_cast<const T*>(P.key_cache);
   const T* value_cache = static_cast<const T*>(P.value_cache);
@@ -306,7 +405,7 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // per row was a large share of the chunk loop's own cost in profiles).
   const int64_t k_token_stride = P.k_token_stride, v_token_stride = P.v_token_stride;
   // The key and value rows of slot `slot` of logical block `logical` of a KV head.
-  auto block_rows = [&](int logical, int kv_head, int slot) {
+  auto block_rows = [&](int logical, int kv_head, int slot) __attribute__((always_inline)) {
     const int64_t block = table[logical];
     return std::pair{key_cache + block * P.k_block_stride + kv_head * P.k_head_stride + slot * k_token_stride,
                      value_cache + block * P.v_block_stride + kv_head * P.v_head_stride + slot * v_token_stride};
@@ -388,9 +487,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // before the rows' prefetches, walks it early: the page walk no longer stalls the
   // prefetches (measured faster GQA decode on 4 KiB pages, about even on huge pages).
   // Only where a block's rows of a head fill 2 KiB or more (at most 1 prefetch in 32 more):
-  // with small blocks the extra touches cost more than the walks they save (measured).
-  const bool touch_pages = int64_t(bs) * k_row_bytes >= 2048;
-  auto touch_blocks = [&](int j0, int n, int kv_head) {
+  // with small blocks the extra touches cost more than the walks they save (measured). Not
+  // for queries in lanes, whose tiles fetch the next chunk's rows all through a chunk: there
+  // the touches stalled on their page walks (lane items measured slower).
+  const bool touch_pages = !kInLanes && int64_t(bs) * k_row_bytes >= 2048;
+  auto touch_blocks = [&](int j0, int n, int kv_head) __attribute__((always_inline)) {
     for (int logical = j0 / bs, end = j0 + n; logical * bs < end; ++logical) {
       const auto [k_row, v_row] = block_rows(logical, kv_head, std::max(j0 - logical * bs, 0));
       prefetch(k_row);
@@ -403,7 +504,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   // HND layout a head's rows of a block are contiguous and the heads of a block are
   // adjacent, so the item reads memory in address order within a block. Spans are aligned
   // to multiples of `span` keys and clipped to the item's keys; a chunk carries its span,
-  // so stepping from chunk to chunk divides nothing.
+  // so stepping from chunk to chunk divides nothing. Micro-kernels that walk KV heads
+  // outermost (Tiles::kHeadsOuter: queries in lanes, one head's accumulators in L1) take
+  // every span of a head before the next head.
   const int span = bs > CH ? bs : CH;
   struct Chunk {
     int j0, n, head;  // keys [j0, j0 + n) of the item's head `head` (0-based); n = 0: done
@@ -412,15 +515,36 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
   auto span_chunk = [&](int begin, int end, int head) {
     return Chunk{begin, std::min(CH, end - begin), head, begin, end};
   };
-  auto first_chunk = [&] {
-    return span_chunk(w.kv_begin, std::min(w.kv_end, (w.kv_begin / span + 1) * span), 0);
+  auto first_chunk = [&](int head) {
+    return span_chunk(w.kv_begin, std::min(w.kv_end, (w.kv_begin / span + 1) * span), head);
   };
   auto next_chunk = [&](const Chunk& c) {
     if (c.j0 + CH < c.end) return Chunk{c.j0 + CH, std::min(CH, c.end - c.j0 - CH), c.head, c.begin, c.end};
-    if (c.head + 1 < num_heads) return span_chunk(c.begin, c.end, c.head + 1);
-    if (c.end < w.kv_end) return span_chunk(c.end, std::min(w.kv_end, c.end + span), 0);
+    if constexpr (Tiles::kHeadsOuter) {
+      if (c.end < w.kv_end) return span_chunk(c.end, std::min(w.kv_end, c.end + span), c.head);
+      if (c.head + 1 < num_heads) return first_chunk(c.head + 1);
+    } else {
+      if (c.head + 1 < num_heads) return span_chunk(c.begin, c.end, c.head + 1);
+      if (c.end < w.kv_end) return span_chunk(c.end, std::min(w.kv_end, c.end + span), 0);
+    }
     return Chunk{w.kv_end, 0, 0, w.kv_end, w.kv_end};
   };
+  // KV heads are opened before their first chunk and closed after their last: all of them
+  // around the walk, or (kHeadsOuter) each as the walk enters and leaves it.
+  auto enter = [&](const Chunk& c) {
+    if constexpr (Tiles::kHeadsOuter)
+      if (c.j0 == w.kv_begin) open_head(c.head);  // a head's first chunk
+  };
+  auto leave = [&](const Chunk& c, const Chunk& next) {
+    if constexpr (Tiles::kHeadsOuter)
+      if (next.n == 0 || next.head != c.head) close_head(c.head);
+  };
+  // Spans outermost, every KV head is opened before the walk and closed after it; so is each
+  // head of an item without keys (its rows see nothing: zeros, lse -inf), which the walk
+  // never enters.
+  const bool around_walk = !Tiles::kHeadsOuter || w.kv_begin >= w.kv_end;
+  if (around_walk)
+    for (int i = 0; i < num_heads; ++i) open_head(i);
 
   // The chunk loop is written out in both branches below: a shared generic lambda for it
   // measured slower on bf16 GQA decode.
@@ -444,9 +568,10 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       // row r of each block, then row r + 1, so the reads and prefetches of every phase
       // stream from all its blocks at once, as amx's do, with no bookkeeping: measured a
       // little faster from DRAM, even in L2 and L3. MHA rows keep the row order (no gain
-      // measured). Measurements: docs/performance.md.
+      // measured), and so do queries in lanes (interleaved, fp8 multi-token measured slower).
+      // Measurements: docs/performance.md.
       // Per-token rows gather their scales in the same order (gather_token_scales).
-      const int chunk_blocks = per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
+      const int chunk_blocks = !kInLanes && per_head > 1 && bs < CH && CH % bs == 0 ? CH / bs : 0;
       auto free_order = [&](const Chunk& f) {
         return chunk_blocks > 1 && f.n == CH && keys_plainly_visible(P, w, f.j0, f.n);
       };
@@ -469,10 +594,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         });
       };
       int r = 0;
-      Chunk c = first_chunk();
+      Chunk c = first_chunk(0);
       walk_chunk(c, row(0), row(1));
       while (c.n > 0) {
         const Chunk next = next_chunk(c);
+        enter(c);
         const ItemState st = head_state(c.head);
         const T** k_rows = row(r);
         const T** v_rows = row(r + 1);
@@ -495,17 +621,22 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
         const T* const* keys_ahead = next.n > 0 ? next_k : nullptr;
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
-        tiles.scores(st, k_rows, c.n, scores_ahead);
-        if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
-          tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
-          softmax(st, c.j0, c.n);
-          tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
-        } else if constexpr (kPerToken<T>) {
-          scaled_softmax(st, c.j0, c.n, chunk_k_scale, chunk_v_scale);
+        if constexpr (kInLanes) {
+          lane_chunk(st, k_rows, v_rows, c.n, next_k, next.n);
         } else {
-          softmax(st, c.j0, c.n);
+          tiles.scores(st, k_rows, c.n, scores_ahead);
+          if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
+            tiles.finish_scores(st, chunk_k_scale, chunk_k_low);
+            softmax(st, c.j0, c.n);
+            tiles.weigh_values(st, chunk_v_scale, chunk_v_low, c.n);
+          } else if constexpr (kPerToken<T>) {
+            scaled_softmax(st, c.j0, c.n, chunk_k_scale, chunk_v_scale);
+          } else {
+            softmax(st, c.j0, c.n);
+          }
+          tiles.values(st, v_rows, c.n, keys_ahead);
         }
-        tiles.values(st, v_rows, c.n, keys_ahead);
+        leave(c, next);
         if (r == 0) {
           r = 2;
         } else {
@@ -519,9 +650,9 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       }
     }
   }
-  if (widened) {
-    // Ragged head sizes (and per-token rows): convert each chunk into zero-padded fp32
-    // rows first.
+  // Queries in rows, ragged head sizes (and per-token rows): convert each chunk into
+  // zero-padded fp32 rows first.
+  if (!kInLanes && widened) {
     std::memset(k_f, 0, sizeof(float) * CH * hsp);
     std::memset(v_f, 0, sizeof(float) * CH * hspv);
     const float* k_rows[kKeyChunk];
@@ -536,10 +667,11 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
     // Per-token rows: the scales of the current chunk's rows, [0] keys and [1] values.
     const float* token_scales[2][kKeyChunk];
     int cur = 0;
-    Chunk c = first_chunk();
+    Chunk c = first_chunk(0);
     walk_rows(c.j0, c.n, w.kv_head_begin + c.head, rows[0][0], rows[0][1]);
     while (c.n > 0) {
       const Chunk next = next_chunk(c);
+      enter(c);
       const ItemState st = head_state(c.head);
       const T** next_k = rows[1 - cur][0];
       const T** next_v = rows[1 - cur][1];
@@ -562,26 +694,28 @@ void attention_work_item_for(const AttentionParams& P, const WorkItem& w, float*
       chunk_scores(st, st.q, k_rows, c.n, none);
       softmax(st, c.j0, c.n);
       chunk_values(st, v_rows, c.n, none);
+      leave(c, next);
       cur = 1 - cur;
       c = next;
     }
   }
 
-  for (int m = 0; m < num_queries; ++m) {
-    const int kv = w.kv_head_begin + m / per_head;
-    const int token = w.row_begin + (m % per_head) / group;
-    const int head = kv * group + m % group;
-    const float* am = acc + int64_t(m) * hspv;
-    // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
-    // applies to the weighted sum once.
-    const float v_factor = P.v_scale ? P.v_scale[kv * P.v_scale_stride] * tiles.value_unit() : 1.0f;
-    const float inv = finish_query(P, w, token, head, run_max[m], run_sum[m], v_factor);
-    write_output(P, w, token, head, [&](float* o) { tiles.output_row(am, o, hsv, inv); });
-  }
+  if (around_walk)
+    for (int i = 0; i < num_heads; ++i) close_head(i);
 }
 
-// Head size 128 (most models) gets its own compile of the kernel: with constant trip
-// counts the compiler unrolls the row loops.
+// The queries-in-rows micro-kernel of T rows: per-token rows the driver widens to fp32
+// are taken by the fp32 tiles.
+template <typename T>
+using RowTilesFor = RowTiles<std::conditional_t<!kPerToken<T> || kPerTokenInPlace<T>, T, float>>;
+
+// A work item's micro-kernel, and its driver's compile. Items whose rows all see all their
+// keys (a shared prefix; a causal tile's keys up to its first row, without ALiBi or a
+// window) with at least a vector of queries per KV head: queries in lanes, pair tiles
+// (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes,
+// else fp32 tiles (one compile for every head size). Per-token rows and other items:
+// queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
+// with constant trip counts the compiler unrolls the row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   // bf16 rows of whole 4 x VW-element steps are read in split order where the ISA has it
@@ -592,8 +726,18 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       return;
     }
   }
-  if (P.head_size == 128 && P.head_size_v == 128) attention_work_item_for<T, 128>(P, w, ws);
-  else attention_work_item_for<T, 0>(P, w, ws);
+  if constexpr (!kPerToken<T>) {
+    const bool all_visible =
+        P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
+                                 w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
+    if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+      if constexpr (LanePairTiles<T>::kAvailable)
+        if (LanePairTiles<T>::takes(P)) return attention_driver<T, 0, LanePairTiles<T>>(P, w, ws);
+      return attention_driver<T, 0, LaneFloatTiles<T>>(P, w, ws);
+    }
+  }
+  if (P.head_size == 128 && P.head_size_v == 128) attention_driver<T, 128, RowTilesFor<T>>(P, w, ws);
+  else attention_driver<T, 0, RowTilesFor<T>>(P, w, ws);
 }
 
 // The vector compile's entry: the work-item function for a cache dtype.

@@ -53,7 +53,7 @@ struct AttentionParams {
   float soft_cap;      // <= 0: disabled
   int sliding_window;  // <= 0: disabled
   // Every query sits after every key (shared_prefix_attention): items with many queries
-  // per KV head take the lane driver (lane_driver.h).
+  // per KV head take the queries-in-lanes micro-kernels (lane_tiles.h).
   bool queries_after_keys;
 
   // Results ([head_size_v] rows of out_kind: fp32, or the caller's 16-bit output when one

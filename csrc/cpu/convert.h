@@ -21,7 +21,7 @@ struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
 // fp32 tiles.
 struct Int8Row { int8_t bits; };
 struct Int4Row { uint8_t bits; };
-// How a format's per-token scales reach the products, which is all the row driver asks of
+// How a format's per-token scales reach the products, which is all the attention driver asks of
 // a format about them: none; one scale per row (int8), which the driver's softmax applies
 // (scores times the key's scale, probabilities times the value's); a scale and a low (zero
 // point) per row (int4), which the format's tiles apply around the softmax (finish_scores,
@@ -35,7 +35,7 @@ template <>
 constexpr TokenScales kTokenScales<Int4Row> = TokenScales::kScaleAndLow;
 template <typename T>
 constexpr bool kPerToken = kTokenScales<T> != TokenScales::kNone;
-// Per-token rows the row driver reads in place: int8's, and int4's where AVX512_BF16 takes
+// Per-token rows the attention driver reads in place: int8's, and int4's where AVX512_BF16 takes
 // them (elsewhere they are always widened).
 #if PAGED_ISA_AVX512_BF16
 template <typename T>

@@ -1,5 +1,5 @@
-// int4 per-token rows read in place with vdpbf16ps (AVX512_BF16): the row driver's
-// RowTiles for Int4Row (attention_kernel.h, row_tiles.h). Part of the CPU kernel, inside
+// int4 per-token rows read in place with vdpbf16ps (AVX512_BF16): the attention driver's
+// queries-in-rows micro-kernel for Int4Row (attention_kernel.h, row_tiles.h). Part of the CPU kernel, inside
 // its ISA namespace (see vec.h).
 //
 // A nibble n becomes the bf16 value 128 + n exactly by its bits alone, 0x4300 | n
@@ -197,8 +197,15 @@ class RowTiles<Int4Row> {
     return P.query_from_16bit && hs % 64 == 0 && hsv % 64 == 0;
   }
 
+  static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInRows;
+  static constexpr bool kHeadsOuter = false;
+
   RowTiles(const AttentionParams&, int, int, bool in_place) : in_place(in_place) {}
   const bool in_place;
+
+  void load_queries(const AttentionParams& P, const WorkItem& w, const ItemState& st) const {
+    load_row_queries(*this, P, w, st);
+  }
 
   float key_unit() const { return 1.0f; }
   float value_unit() const { return 1.0f; }

@@ -1,5 +1,6 @@
-// The fp32 micro-kernel of the queries-in-lanes driver (lane_driver.h), and the choice of a
-// lane item's micro-kernel. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+// The fp32 queries-in-lanes micro-kernel of the attention driver (attention_kernel.h; what a
+// lane micro-kernel supplies: lane_tiles.h). Part of the CPU kernel, inside its ISA
+// namespace (see vec.h).
 //
 // The tiles hold the KV head's scaled queries transposed, qt[d][m], and compute a chunk's
 // scores s[t][m] as register tiles of KT keys by MT query vectors (each key element
@@ -11,9 +12,11 @@
 #pragma once
 
 #include "convert.h"
-#include "lane_driver.h"
-#include "lane_pair_tiles.h"
+#include "lane_tiles.h"
 #include "vec.h"
+
+// The tile functions below are forced inline on AVX-512, through scores and values into the
+// driver's chunk step: left out of line there, they measured slower lane items.
 
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors
 // (accumulators plus the operands fit 32 AVX-512 registers, 16 AVX2 or SSE ones; at least
@@ -26,8 +29,8 @@ constexpr int kLaneValueVecs = VW == 16 ? 3 : 2;
 // s[i][m0 + j * VW ..] = sum_d k[i][d] * qt[d][m0 + j * VW ..] for KT keys, MT vectors;
 // `ahead` (nullable) steps once per element.
 template <int KT, int MT, typename Ahead>
-static inline void lane_score_tile(const float* qt, int mp, const float* const* k, int hs, float* s,
-                                   int m0, Ahead* ahead) {
+PAGED_AVX512_INLINE static inline void lane_score_tile(const float* qt, int mp, const float* const* k,
+                                                       int hs, float* s, int m0, Ahead* ahead) {
   vfloat acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = vfloat{};
@@ -47,8 +50,8 @@ static inline void lane_score_tile(const float* qt, int mp, const float* const* 
 // Scores of KT keys with every query vector: tiles of MT vectors, then (MT >= 4) of MT / 2,
 // then of one. The first tile steps `ahead`.
 template <int KT, int MT, typename Ahead>
-static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k, int hs,
-                                        float* s, Ahead* ahead) {
+PAGED_AVX512_INLINE static inline void lane_scores_for_keys(const float* qt, int mp, const float* const* k,
+                                                            int hs, float* s, Ahead* ahead) {
   int m = 0;
   for (; m + MT * VW <= mp; m += MT * VW, ahead = nullptr)
     lane_score_tile<KT, MT>(qt, mp, k, hs, s, m, ahead);
@@ -69,8 +72,8 @@ constexpr int kLaneTailVecs = VW == 16 ? 4 : (KT == 1 ? 8 : KT == 2 ? 4 : 3);
 // (e.g. 8 sequences of an MHA model), tiles of more keys keep enough accumulators busy.
 // The next chunk's rows are fetched over the full tiles' steps (LaneAhead).
 template <typename T>
-static inline void lane_scores(const float* qt, int mp, const float* const* k, int n, int hs,
-                               float* s, LaneAhead<T>& ahead) {
+PAGED_AVX512_INLINE static inline void lane_scores(const float* qt, int mp, const float* const* k, int n,
+                                                   int hs, float* s, LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == VW) {
     constexpr int kKeys = 2 * kLaneScoreKeys;
@@ -95,8 +98,8 @@ static inline void lane_scores(const float* qt, int mp, const float* const* k, i
 
 // acc[m0 + r][d0 + j * VW ..] += sum_t p[t][m0 + r] * v[t][d0 + j * VW ..].
 template <int MR, int DV>
-static inline void lane_value_tile(float* acc, int hspv, const float* p, int mp,
-                                   const float* const* v, int n, int m0, int d0) {
+PAGED_AVX512_INLINE static inline void lane_value_tile(float* acc, int hspv, const float* p, int mp,
+                                                       const float* const* v, int n, int m0, int d0) {
   vfloat a[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < DV; ++j) a[r][j] = load(acc + int64_t(m0 + r) * hspv + d0 + j * VW);
@@ -114,8 +117,8 @@ static inline void lane_value_tile(float* acc, int hspv, const float* p, int mp,
 }
 
 template <int MR>
-static inline void lane_values_for_rows(float* acc, int hspv, const float* p, int mp,
-                                        const float* const* v, int n, int m0) {
+PAGED_AVX512_INLINE static inline void lane_values_for_rows(float* acc, int hspv, const float* p, int mp,
+                                                            const float* const* v, int n, int m0) {
   int d = 0;
   for (; d + kLaneValueVecs * VW <= hspv; d += kLaneValueVecs * VW)
     lane_value_tile<MR, kLaneValueVecs>(acc, hspv, p, mp, v, n, m0, d);
@@ -123,8 +126,8 @@ static inline void lane_values_for_rows(float* acc, int hspv, const float* p, in
 }
 
 // The probability-weighted values of the chunk for the first `m` queries.
-static inline void lane_values(float* acc, int hspv, const float* p, int mp, const float* const* v,
-                               int n, int m) {
+PAGED_AVX512_INLINE static inline void lane_values(float* acc, int hspv, const float* p, int mp,
+                                                   const float* const* v, int n, int m) {
   int r = 0;
   for (; r + kLaneValueRows <= m; r += kLaneValueRows)
     lane_values_for_rows<kLaneValueRows>(acc, hspv, p, mp, v, n, r);
@@ -138,12 +141,13 @@ static inline void lane_values(float* acc, int hspv, const float* p, int mp, con
   for (; r < m; ++r) lane_values_for_rows<1>(acc, hspv, p, mp, v, n, r);
 }
 
-// The fp32 tiles, for every cache dtype and head size (lane_driver.h lists what a lane
+// The fp32 tiles, for every cache dtype and head size (lane_tiles.h lists what a lane
 // micro-kernel supplies).
 template <typename T>
 class LaneFloatTiles {
  public:
-  static constexpr float kValueUnit = StoredUnit<T>::value;
+  static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInLanes;
+  static constexpr bool kHeadsOuter = true;
 
   LaneFloatTiles(const AttentionParams& P, const LaneWorkspace& ws, const LaneShape& shape)
       : P_(P), qt_(ws.queries), kf_(ws.keys), vf_(ws.values), row_(ws.row), d_(shape) {
@@ -151,7 +155,8 @@ class LaneFloatTiles {
   }
 
   // The queries scaled by the softmax scale (and k_scale with the keys' unit), zero padded.
-  void load_queries(const WorkItem& w, int kv, int m) {
+  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) {
+    const int kv = st.kv_head, m = st.num_queries;
     const float q_scale =
         P_.k_scale ? P_.scale * (P_.k_scale[kv * P_.k_scale_stride] * StoredUnit<T>::value) : P_.scale;
     std::memset(qt_, 0, sizeof(float) * d_.mp * d_.hsp);
@@ -178,12 +183,18 @@ class LaneFloatTiles {
     }
   }
 
-  void scores(float* s, int n, LaneAhead<T>& ahead) { lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, s, ahead); }
-  void probabilities(float*, int, int) {}
-  void values(float* acc, const float* s, int n, int m) { lane_values(acc, d_.hspv, s, d_.mp, v_rows_, n, m); }
-  void output_row(const float* am, float* o, float inv) const {
-    for (int d = 0; d < d_.hsv; ++d) o[d] = am[d] * inv;
+  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+    LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(d_.hs * sizeof(T)), int(d_.hsv * sizeof(T)));
+    lane_scores(qt_, d_.mp, k_rows_, n, d_.hs, st.scores, fetch);
   }
+  void probabilities(const ItemState&, int, int) {}
+  void values(const ItemState& st, int n) {
+    lane_values(st.acc, d_.hspv, st.scores, d_.mp, v_rows_, n, st.num_queries);
+  }
+  void output_row(const float* am, float* o, int hsv, float inv) const {
+    for (int d = 0; d < hsv; ++d) o[d] = am[d] * inv;
+  }
+  float value_unit() const { return StoredUnit<T>::value; }
 
  private:
   bool values_in_place() const { return std::is_same_v<T, float> && d_.hsv == d_.hspv; }
@@ -197,12 +208,3 @@ class LaneFloatTiles {
   const float* k_rows_[kLaneChunk];
   const float* v_rows_[kLaneChunk];
 };
-
-// A lane item: pair tiles (vdpbf16ps) where the compile has them and they take the item's
-// dtype and head sizes, else fp32 tiles.
-template <typename T>
-void lane_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
-  if constexpr (LanePairTiles<T>::kAvailable)
-    if (LanePairTiles<T>::takes(P)) return lane_driver<T, LanePairTiles<T>>(P, w, ws);
-  lane_driver<T, LaneFloatTiles<T>>(P, w, ws);
-}

@@ -1,4 +1,5 @@
-// The pair micro-kernel of the queries-in-lanes driver (lane_driver.h) on AVX512_BF16, for
+// The pair queries-in-lanes micro-kernel of the attention driver (attention_kernel.h;
+// lane_tiles.h) on AVX512_BF16, for
 // bf16 and fp8 caches under a bf16 query: the fp32 tiles' layout (lane_float_tiles.h), with
 // vdpbf16ps (two products per lane, twice the fp32 FMA's) instead of fp32 FMAs. Part of
 // the CPU kernel, inside its ISA namespace (see vec.h). Elsewhere LanePairTiles says it is
@@ -15,7 +16,7 @@
 
 #include "bf16_tiles.h"
 #include "fp8_bf16_tables.h"
-#include "lane_driver.h"
+#include "lane_tiles.h"
 
 #if PAGED_ISA_AVX512_BF16
 // Register tiles: scores KT keys x MT query vectors, values MR queries x DV vectors of 16
@@ -23,6 +24,8 @@
 // sizes of whole 64s leave no remainder tiles (the fp32 kernel's 8 x 3 tiles left one of a
 // single vector, whose 8 chains ran a third of the value dims at half the rate: 8 x 2
 // measured faster; 4 x 4 tiles the same as 8 x 2).
+// The tile functions below are forced inline, through scores and values into the driver's
+// chunk step (as lane_float_tiles.h's on AVX-512).
 constexpr int kPairScoreKeys = 8;
 constexpr int kPairScoreVecs = 2;
 constexpr int kPairValueRows = 8;
@@ -48,8 +51,10 @@ static inline void row_to_bf16x64(const T* p, uint16_t* out) {
 // s[i][m0 + 16 j ..] = scale * sum_p qp[p][..] . k[i] pair p, for KT keys and MT vectors.
 // `ahead` (nullable) steps once per pair.
 template <int KT, int MT, typename Ahead>
-static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                        float scale, float* s, int m0, Ahead* ahead) {
+__attribute__((always_inline)) static inline void lane_pair_score_tile(const uint32_t* qp, int mp,
+                                                                       const uint16_t* const* k, int hs,
+                                                                       float scale, float* s, int m0,
+                                                                       Ahead* ahead) {
   __m512 acc[KT][MT];
   for (int i = 0; i < KT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -71,8 +76,10 @@ static inline void lane_pair_score_tile(const uint32_t* qp, int mp, const uint16
 
 // The first tile (query vectors from 0) steps `ahead`.
 template <int KT, typename Ahead>
-static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const uint16_t* const* k, int hs,
-                                             float scale, float* s, Ahead* ahead) {
+__attribute__((always_inline)) static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp,
+                                                                            const uint16_t* const* k, int hs,
+                                                                            float scale, float* s,
+                                                                            Ahead* ahead) {
   int m = 0;
   for (; m + kPairScoreVecs * 16 <= mp; m += kPairScoreVecs * 16, ahead = nullptr)
     lane_pair_score_tile<KT, kPairScoreVecs>(qp, mp, k, hs, scale, s, m, ahead);
@@ -81,8 +88,10 @@ static inline void lane_pair_scores_for_keys(const uint32_t* qp, int mp, const u
 
 // As lane_scores (lane_float_tiles.h).
 template <typename T>
-static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* const* k, int n, int hs,
-                                    float scale, float* s, LaneAhead<T>& ahead) {
+__attribute__((always_inline)) static inline void lane_pair_scores(const uint32_t* qp, int mp,
+                                                                   const uint16_t* const* k, int n, int hs,
+                                                                   float scale, float* s,
+                                                                   LaneAhead<T>& ahead) {
   int t = 0;
   if (mp == 16) {
     constexpr int kKeys = 2 * kPairScoreKeys;
@@ -102,8 +111,10 @@ static inline void lane_pair_scores(const uint32_t* qp, int mp, const uint16_t* 
 
 // acc[m0 + r][d0 + 16 j ..] += key pairs u of vp . probability pairs pp[u][m0 + r].
 template <int MR, int DV>
-static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp, int mp, const uint32_t* vp,
-                                        int pairs, int m0, int d0) {
+__attribute__((always_inline)) static inline void lane_pair_value_tile(float* acc, int hspv,
+                                                                       const uint32_t* pp, int mp,
+                                                                       const uint32_t* vp, int pairs, int m0,
+                                                                       int d0) {
   __m512 a[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < DV; ++j) a[r][j] = _mm512_loadu_ps(acc + int64_t(m0 + r) * hspv + d0 + 16 * j);
@@ -121,8 +132,10 @@ static inline void lane_pair_value_tile(float* acc, int hspv, const uint32_t* pp
 }
 
 template <int MR>
-static inline void lane_pair_values_for_rows(float* acc, int hspv, const uint32_t* pp, int mp,
-                                             const uint32_t* vp, int pairs, int m0) {
+__attribute__((always_inline)) static inline void lane_pair_values_for_rows(float* acc, int hspv,
+                                                                            const uint32_t* pp, int mp,
+                                                                            const uint32_t* vp, int pairs,
+                                                                            int m0) {
   int d = 0;
   for (; d + kPairValueVecs * 16 <= hspv; d += kPairValueVecs * 16)
     lane_pair_value_tile<MR, kPairValueVecs>(acc, hspv, pp, mp, vp, pairs, m0, d);
@@ -135,15 +148,15 @@ template <typename T>
 class LanePairTiles {
  public:
   static constexpr bool kAvailable = std::is_same_v<T, Bf16> || sizeof(T) == 1;
-  // Exact bf16 products (the fp8 conversion is exact): no unit.
-  static constexpr float kValueUnit = 1.0f;
+  static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInLanes;
+  static constexpr bool kHeadsOuter = true;
 
   // Whether the tiles take the item's query dtype and head sizes.
   static bool takes(const AttentionParams& P) {
     return P.query_kind == ScalarKind::kBFloat16 && P.head_size % 64 == 0 && P.head_size_v % 64 == 0;
   }
 
-  // The lane driver's regions hold pairs: [hs/2][mp] query pairs in the queries', [chunk][mp]
+  // The lane workspace's regions hold pairs: [hs/2][mp] query pairs in the queries', [chunk][mp]
   // scores then [chunk/2][mp] probability pairs after them, bf16 keys in the keys' and
   // [chunk/2][hsv] value pairs in the values'. Head sizes are multiples of 64 (takes), so
   // hsp = hs and hspv = hsv.
@@ -160,8 +173,9 @@ class LanePairTiles {
 
   // The queries as dim pairs (exact: the query is bf16), zero padded; the softmax scale and
   // k_scale (no unit: the fp8 conversion is exact) multiply the scores.
-  void load_queries(const WorkItem& w, int kv, int m) {
-    score_scale_ = P_.k_scale ? P_.scale * P_.k_scale[kv * P_.k_scale_stride] : P_.scale;
+  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) {
+    const int kv = st.kv_head, m = st.num_queries;
+    score_scale_ = st.scale;
     std::memset(qp_, 0, sizeof(uint32_t) * mp_ * (hs_ / 2));
     for (int i = 0; i < m; ++i) {
       const char* q_row = query_row(P_, lane_query(P_, w, kv, i));
@@ -194,14 +208,16 @@ class LanePairTiles {
     }
   }
 
-  void scores(float* s, int n, LaneAhead<T>& ahead) {
-    lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, s, ahead);
+  void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
+    LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(hs_ * sizeof(T)), int(hsv_ * sizeof(T)));
+    lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, st.scores, fetch);
   }
 
   // The probabilities of query vector v0 as bf16 pairs of keys (2u, 2u + 1) into row
   // kLaneChunk / 2 + u of the scores, last pair first, so no pair reads a row an earlier one
   // overwrote (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
-  void probabilities(const float* s, int n, int v0) {
+  void probabilities(const ItemState& st, int n, int v0) {
+    const float* s = st.scores;
     for (int u = pairs_ - 1; u >= 0; --u) {
       const __m256bh lo = _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u) * mp_ + v0));
       const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u + 1) * mp_ + v0))
@@ -212,7 +228,9 @@ class LanePairTiles {
     }
   }
 
-  void values(float* acc, const float*, int, int m) {
+  void values(const ItemState& st, int) {
+    float* acc = st.acc;
+    const int m = st.num_queries;
     int r = 0;
     for (; r + kPairValueRows <= m; r += kPairValueRows)
       lane_pair_values_for_rows<kPairValueRows>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
@@ -220,7 +238,11 @@ class LanePairTiles {
     for (; r < m; ++r) lane_pair_values_for_rows<1>(acc, hsv_, pp_, mp_, vp_, pairs_, r);
   }
 
-  void output_row(const float* am, float* o, float inv) const { unpermute_pairs(am, o, hsv_, inv); }
+  void output_row(const float* am, float* o, int hsv, float inv) const {
+    unpermute_pairs(am, o, hsv, inv);
+  }
+  // Exact bf16 products (the fp8 conversion is exact): no unit.
+  float value_unit() const { return 1.0f; }
 
  private:
   const AttentionParams& P_;

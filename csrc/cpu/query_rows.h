@@ -1,11 +1,39 @@
-// A work item's query rows in and out, shared by every CPU kernel (the row and lane drivers,
-// attention_kernel.h and lane_driver.h, and amx_kernel.h): a query row to fp32, the
-// online-softmax rescale of accumulator rows, a query's epilogue (sink, lse, normalisation)
-// and its output row. Part of the CPU kernel, inside its ISA namespace (see vec.h).
+// A work item's query rows in and out, shared by every CPU kernel (the attention driver,
+// attention_kernel.h, its micro-kernels, and amx_kernel.h): a KV head's queries and
+// online-softmax state (ItemState), a query row to fp32, the online-softmax rescale of
+// accumulator rows, a query's epilogue (sink, lse, normalisation) and its output row. Part
+// of the CPU kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
 #include "convert.h"
 #include "vec.h"
+
+// Where a micro-kernel keeps a chunk's scores: queries in rows, s[query][key] (each query's
+// softmax runs along its row), or queries in vector lanes, s[key][query] (the softmax runs
+// down the lanes, a vector of queries at a time). The driver takes its softmax form from it.
+enum class ScoreLayout { kQueriesInRows, kQueriesInLanes };
+
+// One KV head's queries and online-softmax state within a work item, as the attention
+// driver (attention_kernel.h) hands them to its micro-kernel. Regions by the micro-kernel's
+// score layout: queries in rows (row_tiles.h) or in lanes (lane_tiles.h, whose queries are
+// padded to mp, whole vectors).
+struct ItemState {
+  int kv_head;
+  int num_queries;  // query rows x GQA group
+  int group;
+  int hsp;   // padded key head size
+  int hspv;  // padded value head size
+  float* q;        // rows: [num_queries, hsp] scaled queries, zero padded; lanes: the tiles'
+                   // transposed queries
+  uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (rows' bf16 dot path only)
+  uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile;
+                           // int4 rows: the query in two bf16 parts and their sum, int4_bf16_tiles.h)
+  float scale;     // applied to the scores of the bf16 dot paths (softmax scale x key scale)
+  float* acc;      // [num_queries (lanes: mp), hspv] unnormalised outputs
+  float* scores;   // rows: [num_queries, kKeyChunk]; lanes: [chunk, mp]; scores, then probabilities
+  float* run_max;  // [num_queries (lanes: mp)]
+  float* run_sum;  // [num_queries (lanes: mp)]
+};
 
 // One query row to fp32: the query has the cache's dtype, or any float dtype for fp8 caches.
 static inline void query_row_to_float(ScalarKind kind, const char* row, float* dst, int n) {

@@ -1,51 +1,35 @@
-// The vector micro-kernel of the row driver (attention_kernel.h): a work item's queries in
-// rows, each query's products with a chunk of keys in register tiles of several queries
-// (register_tiles.h, single_query.h), per instruction set: fp32 FMAs on rows widened in
-// registers everywhere; AVX512_VBMI: fp8 and int8 rows looked up exactly into fp32
-// (fp8_tiles.h); AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 and int8 rows converted to
-// bf16 (bf16_tiles.h).
+// The queries-in-rows micro-kernel of the attention driver (attention_kernel.h): a work
+// item's queries in rows, each query's products with a chunk of keys in register tiles of
+// several queries (register_tiles.h, single_query.h), per instruction set: fp32 FMAs on
+// rows widened in registers everywhere; AVX512_VBMI: fp8 and int8 rows looked up exactly
+// into fp32 (fp8_tiles.h); AVX512_BF16: vdpbf16ps on bf16 rows and on fp8 and int8 rows
+// converted to bf16 (bf16_tiles.h).
 // Part of the CPU kernel, inside its ISA namespace (see vec.h).
 //
-// RowTiles<T> chooses an item's paths once (by its dtype, head sizes and query dtype) and
-// supplies what the driver does not own: a query row into the order its tiles read
-// (order_query), a chunk's scores (scores), its probability-weighted values (values), the
-// factors of the rows' units (key_unit, value_unit) and a finished accumulator row into
-// output order (output_row). The chunk functions below also serve the driver's fp32 rows
-// of ragged head sizes.
+// RowTiles<T> declares its layout (kLayout: queries in rows, the driver's per-query
+// softmax; kHeadsOuter false: spans outermost), chooses an item's paths once (by its dtype,
+// head sizes and query dtype) and supplies what the driver does not own: a KV head's
+// query rows in the order its tiles read (load_queries, order_query), a chunk's scores
+// (scores), its probability-weighted values (values), the factors of the rows' units
+// (key_unit, value_unit) and a finished accumulator row into output order (output_row).
+// The chunk functions below also serve the driver's fp32 rows of ragged head sizes.
 #pragma once
 
 #include "bf16_tiles.h"
 #include "convert.h"
 #include "fp8_tiles.h"
 #include "prefetch.h"
+#include "query_rows.h"
 #include "register_tiles.h"
 #include "single_query.h"
 #include "vec.h"
 
-// The most keys a chunk of rows R takes (CH in the row driver, attention_kernel.h): loops over a
-// chunk's keys that run to this constant rather than to the chunk's n are unrolled. Per-token
-// rows take chunks of 32, fp8 rows up to 64.
+// The most keys a chunk of rows R takes (CH in the attention driver, attention_kernel.h):
+// loops over a chunk's keys that run to this constant rather than to the chunk's n are
+// unrolled. Per-token rows take chunks of 32, fp8 rows up to 64.
 template <typename R>
 constexpr int kMaxChunk = sizeof(R) == 1 && !kPerToken<R> ? 64 : 32;
 static_assert(kKeyChunk >= kMaxChunk<uint8_t>, "the chunk capacity");
-
-// One KV head's queries and online-softmax state within a work item.
-struct ItemState {
-  int kv_head;
-  int num_queries;  // query rows x GQA group
-  int group;
-  int hsp;   // padded key head size
-  int hspv;  // padded value head size
-  float* q;        // [num_queries, hsp] scaled queries, zero padded
-  const uint16_t* q_bits;  // [num_queries, hsp] unscaled bf16 queries (bf16 dot path only)
-  const uint16_t* q_quad;  // [num_queries, 4 hsp] the same in quad order (fp8 keys, quad_tile;
-                           // int4 rows: the query in two bf16 parts and their sum, int4_bf16_tiles.h)
-  float scale;     // applied to the scores of the bf16 dot path (softmax scale x key scale)
-  float* acc;      // [num_queries, hspv] unnormalised outputs
-  float* scores;   // [num_queries, kKeyChunk] scores, then probabilities
-  float* run_max;  // [num_queries]
-  float* run_sum;  // [num_queries]
-};
 
 // Scores of G queries from query m on (a tile) with the chunk's n keys: K at a time, the
 // last n % K one by one. `ahead` is prefetched by the tile of query 0 (see
@@ -207,10 +191,40 @@ static inline void to_slot_order(float* x, int n, Slot slot) {
   }
 }
 
+// A KV head's query rows (ItemState), scaled into st.q (fp32, zero padded), into the order
+// of the item's tiles (order_query). An fp8 key scale (and e4m3's unit, see StoredUnit,
+// unless the rows are looked up exactly) is folded in: q.(k s) = (q s).k. Padding lanes stay
+// zero, so padded key lanes never matter.
+template <typename Tiles>
+static inline void load_row_queries(const Tiles& tiles, const AttentionParams& P, const WorkItem& w,
+                                    const ItemState& st) {
+  const char* query = static_cast<const char*>(P.query);
+  const int64_t query_elem = P.query_kind == ScalarKind::kFloat32 ? 4 : 2;
+  const int hs = P.head_size;
+  const float q_scale =
+      P.k_scale ? P.scale * (P.k_scale[st.kv_head * P.k_scale_stride] * tiles.key_unit()) : P.scale;
+  for (int i = 0; i < st.num_queries; ++i) {
+    const int token = w.row_begin + i / st.group;
+    const int head = st.kv_head * st.group + i % st.group;
+    float* qm = st.q + int64_t(i) * st.hsp;
+    const char* q_row = query + (token * P.query_token_stride + head * P.query_head_stride) * query_elem;
+    std::memset(qm, 0, sizeof(float) * st.hsp);
+    query_row_to_float(P.query_kind, q_row, qm, hs);
+    for (int d = 0; d < hs; ++d) qm[d] *= q_scale;
+    tiles.order_query(q_row, qm, st.q_bits + int64_t(i) * st.hsp, st.q_quad + int64_t(i) * 4 * st.hsp, hs,
+                      st.num_queries);
+  }
+}
+
 // The paths of an item's rows, chosen once per item, and the products by them.
 template <typename T>
 class RowTiles {
  public:
+  // Queries in rows; the driver walks the item's keys span by span, every KV head of the
+  // item reading its rows of a span before the next (address order in the HND layout).
+  static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInRows;
+  static constexpr bool kHeadsOuter = false;
+
   // Byte rows converted by table lookups (fp8_bf16_tables.h): fp8, and int8 (per-token) rows
   // where the kernel has the lookups (the driver applies their scales to scores and
   // probabilities). Elsewhere int8 rows are widened in registers (load_as_float).
@@ -262,6 +276,10 @@ class RowTiles {
   // unless the rows are looked up exactly.
   float key_unit() const { return lookup_keys ? 1.0f : StoredUnit<T>::value; }
   float value_unit() const { return fp8_values ? 1.0f : StoredUnit<T>::value; }
+
+  void load_queries(const AttentionParams& P, const WorkItem& w, const ItemState& st) const {
+    load_row_queries(*this, P, w, st);
+  }
 
   // A query row, scaled into qm (fp32, hs elements of a zero-padded row), into the order
   // of the item's tiles; with bf16_dot also its unscaled bf16 copy into qb (from q_row, the
