@@ -246,6 +246,40 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
                                                                         : 32;
 }
 
+// Queries in lanes, a chunk of n keys: the tiles convert its rows, then fetch the next
+// chunk's keys and values ([next keys; next values]) at the pace of their score tiles; the
+// soft cap, then the softmax down the lanes, query vector by query vector, each vector's
+// probabilities handed to the tiles (their rounding to pairs); the weighted values. The
+// keys are all visible (the dispatch, attention_work_item), with no ALiBi term.
+// Out of line, its own register allocation: inlined into the chunk loop, the tiles were left
+// out of line or spilled their accumulators every step (lane items measured slower). The
+// tiles and state are copied into its frame: reached through the driver's references, their
+// fields were read again after stores that may alias them.
+template <typename T, typename Tiles>
+__attribute__((noinline)) static void lane_chunk_step(Tiles& item_tiles, const ItemState& item_state,
+                                                      float soft_cap, bool short_exp, const T* const* k_rows,
+                                                      const T* const* v_rows, int n, const T* const* next_rows,
+                                                      int next_n) {
+  Tiles tiles = item_tiles;
+  const ItemState st = item_state;
+  const int lanes = (st.num_queries + VW - 1) / VW * VW;
+  tiles.load_chunk(k_rows, v_rows, n);
+  tiles.scores(st, n, next_rows, next_n);
+  if (soft_cap > 0.0f) {
+    const float inv_cap = 1.0f / soft_cap;
+    float* s = st.scores;
+    for (int64_t i = 0, end = int64_t(n) * lanes; i < end; ++i) s[i] = soft_cap * std::tanh(s[i] * inv_cap);
+  }
+  for (int v0 = 0; v0 < lanes; v0 += VW) {
+    if (sizeof(T) < sizeof(float) && short_exp)
+      query_vector_softmax<true>(st.scores, n, lanes, v0, st.num_queries, st.run_max, st.run_sum, st.acc, st.hspv);
+    else
+      query_vector_softmax<false>(st.scores, n, lanes, v0, st.num_queries, st.run_max, st.run_sum, st.acc, st.hspv);
+    tiles.probabilities(st, n, v0);
+  }
+  tiles.values(st, n);
+}
+
 // The attention driver: one work item of T rows on the micro-kernel Tiles (row_tiles.h:
 // queries in rows; lane_float_tiles.h, lane_pair_tiles.h: queries in lanes).
 // kHeadSize > 0: both head sizes are kHeadSize.
@@ -326,44 +360,11 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
       chunk_softmax<false, true>(P, w, st, j0, n, CH, ks, vs);
     }
   };
-  // Queries in lanes: the soft cap, then the softmax down the lanes, query vector by query
-  // vector, each vector's probabilities handed to the tiles (their rounding to pairs).
-  // Their keys are all visible (the dispatch, attention_work_item), with no ALiBi term.
-  const bool soft_cap = P.soft_cap > 0.0f;
-  auto lane_softmax = [&](const ItemState& st, int n) {
-    if constexpr (kInLanes) {
-      auto vector_softmax = [&](int v0) {
-        if constexpr (sizeof(T) < sizeof(float))
-          if (short_exp)
-            return query_vector_softmax<true>(st.scores, n, lane_queries, v0, per_head, st.run_max, st.run_sum,
-                                              st.acc, hspv);
-        query_vector_softmax<false>(st.scores, n, lane_queries, v0, per_head, st.run_max, st.run_sum, st.acc,
-                                    hspv);
-      };
-      if (soft_cap) {  // in locals: the loop calls tanhf, after which captures are read again
-        const float cap = P.soft_cap, inv_cap = 1.0f / cap;
-        float* s = st.scores;
-        for (int64_t i = 0, end = int64_t(n) * lane_queries; i < end; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
-      }
-      for (int v0 = 0; v0 < lane_queries; v0 += VW) {
-        vector_softmax(v0);
-        tiles.probabilities(st, n, v0);
-      }
-    }
-  };
-
-  // Queries in lanes, a chunk: the tiles convert its rows, then fetch the next chunk's keys
-  // and values ([next keys; next values]) at the pace of their score tiles. Out of line, its
-  // own register allocation: inlined into the chunk loop, the tiles were left out of line or
-  // spilled their accumulators every step (lane items measured slower).
+  // Queries in lanes, a chunk: lane_chunk_step on the item's tiles.
   auto lane_chunk = [&](const ItemState& st, const T* const* k_rows, const T* const* v_rows, int n,
-                        const T* const* next_rows, int next_n) __attribute__((noinline)) {
-    if constexpr (kInLanes) {
-      tiles.load_chunk(k_rows, v_rows, n);
-      tiles.scores(st, n, next_rows, next_n);
-      lane_softmax(st, n);
-      tiles.values(st, n);
-    }
+                        const T* const* next_rows, int next_n) __attribute__((always_inline)) {
+    if constexpr (kInLanes)
+      lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, k_rows, v_rows, n, next_rows, next_n);
   };
 
   // A KV head's state before its first chunk: its queries (the tiles' order), running max,
