@@ -14,7 +14,8 @@ each build's median over rounds and the median (and range) of the per-round rati
 current / baseline. Correctness is the tests' job.
 
 Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
-``cpu_multi_token_ab.json``, ``cpu_amx_ab.json``, ``cpu_decode_context_ab.json`` there, unless
+``cpu_multi_token_ab.json``, ``cpu_amx_ab.json``, ``cpu_shared_prefix_ab.json``,
+``cpu_decode_context_ab.json`` there, unless
 ``--out`` says otherwise):
 
 ``kernels``
@@ -50,6 +51,12 @@ Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
     a two-sided sign test per row over its rounds, and the rows whose median ratio is above 1
     (a count, not a test: rows timed in the same worker processes move together, and a build
     against itself has had 33 of 40 rows above 1).
+``shared-prefix`` [``--isa ISA``]
+    ``shared_prefix_attention`` (the queries-in-lanes kernels: every query sees every key):
+    groups of 8 and 16 decode rows over prefixes of 4096 and 2048 tokens (one group each,
+    32 query heads, head size 128, block 16, random block order) on fp32, bf16, fp16, e4m3
+    and e5m2 caches (fp8 with a bf16 query and unit scales) at 32/8 and 32/32 heads, and
+    bf16 32/8 with a soft cap, best of ``--reps`` calls, in GFLOP/s.
 ``decode-context``
     bf16 decode, 32/8 heads, head size 128, block 16, bf16 queries and outputs, at contexts
     256, 512, 2048 and 16384 with B = 1 GiB of KV / context: each context its own 1 GiB of
@@ -370,6 +377,63 @@ def isa_matrix_setup(args: argparse.Namespace) -> None:
         os.environ["AB_ISA"] = args.isa
 
 
+# --- shared-prefix ---------------------------------------------------------------------
+
+SP_HEADS, SP_HEAD_SIZE, SP_BLOCK = 32, 128, 16
+SP_GROUPS = ((8, 4096), (16, 2048))  # (query rows, prefix tokens)
+
+
+def shared_prefix_worker(reps: int) -> Dict[str, object]:
+    import torch
+
+    import paged_attention_ext as pa
+    from common.timing import time_interleaved_samples
+
+    torch.set_num_threads(2)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    gen = torch.Generator().manual_seed(0)
+    calls, flops = {}, {}
+    for kv_heads in (8, 32):
+        for name, dtype in dtypes.items():
+            for rows, prefix in SP_GROUPS:
+                blocks = prefix // SP_BLOCK
+                shape = (blocks, kv_heads, SP_BLOCK, SP_HEAD_SIZE)
+                k = torch.randn(shape, generator=gen).to(dtype)
+                v = torch.randn(shape, generator=gen).to(dtype)
+                q = torch.randn(rows, SP_HEADS, SP_HEAD_SIZE, generator=gen).to(
+                    torch.bfloat16 if dtype.itemsize == 1 else dtype)
+                table = torch.randperm(blocks, dtype=torch.int32, generator=gen).view(1, -1)
+                lens = torch.tensor([prefix], dtype=torch.int32)
+                starts = torch.tensor([0, rows], dtype=torch.int32)
+                scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
+                caps = (0.0, 30.0) if (name, kv_heads) == ("bf16", 8) else (0.0,)
+                for cap in caps:
+                    key = f"{name} 32/{kv_heads} {rows}x{prefix}" + (" soft cap" if cap else "")
+                    calls[key] = lambda q=q, k=k, v=v, table=table, lens=lens, starts=starts, scales=scales, cap=cap: \
+                        pa.shared_prefix_attention(q, k, v, table, lens, starts, SP_HEAD_SIZE ** -0.5,
+                                                   soft_cap=cap, **scales)
+                    flops[key] = 4 * SP_HEADS * SP_HEAD_SIZE * rows * prefix
+    samples = time_interleaved_samples(calls, warmup=1, reps=reps)
+    return {"isa": pa.cpu_isa(), "library": pa.__file__,
+            "gflops": {key: flops[key] / min(t) / 1e9 for key, t in samples.items()}}
+
+
+def shared_prefix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
+    summary = {}
+    print(f"{'case':28s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  range        rounds faster  p")
+    for name in rounds[0]["current"]["gflops"]:
+        row = paired(rounds, lambda w, n=name: w["gflops"][n])
+        row["rounds_faster"] = sum(r["current"]["gflops"][name] > r["baseline"]["gflops"][name] for r in rounds)
+        row["sign_test_p"] = sign_test_p(row["rounds_faster"], len(rounds))
+        summary[name] = row
+        low, high = row["speedup_range"]
+        print(f"{name:28s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.3f}x"
+              f"  ({low:.2f}-{high:.2f})  {row['rounds_faster']:>2d}/{len(rounds)}  {row['sign_test_p']:.3f}")
+    return {"suite": "shared-prefix", **source_and_cpu(), "isa": rounds[0]["current"]["isa"],
+            "baseline": str(args.baseline), "rounds": rounds, "summary": summary, "units": "GFLOP/s"}
+
+
 # --- decode-context --------------------------------------------------------------------
 
 CONTEXTS = (256, 512, 2048, 16384)
@@ -448,6 +512,8 @@ SUITES = {
                  "cpu_amx_ab.json", amx_worker, amx_report, amx_setup),
     "isa-matrix": Suite("bench_cpu_perf's isa_matrix decode rows: every kernel x cache dtype, DRAM and L2", 5,
                         "cpu_isa_matrix_ab.json", isa_matrix_worker, isa_matrix_report, isa_matrix_setup),
+    "shared-prefix": Suite("shared_prefix_attention (queries in lanes), every cache dtype", 5,
+                           "cpu_shared_prefix_ab.json", shared_prefix_worker, shared_prefix_report, isa_setup),
     "decode-context": Suite("bf16 32/8 decode at contexts 256 to 16384, caches flushed", 8,
                             "cpu_decode_context_ab.json", decode_context_worker, decode_context_report),
 }
@@ -459,7 +525,7 @@ def main() -> None:
     for name, suite in SUITES.items():
         sub = suites.add_parser(name, help=suite.help, description=suite.help)
         add_ab_arguments(sub, suite.default_reps, suite.out)
-        if name in ("multi-token", "amx", "isa-matrix"):
+        if name in ("multi-token", "amx", "isa-matrix", "shared-prefix"):
             sub.add_argument("--isa", help="the kernels to time, comma-separated (default: every one "
                              "the CPU runs)" if name == "isa-matrix" else "PAGED_ATTENTION_CPU_ISA for both builds")
         if name == "amx":
