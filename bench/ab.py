@@ -51,12 +51,13 @@ Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
     a two-sided sign test per row over its rounds, and the rows whose median ratio is above 1
     (a count, not a test: rows timed in the same worker processes move together, and a build
     against itself has had 33 of 40 rows above 1).
-``shared-prefix`` [``--isa ISA``]
+``shared-prefix`` [``--isa ISA``] [``--cases WORDS``]
     ``shared_prefix_attention`` (the queries-in-lanes kernels: every query sees every key):
     groups of 8 and 16 decode rows over prefixes of 4096 and 2048 tokens (one group each,
     32 query heads, head size 128, block 16, random block order) on fp32, bf16, fp16, e4m3
     and e5m2 caches (fp8 with a bf16 query and unit scales) at 32/8 and 32/32 heads, and
-    bf16 32/8 with a soft cap, best of ``--reps`` calls, in GFLOP/s.
+    bf16 32/8 with a soft cap, best of ``--reps`` calls, in GFLOP/s. ``--cases`` as for
+    ``amx`` (``--cases "soft cap"``; environment variable ``AB_SHARED_PREFIX_CASES``).
 ``decode-context``
     bf16 decode, 32/8 heads, head size 128, block 16, bf16 queries and outputs, at contexts
     256, 512, 2048 and 16384 with B = 1 GiB of KV / context: each context its own 1 GiB of
@@ -393,6 +394,7 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
               "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
     gen = torch.Generator().manual_seed(0)
+    words = [w for w in os.environ.get("AB_SHARED_PREFIX_CASES", "").split(",") if w]
     calls, flops = {}, {}
     for kv_heads in (8, 32):
         for name, dtype in dtypes.items():
@@ -410,6 +412,8 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
                 caps = (0.0, 30.0) if (name, kv_heads) == ("bf16", 8) else (0.0,)
                 for cap in caps:
                     key = f"{name} 32/{kv_heads} {rows}x{prefix}" + (" soft cap" if cap else "")
+                    if not all(word in key for word in words):
+                        continue
                     calls[key] = lambda q=q, k=k, v=v, table=table, lens=lens, starts=starts, scales=scales, cap=cap: \
                         pa.shared_prefix_attention(q, k, v, table, lens, starts, SP_HEAD_SIZE ** -0.5,
                                                    soft_cap=cap, **scales)
@@ -417,6 +421,12 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
     samples = time_interleaved_samples(calls, warmup=1, reps=reps)
     return {"isa": pa.cpu_isa(), "library": pa.__file__,
             "gflops": {key: flops[key] / min(t) / 1e9 for key, t in samples.items()}}
+
+
+def shared_prefix_setup(args: argparse.Namespace) -> None:
+    isa_setup(args)
+    if args.cases is not None:
+        os.environ["AB_SHARED_PREFIX_CASES"] = args.cases
 
 
 def shared_prefix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
@@ -513,7 +523,8 @@ SUITES = {
     "isa-matrix": Suite("bench_cpu_perf's isa_matrix decode rows: every kernel x cache dtype, DRAM and L2", 5,
                         "cpu_isa_matrix_ab.json", isa_matrix_worker, isa_matrix_report, isa_matrix_setup),
     "shared-prefix": Suite("shared_prefix_attention (queries in lanes), every cache dtype", 5,
-                           "cpu_shared_prefix_ab.json", shared_prefix_worker, shared_prefix_report, isa_setup),
+                           "cpu_shared_prefix_ab.json", shared_prefix_worker, shared_prefix_report,
+                           shared_prefix_setup),
     "decode-context": Suite("bf16 32/8 decode at contexts 256 to 16384, caches flushed", 8,
                             "cpu_decode_context_ab.json", decode_context_worker, decode_context_report),
 }
@@ -528,7 +539,7 @@ def main() -> None:
         if name in ("multi-token", "amx", "isa-matrix", "shared-prefix"):
             sub.add_argument("--isa", help="the kernels to time, comma-separated (default: every one "
                              "the CPU runs)" if name == "isa-matrix" else "PAGED_ATTENTION_CPU_ISA for both builds")
-        if name == "amx":
+        if name in ("amx", "shared-prefix"):
             sub.add_argument("--cases", help="comma-separated words every timed case's name contains")
             sub.add_argument("--huge-pages", action="store_true", help="caches on huge pages")
     args = parser.parse_args()
