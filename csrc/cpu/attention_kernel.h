@@ -164,7 +164,7 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     // max as it stands (probabilities up to e^kRescaleMargin, harmless in fp32 sums), so
     // most chunks skip the rescale of the accumulators.
     const float new_max = chunk_max > st.run_max[m] + kRescaleMargin ? chunk_max : st.run_max[m];
-    const vfloat total = [&]() __attribute__((always_inline)) {
+    const vfloat total = [&] {
       if constexpr (kScaled) return exp_in_place<kShortExp, false, true>(s, chunk, new_max, nullptr, vs);
       return exp_in_place<kShortExp>(s, chunk, new_max);
     }();
@@ -253,14 +253,13 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
 // keys are all visible (the dispatch, attention_work_item), with no ALiBi term.
 // Out of line, its own register allocation: inlined into the chunk loop, the tiles were left
 // out of line or spilled their accumulators every step (lane items measured slower). The
-// tiles and state are copied into its frame: reached through the driver's references, their
-// fields were read again after stores that may alias them.
+// tiles and the state are copies in its frame: reached through the driver's references,
+// their fields were read again after stores that may alias them (lane items measured slower).
 template <typename T, typename Tiles>
-__attribute__((noinline)) static void lane_chunk_step(Tiles& item_tiles, const ItemState& item_state,
+__attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemState& item_state,
                                                       float soft_cap, bool short_exp, const T* const* k_rows,
                                                       const T* const* v_rows, int n, const T* const* next_rows,
                                                       int next_n) {
-  Tiles tiles = item_tiles;
   const ItemState st = item_state;
   const int lanes = (st.num_queries + VW - 1) / VW * VW;
   tiles.load_chunk(k_rows, v_rows, n);
@@ -339,10 +338,11 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
     if constexpr (kInLanes) return true;
     else return kInPlace && hsp == hs && hspv == hsv && !widen_once && Tiles::reads_in_place(P, hs, hsv);
   }();
-  // The item's products: their paths by dtype, head sizes and query dtype. Row tiles are
-  // constant through the item; lane tiles keep the chunk they converted.
-  using TilesObject = std::conditional_t<kInLanes, Tiles, const Tiles>;
-  TilesObject tiles = [&] {
+  // The item's products: their paths by dtype, head sizes and query dtype. Pieces that may
+  // run out of line (the KV heads' opening and closing, the lane chunk step) take copies:
+  // with its address handed to them, the chunk loop would read the tiles' fields from
+  // memory instead of keeping them in registers.
+  const Tiles tiles = [&] {
     if constexpr (kInLanes) return Tiles(P, lanes, lane_shape);
     else return Tiles(P, hs, hsv, in_place);
   }();
@@ -368,29 +368,29 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   };
 
   // A KV head's state before its first chunk: its queries (the tiles' order), running max,
-  // sum and accumulators (queries in lanes: every lane's). Out of line, as close_head: inlined,
-  // they grew the driver past GCC's inlining limits, and the chunk loop lost inlined calls
-  // and registers (decode and lane items measured slower, docs/performance.md).
+  // sum and accumulators (queries in lanes: every lane's). Left to GCC to inline, as
+  // close_head: forced out of line, the row items' chunk loop compiled differently and some
+  // dtypes' decode measured slower (docs/performance.md).
   const int state_queries = kInLanes ? lane_queries : per_head;
-  auto open_head = [&](int i) __attribute__((noinline)) {
+  auto open_head = [&](int i, const Tiles item_tiles) {
     const ItemState st = head_state(i);
-    tiles.load_queries(P, w, st);
+    item_tiles.load_queries(P, w, st);
     std::fill(st.run_max, st.run_max + state_queries, -__builtin_inff());
     std::fill(st.run_sum, st.run_sum + state_queries, 0.0f);
     std::memset(st.acc, 0, sizeof(float) * state_queries * hspv);
   };
   // A KV head's epilogue after its last chunk: each query's sink, lse, value scale and output.
-  auto close_head = [&](int i) __attribute__((noinline)) {
+  auto close_head = [&](int i, const Tiles item_tiles) {
     const ItemState st = head_state(i);
     // An fp8 value scale (and e4m3's unit, unless the values were looked up exactly)
     // applies to the weighted sum once.
-    const float v_factor = P.v_scale ? P.v_scale[st.kv_head * P.v_scale_stride] * tiles.value_unit() : 1.0f;
+    const float v_factor = P.v_scale ? P.v_scale[st.kv_head * P.v_scale_stride] * item_tiles.value_unit() : 1.0f;
     for (int q = 0; q < per_head; ++q) {
       const int token = w.row_begin + q / group;
       const int head = st.kv_head * group + q % group;
       const float* am = st.acc + int64_t(q) * hspv;
       const float inv = finish_query(P, w, token, head, st.run_max[q], st.run_sum[q], v_factor);
-      write_output(P, w, token, head, [&](float* o) { tiles.output_row(am, o, hsv, inv); });
+      write_output(P, w, token, head, [&](float* o) { item_tiles.output_row(am, o, hsv, inv); });
     }
   };
 
@@ -534,18 +534,18 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   // around the walk, or (kHeadsOuter) each as the walk enters and leaves it.
   auto enter = [&](const Chunk& c) {
     if constexpr (Tiles::kHeadsOuter)
-      if (c.j0 == w.kv_begin) open_head(c.head);  // a head's first chunk
+      if (c.j0 == w.kv_begin) open_head(c.head, tiles);  // a head's first chunk
   };
   auto leave = [&](const Chunk& c, const Chunk& next) {
     if constexpr (Tiles::kHeadsOuter)
-      if (next.n == 0 || next.head != c.head) close_head(c.head);
+      if (next.n == 0 || next.head != c.head) close_head(c.head, tiles);
   };
   // Spans outermost, every KV head is opened before the walk and closed after it; so is each
   // head of an item without keys (its rows see nothing: zeros, lse -inf), which the walk
   // never enters.
   const bool around_walk = !Tiles::kHeadsOuter || w.kv_begin >= w.kv_end;
   if (around_walk)
-    for (int i = 0; i < num_heads; ++i) open_head(i);
+    for (int i = 0; i < num_heads; ++i) open_head(i, tiles);
 
   // The chunk loop is written out in both branches below: a shared generic lambda for it
   // measured slower on bf16 GQA decode.
@@ -702,7 +702,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   }
 
   if (around_walk)
-    for (int i = 0; i < num_heads; ++i) close_head(i);
+    for (int i = 0; i < num_heads; ++i) close_head(i, tiles);
 }
 
 // The queries-in-rows micro-kernel of T rows: per-token rows the driver widens to fp32

@@ -155,7 +155,7 @@ class LaneFloatTiles {
   }
 
   // The queries scaled by the softmax scale (and k_scale with the keys' unit), zero padded.
-  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) {
+  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) const {
     const int kv = st.kv_head, m = st.num_queries;
     const float q_scale =
         P_.k_scale ? P_.scale * (P_.k_scale[kv * P_.k_scale_stride] * StoredUnit<T>::value) : P_.scale;

@@ -173,9 +173,8 @@ class LanePairTiles {
 
   // The queries as dim pairs (exact: the query is bf16), zero padded; the softmax scale and
   // k_scale (no unit: the fp8 conversion is exact) multiply the scores.
-  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) {
+  void load_queries(const AttentionParams&, const WorkItem& w, const ItemState& st) const {
     const int kv = st.kv_head, m = st.num_queries;
-    score_scale_ = st.scale;
     std::memset(qp_, 0, sizeof(uint32_t) * mp_ * (hs_ / 2));
     for (int i = 0; i < m; ++i) {
       const char* q_row = query_row(P_, lane_query(P_, w, kv, i));
@@ -210,7 +209,7 @@ class LanePairTiles {
 
   void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
     LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(hs_ * sizeof(T)), int(hsv_ * sizeof(T)));
-    lane_pair_scores(qp_, mp_, k_rows_, n, hs_, score_scale_, st.scores, fetch);
+    lane_pair_scores(qp_, mp_, k_rows_, n, hs_, st.scale, st.scores, fetch);
   }
 
   // The probabilities of query vector v0 as bf16 pairs of keys (2u, 2u + 1) into row
@@ -252,7 +251,6 @@ class LanePairTiles {
   uint32_t* vp_;  // [chunk/2][hsv] value pairs
   uint16_t* vb_;  // one value row as bf16 (two for a pair)
   int hs_, hsv_, mp_;
-  float score_scale_ = 0.0f;
   int pairs_ = 0;
   const uint16_t* k_rows_[kLaneChunk];
 };
