@@ -82,6 +82,9 @@ def test_plugin_registers_the_backend_without_warnings():
     assert PagedAttentionBackend.get_builder_cls() is PagedAttentionMetadataBuilder
     assert AttentionBackendEnum.CPU_MLA.get_class() is PagedMLABackend
     assert PagedMLABackend.get_impl_cls() is PagedMLAImpl
+    # vLLM's AMX MLA backend stays vLLM's (docs/integrations.md).
+    if "AMX_MLA" in AttentionBackendEnum.__members__:
+        assert not AttentionBackendEnum.AMX_MLA.get_path().startswith("paged_attention_ext")
 
 
 # ---------------------------------------------------------------- (b) vLLM's interface

@@ -99,7 +99,7 @@ constexpr int kKeyChunk = 64;
 // (plan_hints in cpu_features.h).
 constexpr int kMaxQueriesPerItem = 64;
 
-// Queries beyond an item's own the workspace is sized for: the lane kernel rounds a KV
+// Queries beyond an item's own the workspace is sized for: the lane tiles round a KV
 // head's queries up to whole vectors.
 constexpr int kWorkspacePaddingQueries = 16;
 

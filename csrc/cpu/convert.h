@@ -441,7 +441,7 @@ static inline void token_row_to_float(const Int4Row* src, const float* scale_low
     dst[2 * d + 1] = float(src[d].bits >> 4) * s + low;
   }
 }
-// A split row converted in element order (the ragged path and the lane kernel read fp32 rows).
+// A split row converted in element order (the ragged path and the lane tiles read fp32 rows).
 static inline void row_to_float(const Bf16Split* src, float* dst, int head_size) {
   row_to_float(reinterpret_cast<const Bf16*>(src), dst, head_size);
 }

@@ -1,6 +1,6 @@
 // fp8 rows (and per-token int8 rows, ByteLookup) converted to bf16 (and fp32) by AVX512_VBMI
 // table lookups, for the vdpbf16ps tiles (bf16_tiles.h), the fp32 tiles (fp8_tiles.h) and
-// the lane kernels. Part of the CPU
+// the lane tiles. Part of the CPU
 // kernel, inside its ISA namespace (see vec.h).
 #pragma once
 
