@@ -1,6 +1,6 @@
 // int4 per-token rows read in place with vdpbf16ps (AVX512_BF16): the attention driver's
-// queries-in-rows micro-kernel for Int4Row (attention_kernel.h, row_tiles.h). Part of the CPU kernel, inside
-// its ISA namespace (see vec.h).
+// queries-in-rows micro-kernel for Int4Row (attention_kernel.h, row_tiles.h). Part of the
+// CPU kernel, inside its ISA namespace (see vec.h).
 //
 // A nibble n becomes the bf16 value 128 + n exactly by its bits alone, 0x4300 | n
 // (exponent 7, n in the low mantissa bits), so a row needs no table: its bytes zero-extended
