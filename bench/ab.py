@@ -344,17 +344,24 @@ def isa_matrix_worker(reps: int) -> Dict[str, object]:
             "rates": rates}
 
 
-def isa_matrix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
+def sign_tested_rows(rounds: Rounds, key: str, label: str, width: int) -> Dict[str, Dict[str, object]]:
+    """Each row of the workers' ``key`` results: paired medians, the rounds in which the current
+    build was faster and a sign test over them, printed as a table."""
     summary = {}
-    print(f"{'row':34s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  range        rounds faster  p")
-    for name in rounds[0]["current"]["rates"]:
-        row = paired(rounds, lambda w, n=name: w["rates"][n])
-        row["rounds_faster"] = sum(r["current"]["rates"][name] > r["baseline"]["rates"][name] for r in rounds)
+    print(f"{label:{width}s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  range        rounds faster  p")
+    for name in rounds[0]["current"][key]:
+        row = paired(rounds, lambda w, n=name: w[key][n])
+        row["rounds_faster"] = sum(r["current"][key][name] > r["baseline"][key][name] for r in rounds)
         row["sign_test_p"] = sign_test_p(row["rounds_faster"], len(rounds))
         summary[name] = row
         low, high = row["speedup_range"]
-        print(f"{name:34s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.3f}x"
+        print(f"{name:{width}s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.3f}x"
               f"  ({low:.2f}-{high:.2f})  {row['rounds_faster']:>2d}/{len(rounds)}  {row['sign_test_p']:.3f}")
+    return summary
+
+
+def isa_matrix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
+    summary = sign_tested_rows(rounds, "rates", "row", 34)
     above = sum(row["speedup_paired"] > 1 for row in summary.values())
     below = sum(row["speedup_paired"] < 1 for row in summary.values())
     print(f"rows faster / slower (median paired ratio): {above} / {below}")
@@ -430,16 +437,7 @@ def shared_prefix_setup(args: argparse.Namespace) -> None:
 
 
 def shared_prefix_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object]:
-    summary = {}
-    print(f"{'case':28s} {'baseline':>9s} {'current':>9s} {'speedup':>8s}  range        rounds faster  p")
-    for name in rounds[0]["current"]["gflops"]:
-        row = paired(rounds, lambda w, n=name: w["gflops"][n])
-        row["rounds_faster"] = sum(r["current"]["gflops"][name] > r["baseline"]["gflops"][name] for r in rounds)
-        row["sign_test_p"] = sign_test_p(row["rounds_faster"], len(rounds))
-        summary[name] = row
-        low, high = row["speedup_range"]
-        print(f"{name:28s} {row['baseline']:9.1f} {row['current']:9.1f} {row['speedup_paired']:7.3f}x"
-              f"  ({low:.2f}-{high:.2f})  {row['rounds_faster']:>2d}/{len(rounds)}  {row['sign_test_p']:.3f}")
+    summary = sign_tested_rows(rounds, "gflops", "case", 28)
     return {"suite": "shared-prefix", **source_and_cpu(), "isa": rounds[0]["current"]["isa"],
             "baseline": str(args.baseline), "rounds": rounds, "summary": summary, "units": "GFLOP/s"}
 
