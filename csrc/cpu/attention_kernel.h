@@ -257,11 +257,9 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
 // their fields were read again after every store of probability pairs, which may alias them
 // (pair-tile multi-token measured 2-4% slower).
 template <typename T, typename Tiles>
-__attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemState& item_state,
-                                                      float soft_cap, bool short_exp, const T* const* k_rows,
-                                                      const T* const* v_rows, int n, const T* const* next_rows,
-                                                      int next_n) {
-  const ItemState st = item_state;
+__attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemState st, float soft_cap,
+                                                      bool short_exp, const T* const* k_rows, const T* const* v_rows,
+                                                      int n, const T* const* next_rows, int next_n) {
   const int lanes = (st.num_queries + VW - 1) / VW * VW;
   tiles.load_chunk(k_rows, v_rows, n);
   tiles.scores(st, n, next_rows, next_n);
@@ -360,12 +358,6 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
       if (short_exp) return chunk_softmax<true, true>(P, w, st, j0, n, CH, ks, vs);
       chunk_softmax<false, true>(P, w, st, j0, n, CH, ks, vs);
     }
-  };
-  // Queries in lanes, a chunk: lane_chunk_step on the item's tiles.
-  auto lane_chunk = [&](const ItemState& st, const T* const* k_rows, const T* const* v_rows, int n,
-                        const T* const* next_rows, int next_n) __attribute__((always_inline)) {
-    if constexpr (kInLanes)
-      lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, k_rows, v_rows, n, next_rows, next_n);
   };
 
   // A KV head's state before its first chunk: its queries (the tiles' order), running max,
@@ -624,7 +616,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         if constexpr (kInLanes) {
-          lane_chunk(st, k_rows, v_rows, c.n, next_k, next.n);
+          lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, k_rows, v_rows, c.n, next_k, next.n);
         } else {
           tiles.scores(st, k_rows, c.n, scores_ahead);
           if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
