@@ -23,8 +23,8 @@
 //       of several queries on rows read in place (or widened to fp32 by the driver:
 //       ragged head sizes, per-token rows without in-place tiles); spans outermost;
 //   LaneFloatTiles (lane_float_tiles.h: fp32 FMAs), LanePairTiles (lane_pair_tiles.h:
-//       vdpbf16ps)  queries in vector lanes (lane_tiles.h), for items whose queries all see
-//       every key and are a vector or more per KV head (attention_work_item picks them); each
+//       vdpbf16ps)  queries in vector lanes (lane_tiles.h), for items of several rows with a
+//       vector of queries or more per KV head (attention_work_item picks them); each
 //       chunk converted into L1 scratch and the next one fetched at the pace of the score
 //       tiles; KV heads outermost, one head's accumulators in L1.
 // The driver holds no instruction-set conditional of its own.
@@ -202,23 +202,79 @@ static inline void with_blocks(int blocks, F&& f) {
   }
 }
 
+// What a chunk's lane softmax needs to mask and bias its scores per lane, where some key
+// of the chunk is not visible to every query or ALiBi moves the scores: the chunk's first
+// key and the positions, heads and windows of the lanes' queries (lane i: row i / group
+// of the item, GQA head i % group of its KV head).
+struct LaneKeys {
+  int j0;           // the chunk's first key
+  int first_pos;    // the item's first row's position
+  int group;        // query heads per KV head
+  int first_head;   // the KV head's first query head
+  int window;       // sliding window (<= 0: none)
+  const float* alibi_slopes;  // per query head, or nullptr
+};
+
+// The lane-vector of key j's scores, masked (-inf where the key is after a lane's query or
+// outside its window) and biased by ALiBi (slope x (j - position)), as chunk_softmax does
+// per query.
+struct LaneMask {
+  vfloat pos, slope, window_start;
+  bool alibi, window;
+
+  LaneMask(const LaneKeys& k, int v0) : alibi(k.alibi_slopes), window(k.window > 0) {
+    alignas(64) float p[VW], sl[VW];
+    for (int l = 0; l < VW; ++l) {
+      const int i = v0 + l;
+      p[l] = float(k.first_pos + i / k.group);
+      sl[l] = alibi ? k.alibi_slopes[k.first_head + i % k.group] : 0.0f;
+    }
+    pos = load(p);
+    slope = load(sl);
+    window_start = pos - splat(float(window ? k.window : 0));
+  }
+  vfloat apply(vfloat x, int j) const {
+    const vfloat key = splat(float(j));
+    if (alibi) x += slope * (key - pos);
+    const vfloat minus_inf = splat(-__builtin_inff());
+    x = key <= pos ? x : minus_inf;
+    if (window) x = key > window_start ? x : minus_inf;
+    return x;
+  }
+};
+
 // The online softmax of a chunk's n score rows (s[t][m], rows mp apart) down the lanes of
 // the query vector at v0 (micro-kernels with queries in lanes): one max, exp and sum per
 // vector; the accumulator rows of queries whose max moved (of the first m) are rescaled.
-// kShortExp: the exp of exp_minus<kShortExp>. Out of line: inlined into the pair tiles'
+// kShortExp: the exp of exp_minus<kShortExp>. kMasked: the scores first masked and biased
+// per lane (LaneMask of `keys`); a lane that has seen no visible key keeps a max of -inf and
+// takes its probabilities against 0 (all 0). Out of line: inlined into the pair tiles'
 // chunk loop, GCC kept the running total on the stack (a store and a reload per key;
 // multi-token bf16 and fp8 measured faster out of line).
-template <bool kShortExp>
+template <bool kShortExp, bool kMasked>
 __attribute__((noinline)) static void query_vector_softmax(float* s, int n, int mp, int v0, int m,
                                                            float* run_max, float* run_sum,
-                                                           float* acc, int hspv) {
-  vfloat top = load(s + v0);
-  for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+                                                           float* acc, int hspv, const LaneKeys* keys) {
+  vfloat top;
+  if constexpr (kMasked) {
+    const LaneMask mask(*keys, v0);
+    top = splat(-__builtin_inff());
+    for (int t = 0; t < n; ++t) {
+      const vfloat x = mask.apply(load(s + int64_t(t) * mp + v0), keys->j0 + t);
+      store(s + int64_t(t) * mp + v0, x);
+      top = vmax(top, x);
+    }
+  } else {
+    top = load(s + v0);
+    for (int t = 1; t < n; ++t) top = vmax(top, load(s + int64_t(t) * mp + v0));
+  }
   const vfloat old = load(run_max + v0);
   const vfloat now = vmax(old, top);
+  vfloat shift = now;
+  if constexpr (kMasked) shift = now == splat(-__builtin_inff()) ? vfloat{} : now;
   vfloat total{};
   for (int t = 0; t < n; ++t) {
-    const vfloat p = exp_minus<kShortExp>(load(s + int64_t(t) * mp + v0), now);
+    const vfloat p = exp_minus<kShortExp>(load(s + int64_t(t) * mp + v0), shift);
     store(s + int64_t(t) * mp + v0, p);
     total += p;
   }
@@ -248,9 +304,9 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
 
 // Queries in lanes, a chunk of n keys: the tiles convert its rows, then fetch the next
 // chunk's keys and values ([next keys; next values]) at the pace of their score tiles; the
-// soft cap, then the softmax down the lanes, query vector by query vector, each vector's
-// probabilities handed to the tiles (their rounding to pairs); the weighted values. The
-// keys are all visible (the dispatch, attention_work_item), with no ALiBi term.
+// soft cap, then the softmax down the lanes, query vector by query vector (masked and
+// biased per lane where `keys` is given: a key some query may not see, or ALiBi), each
+// vector's probabilities handed to the tiles (their rounding to pairs); the weighted values.
 // Out of line, its own register allocation: inlined into the chunk loop, the tiles were left
 // out of line or spilled their accumulators every step (lane items measured slower). The
 // tiles and the state are copies in its frame: reached through the driver's references,
@@ -258,8 +314,9 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
 // (pair-tile multi-token measured 2-4% slower).
 template <typename T, typename Tiles>
 __attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemState st, float soft_cap,
-                                                      bool short_exp, const T* const* k_rows, const T* const* v_rows,
-                                                      int n, const T* const* next_rows, int next_n) {
+                                                      bool short_exp, const LaneKeys* keys, const T* const* k_rows,
+                                                      const T* const* v_rows, int n, const T* const* next_rows,
+                                                      int next_n) {
   const int lanes = (st.num_queries + VW - 1) / VW * VW;
   tiles.load_chunk(k_rows, v_rows, n);
   tiles.scores(st, n, next_rows, next_n);
@@ -268,11 +325,16 @@ __attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemSta
     float* s = st.scores;
     for (int64_t i = 0, end = int64_t(n) * lanes; i < end; ++i) s[i] = soft_cap * std::tanh(s[i] * inv_cap);
   }
+  const bool short_form = sizeof(T) < sizeof(float) && short_exp;
+  auto softmax = [&](auto shortened, auto masked, int v0) {
+    query_vector_softmax<decltype(shortened)::value, decltype(masked)::value>(
+        st.scores, n, lanes, v0, st.num_queries, st.run_max, st.run_sum, st.acc, st.hspv, keys);
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
   for (int v0 = 0; v0 < lanes; v0 += VW) {
-    if (sizeof(T) < sizeof(float) && short_exp)
-      query_vector_softmax<true>(st.scores, n, lanes, v0, st.num_queries, st.run_max, st.run_sum, st.acc, st.hspv);
-    else
-      query_vector_softmax<false>(st.scores, n, lanes, v0, st.num_queries, st.run_max, st.run_sum, st.acc, st.hspv);
+    if (keys) short_form ? softmax(yes{}, yes{}, v0) : softmax(no{}, yes{}, v0);
+    else short_form ? softmax(yes{}, no{}, v0) : softmax(no{}, no{}, v0);
     tiles.probabilities(st, n, v0);
   }
   tiles.values(st, n);
@@ -616,7 +678,10 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         if constexpr (kPerToken<T>)
           gather_token_scales(c.j0, c.n, w.kv_head_begin + c.head, free_order(c) ? chunk_blocks : 0);
         if constexpr (kInLanes) {
-          lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, k_rows, v_rows, c.n, next_k, next.n);
+          const LaneKeys masks{c.j0, w.first_pos, group, st.kv_head * group, P.sliding_window, P.alibi_slopes};
+          const bool plain = keys_plainly_visible(P, w, c.j0, c.n);
+          lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, plain ? nullptr : &masks, k_rows, v_rows, c.n,
+                             next_k, next.n);
         } else {
           tiles.scores(st, k_rows, c.n, scores_ahead);
           if constexpr (kTokenScales<T> == TokenScales::kScaleAndLow) {
@@ -703,9 +768,8 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
 template <typename T>
 using RowTilesFor = RowTiles<std::conditional_t<!kPerToken<T> || kPerTokenInPlace<T>, T, float>>;
 
-// A work item's micro-kernel, and its driver's compile. Items whose rows all see all their
-// keys (a shared prefix; a causal tile's keys up to its first row, without ALiBi or a
-// window) with at least a vector of queries per KV head: queries in lanes, pair tiles
+// A work item's micro-kernel, and its driver's compile. Items of several rows (multi-token,
+// a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair tiles
 // (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes,
 // else fp32 tiles (one compile for every head size). Per-token rows and other items:
 // queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
@@ -721,10 +785,8 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
     }
   }
   if constexpr (!kPerToken<T>) {
-    const bool all_visible =
-        P.queries_after_keys || (!P.alibi_slopes && P.sliding_window <= 0 &&
-                                 w.row_end - w.row_begin >= 2 && w.kv_end - 1 <= w.first_pos);
-    if (all_visible && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+    const bool many_rows = P.queries_after_keys || w.row_end - w.row_begin >= 2;
+    if (many_rows && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
       if constexpr (LanePairTiles<T>::kAvailable)
         if (LanePairTiles<T>::takes(P)) return attention_driver<T, 0, LanePairTiles<T>>(P, w, ws);
       return attention_driver<T, 0, LaneFloatTiles<T>>(P, w, ws);
