@@ -27,11 +27,13 @@ Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
     multi-token (512 queries over 4096 tokens, 32/8 heads) in fp32 and bf16, in GFLOP/s.
     DRAM rows also give the medians over the rounds in which both workers saw the host's
     fast (read > 65 GB/s) or slow read state.
-``multi-token`` [``--isa ISA``]
+``multi-token`` [``--isa ISA``] [``--masks window|alibi``]
     Causal multi-token (512 queries over 4096 tokens, 32/8 heads, head size 128, block 16,
     random block order) on fp32, bf16, fp16, e4m3 and e5m2 caches (fp8 with a bf16 query
-    and unit scales), best of ``--reps`` calls, in GFLOP/s, with each dtype's rate against
-    the same worker's fp32 (the "never slower per element than fp32" target).
+    and unit scales) and per-token int8 and int4 caches (bf16 query), best of ``--reps`` calls, in GFLOP/s, with each dtype's rate against
+    the same worker's fp32 (the "never slower per element than fp32" target). ``--masks
+    window`` adds a sliding window of 1024 keys (the FLOP count is then each query's 1024
+    keys), ``--masks alibi`` ALiBi slopes (environment variable ``AB_MULTI_TOKEN_MASKS``).
 ``amx`` [``--isa ISA``] [``--cases WORDS``] [``--huge-pages``]
     The shapes the ``amx`` tile kernel takes, on bf16 and e4m3 caches (bf16 queries, unit
     scales, random block order, head size 128, block 16): grouped decode 16/8 and 32/8 at
@@ -182,6 +184,7 @@ def kernels_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object
 # --- multi-token -----------------------------------------------------------------------
 
 MT_SEQ_LEN, MT_QUERIES, MT_HEADS, MT_KV_HEADS, MT_HEAD_SIZE, MT_BLOCK = 4096, 512, 32, 8, 128, 16
+MT_WINDOW = 1024
 
 
 def multi_token_worker(reps: int) -> Dict[str, object]:
@@ -189,6 +192,7 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
 
     import paged_attention_ext as pa
     from common.timing import time_interleaved_samples
+    from paged_attention_ext.token_quantization import scale_shape, stored_head_size
 
     torch.set_num_threads(2)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -198,7 +202,11 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
     table = torch.randperm(num_blocks, dtype=torch.int32, generator=gen).view(1, -1)
     lens = torch.tensor([MT_SEQ_LEN], dtype=torch.int32)
     starts = torch.tensor([0, MT_QUERIES], dtype=torch.int32)
-    pairs = sum(MT_SEQ_LEN - MT_QUERIES + i + 1 for i in range(MT_QUERIES))
+    masks = os.environ.get("AB_MULTI_TOKEN_MASKS", "")
+    window = MT_WINDOW if masks == "window" else -1
+    alibi = torch.rand(MT_HEADS, generator=gen) * 0.1 if masks == "alibi" else None
+    seen = [MT_SEQ_LEN - MT_QUERIES + i + 1 for i in range(MT_QUERIES)]
+    pairs = sum(min(n, MT_WINDOW) if window > 0 else n for n in seen)
     flops = 4 * MT_HEADS * MT_HEAD_SIZE * pairs
     calls = {}
     for name, dtype in dtypes.items():
@@ -209,9 +217,28 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
             torch.bfloat16 if dtype.itemsize == 1 else dtype)
         scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
         calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
-            q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, **scales)
+            q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
+            **scales)
+    # Per-token int8 and int4 rows: random elements, scales of the size Gaussian rows get.
+    for name, dtype in {"int8": torch.int8, "int4": torch.uint8}.items():
+        shape = (num_blocks, MT_KV_HEADS, MT_BLOCK, stored_head_size(dtype, MT_HEAD_SIZE))
+        k, v = (torch.randint(-127, 128, shape, generator=gen, dtype=dtype) if dtype == torch.int8
+                else torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2))
+        scales = {}
+        for which in ("k_scale", "v_scale"):
+            scale = torch.empty(scale_shape(dtype, num_blocks, MT_KV_HEADS, MT_BLOCK))
+            if dtype == torch.int8:
+                scale.uniform_(2.0 / 127, 3.5 / 127, generator=gen)
+            else:
+                scale[..., 0].uniform_(4.0 / 15, 7.0 / 15, generator=gen)
+                scale[..., 1].uniform_(-3.5, -2.0, generator=gen)
+            scales[which] = scale
+        q = torch.randn(MT_QUERIES, MT_HEADS, MT_HEAD_SIZE, generator=gen).to(torch.bfloat16)
+        calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
+            q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
+            **scales)
     samples = time_interleaved_samples(calls, warmup=1, reps=reps)
-    return {"isa": pa.cpu_isa(), "library": pa.__file__,
+    return {"isa": pa.cpu_isa(), "library": pa.__file__, "masks": masks or "causal",
             "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
 
 
@@ -230,6 +257,7 @@ def multi_token_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, ob
         print(f"{name:6s} {row['baseline_gflops']:9.1f} {row['current_gflops']:9.1f} "
               f"{row['speedup_paired']:7.2f}x  {row['baseline_vs_fp32']:.2f}x -> {row['current_vs_fp32']:.2f}x")
     return {"suite": "multi-token", **source_and_cpu(), "isa": rounds[0]["current"]["isa"],
+            "masks": rounds[0]["current"].get("masks", "causal"),
             "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
 
 
@@ -396,6 +424,7 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
 
     import paged_attention_ext as pa
     from common.timing import time_interleaved_samples
+    from paged_attention_ext.token_quantization import scale_shape, stored_head_size
 
     torch.set_num_threads(2)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -428,6 +457,12 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
     samples = time_interleaved_samples(calls, warmup=1, reps=reps)
     return {"isa": pa.cpu_isa(), "library": pa.__file__,
             "gflops": {key: flops[key] / min(t) / 1e9 for key, t in samples.items()}}
+
+
+def multi_token_setup(args: argparse.Namespace) -> None:
+    isa_setup(args)
+    if args.masks is not None:
+        os.environ["AB_MULTI_TOKEN_MASKS"] = args.masks
 
 
 def shared_prefix_setup(args: argparse.Namespace) -> None:
@@ -515,7 +550,7 @@ SUITES = {
     "kernels": Suite("decode from DRAM, L3 and L2; multi-token fp32 and bf16", 12,
                      "cpu_kernel_ab.json", kernels_worker, kernels_report),
     "multi-token": Suite("causal multi-token, every cache dtype", 4,
-                         "cpu_multi_token_ab.json", multi_token_worker, multi_token_report, isa_setup),
+                         "cpu_multi_token_ab.json", multi_token_worker, multi_token_report, multi_token_setup),
     "amx": Suite("the amx kernel's shapes: grouped decode and multi-token, bf16 and e4m3", 5,
                  "cpu_amx_ab.json", amx_worker, amx_report, amx_setup),
     "isa-matrix": Suite("bench_cpu_perf's isa_matrix decode rows: every kernel x cache dtype, DRAM and L2", 5,
@@ -537,6 +572,9 @@ def main() -> None:
         if name in ("multi-token", "amx", "isa-matrix", "shared-prefix"):
             sub.add_argument("--isa", help="the kernels to time, comma-separated (default: every one "
                              "the CPU runs)" if name == "isa-matrix" else "PAGED_ATTENTION_CPU_ISA for both builds")
+        if name == "multi-token":
+            sub.add_argument("--masks", choices=("window", "alibi"),
+                             help="a sliding window of %d keys, or ALiBi slopes (default: causal alone)" % MT_WINDOW)
         if name in ("amx", "shared-prefix"):
             sub.add_argument("--cases", help="comma-separated words every timed case's name contains")
             sub.add_argument("--huge-pages", action="store_true", help="caches on huge pages")

@@ -41,18 +41,13 @@ struct Plan {
   int max_queries_per_item = 1;
 };
 
-// Keys [kv_begin, visible_end) are seen by every row of the tile (visible_end = kv_begin
-// when that part is not split off).
+// Rows [row_begin, row_end) of a sequence, the first at position first_pos, against the keys
+// [kv_begin, kv_end). The keys every row sees are not split off from the rest: the kernels
+// mask per chunk, and a split only added items and partition merges (causal multi-token
+// measured faster whole, docs/performance.md).
 struct QueryTile {
-  int32_t seq, row_begin, row_end, first_pos, kv_begin, kv_end, visible_end;
+  int32_t seq, row_begin, row_end, first_pos, kv_begin, kv_end;
 };
-
-// A causal tile of at least this many queries per KV head (a vector on every ISA) gets
-// the keys all its rows see as partitions of their own, at least kMinVisibleKeys long:
-// the kernel runs those with queries in vector lanes (no masks, no horizontal sums),
-// where the kernel asks for it (PlanHints::split_visible).
-constexpr int64_t kLaneMinQueries = 16;
-constexpr int32_t kMinVisibleKeys = 64;
 
 Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threads,
                const PlanHints& hints) {
@@ -78,7 +73,7 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
       const int32_t r1 = int32_t(std::min<int64_t>(q_len, r0 + rows_per_tile));
       if (args.placement == QueryPlacement::kAfterKeys) {
         // Every row at the last key's position or later sees every key (no window then).
-        tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, kv_len - 1, 0, kv_len, 0});
+        tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, kv_len - 1, 0, kv_len});
         longest = std::max<int64_t>(longest, kv_len);
         query_key_pairs += int64_t(kv_len) * (r1 - r0);
         continue;
@@ -90,12 +85,7 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
       if (args.sliding_window > 0)
         kv_begin = std::max<int32_t>(0, first_pos - int32_t(args.sliding_window) + 1);
       const int32_t kv_end = std::max<int32_t>(kv_begin, last_pos + 1);
-      // Without ALiBi or a window every row sees the keys up to the first row's position.
-      const bool split_visible = hints.split_visible && !args.alibi_slopes.has_value() && args.sliding_window <= 0 &&
-                                 r1 - r0 >= 2 && (r1 - r0) * group >= kLaneMinQueries &&
-                                 first_pos + 1 - kv_begin >= kMinVisibleKeys && first_pos + 1 < kv_end;
-      const int32_t visible_end = split_visible ? first_pos + 1 : kv_begin;
-      tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, first_pos, kv_begin, kv_end, visible_end});
+      tiles.push_back({int32_t(i), q_begin + r0, q_begin + r1, first_pos, kv_begin, kv_end});
       longest = std::max<int64_t>(longest, kv_end - kv_begin);
       query_key_pairs += int64_t(kv_end - kv_begin) * (r1 - r0);
     }
@@ -132,21 +122,17 @@ Plan make_plan(const AttentionShape& s, const AttentionArgs& args, int max_threa
   plan.items.reserve(base_items * parts * head_split);
   std::vector<std::pair<int32_t, int32_t>> ranges;  // one tile's partitions' keys
   for (const QueryTile& t : tiles) {
-    // The keys every row sees (if split off) and then the rest, each cut into up to
-    // `parts` partitions on 16-token multiples (block-aligned chunks).
+    // The tile's keys cut into up to `parts` partitions on 16-token multiples (block-aligned
+    // chunks).
     ranges.clear();
-    auto cut = [&](int32_t begin, int32_t end) {
-      const int64_t range = end - begin;
-      const int64_t n = std::max<int64_t>(1, std::min(parts, range / kMinPartitionTokens));
-      const int64_t step = ((range + n - 1) / n + 15) / 16 * 16;
-      for (int64_t p = 0; p < n; ++p) {
-        const int64_t b = begin + p * step;
-        if (p > 0 && b >= end) break;
-        ranges.emplace_back(int32_t(b), int32_t(std::min<int64_t>(end, b + step)));
-      }
-    };
-    if (t.visible_end > t.kv_begin) cut(t.kv_begin, t.visible_end);
-    cut(t.visible_end, t.kv_end);
+    const int64_t range = t.kv_end - t.kv_begin;
+    const int64_t n = std::max<int64_t>(1, std::min(parts, range / kMinPartitionTokens));
+    const int64_t step = ((range + n - 1) / n + 15) / 16 * 16;
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t b = t.kv_begin + p * step;
+      if (p > 0 && b >= t.kv_end) break;
+      ranges.emplace_back(int32_t(b), int32_t(std::min<int64_t>(t.kv_end, b + step)));
+    }
     const int64_t head_groups = std::min<int64_t>(s.num_kv_heads, head_groups_of(t) * head_split);
     int32_t used = 0;
     for (const auto& [b, e] : ranges) {

@@ -199,10 +199,7 @@ PlanHints plan_hints(const AttentionParams& params) {
   const int tiles = kernel == kAmx            ? amx_queries_per_item(params)
                     : kernel == kAmxEmulated ? amx_emulated_queries_per_item(params)
                                              : 0;
-  // The vector kernels run a split-off visible range with queries in lanes and no masks;
-  // the tile kernel checks masks per step and tile, so a split only adds items and a merge
-  // (causal multi-token on amx measured faster without it).
-  return {std::max(kMaxQueriesPerItem, tiles), tiles == 0};
+  return {std::max(kMaxQueriesPerItem, tiles)};
 }
 
 }  // namespace paged::cpu

@@ -26,7 +26,6 @@ AttentionKernelFn attention_kernel_for(ScalarKind kind);
 // What the selected kernel asks of a call's work items.
 struct PlanHints {
   int queries_per_item;  // query vectors an item aims for: kMaxQueriesPerItem or more
-  bool split_visible;    // the keys every row of a causal tile sees as partitions of their own
 };
 PlanHints plan_hints(const AttentionParams& params);
 
