@@ -27,13 +27,14 @@ Suites (``kernels`` writes ``bench/results/cpu_kernel_ab.json``, the others
     multi-token (512 queries over 4096 tokens, 32/8 heads) in fp32 and bf16, in GFLOP/s.
     DRAM rows also give the medians over the rounds in which both workers saw the host's
     fast (read > 65 GB/s) or slow read state.
-``multi-token`` [``--isa ISA``] [``--masks window|alibi``]
+``multi-token`` [``--isa ISA``] [``--modifier window|alibi|soft-cap``]
     Causal multi-token (512 queries over 4096 tokens, 32/8 heads, head size 128, block 16,
     random block order) on fp32, bf16, fp16, e4m3 and e5m2 caches (fp8 with a bf16 query
     and unit scales) and per-token int8 and int4 caches (bf16 query), best of ``--reps`` calls, in GFLOP/s, with each dtype's rate against
-    the same worker's fp32 (the "never slower per element than fp32" target). ``--masks
+    the same worker's fp32 (the "never slower per element than fp32" target). ``--modifier
     window`` adds a sliding window of 1024 keys (the FLOP count is then each query's 1024
-    keys), ``--masks alibi`` ALiBi slopes (environment variable ``AB_MULTI_TOKEN_MASKS``).
+    keys), ``alibi`` ALiBi slopes, ``soft-cap`` a soft cap of 50 (environment variable
+    ``AB_MULTI_TOKEN_MODIFIER``).
 ``amx`` [``--isa ISA``] [``--cases WORDS``] [``--huge-pages``]
     The shapes the ``amx`` tile kernel takes, on bf16 and e4m3 caches (bf16 queries, unit
     scales, random block order, head size 128, block 16): grouped decode 16/8 and 32/8 at
@@ -184,7 +185,7 @@ def kernels_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, object
 # --- multi-token -----------------------------------------------------------------------
 
 MT_SEQ_LEN, MT_QUERIES, MT_HEADS, MT_KV_HEADS, MT_HEAD_SIZE, MT_BLOCK = 4096, 512, 32, 8, 128, 16
-MT_WINDOW = 1024
+MT_WINDOW, MT_SOFT_CAP = 1024, 50.0
 
 
 def multi_token_worker(reps: int) -> Dict[str, object]:
@@ -202,9 +203,10 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
     table = torch.randperm(num_blocks, dtype=torch.int32, generator=gen).view(1, -1)
     lens = torch.tensor([MT_SEQ_LEN], dtype=torch.int32)
     starts = torch.tensor([0, MT_QUERIES], dtype=torch.int32)
-    masks = os.environ.get("AB_MULTI_TOKEN_MASKS", "")
-    window = MT_WINDOW if masks == "window" else -1
-    alibi = torch.rand(MT_HEADS, generator=gen) * 0.1 if masks == "alibi" else None
+    modifier = os.environ.get("AB_MULTI_TOKEN_MODIFIER", "")
+    window = MT_WINDOW if modifier == "window" else -1
+    alibi = torch.rand(MT_HEADS, generator=gen) * 0.1 if modifier == "alibi" else None
+    soft_cap = MT_SOFT_CAP if modifier == "soft-cap" else 0.0
     seen = [MT_SEQ_LEN - MT_QUERIES + i + 1 for i in range(MT_QUERIES)]
     pairs = sum(min(n, MT_WINDOW) if window > 0 else n for n in seen)
     flops = 4 * MT_HEADS * MT_HEAD_SIZE * pairs
@@ -218,7 +220,7 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
         scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
         calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
             q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
-            **scales)
+            soft_cap=soft_cap, **scales)
     # Per-token int8 and int4 rows: random elements, scales of the size Gaussian rows get.
     for name, dtype in {"int8": torch.int8, "int4": torch.uint8}.items():
         shape = (num_blocks, MT_KV_HEADS, MT_BLOCK, stored_head_size(dtype, MT_HEAD_SIZE))
@@ -236,9 +238,9 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
         q = torch.randn(MT_QUERIES, MT_HEADS, MT_HEAD_SIZE, generator=gen).to(torch.bfloat16)
         calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
             q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
-            **scales)
+            soft_cap=soft_cap, **scales)
     samples = time_interleaved_samples(calls, warmup=1, reps=reps)
-    return {"isa": pa.cpu_isa(), "library": pa.__file__, "masks": masks or "causal",
+    return {"isa": pa.cpu_isa(), "library": pa.__file__, "modifier": modifier or "none",
             "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
 
 
@@ -257,7 +259,7 @@ def multi_token_report(rounds: Rounds, args: argparse.Namespace) -> Dict[str, ob
         print(f"{name:6s} {row['baseline_gflops']:9.1f} {row['current_gflops']:9.1f} "
               f"{row['speedup_paired']:7.2f}x  {row['baseline_vs_fp32']:.2f}x -> {row['current_vs_fp32']:.2f}x")
     return {"suite": "multi-token", **source_and_cpu(), "isa": rounds[0]["current"]["isa"],
-            "masks": rounds[0]["current"].get("masks", "causal"),
+            "modifier": rounds[0]["current"].get("modifier", "none"),
             "baseline": str(args.baseline), "rounds": rounds, "summary": summary}
 
 
@@ -461,8 +463,8 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
 
 def multi_token_setup(args: argparse.Namespace) -> None:
     isa_setup(args)
-    if args.masks is not None:
-        os.environ["AB_MULTI_TOKEN_MASKS"] = args.masks
+    if args.modifier is not None:
+        os.environ["AB_MULTI_TOKEN_MODIFIER"] = args.modifier
 
 
 def shared_prefix_setup(args: argparse.Namespace) -> None:
@@ -573,8 +575,9 @@ def main() -> None:
             sub.add_argument("--isa", help="the kernels to time, comma-separated (default: every one "
                              "the CPU runs)" if name == "isa-matrix" else "PAGED_ATTENTION_CPU_ISA for both builds")
         if name == "multi-token":
-            sub.add_argument("--masks", choices=("window", "alibi"),
-                             help="a sliding window of %d keys, or ALiBi slopes (default: causal alone)" % MT_WINDOW)
+            sub.add_argument("--modifier", choices=("window", "alibi", "soft-cap"),
+                             help="a sliding window of %d keys, ALiBi slopes or a soft cap of %g (default: "
+                             "causal alone)" % (MT_WINDOW, MT_SOFT_CAP))
         if name in ("amx", "shared-prefix"):
             sub.add_argument("--cases", help="comma-separated words every timed case's name contains")
             sub.add_argument("--huge-pages", action="store_true", help="caches on huge pages")

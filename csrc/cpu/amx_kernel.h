@@ -285,12 +285,7 @@ static inline void score_tile_softmax(const AttentionParams& P, const TileLanes&
     for (int t = lo; t < hi; ++t) {
       __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), vscale);
       const int j = a + t;
-      if (soft_cap) {
-        alignas(64) float v[16];
-        _mm512_store_ps(v, x);
-        for (int l = 0; l < 16; ++l) v[l] = P.soft_cap * std::tanh(v[l] / P.soft_cap);
-        x = _mm512_load_ps(v);
-      }
+      if (soft_cap) x = (__m512)(splat(P.soft_cap) * vtanh((vfloat)x * splat(1.0f / P.soft_cap)));
       const __m512i jv = _mm512_set1_epi32(j);
       if (lanes.slope) x = _mm512_fmadd_ps(slope, _mm512_cvtepi32_ps(_mm512_sub_epi32(jv, pos)), x);
       __mmask16 visible = _mm512_cmple_epi32_mask(jv, pos);

@@ -105,7 +105,6 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
                                                   const ItemState& st, int j0, int n, int chunk,
                                                   const float* ks = nullptr, const float* vs = nullptr) {
   const bool soft_cap = P.soft_cap > 0.0f;
-  const float inv_cap = soft_cap ? 1.0f / P.soft_cap : 0.0f;
   int m = 0;
   // Four queries at a time while the whole chunk is plainly visible to every row of the
   // item (decode; rows past the chunk) and each query's running max stands for its chunk's
@@ -128,17 +127,19 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   for (; m < st.num_queries; ++m) {
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
-    // Off the four-query path the scores take their key scales first, in place.
+    // Off the four-query path the scores take their key scales first, then the soft cap, in
+    // place.
     if constexpr (kScaled)
       for (; t < chunk; t += VW) store(s + t, load(s + t) * load(ks + t));
+    if (soft_cap) soft_cap_scores(s, chunk, P.soft_cap);
     const int head = st.kv_head * st.group + m % st.group;
     const int pos = w.first_pos + m / st.group;
     const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
     float chunk_max = -__builtin_inff();
     const bool all_visible = keys_visible(P, j0, n, pos, pos);
-    if (all_visible && !soft_cap && !P.alibi_slopes) {
-      // The common decode case: nothing to mask or modify. Most chunks leave the running
-      // max standing (below), and then their own max is not needed.
+    if (all_visible && !P.alibi_slopes) {
+      // The common decode case: nothing to mask or bias (a soft cap is applied above). Most
+      // chunks leave the running max standing (below), and then their own max is not needed.
       const vfloat highest = padded_max(s, n, chunk);
       const float run_max = st.run_max[m];
       chunk_max = max_stands(highest, run_max) ? run_max : hmax(highest);
@@ -146,7 +147,6 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
       for (t = 0; t < n; ++t) {
         const int j = j0 + t;
         float x = s[t];
-        if (soft_cap) x = P.soft_cap * std::tanh(x * inv_cap);
         if (P.alibi_slopes) x += slope * float(j - pos);
         const bool visible = j <= pos && (P.sliding_window <= 0 || j > pos - P.sliding_window);
         x = visible ? x : -__builtin_inff();
@@ -320,11 +320,7 @@ __attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemSta
   const int lanes = (st.num_queries + VW - 1) / VW * VW;
   tiles.load_chunk(k_rows, v_rows, n);
   tiles.scores(st, n, next_rows, next_n);
-  if (soft_cap > 0.0f) {
-    const float inv_cap = 1.0f / soft_cap;
-    float* s = st.scores;
-    for (int64_t i = 0, end = int64_t(n) * lanes; i < end; ++i) s[i] = soft_cap * std::tanh(s[i] * inv_cap);
-  }
+  if (soft_cap > 0.0f) soft_cap_scores(st.scores, int64_t(n) * lanes, soft_cap);
   const bool short_form = sizeof(T) < sizeof(float) && short_exp;
   auto softmax = [&](auto shortened, auto masked, int v0) {
     query_vector_softmax<decltype(shortened)::value, decltype(masked)::value>(

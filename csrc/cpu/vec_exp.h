@@ -78,6 +78,25 @@ static inline vfloat vexp(vfloat x) {
 }
 #endif
 
+// tanh of a vector, for the soft cap (cap tanh(score / cap)): 1 - 2 / (e^(2|x|) + 1) with
+// x's sign, and below |x| = 1/8, where that difference loses digits, the odd series to x^7
+// (relative error under 1e-6 either way). NaN stays NaN; |x| from 9 on gives +-1.
+static inline vfloat vtanh(vfloat x) {
+  const vfloat a = x < vfloat{} ? -x : x;
+  const vfloat clamped = a > splat(9.0f) ? splat(9.0f) : a;
+  const vfloat far = splat(1.0f) - splat(2.0f) / (vexp(clamped + clamped) + splat(1.0f));
+  const vfloat x2 = x * x;
+  const vfloat near =
+      x + x * x2 * (splat(-1.0f / 3.0f) + x2 * (splat(2.0f / 15.0f) + x2 * splat(-17.0f / 315.0f)));
+  return a < splat(0.125f) ? near : (x < vfloat{} ? -far : far);
+}
+
+// The soft cap, cap tanh(s / cap), of n scores in place (n a multiple of VW).
+static inline void soft_cap_scores(float* s, int64_t n, float cap) {
+  const vfloat inv = splat(1.0f / cap), scale = splat(cap);
+  for (int64_t i = 0; i < n; i += VW) store(s + i, scale * vtanh(load(s + i) * inv));
+}
+
 // e^(x - shift) for the online softmaxes (a shift per lane, or one for all). kShort: the
 // caller's outputs are 16-bit or fp8-fed (probabilities rounded to bf16 on some paths), so
 // on AVX-512 exp2_poly's eight operations do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
