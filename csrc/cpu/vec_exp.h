@@ -91,8 +91,9 @@ static inline vfloat vtanh(vfloat x) {
   return a < splat(0.125f) ? near : (x < vfloat{} ? -far : far);
 }
 
-// The soft cap, cap tanh(s / cap), of n scores in place (n a multiple of VW).
-static inline void soft_cap_scores(float* s, int64_t n, float cap) {
+// The soft cap, cap tanh(s / cap), of n scores in place (n a multiple of VW). Out of line:
+// inlined into the row softmax, it changed the code of the uncapped path around it.
+__attribute__((noinline)) static void soft_cap_scores(float* s, int64_t n, float cap) {
   const vfloat inv = splat(1.0f / cap), scale = splat(cap);
   for (int64_t i = 0; i < n; i += VW) store(s + i, scale * vtanh(load(s + i) * inv));
 }
