@@ -315,10 +315,10 @@ static inline int row_chunk_keys(int per_head, int hs, int hsv) {
 template <typename T, typename Tiles>
 __attribute__((noinline)) static void lane_chunk_step(Tiles tiles, const ItemState st, float soft_cap,
                                                       bool short_exp, const LaneKeys* keys, const T* const* k_rows,
-                                                      const T* const* v_rows, int n, const T* const* next_rows,
-                                                      int next_n) {
+                                                      const T* const* v_rows, int n, const ChunkTokenScales scales,
+                                                      const T* const* next_rows, int next_n) {
   const int lanes = (st.num_queries + VW - 1) / VW * VW;
-  tiles.load_chunk(k_rows, v_rows, n);
+  tiles.load_chunk(k_rows, v_rows, n, scales);
   tiles.scores(st, n, next_rows, next_n);
   if (soft_cap > 0.0f) soft_cap_scores(st.scores, int64_t(n) * lanes, soft_cap);
   const bool short_form = sizeof(T) < sizeof(float) && short_exp;
@@ -676,7 +676,10 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         if constexpr (kInLanes) {
           const LaneKeys masks{c.j0, w.first_pos, group, st.kv_head * group, P.sliding_window, P.alibi_slopes};
           const bool plain = keys_plainly_visible(P, w, c.j0, c.n);
-          lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, plain ? nullptr : &masks, k_rows, v_rows, c.n,
+          const ChunkTokenScales scales = kPerToken<T> ? ChunkTokenScales{chunk_k_scale, chunk_k_low, chunk_v_scale,
+                                                                          chunk_v_low}
+                                                       : ChunkTokenScales{};
+          lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, plain ? nullptr : &masks, k_rows, v_rows, c.n, scales,
                              next_k, next.n);
         } else {
           tiles.scores(st, k_rows, c.n, scores_ahead);
@@ -766,9 +769,9 @@ using RowTilesFor = RowTiles<std::conditional_t<!kPerToken<T> || kPerTokenInPlac
 
 // A work item's micro-kernel, and its driver's compile. Items of several rows (multi-token,
 // a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair tiles
-// (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes,
-// else fp32 tiles (one compile for every head size). Per-token rows and other items:
-// queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
+// (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes
+// (per-token int8 included), else fp32 tiles (one compile for every head size) but for
+// per-token rows. Those and other items: queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
 // with constant trip counts the compiler unrolls the row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
@@ -780,13 +783,13 @@ void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws)
       return;
     }
   }
-  if constexpr (!kPerToken<T>) {
-    const bool many_rows = P.queries_after_keys || w.row_end - w.row_begin >= 2;
-    if (many_rows && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
-      if constexpr (LanePairTiles<T>::kAvailable)
-        if (LanePairTiles<T>::takes(P)) return attention_driver<T, 0, LanePairTiles<T>>(P, w, ws);
-      return attention_driver<T, 0, LaneFloatTiles<T>>(P, w, ws);
-    }
+  const bool many_rows = P.queries_after_keys || w.row_end - w.row_begin >= 2;
+  if (many_rows && (w.row_end - w.row_begin) * (P.num_heads / P.num_kv_heads) >= VW) {
+    if constexpr (LanePairTiles<T>::kAvailable)
+      if (LanePairTiles<T>::takes(P)) return attention_driver<T, 0, LanePairTiles<T>>(P, w, ws);
+    // Per-token rows widened into the fp32 lane tiles measured no faster than in rows (int8
+    // and int4 on avx2) or slower (int4 against its in-place rows on avx512_bf16).
+    if constexpr (!kPerToken<T>) return attention_driver<T, 0, LaneFloatTiles<T>>(P, w, ws);
   }
   if (P.head_size == 128 && P.head_size_v == 128) attention_driver<T, 128, RowTilesFor<T>>(P, w, ws);
   else attention_driver<T, 0, RowTilesFor<T>>(P, w, ws);

@@ -22,10 +22,12 @@ struct Fp8E5M2 { uint8_t bits; };  // torch.float8_e5m2
 struct Int8Row { int8_t bits; };
 struct Int4Row { uint8_t bits; };
 // How a format's per-token scales reach the products, which is all the attention driver asks of
-// a format about them: none; one scale per row (int8), which the driver's softmax applies
-// (scores times the key's scale, probabilities times the value's); a scale and a low (zero
-// point) per row (int4), which the format's tiles apply around the softmax (finish_scores,
-// weigh_values). Another per-token format picks one of these and leaves the driver as it is.
+// a format about them: none; one scale per row (int8), which the driver's softmax applies to
+// rows read in place (scores times the key's scale, probabilities times the value's); a scale
+// and a low (zero point) per row (int4), which the format's tiles apply around the softmax
+// (finish_scores, weigh_values). Lane tiles take the chunk's scales with its rows
+// (ChunkTokenScales, lane_tiles.h) and apply them themselves. Another per-token format picks
+// one of these and leaves the driver as it is.
 enum class TokenScales { kNone, kScale, kScaleAndLow };
 template <typename T>
 constexpr TokenScales kTokenScales = TokenScales::kNone;

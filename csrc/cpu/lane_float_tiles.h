@@ -169,8 +169,10 @@ class LaneFloatTiles {
   // Keys are copied (widened) into an L1 scratch chunk: the score tiles broadcast their
   // elements from several rows at once, which measured slower from the cache's rows in
   // place (fp32). fp32 values are read in place when their rows are whole vectors (one row
-  // at a time); other values are widened once per chunk.
-  void load_chunk(const T* const* k, const T* const* v, int n) {
+  // at a time); other values are widened once per chunk. No per-token rows (their scales):
+  // attention_work_item keeps those in rows.
+  void load_chunk(const T* const* k, const T* const* v, int n, const ChunkTokenScales&) {
+    static_assert(!kPerToken<T>, "per-token rows take the row tiles or the pair tiles");
     for (int t = 0; t < n; ++t) {
       row_to_float(k[t], kf_ + int64_t(t) * d_.hsp, d_.hs);
       k_rows_[t] = kf_ + int64_t(t) * d_.hsp;

@@ -142,12 +142,14 @@ __attribute__((always_inline)) static inline void lane_pair_values_for_rows(floa
   for (; d < hspv; d += 16) lane_pair_value_tile<MR, 1>(acc, hspv, pp, mp, vp, pairs, m0, d);
 }
 
-// The pair tiles, for bf16 and fp8 caches (kAvailable) under a bf16 query with head sizes of
-// whole 64s (takes).
+// The pair tiles, for bf16, fp8 and per-token int8 caches (kAvailable) under a bf16 query with
+// head sizes of whole 64s (takes). int8 rows convert exactly to bf16 by the fp8 byte tables;
+// each key's scale multiplies its scores, each value's its probabilities before their
+// rounding to pairs (the running sums take them unscaled, as the row tiles' softmax does).
 template <typename T>
 class LanePairTiles {
  public:
-  static constexpr bool kAvailable = std::is_same_v<T, Bf16> || sizeof(T) == 1;
+  static constexpr bool kAvailable = std::is_same_v<T, Bf16> || kByteLookup<T>;
   static constexpr ScoreLayout kLayout = ScoreLayout::kQueriesInLanes;
   static constexpr bool kHeadsOuter = true;
 
@@ -184,7 +186,8 @@ class LanePairTiles {
 
   // Keys as bf16 rows; values interleaved, keys t and t + 1 per 32-element step (the pair
   // order); an odd last key is paired with zeros.
-  void load_chunk(const T* const* k, const T* const* v, int n) {
+  void load_chunk(const T* const* k, const T* const* v, int n, const ChunkTokenScales& scales) {
+    scales_ = scales;
     pairs_ = (n + 1) / 2;
     for (int t = 0; t < n; ++t) {
       uint16_t* kt = kb_ + int64_t(t) * hs_;
@@ -210,6 +213,11 @@ class LanePairTiles {
   void scores(const ItemState& st, int n, const T* const* ahead, int next_n) {
     LaneAhead<T> fetch(ahead, ahead + kKeyChunk, next_n, int(hs_ * sizeof(T)), int(hsv_ * sizeof(T)));
     lane_pair_scores(qp_, mp_, k_rows_, n, hs_, st.scale, st.scores, fetch);
+    if constexpr (kPerToken<T>)
+      for (int t = 0; t < n; ++t) {
+        const vfloat key_scale = splat(scales_.k_scale[t]);
+        for (int m = 0; m < mp_; m += 16) store(st.scores + int64_t(t) * mp_ + m, load(st.scores + int64_t(t) * mp_ + m) * key_scale);
+      }
   }
 
   // The probabilities of query vector v0 as bf16 pairs of keys (2u, 2u + 1) into row
@@ -217,9 +225,14 @@ class LanePairTiles {
   // overwrote (pair u' < u reads rows up to 2u - 1, below kLaneChunk / 2 + u).
   void probabilities(const ItemState& st, int n, int v0) {
     const float* s = st.scores;
+    auto weight = [&](int t) {  // key t's probabilities, times its value's scale (per-token rows)
+      const vfloat p = load(s + int64_t(t) * mp_ + v0);
+      if constexpr (kPerToken<T>) return p * splat(scales_.v_scale[t]);
+      return p;
+    };
     for (int u = pairs_ - 1; u >= 0; --u) {
-      const __m256bh lo = _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u) * mp_ + v0));
-      const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)load(s + int64_t(2 * u + 1) * mp_ + v0))
+      const __m256bh lo = _mm512_cvtneps_pbh((__m512)weight(2 * u));
+      const __m256bh hi = 2 * u + 1 < n ? _mm512_cvtneps_pbh((__m512)weight(2 * u + 1))
                                         : (__m256bh)_mm256_setzero_si256();
       const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)lo),
                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
@@ -252,6 +265,7 @@ class LanePairTiles {
   uint16_t* vb_;  // one value row as bf16 (two for a pair)
   int hs_, hsv_, mp_;
   int pairs_ = 0;
+  ChunkTokenScales scales_{};
   const uint16_t* k_rows_[kLaneChunk];
 };
 #else

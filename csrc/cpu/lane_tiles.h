@@ -10,8 +10,9 @@
 // kHeadsOuter:
 //   Tiles(P, LaneWorkspace, LaneShape)   its regions of the workspace
 //   load_queries(P, w, st)     the KV head's queries, transposed, scaled, in its order
-//   load_chunk(k, v, n)        the chunk's n stored key and value rows, converted from the
-//                              cache format into what its tiles read
+//   load_chunk(k, v, n, scales)  the chunk's n stored key and value rows, converted from the
+//                              cache format into what its tiles read (per-token rows: with
+//                              their scales, ChunkTokenScales)
 //   scores(st, n, ahead, next_n)
 //                              s[t][query] of the chunk's keys, the softmax scale and
 //                              k_scale applied; fetches the next chunk's next_n key rows
@@ -118,6 +119,12 @@ static inline LaneWorkspace lane_workspace(float* ws, const LaneShape& d) {
   r.row = r.values + int64_t(kLaneChunk) * d.hspv;     // [hsp]
   return r;
 }
+
+// Per-token rows (int8, int4): the scales of a chunk's keys and values in row order, and
+// their lows (int4's zero points), as the driver gathers them; all nullptr for other formats.
+struct ChunkTokenScales {
+  const float *k_scale, *k_low, *v_scale, *v_low;
+};
 
 // Query i of KV head kv in a lane item (rows x GQA group): its token and head.
 struct LaneQuery {
