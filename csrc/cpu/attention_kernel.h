@@ -99,9 +99,7 @@ static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem
 // scores become probabilities (0 where masked) and the accumulators are rescaled.
 // kShortExp: the exp of exp_minus<kShortExp>. Forced inline on the AVX kernels, where it
 // measured no slower and at times a little faster.
-// kScaled: per-token rows' key scales `ks` and value scales `vs` (exp_in_place). A soft
-// cap comes applied by the driver, except to kScaled scores, which take it here after their
-// key scales.
+// kScaled: per-token rows' key scales `ks` and value scales `vs` (exp_in_place).
 template <bool kShortExp, bool kScaled = false>
 PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, const WorkItem& w,
                                                   const ItemState& st, int j0, int n, int chunk,
@@ -130,18 +128,17 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
     // Off the four-query path the scores take their key scales first, then the soft cap, in
-    // place (other scores come capped: the driver's softmax).
-    if constexpr (kScaled) {
+    // place.
+    if constexpr (kScaled)
       for (; t < chunk; t += VW) store(s + t, load(s + t) * load(ks + t));
-      if (soft_cap) soft_cap_scores(s, chunk, P.soft_cap);
-    }
+    if (soft_cap) soft_cap_scores(s, chunk, P.soft_cap);
     const int head = st.kv_head * st.group + m % st.group;
     const int pos = w.first_pos + m / st.group;
     const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;
     float chunk_max = -__builtin_inff();
     const bool all_visible = keys_visible(P, j0, n, pos, pos);
     if (all_visible && !P.alibi_slopes) {
-      // The common decode case: nothing to mask or bias (a soft cap is applied). Most
+      // The common decode case: nothing to mask or bias (a soft cap is applied above). Most
       // chunks leave the running max standing (below), and then their own max is not needed.
       const vfloat highest = padded_max(s, n, chunk);
       const float run_max = st.run_max[m];
@@ -408,13 +405,7 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
   }();
   // The shorter exp (exp_minus) where the output is 16-bit.
   const bool short_exp = short_exp_output<T>(P.query_kind);
-  // A soft cap applies to the final scores, so the driver caps them before the softmax
-  // (per-token rows read in place, whose key scales come in the softmax, inside it).
-  // Inside chunk_softmax for every kind, the cap's call changed the uncapped path's code
-  // (e5m2 MHA decode measured slower).
   auto softmax = [&](const ItemState& st, int j0, int n) {
-    if (P.soft_cap > 0.0f)
-      for (int m = 0; m < st.num_queries; ++m) soft_cap_scores(st.scores + int64_t(m) * kKeyChunk, CH, P.soft_cap);
     if constexpr (sizeof(T) < sizeof(float))
       if (short_exp) return chunk_softmax<true>(P, w, st, j0, n, CH);
     chunk_softmax<false>(P, w, st, j0, n, CH);
@@ -777,12 +768,11 @@ template <typename T>
 using RowTilesFor = RowTiles<std::conditional_t<!kPerToken<T> || kPerTokenInPlace<T>, T, float>>;
 
 // A work item's micro-kernel, and its driver's compile. Items of several rows (multi-token,
-// a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair
-// tiles (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes
+// a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair tiles
+// (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes
 // (per-token int8 included), else fp32 tiles (one compile for every head size) but for
-// per-token rows. Those and other items: queries in rows. Head size 128 (most models) gets
-// its own compile of the rows' driver: with constant trip counts the compiler unrolls the
-// row loops.
+// per-token rows. Those and other items: queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
+// with constant trip counts the compiler unrolls the row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   // bf16 rows of whole 4 x VW-element steps are read in split order where the ISA has it
