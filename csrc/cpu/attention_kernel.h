@@ -768,11 +768,12 @@ template <typename T>
 using RowTilesFor = RowTiles<std::conditional_t<!kPerToken<T> || kPerTokenInPlace<T>, T, float>>;
 
 // A work item's micro-kernel, and its driver's compile. Items of several rows (multi-token,
-// a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair tiles
-// (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes
+// a shared prefix) with at least a vector of queries per KV head: queries in lanes, pair
+// tiles (vdpbf16ps) where the compile has them and they take the item's dtype and head sizes
 // (per-token int8 included), else fp32 tiles (one compile for every head size) but for
-// per-token rows. Those and other items: queries in rows. Head size 128 (most models) gets its own compile of the rows' driver:
-// with constant trip counts the compiler unrolls the row loops.
+// per-token rows. Those and other items: queries in rows. Head size 128 (most models) gets
+// its own compile of the rows' driver: with constant trip counts the compiler unrolls the
+// row loops.
 template <typename T>
 void attention_work_item(const AttentionParams& P, const WorkItem& w, float* ws) {
   // bf16 rows of whole 4 x VW-element steps are read in split order where the ISA has it

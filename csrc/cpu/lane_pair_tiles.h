@@ -145,7 +145,8 @@ __attribute__((always_inline)) static inline void lane_pair_values_for_rows(floa
 // The pair tiles, for bf16, fp8 and per-token int8 caches (kAvailable) under a bf16 query with
 // head sizes of whole 64s (takes). int8 rows convert exactly to bf16 by the fp8 byte tables;
 // each key's scale multiplies its scores, each value's its probabilities before their
-// rounding to pairs (the running sums take them unscaled, as the row tiles' softmax does).
+// rounding to pairs (after the softmax: its running sums take them without the values'
+// scales, as the row tiles' softmax does).
 template <typename T>
 class LanePairTiles {
  public:
@@ -215,8 +216,9 @@ class LanePairTiles {
     lane_pair_scores(qp_, mp_, k_rows_, n, hs_, st.scale, st.scores, fetch);
     if constexpr (kPerToken<T>)
       for (int t = 0; t < n; ++t) {
+        float* row = st.scores + int64_t(t) * mp_;
         const vfloat key_scale = splat(scales_.k_scale[t]);
-        for (int m = 0; m < mp_; m += 16) store(st.scores + int64_t(t) * mp_ + m, load(st.scores + int64_t(t) * mp_ + m) * key_scale);
+        for (int m = 0; m < mp_; m += 16) store(row + m, load(row + m) * key_scale);
       }
   }
 

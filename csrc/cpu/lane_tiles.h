@@ -15,8 +15,9 @@
 //                              their scales, ChunkTokenScales)
 //   scores(st, n, ahead, next_n)
 //                              s[t][query] of the chunk's keys, the softmax scale and
-//                              k_scale applied; fetches the next chunk's next_n key rows
-//                              ahead[t] and value rows ahead[kKeyChunk + t] (LaneAhead)
+//                              k_scale (per-token rows: each key's scale) applied;
+//                              fetches the next chunk's next_n key rows ahead[t] and
+//                              value rows ahead[kKeyChunk + t] (LaneAhead)
 //   probabilities(st, n, v0)   after the softmax of query vector v0 (e.g. rounding to pairs)
 //   values(st, n)              acc[query][d] += probabilities x values
 //   output_row(am, o, hsv, inv)  a finished accumulator row into output order, times inv
