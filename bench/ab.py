@@ -193,7 +193,8 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
 
     import paged_attention_ext as pa
     from common.timing import time_interleaved_samples
-    from paged_attention_ext.token_quantization import scale_shape, stored_head_size
+    from common.token_caches import random_cache, random_scales
+    from paged_attention_ext.token_quantization import stored_head_size
 
     torch.set_num_threads(2)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -211,6 +212,11 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
     pairs = sum(min(n, MT_WINDOW) if window > 0 else n for n in seen)
     flops = 4 * MT_HEADS * MT_HEAD_SIZE * pairs
     calls = {}
+
+    def call(q, k, v, scales):
+        return lambda: pa.attention(q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi,
+                                    sliding_window=window, soft_cap=soft_cap, **scales)
+
     for name, dtype in dtypes.items():
         shape = (num_blocks, MT_KV_HEADS, MT_BLOCK, MT_HEAD_SIZE)
         k = torch.randn(shape, generator=gen).to(dtype)
@@ -218,27 +224,15 @@ def multi_token_worker(reps: int) -> Dict[str, object]:
         q = torch.randn(MT_QUERIES, MT_HEADS, MT_HEAD_SIZE, generator=gen).to(
             torch.bfloat16 if dtype.itemsize == 1 else dtype)
         scales = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if dtype.itemsize == 1 else {}
-        calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
-            q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
-            soft_cap=soft_cap, **scales)
-    # Per-token int8 and int4 rows: random elements, scales of the size Gaussian rows get.
+        calls[name] = call(q, k, v, scales)
+    # Per-token int8 and int4 rows.
     for name, dtype in {"int8": torch.int8, "int4": torch.uint8}.items():
         shape = (num_blocks, MT_KV_HEADS, MT_BLOCK, stored_head_size(dtype, MT_HEAD_SIZE))
-        k, v = (torch.randint(-127, 128, shape, generator=gen, dtype=dtype) if dtype == torch.int8
-                else torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2))
-        scales = {}
-        for which in ("k_scale", "v_scale"):
-            scale = torch.empty(scale_shape(dtype, num_blocks, MT_KV_HEADS, MT_BLOCK))
-            if dtype == torch.int8:
-                scale.uniform_(2.0 / 127, 3.5 / 127, generator=gen)
-            else:
-                scale[..., 0].uniform_(4.0 / 15, 7.0 / 15, generator=gen)
-                scale[..., 1].uniform_(-3.5, -2.0, generator=gen)
-            scales[which] = scale
+        k, v = random_cache(dtype, shape, gen), random_cache(dtype, shape, gen)
+        scales = {which: random_scales(dtype, num_blocks, MT_KV_HEADS, MT_BLOCK, gen)
+                  for which in ("k_scale", "v_scale")}
         q = torch.randn(MT_QUERIES, MT_HEADS, MT_HEAD_SIZE, generator=gen).to(torch.bfloat16)
-        calls[name] = lambda q=q, k=k, v=v, scales=scales: pa.attention(
-            q, k, v, table, lens, MT_HEAD_SIZE ** -0.5, starts, alibi_slopes=alibi, sliding_window=window,
-            soft_cap=soft_cap, **scales)
+        calls[name] = call(q, k, v, scales)
     samples = time_interleaved_samples(calls, warmup=1, reps=reps)
     return {"isa": pa.cpu_isa(), "library": pa.__file__, "modifier": modifier or "none",
             "gflops": {name: flops / min(t) / 1e9 for name, t in samples.items()}}
@@ -426,7 +420,6 @@ def shared_prefix_worker(reps: int) -> Dict[str, object]:
 
     import paged_attention_ext as pa
     from common.timing import time_interleaved_samples
-    from paged_attention_ext.token_quantization import scale_shape, stored_head_size
 
     torch.set_num_threads(2)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

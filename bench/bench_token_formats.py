@@ -42,7 +42,8 @@ import torch
 import paged_attention_ext as pa
 from common.environment import machine_info
 from common.timing import summarize, time_interleaved_samples
-from paged_attention_ext.token_quantization import scale_shape, stored_head_size
+from common.token_caches import random_cache, random_scales
+from paged_attention_ext.token_quantization import stored_head_size
 
 BATCH, HEADS, HEAD_SIZE, BLOCK = 16, 32, 128, 16
 ROWS = {"2048x8": (2048, 8), "2048x32": (2048, 32), "32768x8": (32768, 8), "32768x32": (32768, 32)}
@@ -56,25 +57,6 @@ def row_bytes(cache_dtype: torch.dtype) -> int:
     if cache_dtype == torch.bfloat16:
         return 2 * HEAD_SIZE
     return stored_head_size(cache_dtype, HEAD_SIZE) + 4 * (1 if cache_dtype == torch.int8 else 2)
-
-
-def random_cache(cache_dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
-    if cache_dtype == torch.bfloat16:
-        return torch.randn(shape, generator=gen, dtype=torch.bfloat16)
-    if cache_dtype == torch.int8:
-        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
-    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-
-
-def random_scales(cache_dtype: torch.dtype, num_blocks: int, kv_heads: int,
-                  gen: torch.Generator) -> torch.Tensor:
-    """Scales of the size Gaussian rows of 128 get: int8 amax / 127, int4 (range / 15, min)."""
-    scales = torch.empty(scale_shape(cache_dtype, num_blocks, kv_heads, BLOCK))
-    if cache_dtype == torch.int8:
-        return scales.uniform_(2.0 / 127, 3.5 / 127, generator=gen)
-    scales[..., 0].uniform_(4.0 / 15, 7.0 / 15, generator=gen)
-    scales[..., 1].uniform_(-3.5, -2.0, generator=gen)
-    return scales
 
 
 def decode_step(cache_dtype: torch.dtype, context: int, kv_heads: int, query: torch.Tensor,
@@ -93,7 +75,7 @@ def decode_step(cache_dtype: torch.dtype, context: int, kv_heads: int, query: to
     key_cache, value_cache = random_cache(cache_dtype, shape, gen), random_cache(cache_dtype, shape, gen)
     scales = {}
     if cache_dtype != torch.bfloat16:
-        scales = {name: random_scales(cache_dtype, pool, kv_heads, gen) for name in ("k_scale", "v_scale")}
+        scales = {name: random_scales(cache_dtype, pool, kv_heads, BLOCK, gen) for name in ("k_scale", "v_scale")}
     return lambda: pa.attention(query, key_cache, value_cache, tables, lens, HEAD_SIZE ** -0.5,
                                 **scales)
 
