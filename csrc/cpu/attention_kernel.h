@@ -676,9 +676,8 @@ void attention_driver(const AttentionParams& P, const WorkItem& w, float* ws) {
         if constexpr (kInLanes) {
           const LaneKeys masks{c.j0, w.first_pos, group, st.kv_head * group, P.sliding_window, P.alibi_slopes};
           const bool plain = keys_plainly_visible(P, w, c.j0, c.n);
-          const ChunkTokenScales scales = kPerToken<T> ? ChunkTokenScales{chunk_k_scale, chunk_k_low, chunk_v_scale,
-                                                                          chunk_v_low}
-                                                       : ChunkTokenScales{};
+          const ChunkTokenScales scales =
+              kPerToken<T> ? ChunkTokenScales{chunk_k_scale, chunk_v_scale} : ChunkTokenScales{};
           lane_chunk_step<T>(tiles, st, P.soft_cap, short_exp, plain ? nullptr : &masks, k_rows, v_rows, c.n, scales,
                              next_k, next.n);
         } else {

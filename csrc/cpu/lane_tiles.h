@@ -121,10 +121,11 @@ static inline LaneWorkspace lane_workspace(float* ws, const LaneShape& d) {
   return r;
 }
 
-// Per-token rows (int8, int4): the scales of a chunk's keys and values in row order, and
-// their lows (int4's zero points), as the driver gathers them; all nullptr for other formats.
+// Per-token rows with one scale each (int8, the one per-token format the lane tiles take):
+// the scales of a chunk's keys and values in row order, as the driver gathers them; nullptr
+// for other formats.
 struct ChunkTokenScales {
-  const float *k_scale, *k_low, *v_scale, *v_low;
+  const float *k_scale, *v_scale;
 };
 
 // Query i of KV head kv in a lane item (rows x GQA group): its token and head.
