@@ -9,7 +9,8 @@
 // given into a shared library (kernel_entry.cpp exports its entry point), and this file
 // runs it on decode items of B=1, 32 query heads, head size 128, context 2048 (CONTEXT), block
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 and
-// per-token int8 with a bf16 query) with 32 and 8 KV heads. The block table cycles over
+// per-token int8 with a bf16 query) with 32 and 8 KV heads; MODIFIER=alibi, window or
+// soft-cap adds ALiBi slopes, a sliding window of 1000 keys or a soft cap of 50. The block table cycles over
 // `resident` bytes of K (and as many of V): 128 KiB each by default, inside the L2 of every
 // CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; 512 KiB each would leave Zen 4's
 // fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
@@ -149,6 +150,8 @@ std::vector<char> random_rows(size_t elements, ScalarKind kind, uint32_t seed) {
 void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, double ghz,
              EntryFn entry, EntryFn baseline) {
   constexpr int kContext = KERNEL_CONTEXT, kBlock = 16, kHead = 128, kHeads = 32;
+  constexpr int kWindow = 1000;        // MODIFIER=window: Mistral-like, not a multiple of the block
+  constexpr float kSoftCap = 50.0f;    // MODIFIER=soft-cap: Gemma 2's
   const size_t esize = element_size(kind);
   // fp8 caches take a bf16 query (the model's dtype).
   const ScalarKind query_kind = esize == 1 ? ScalarKind::kBFloat16 : kind;
@@ -218,6 +221,20 @@ void measure(const char* name, ScalarKind kind, int kv_heads, size_t resident, d
     }
   }(P);
   P.scale = 1.0f / std::sqrt(float(kHead));
+  // MODIFIER (kernel_cycles.sh): the scores' options of the models that use them.
+  const std::vector<float> slopes = [] {
+    std::vector<float> s(kHeads);
+    for (int h = 0; h < kHeads; ++h) s[h] = std::exp2(-8.0f * float(h + 1) / kHeads);  // ALiBi's geometric slopes
+    return s;
+  }();
+  const std::string modifier = std::getenv("MODIFIER") ? std::getenv("MODIFIER") : "";
+  if (modifier == "alibi") P.alibi_slopes = slopes.data();
+  else if (modifier == "window") P.sliding_window = kWindow;
+  else if (modifier == "soft-cap") P.soft_cap = kSoftCap;
+  else if (!modifier.empty()) {
+    std::fprintf(stderr, "MODIFIER must be alibi, window or soft-cap, not '%s'\n", modifier.c_str());
+    std::exit(2);
+  }
   P.out = out.data();
   P.out_token_stride = kHeads * kHead;
   P.out_head_stride = kHead;

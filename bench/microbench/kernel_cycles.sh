@@ -14,6 +14,8 @@
 # ONLY: one cache dtype and optionally one KV head count (e.g. "bf16 8"), for a profiler.
 # CONTEXT: the item's keys (default 2048, a multiple of 32): short items show the per-item
 # work (query tiles, set-up, the output) beside the per-step.
+# MODIFIER: alibi, window or soft-cap: decode with ALiBi slopes, a sliding window of 1000
+# keys or a soft cap of 50 (both trees).
 # KEEP: a directory to keep the binary and libraries in (perf record -e cpu-clock on it:
 # no hardware PMU in this guest).
 set -euo pipefail

@@ -29,6 +29,7 @@
 #include "bf16_tiles.h"
 #include "fp8_bf16_tables.h"
 #include "query_rows.h"
+#include "score_masks.h"
 #include "vec.h"
 #include "vec_exp.h"
 
@@ -279,21 +280,19 @@ static inline void score_tile_softmax(const AttentionParams& P, const TileLanes&
     top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
     top = _mm512_mul_ps(top, _mm512_set1_ps(row_factor));
   } else {
-    const __m512i pos = _mm512_loadu_si512(lanes.pos);
-    const __m512 slope = lanes.slope ? _mm512_loadu_ps(lanes.slope) : _mm512_setzero_ps();
-    const __m512 vscale = _mm512_set1_ps(scale);
+    vint pos;
+    std::memcpy(&pos, lanes.pos, sizeof(pos));
+    const KeyMask mask(pos, lanes.slope ? load(lanes.slope) : vfloat{}, P.sliding_window, lanes.slope);
+    const vfloat vscale = splat(scale);
+    // The cap and its inverse once: the stores into s may alias P, so read in the loop they
+    // would be loaded (and divided) again for every key.
+    const vfloat cap = splat(soft_cap ? P.soft_cap : 1.0f), inv_cap = splat(soft_cap ? 1.0f / P.soft_cap : 1.0f);
     for (int t = lo; t < hi; ++t) {
-      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), vscale);
-      const int j = a + t;
-      if (soft_cap) x = (__m512)(splat(P.soft_cap) * vtanh((vfloat)x * splat(1.0f / P.soft_cap)));
-      const __m512i jv = _mm512_set1_epi32(j);
-      if (lanes.slope) x = _mm512_fmadd_ps(slope, _mm512_cvtepi32_ps(_mm512_sub_epi32(jv, pos)), x);
-      __mmask16 visible = _mm512_cmple_epi32_mask(jv, pos);
-      if (P.sliding_window > 0)
-        visible &= _mm512_cmpgt_epi32_mask(jv, _mm512_sub_epi32(pos, _mm512_set1_epi32(P.sliding_window)));
-      x = _mm512_mask_blend_ps(visible, minus_inf, _mm512_mul_ps(x, _mm512_set1_ps(log2e)));
-      _mm512_storeu_ps(s + 16 * t, x);
-      top = _mm512_max_ps(top, x);
+      vfloat x = load(s + 16 * t) * vscale;
+      if (soft_cap) x = cap * vtanh(x * inv_cap);
+      x = mask.apply(x, vint{} + (a + t)) * splat(log2e);
+      store(s + 16 * t, x);
+      top = _mm512_max_ps(top, (__m512)x);
     }
     row_factor = 1.0f;
   }

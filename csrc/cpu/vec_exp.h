@@ -93,8 +93,9 @@ static inline vfloat vtanh(vfloat x) {
 }
 
 // The soft cap, cap tanh(s / cap), of n scores in place (n a multiple of VW). Out of line:
-// inlined into the row softmax, it changed the code of the uncapped path around it.
-__attribute__((noinline)) static void soft_cap_scores(float* s, int64_t n, float cap) {
+// inlined into the row softmax, it changed the code of the uncapped path around it. Unused
+// in the amx compile, whose lanes cap a row at a time.
+[[maybe_unused]] __attribute__((noinline)) static void soft_cap_scores(float* s, int64_t n, float cap) {
   const vfloat inv = splat(1.0f / cap), scale = splat(cap);
   for (int64_t i = 0; i < n; i += VW) store(s + i, scale * vtanh(load(s + i) * inv));
 }
