@@ -120,7 +120,11 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   // Four queries at a time while the whole chunk is plainly visible to every row of the
   // item (decode; rows past the chunk) and each query's running max stands for its chunk's
   // (the lazy rescale below): the four sums in one transpose (hsum4) instead of four.
-  const bool plain = !soft_cap && keys_plainly_visible(P, w, j0, n);
+  // A soft cap on scores without key scales: every query's row first, in one call, so that
+  // capped chunks take the four-query path too. Per-token scores are capped below, after
+  // their key scales, one query at a time.
+  if (!kScaled && soft_cap) soft_cap_rows(st.scores, st.num_queries, chunk, kKeyChunk, P.soft_cap);
+  const bool plain = (!kScaled || !soft_cap) && keys_plainly_visible(P, w, j0, n);
   for (; plain && m + 4 <= st.num_queries; m += 4) {
     bool within = true;
     for (int g = 0; g < 4; ++g)
@@ -138,11 +142,11 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
   for (; m < st.num_queries; ++m) {
     float* s = st.scores + int64_t(m) * kKeyChunk;
     int t = 0;
-    // Off the four-query path the scores take their key scales first, then the soft cap, in
-    // place.
+    // Off the four-query path per-token scores take their key scales first, then the soft
+    // cap, in place.
     if constexpr (kScaled)
       for (; t < chunk; t += VW) store(s + t, load(s + t) * load(ks + t));
-    if (soft_cap) soft_cap_scores(s, chunk, P.soft_cap);
+    if (kScaled && soft_cap) soft_cap_scores(s, chunk, P.soft_cap);
     const int head = st.kv_head * st.group + m % st.group;
     const int pos = w.first_pos + m / st.group;
     const float slope = P.alibi_slopes ? P.alibi_slopes[head] : 0.0f;

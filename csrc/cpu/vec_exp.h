@@ -100,6 +100,14 @@ static inline vfloat vtanh(vfloat x) {
   for (int64_t i = 0; i < n; i += VW) store(s + i, scale * vtanh(load(s + i) * inv));
 }
 
+// The same over `rows` rows of n scores, `stride` floats apart: a chunk's rows in one call.
+[[maybe_unused]] __attribute__((noinline)) static void soft_cap_rows(float* s, int rows, int n, int64_t stride,
+                                                                    float cap) {
+  const vfloat inv = splat(1.0f / cap), scale = splat(cap);
+  for (int r = 0; r < rows; ++r, s += stride)
+    for (int i = 0; i < n; i += VW) store(s + i, scale * vtanh(load(s + i) * inv));
+}
+
 // e^(x - shift) for the online softmaxes (a shift per lane, or one for all). kShort: the
 // caller's outputs are 16-bit or fp8-fed (probabilities rounded to bf16 on some paths), so
 // on AVX-512 exp2_poly's eight operations do (fp32 caches keep vexp's fp32 accuracy). The difference is taken first and 2^0 is
