@@ -35,8 +35,9 @@
 
 #if !defined(PAGED_ISA_TARGET) || defined(__x86_64__)
 #if PAGED_ISA_AVX512
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which trips this warning.
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which trips these warnings.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #pragma GCC push_options
 #if defined(PAGED_ISA_TARGET)
