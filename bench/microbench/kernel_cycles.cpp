@@ -10,10 +10,10 @@
 // runs it on decode items of B=1, 32 query heads, head size 128, context 2048 (CONTEXT), block
 // size 16, for fp32 / fp16 / bf16 (and, in trees that have them, fp8 e4m3 / e5m2 and
 // per-token int8 with a bf16 query) with 32 and 8 KV heads; MODIFIER=alibi, window or
-// soft-cap adds ALiBi slopes, a sliding window of 1000 keys or a soft cap of 50. The block table cycles over
-// `resident` bytes of K (and as many of V): 128 KiB each by default, inside the L2 of every
-// CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; 512 KiB each would leave Zen 4's
-// fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
+// soft-cap adds ALiBi slopes, a sliding window of 1000 keys or a soft cap of 50. The block
+// table cycles over `resident` bytes of K (and as many of V): 128 KiB each by default,
+// inside the L2 of every CPU so far (Zen 3 512 KiB, Zen 4 1 MiB, the Xeon 2 MiB; 512 KiB
+// each would leave Zen 4's fp32 MHA rows partly in L3: 1.36x slower than at 128 KiB).
 // A `resident` of more blocks than a sequence has (e.g. 256 MiB, far beyond the L3) gives
 // every call fresh blocks in a random order instead: decode from DRAM on one core.
 // Numbers are best-of-five in thread CPU time. With BASELINE, that tree's kernel is a

@@ -92,7 +92,7 @@ static inline bool keys_plainly_visible(const AttentionParams& P, const WorkItem
 // One query's scores of the keys [j0, j0 + n) of a chunk of `chunk` keys, keys in lanes:
 // masked and biased (`mask`), -inf past n; their max (a NaN score leaves it as it was, the
 // exp carries it). Out of line: inlined, it changed the code of chunk_softmax's unmasked
-// decode path (e5m2 MHA decode measured 3% slower in L2).
+// decode path (MHA decode measured slower).
 __attribute__((noinline)) static float mask_query_scores(float* s, int j0, int n, int chunk, const KeyMask mask) {
   const vint end = vint{} + (j0 + n);
   vfloat top = splat(-__builtin_inff());
@@ -117,13 +117,13 @@ PAGED_AVX_INLINE static inline void chunk_softmax(const AttentionParams& P, cons
                                                   const float* ks = nullptr, const float* vs = nullptr) {
   const bool soft_cap = P.soft_cap > 0.0f;
   int m = 0;
-  // Four queries at a time while the whole chunk is plainly visible to every row of the
-  // item (decode; rows past the chunk) and each query's running max stands for its chunk's
-  // (the lazy rescale below): the four sums in one transpose (hsum4) instead of four.
   // A soft cap on scores without key scales: every query's row first, in one call, so that
   // capped chunks take the four-query path too. Per-token scores are capped below, after
   // their key scales, one query at a time.
   if (!kScaled && soft_cap) soft_cap_rows(st.scores, st.num_queries, chunk, kKeyChunk, P.soft_cap);
+  // Four queries at a time while the whole chunk is plainly visible to every row of the
+  // item (decode; rows past the chunk) and each query's running max stands for its chunk's
+  // (the lazy rescale below): the four sums in one transpose (hsum4) instead of four.
   const bool plain = (!kScaled || !soft_cap) && keys_plainly_visible(P, w, j0, n);
   for (; plain && m + 4 <= st.num_queries; m += 4) {
     bool within = true;
